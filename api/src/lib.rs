@@ -1,0 +1,371 @@
+//! The `QueueAdapter` custom resource (`switchboard.dev/v1alpha1`).
+//!
+//! Pure data: the spec a user writes, its defaults, the CEL rules the API server enforces, the
+//! status the operator reports, and a loader for the same manifest outside Kubernetes. The `///`
+//! comments on spec fields are what `kubectl explain queueadapter.spec` shows.
+
+mod manifest;
+mod validate;
+
+pub use manifest::{ManifestError, load_manifest};
+pub use validate::{FieldError, InvalidSpec};
+
+use k8s_openapi::api::core::v1::ResourceRequirements;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
+use kube::{CustomResource, KubeSchema};
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+pub const GROUP: &str = "switchboard.dev";
+pub const VERSION: &str = "v1alpha1";
+
+/// Pulls messages from a broker and stores each one as a durable todo in PostgreSQL before
+/// acknowledging it to the broker (store-then-ack).
+#[derive(CustomResource, KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[kube(
+    group = "switchboard.dev",
+    version = "v1alpha1",
+    kind = "QueueAdapter",
+    plural = "queueadapters",
+    shortname = "qa",
+    category = "switchboard",
+    namespaced,
+    status = "QueueAdapterStatus",
+    printcolumn = r#"{"name":"Source","type":"string","jsonPath":".status.source"}"#,
+    printcolumn = r#"{"name":"Mode","type":"string","jsonPath":".status.mode"}"#,
+    printcolumn = r#"{"name":"Queue","type":"string","jsonPath":".spec.target.queue"}"#,
+    printcolumn = r#"{"name":"Enabled","type":"boolean","jsonPath":".spec.enabled"}"#,
+    printcolumn = r#"{"name":"Ready","type":"string","jsonPath":".status.conditions[?(@.type==\"Ready\")].status"}"#,
+    printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
+)]
+#[serde(rename_all = "camelCase")]
+pub struct QueueAdapterSpec {
+    /// Whether the adapter runs. `false` scales the worker to zero replicas and marks the adapter
+    /// disabled in the database; messages stay in the broker until it is enabled again.
+    #[serde(default = "default_true")]
+    pub enabled: bool,
+    /// The broker to pull from. Exactly one broker key must be set (currently `redis`). The kind of
+    /// source cannot be changed after creation: create a new QueueAdapter instead.
+    pub source: Source,
+    /// Where the messages land.
+    pub target: Target,
+    /// How message bodies are turned into todo payloads.
+    #[serde(default)]
+    pub payload: Payload,
+    /// Batching, redelivery and dead-letter settings.
+    #[serde(default)]
+    pub delivery: Delivery,
+    /// The PostgreSQL database that holds the todos. Defaults to the operator's configured database.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub database: Option<Database>,
+    /// The worker Deployment's shape.
+    #[serde(default)]
+    pub workload: Workload,
+}
+
+/// The broker to pull from: exactly one key.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
+#[x_kube(
+    validation = Rule::new("[has(self.redis)].filter(x, x).size() == 1").message("spec.source: exactly one broker must be set (redis)"),
+    validation = Rule::new("has(self.redis) == has(oldSelf.redis)").message("spec.source: the kind of source is immutable; create a new QueueAdapter instead")
+)]
+#[serde(rename_all = "camelCase")]
+pub struct Source {
+    /// A Redis stream (consumer group), reliable list, or pub/sub channel.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub redis: Option<RedisSource>,
+}
+
+/// How the worker reads from Redis.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[x_kube(
+    validation = Rule::new("self.mode != 'stream' || has(self.stream)").message("spec.source.redis.stream is required when mode is stream"),
+    validation = Rule::new("self.mode != 'list' || has(self.list)").message("spec.source.redis.list is required when mode is list"),
+    validation = Rule::new("self.mode != 'pubsub' || has(self.channel)").message("spec.source.redis.channel is required when mode is pubsub")
+)]
+#[serde(rename_all = "camelCase")]
+pub struct RedisSource {
+    /// `stream` (consumer group, at-least-once, recommended), `list` (reliable list,
+    /// at-least-once) or `pubsub` (at-most-once: messages published while no worker is
+    /// subscribed are lost).
+    #[serde(default)]
+    pub mode: RedisMode,
+    /// The stream key to read (mode `stream`). Created if missing.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 512))]
+    pub stream: Option<String>,
+    /// The consumer group (mode `stream`). Created if missing.
+    #[serde(default = "default_group")]
+    #[schemars(length(min = 1, max = 256))]
+    pub group: String,
+    /// Where a newly created consumer group starts (mode `stream`): `earliest` takes every entry
+    /// already in the stream, `latest` only entries added afterwards.
+    #[serde(default)]
+    pub start_from: StartFrom,
+    /// The list key producers LPUSH to (mode `list`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 512))]
+    pub list: Option<String>,
+    /// The channel to subscribe to (mode `pubsub`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 512))]
+    pub channel: Option<String>,
+    /// Treat `channel` as a glob pattern (PSUBSCRIBE) (mode `pubsub`).
+    #[serde(default)]
+    pub pattern: bool,
+    /// The stream entry field that holds the message body (mode `stream`). The entry's other
+    /// fields become the event's headers; an entry without this field is stored whole, as a JSON
+    /// object of all its fields.
+    #[serde(default = "default_body_field")]
+    #[schemars(length(min = 1, max = 256))]
+    pub body_field: String,
+    /// The Secret key holding the Redis URL (`redis://user:password@host:6379/0`, or
+    /// `rediss://` for TLS, which verifies the server certificate). Passed to the worker as the
+    /// `REDIS_URL` environment variable; never copied into the spec, status or database.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub url_secret_ref: Option<SecretKeyRef>,
+}
+
+/// Redis consumption mode.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum RedisMode {
+    #[default]
+    Stream,
+    List,
+    Pubsub,
+}
+
+/// Where a newly created consumer group starts reading.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum StartFrom {
+    #[default]
+    Earliest,
+    Latest,
+}
+
+/// A key in a Secret in the QueueAdapter's namespace.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+pub struct SecretKeyRef {
+    /// The Secret's name.
+    #[schemars(length(min = 1, max = 253))]
+    pub name: String,
+    /// The key within the Secret.
+    #[schemars(length(min = 1, max = 253))]
+    pub key: String,
+}
+
+/// Where messages land.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+pub struct Target {
+    /// The todo queue every message of this adapter is created in.
+    #[schemars(length(min = 1, max = 200))]
+    pub queue: String,
+}
+
+/// How message bodies become todo payloads.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct Payload {
+    /// `auto`: a body that parses as JSON is stored as that JSON, any other UTF-8 body as a JSON
+    /// string. `json`: a body that is not valid JSON is dead-lettered.
+    #[serde(default)]
+    pub format: PayloadFormat,
+    /// Bodies larger than this many bytes are dead-lettered.
+    #[serde(default = "default_max_bytes")]
+    #[schemars(range(min = 1, max = 268435456))]
+    pub max_bytes: u32,
+}
+
+impl Default for Payload {
+    fn default() -> Self {
+        Self {
+            format: PayloadFormat::default(),
+            max_bytes: default_max_bytes(),
+        }
+    }
+}
+
+/// Payload parsing mode.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum PayloadFormat {
+    #[default]
+    Auto,
+    Json,
+}
+
+/// Batching, redelivery and dead-letter settings.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct Delivery {
+    /// The most messages read in one call and stored in one database transaction.
+    #[serde(default = "default_batch_size")]
+    #[schemars(range(min = 1, max = 10000))]
+    pub batch_size: u32,
+    /// A message delivered more often than this (its consumers kept dying before storing it) is
+    /// dead-lettered instead of stored.
+    #[serde(default = "default_max_deliveries")]
+    #[schemars(range(min = 1, max = 1000000))]
+    pub max_deliveries: u32,
+    /// Entries a consumer has held un-acknowledged for longer than this many seconds are taken
+    /// over by a live consumer (mode `stream`). Also the heartbeat TTL of list consumers.
+    #[serde(default = "default_claim_idle_seconds")]
+    #[schemars(range(min = 1, max = 86400))]
+    pub claim_idle_seconds: u32,
+    /// Where dead letters go.
+    #[serde(default)]
+    pub dead_letter: DeadLetter,
+}
+
+impl Default for Delivery {
+    fn default() -> Self {
+        Self {
+            batch_size: default_batch_size(),
+            max_deliveries: default_max_deliveries(),
+            claim_idle_seconds: default_claim_idle_seconds(),
+            dead_letter: DeadLetter::default(),
+        }
+    }
+}
+
+/// Dead-letter destinations. Each dead letter carries the original body byte-for-byte plus
+/// its origin, delivery count, last error and first/last seen times.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
+pub struct DeadLetter {
+    /// The stream dead letters are added to (mode `stream`). Default: `<stream>.dlq`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 512))]
+    pub stream: Option<String>,
+    /// The list dead letters are pushed to (mode `list`). Default: `<list>.dlq`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 512))]
+    pub list: Option<String>,
+}
+
+/// The database holding the todos.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct Database {
+    /// The Secret key holding the PostgreSQL URL, passed to the worker as `DATABASE_URL`. Use
+    /// `sslmode=verify-full` for TLS with certificate verification.
+    pub url_secret_ref: SecretKeyRef,
+}
+
+/// The worker Deployment's shape.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct Workload {
+    /// Worker pods. Several consumers share a stream's consumer group or a list.
+    #[serde(default = "default_replicas")]
+    #[schemars(range(min = 0, max = 100))]
+    pub replicas: i32,
+    /// CPU and memory requests and limits of the worker container.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resources: Option<ResourceRequirements>,
+    /// The worker image. Default: the operator's configured worker image.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image: Option<String>,
+}
+
+impl Default for Workload {
+    fn default() -> Self {
+        Self {
+            replicas: default_replicas(),
+            resources: None,
+            image: None,
+        }
+    }
+}
+
+/// What the operator last observed.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct QueueAdapterStatus {
+    /// The `metadata.generation` this status describes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed_generation: Option<i64>,
+    /// `Ready`, `Reconciled` and `Degraded`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub conditions: Vec<Condition>,
+    /// Worker pods that are ready.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ready_replicas: Option<i32>,
+    /// `at-least-once` (stream, list) or `at-most-once` (pubsub).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub delivery_guarantee: Option<String>,
+    /// The broker kind, e.g. `redis`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub source: Option<String>,
+    /// The broker-specific mode, e.g. `stream`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mode: Option<String>,
+}
+
+/// The delivery guarantee a source mode gives.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DeliveryGuarantee {
+    AtLeastOnce,
+    AtMostOnce,
+}
+
+impl DeliveryGuarantee {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DeliveryGuarantee::AtLeastOnce => "at-least-once",
+            DeliveryGuarantee::AtMostOnce => "at-most-once",
+        }
+    }
+}
+
+impl RedisMode {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RedisMode::Stream => "stream",
+            RedisMode::List => "list",
+            RedisMode::Pubsub => "pubsub",
+        }
+    }
+
+    pub fn guarantee(self) -> DeliveryGuarantee {
+        match self {
+            RedisMode::Stream | RedisMode::List => DeliveryGuarantee::AtLeastOnce,
+            RedisMode::Pubsub => DeliveryGuarantee::AtMostOnce,
+        }
+    }
+}
+
+impl QueueAdapter {
+    /// `namespace/name`: unique across a cluster, used in keys, the `adapters` row and metrics.
+    pub fn adapter_name(&self) -> String {
+        let namespace = self.metadata.namespace.as_deref().unwrap_or("default");
+        let name = self.metadata.name.as_deref().unwrap_or_default();
+        format!("{namespace}/{name}")
+    }
+}
+
+fn default_true() -> bool {
+    true
+}
+fn default_group() -> String {
+    "switchboard".into()
+}
+fn default_body_field() -> String {
+    "body".into()
+}
+fn default_max_bytes() -> u32 {
+    1024 * 1024
+}
+fn default_batch_size() -> u32 {
+    100
+}
+fn default_max_deliveries() -> u32 {
+    5
+}
+fn default_claim_idle_seconds() -> u32 {
+    60
+}
+fn default_replicas() -> i32 {
+    1
+}

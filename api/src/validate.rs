@@ -1,0 +1,100 @@
+//! The same rules the API server enforces through the CRD schema and CEL, checked in Rust for
+//! manifests that never pass through an API server (`switchboard-worker run --file`).
+
+use std::fmt;
+
+use crate::{QueueAdapterSpec, RedisMode};
+
+/// One violated rule, naming the field.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FieldError {
+    pub field: &'static str,
+    pub message: String,
+}
+
+/// Every rule a spec violates.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub struct InvalidSpec(pub Vec<FieldError>);
+
+impl fmt::Display for InvalidSpec {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let parts: Vec<String> = self
+            .0
+            .iter()
+            .map(|e| format!("{}: {}", e.field, e.message))
+            .collect();
+        write!(f, "invalid QueueAdapter spec: {}", parts.join("; "))
+    }
+}
+
+impl QueueAdapterSpec {
+    /// Checks the rules of the CRD schema and its CEL validations.
+    pub fn validate(&self) -> Result<(), InvalidSpec> {
+        let mut errors = Vec::new();
+        let mut fail = |field: &'static str, message: String| {
+            errors.push(FieldError { field, message });
+        };
+        match &self.source.redis {
+            None => fail(
+                "spec.source",
+                "exactly one broker must be set (redis)".into(),
+            ),
+            Some(redis) => {
+                let required = match redis.mode {
+                    RedisMode::Stream => ("spec.source.redis.stream", &redis.stream),
+                    RedisMode::List => ("spec.source.redis.list", &redis.list),
+                    RedisMode::Pubsub => ("spec.source.redis.channel", &redis.channel),
+                };
+                if required.1.as_deref().is_none_or(str::is_empty) {
+                    fail(
+                        required.0,
+                        format!("required when mode is {}", redis.mode.as_str()),
+                    );
+                }
+                if redis.group.is_empty() {
+                    fail("spec.source.redis.group", "must not be empty".into());
+                }
+                if redis.body_field.is_empty() {
+                    fail("spec.source.redis.bodyField", "must not be empty".into());
+                }
+            }
+        }
+        let queue_len = self.target.queue.chars().count();
+        if !(1..=200).contains(&queue_len) {
+            fail(
+                "spec.target.queue",
+                format!("must be 1 to 200 characters, got {queue_len}"),
+            );
+        }
+        let delivery = &self.delivery;
+        if !(1..=10_000).contains(&delivery.batch_size) {
+            fail(
+                "spec.delivery.batchSize",
+                format!("must be 1 to 10000, got {}", delivery.batch_size),
+            );
+        }
+        if delivery.max_deliveries < 1 {
+            fail("spec.delivery.maxDeliveries", "must be at least 1".into());
+        }
+        if !(1..=86_400).contains(&delivery.claim_idle_seconds) {
+            fail(
+                "spec.delivery.claimIdleSeconds",
+                format!("must be 1 to 86400, got {}", delivery.claim_idle_seconds),
+            );
+        }
+        if self.payload.max_bytes < 1 {
+            fail("spec.payload.maxBytes", "must be at least 1".into());
+        }
+        if !(0..=100).contains(&self.workload.replicas) {
+            fail(
+                "spec.workload.replicas",
+                format!("must be 0 to 100, got {}", self.workload.replicas),
+            );
+        }
+        if errors.is_empty() {
+            Ok(())
+        } else {
+            Err(InvalidSpec(errors))
+        }
+    }
+}

@@ -1,0 +1,233 @@
+//! All SQL of Switchboard's queue adapters: the migrator and the batched event+todo ingest.
+//!
+//! One batch is one statement: data-modifying CTEs insert the events (deduplicated on
+//! `(source, external_id)`), create todos for the events that are new (deduplicated on the live
+//! `(queue, idempotency_key)`), and advance the source's checkpoint, atomically.
+
+use std::time::Duration;
+
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::{PgPool, Row};
+
+static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../migrations");
+
+/// Why a store operation failed. `Unavailable` is retryable; `Rejected` means PostgreSQL refused
+/// the data itself and retrying the same rows cannot help.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("database URL is invalid")]
+    InvalidUrl(#[source] sqlx::Error),
+    #[error("database is unavailable")]
+    Unavailable(#[source] sqlx::Error),
+    #[error("database rejected the data")]
+    Rejected(#[source] sqlx::Error),
+    #[error(
+        "database is not migrated (missing: {missing}); run `switchboard-worker migrate` first"
+    )]
+    NotMigrated { missing: String },
+    #[error("migration failed")]
+    Migrate(#[source] sqlx::migrate::MigrateError),
+}
+
+impl StoreError {
+    pub fn is_retryable(&self) -> bool {
+        matches!(self, StoreError::Unavailable(_))
+    }
+
+    fn classify(err: sqlx::Error) -> Self {
+        let rejected = match &err {
+            // Class 22: data exception (bad JSON text, NUL in jsonb, …); class 23: integrity
+            // violations other than the conflicts the statements handle.
+            sqlx::Error::Database(db) => db
+                .code()
+                .is_some_and(|code| code.starts_with("22") || code.starts_with("23")),
+            sqlx::Error::Encode(_) => true,
+            _ => false,
+        };
+        if rejected {
+            StoreError::Rejected(err)
+        } else {
+            StoreError::Unavailable(err)
+        }
+    }
+}
+
+/// One message to store.
+#[derive(Debug, Clone)]
+pub struct NewEvent {
+    /// Unique within the source: the broker's native message id.
+    pub external_id: String,
+    /// The todo's idempotency key.
+    pub idempotency_key: String,
+    /// The payload as JSON text.
+    pub payload: String,
+    /// The headers as a JSON object's text.
+    pub headers: String,
+}
+
+/// A batch of messages from one source into one queue.
+#[derive(Debug, Clone)]
+pub struct IngestBatch<'a> {
+    pub source: &'a str,
+    pub queue: &'a str,
+    /// The highest native stream position in the batch (`ms`, `seq`), if the source has one.
+    pub checkpoint: Option<(u64, u64)>,
+    pub events: &'a [NewEvent],
+}
+
+/// What happened to each message of a batch, in input order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stored {
+    /// A new event and a new todo.
+    New,
+    /// A new event whose todo key already had a live todo.
+    NewEventOnly,
+    /// The event existed already: a redelivery.
+    Duplicate,
+}
+
+/// Connection pool and queries.
+#[derive(Debug, Clone)]
+pub struct Store {
+    pool: PgPool,
+}
+
+const INGEST_SQL: &str = r#"
+WITH input AS (
+    SELECT *
+    FROM unnest($3::text[], $4::text[], $5::text[], $6::text[]) WITH ORDINALITY
+         AS t(external_id, idempotency_key, payload, headers, ord)
+), new_events AS (
+    INSERT INTO events (source, external_id, payload, headers)
+    SELECT $1, external_id, payload::jsonb, headers::jsonb FROM input ORDER BY ord
+    ON CONFLICT (source, external_id) DO NOTHING
+    RETURNING id, external_id, payload
+), new_todos AS (
+    INSERT INTO todos (queue, idempotency_key, event_id, payload)
+    SELECT $2, input.idempotency_key, new_events.id, new_events.payload
+    FROM new_events JOIN input USING (external_id)
+    ORDER BY input.ord
+    ON CONFLICT (queue, idempotency_key) WHERE status IN ('pending', 'claimed') DO NOTHING
+    RETURNING event_id
+), checkpoint AS (
+    INSERT INTO source_checkpoints (source, position_ms, position_seq)
+    SELECT $1, $7, $8 WHERE $7::bigint IS NOT NULL AND EXISTS (SELECT 1 FROM new_events)
+    ON CONFLICT (source) DO UPDATE
+        SET position_ms = EXCLUDED.position_ms, position_seq = EXCLUDED.position_seq,
+            updated_at = now()
+        WHERE (source_checkpoints.position_ms, source_checkpoints.position_seq)
+            < (EXCLUDED.position_ms, EXCLUDED.position_seq)
+)
+SELECT input.ord, new_events.id IS NOT NULL AS new_event, new_todos.event_id IS NOT NULL AS new_todo
+FROM input
+LEFT JOIN new_events USING (external_id)
+LEFT JOIN new_todos ON new_todos.event_id = new_events.id
+ORDER BY input.ord
+"#;
+
+impl Store {
+    /// Connects a pool of at most `max_connections` to `url`.
+    pub async fn connect(url: &str, max_connections: u32) -> Result<Self, StoreError> {
+        let options: PgConnectOptions = url.parse().map_err(StoreError::InvalidUrl)?;
+        let pool = PgPoolOptions::new()
+            .max_connections(max_connections)
+            .min_connections(0)
+            .acquire_timeout(Duration::from_secs(5))
+            .connect_lazy_with(options.application_name("switchboard"));
+        Ok(Self { pool })
+    }
+
+    /// Applies pending migrations. Safe when several processes run it at once (advisory lock).
+    pub async fn migrate(&self) -> Result<(), StoreError> {
+        MIGRATOR.run(&self.pool).await.map_err(StoreError::Migrate)
+    }
+
+    /// Fails with [`StoreError::NotMigrated`] unless every migration has been applied.
+    pub async fn ensure_migrated(&self) -> Result<(), StoreError> {
+        let applied: Vec<i64> =
+            match sqlx::query_scalar("SELECT version FROM _sqlx_migrations WHERE success")
+                .fetch_all(&self.pool)
+                .await
+            {
+                Ok(versions) => versions,
+                Err(sqlx::Error::Database(db)) if db.code().as_deref() == Some("42P01") => {
+                    Vec::new()
+                }
+                Err(err) => return Err(StoreError::Unavailable(err)),
+            };
+        let missing: Vec<String> = MIGRATOR
+            .iter()
+            .filter(|m| !applied.contains(&m.version))
+            .map(|m| format!("{}_{}", m.version, m.description))
+            .collect();
+        if missing.is_empty() {
+            Ok(())
+        } else {
+            Err(StoreError::NotMigrated {
+                missing: missing.join(", "),
+            })
+        }
+    }
+
+    /// Cheap liveness probe of the database.
+    pub async fn ping(&self) -> Result<(), StoreError> {
+        sqlx::query("SELECT 1")
+            .execute(&self.pool)
+            .await
+            .map(drop)
+            .map_err(StoreError::classify)
+    }
+
+    /// Stores a batch in one transaction (one statement). Returns one outcome per event.
+    pub async fn ingest_batch(&self, batch: &IngestBatch<'_>) -> Result<Vec<Stored>, StoreError> {
+        let column = |f: fn(&NewEvent) -> &str| batch.events.iter().map(f).collect::<Vec<&str>>();
+        let (ms, seq) = match batch.checkpoint {
+            Some((ms, seq)) => (Some(to_i64(ms)), Some(to_i64(seq))),
+            None => (None, None),
+        };
+        let rows = sqlx::query(INGEST_SQL)
+            .bind(batch.source)
+            .bind(batch.queue)
+            .bind(column(|e| &e.external_id))
+            .bind(column(|e| &e.idempotency_key))
+            .bind(column(|e| &e.payload))
+            .bind(column(|e| &e.headers))
+            .bind(ms)
+            .bind(seq)
+            .fetch_all(&self.pool)
+            .await
+            .map_err(StoreError::classify)?;
+        rows.iter()
+            .map(|row| {
+                let new_event: bool = row.try_get("new_event").map_err(StoreError::classify)?;
+                let new_todo: bool = row.try_get("new_todo").map_err(StoreError::classify)?;
+                Ok(match (new_event, new_todo) {
+                    (true, true) => Stored::New,
+                    (true, false) => Stored::NewEventOnly,
+                    (false, _) => Stored::Duplicate,
+                })
+            })
+            .collect()
+    }
+
+    /// The highest native position stored for `source`, if any.
+    pub async fn checkpoint(&self, source: &str) -> Result<Option<(u64, u64)>, StoreError> {
+        let row: Option<(i64, i64)> = sqlx::query_as(
+            "SELECT position_ms, position_seq FROM source_checkpoints WHERE source = $1",
+        )
+        .bind(source)
+        .fetch_optional(&self.pool)
+        .await
+        .map_err(StoreError::classify)?;
+        Ok(row.map(|(ms, seq)| (ms.max(0).unsigned_abs(), seq.max(0).unsigned_abs())))
+    }
+
+    /// The pool, for callers that need ad-hoc queries (tests, tools).
+    pub fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+}
+
+fn to_i64(value: u64) -> i64 {
+    i64::try_from(value).unwrap_or(i64::MAX)
+}

@@ -1,0 +1,270 @@
+//! Switchboard queue-adapter worker: pulls broker messages into durable PostgreSQL todos,
+//! acknowledging each message only after its todo is committed (store-then-ack).
+
+pub mod backoff;
+pub mod health;
+pub mod metrics;
+pub mod payload;
+pub mod pipeline;
+pub mod server;
+pub mod transport;
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use switchboard_api::{ManifestError, QueueAdapter, RedisMode, load_manifest};
+use switchboard_store::{Store, StoreError};
+use tokio::signal::unix::{Signal, SignalKind, signal};
+use tokio_util::sync::CancellationToken;
+
+use crate::backoff::Backoff;
+use crate::health::Health;
+use crate::metrics::Metrics;
+use crate::pipeline::{ErrorChain, Pipeline, PipelineSettings};
+use crate::transport::TransportError;
+use crate::transport::redis_stream::{RedisStream, StreamSettings};
+
+/// Environment variable for the testing hook that aborts between commit and ack.
+pub const ABORT_AFTER_COMMITS_ENV: &str = "SWITCHBOARD_TEST_ABORT_AFTER_COMMITS";
+
+/// Why the worker could not start or run.
+#[derive(Debug, thiserror::Error)]
+pub enum WorkerError {
+    #[error("cannot read manifest {path}")]
+    ReadManifest {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("manifest {path} is not usable")]
+    Manifest {
+        path: PathBuf,
+        #[source]
+        source: ManifestError,
+    },
+    #[error("environment variable {0} is not set")]
+    MissingEnv(&'static str),
+    #[error("no consumer name: pass --consumer or set HOSTNAME")]
+    NoConsumer,
+    #[error("redis mode {0} is not supported by this version of the worker")]
+    UnsupportedMode(&'static str),
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    #[error(transparent)]
+    Transport(#[from] TransportError),
+    #[error("cannot serve metrics on {addr}")]
+    Serve {
+        addr: SocketAddr,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("cannot install signal handlers")]
+    Signals(#[source] std::io::Error),
+}
+
+/// Options of `switchboard-worker run`.
+#[derive(Debug, Clone)]
+pub struct RunOptions {
+    pub file: PathBuf,
+    pub consumer: Option<String>,
+    pub metrics_addr: SocketAddr,
+    pub shutdown_timeout: Duration,
+}
+
+/// Sets up logging: `RUST_LOG` filters (default `info`); JSON lines when `json`.
+pub fn init_tracing(json: bool) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_target(false);
+    if json {
+        builder.json().init();
+    } else {
+        builder.init();
+    }
+}
+
+fn env(name: &'static str) -> Result<String, WorkerError> {
+    std::env::var(name)
+        .ok()
+        .filter(|v| !v.is_empty())
+        .ok_or(WorkerError::MissingEnv(name))
+}
+
+/// `switchboard-worker migrate`: applies the migrations to `DATABASE_URL`.
+pub async fn migrate() -> Result<(), WorkerError> {
+    let store = Store::connect(&env("DATABASE_URL")?, 1).await?;
+    store.migrate().await?;
+    tracing::info!("migrations applied");
+    Ok(())
+}
+
+fn consumer_name(explicit: Option<String>) -> Result<String, WorkerError> {
+    explicit
+        .or_else(|| std::env::var("HOSTNAME").ok())
+        .or_else(|| std::fs::read_to_string("/proc/sys/kernel/hostname").ok())
+        .map(|name| name.trim().to_owned())
+        .filter(|name| !name.is_empty())
+        .ok_or(WorkerError::NoConsumer)
+}
+
+fn read_adapter(path: &PathBuf) -> Result<QueueAdapter, WorkerError> {
+    let yaml = std::fs::read_to_string(path).map_err(|source| WorkerError::ReadManifest {
+        path: path.clone(),
+        source,
+    })?;
+    load_manifest(&yaml).map_err(|source| WorkerError::Manifest {
+        path: path.clone(),
+        source,
+    })
+}
+
+/// Waits until the database answers and is migrated. `Ok(false)`: cancelled while waiting.
+async fn wait_for_schema(store: &Store, cancel: &CancellationToken) -> Result<bool, WorkerError> {
+    let mut backoff = Backoff::default();
+    loop {
+        match store.ensure_migrated().await {
+            Ok(()) => return Ok(true),
+            Err(err) if err.is_retryable() => {
+                if backoff.attempts() == 0 {
+                    tracing::warn!(error = %ErrorChain(&err), "database unavailable at start; retrying with backoff");
+                }
+                tokio::select! {
+                    () = cancel.cancelled() => return Ok(false),
+                    () = tokio::time::sleep(backoff.next_delay()) => {}
+                }
+            }
+            Err(err) => return Err(err.into()),
+        }
+    }
+}
+
+struct Signals {
+    terminate: Signal,
+    interrupt: Signal,
+}
+
+impl Signals {
+    fn install() -> Result<Self, WorkerError> {
+        Ok(Self {
+            terminate: signal(SignalKind::terminate()).map_err(WorkerError::Signals)?,
+            interrupt: signal(SignalKind::interrupt()).map_err(WorkerError::Signals)?,
+        })
+    }
+
+    async fn next(&mut self) {
+        tokio::select! {
+            _ = self.terminate.recv() => {}
+            _ = self.interrupt.recv() => {}
+        }
+    }
+
+    /// First SIGTERM/SIGINT cancels `cancel`; a second one exits at once.
+    fn spawn(mut self, cancel: CancellationToken) {
+        tokio::spawn(async move {
+            self.next().await;
+            tracing::info!("shutdown requested; finishing the batch in hand");
+            cancel.cancel();
+            self.next().await;
+            tracing::warn!("second shutdown signal; exiting at once");
+            std::process::exit(130);
+        });
+    }
+}
+
+/// `switchboard-worker run`: one store-then-ack loop for the adapter in `options.file`.
+pub async fn run(options: RunOptions) -> Result<(), WorkerError> {
+    let signals = Signals::install()?;
+    let cancel = CancellationToken::new();
+    signals.spawn(cancel.clone());
+
+    let adapter = read_adapter(&options.file)?;
+    let name = adapter.adapter_name();
+    let spec = &adapter.spec;
+    let Some(redis) = spec.source.redis.as_ref() else {
+        return Err(WorkerError::UnsupportedMode("none"));
+    };
+    if !spec.enabled {
+        tracing::warn!(adapter = %name, "adapter is disabled (spec.enabled: false); nothing to do");
+        return Ok(());
+    }
+    let guarantee = redis.mode.guarantee();
+    tracing::info!(adapter = %name, mode = redis.mode.as_str(), guarantee = guarantee.as_str(), "starting");
+
+    let store = Store::connect(&env("DATABASE_URL")?, 4).await?;
+    let redis_url = env("REDIS_URL")?;
+    let consumer = consumer_name(options.consumer)?;
+    let metrics = Arc::new(Metrics::new(&name, guarantee));
+    let health = Arc::new(Health::new());
+    let stop_server = CancellationToken::new();
+    let (bound, server) = server::serve(
+        options.metrics_addr,
+        health.clone(),
+        metrics.clone(),
+        stop_server.clone(),
+    )
+    .await
+    .map_err(|source| WorkerError::Serve {
+        addr: options.metrics_addr,
+        source,
+    })?;
+    tracing::info!(addr = %bound, "serving /healthz, /readyz and /metrics");
+
+    if !wait_for_schema(&store, &cancel).await? {
+        return Ok(());
+    }
+    let settings = PipelineSettings {
+        queue: spec.target.queue.clone(),
+        batch_size: spec.delivery.batch_size as usize,
+        max_deliveries: u64::from(spec.delivery.max_deliveries),
+        format: spec.payload.format,
+        max_bytes: spec.payload.max_bytes as usize,
+        abort_after_commits: std::env::var(ABORT_AFTER_COMMITS_ENV)
+            .ok()
+            .and_then(|v| v.parse().ok()),
+    };
+    let transport = match redis.mode {
+        RedisMode::Stream => {
+            let stream = redis.stream.clone().unwrap_or_default();
+            RedisStream::new(
+                StreamSettings {
+                    adapter: name.clone(),
+                    dead_letter_stream: spec
+                        .delivery
+                        .dead_letter
+                        .stream
+                        .clone()
+                        .unwrap_or_else(|| format!("{stream}.dlq")),
+                    stream,
+                    group: redis.group.clone(),
+                    consumer: consumer.clone(),
+                    body_field: redis.body_field.clone(),
+                    start_from: redis.start_from,
+                    claim_idle: Duration::from_secs(u64::from(spec.delivery.claim_idle_seconds)),
+                    batch_size: settings.batch_size,
+                },
+                &redis_url,
+                store.clone(),
+                metrics.clone(),
+            )?
+        }
+        other => return Err(WorkerError::UnsupportedMode(other.as_str())),
+    };
+    tracing::info!(consumer = %consumer, "consumer name");
+    let pipeline = Pipeline::new(transport, store, settings, metrics, health, cancel.clone());
+    let timeout = options.shutdown_timeout;
+    // Dropping the loop at the deadline leaves its batch un-acknowledged, never half-acked.
+    tokio::select! {
+        () = pipeline.run() => {}
+        () = async { cancel.cancelled().await; tokio::time::sleep(timeout).await } => {
+            tracing::warn!(?timeout, "shutdown timeout reached; leaving the batch in hand un-acknowledged");
+        }
+    }
+    stop_server.cancel();
+    let _ = server.await;
+    tracing::info!("exiting");
+    Ok(())
+}

@@ -1,0 +1,73 @@
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::{Parser, Subcommand};
+use switchboard_worker::pipeline::ErrorChain;
+use switchboard_worker::{RunOptions, init_tracing, migrate, run};
+
+/// Pulls broker messages into durable PostgreSQL todos (store-then-ack).
+///
+/// Secrets come from the environment only: DATABASE_URL, REDIS_URL.
+#[derive(Debug, Parser)]
+#[command(name = "switchboard-worker", version)]
+struct Cli {
+    /// Log JSON lines instead of text.
+    #[arg(long, global = true, env = "LOG_JSON")]
+    log_json: bool,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Apply the database migrations (idempotent; safe to run concurrently).
+    Migrate,
+    /// Run the store-then-ack loop for one QueueAdapter manifest.
+    Run {
+        /// The QueueAdapter manifest (the YAML you would `kubectl apply`).
+        #[arg(long)]
+        file: PathBuf,
+        /// Consumer name within the group [default: $HOSTNAME, the pod name in Kubernetes].
+        #[arg(long)]
+        consumer: Option<String>,
+        /// Address of the /healthz, /readyz and /metrics server.
+        #[arg(long, default_value = "0.0.0.0:9090")]
+        metrics_addr: SocketAddr,
+        /// After SIGTERM, how long to finish the batch in hand before exiting anyway.
+        #[arg(long, default_value = "25s", value_parser = humantime::parse_duration)]
+        shutdown_timeout: Duration,
+    },
+}
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    let cli = Cli::parse();
+    init_tracing(cli.log_json);
+    let result = match cli.command {
+        Command::Migrate => migrate().await,
+        Command::Run {
+            file,
+            consumer,
+            metrics_addr,
+            shutdown_timeout,
+        } => {
+            run(RunOptions {
+                file,
+                consumer,
+                metrics_addr,
+                shutdown_timeout,
+            })
+            .await
+        }
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(err) => {
+            tracing::error!(error = %ErrorChain(&err), "fatal");
+            eprintln!("error: {}", ErrorChain(&err));
+            ExitCode::FAILURE
+        }
+    }
+}

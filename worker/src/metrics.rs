@@ -1,0 +1,309 @@
+//! Every metric the worker exports, registered in one place. Labels are bounded: the adapter
+//! name, a dead-letter reason, a dependency, a delivery guarantee — never message ids.
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::Registry;
+use std::sync::atomic::AtomicU64;
+use switchboard_api::DeliveryGuarantee;
+
+use crate::health::Dependency;
+use crate::payload::PoisonReason;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct AdapterLabels {
+    adapter: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ReasonLabels {
+    adapter: String,
+    reason: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct DependencyLabels {
+    adapter: String,
+    dependency: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct GuaranteeLabels {
+    adapter: String,
+    guarantee: String,
+}
+
+/// The worker's metrics for one adapter.
+#[derive(Debug)]
+pub struct Metrics {
+    registry: Registry,
+    adapter: String,
+    pub received: Counter,
+    pub stored: Counter,
+    pub duplicates: Counter,
+    pub acked: Counter,
+    pub redelivered: Counter,
+    pub reclaimed: Counter,
+    pub group_recreated: Counter,
+    pub consumers_removed: Counter,
+    dead_lettered: Family<ReasonLabels, Counter>,
+    errors: Family<DependencyLabels, Counter>,
+    dependency_up: Family<DependencyLabels, Gauge>,
+    pub batch_size: Histogram,
+    pub commit_seconds: Histogram,
+    pub end_to_end_seconds: Histogram,
+    pub backlog: Gauge,
+    pub pending: Gauge,
+    pub oldest_pending_age_seconds: Gauge<f64, AtomicU64>,
+}
+
+fn adapter_counter(registry: &mut Registry, name: &str, help: &str, adapter: &str) -> Counter {
+    let family = Family::<AdapterLabels, Counter>::default();
+    registry.register(name, help, family.clone());
+    family
+        .get_or_create(&AdapterLabels {
+            adapter: adapter.to_owned(),
+        })
+        .clone()
+}
+
+fn adapter_gauge<N, A>(
+    registry: &mut Registry,
+    name: &str,
+    help: &str,
+    adapter: &str,
+) -> Gauge<N, A>
+where
+    Gauge<N, A>: prometheus_client::encoding::EncodeMetric + Default + Clone + std::fmt::Debug,
+    N: std::fmt::Debug + Send + Sync + 'static,
+    A: std::fmt::Debug + Send + Sync + 'static,
+{
+    let family = Family::<AdapterLabels, Gauge<N, A>>::default();
+    registry.register(name, help, family.clone());
+    family
+        .get_or_create(&AdapterLabels {
+            adapter: adapter.to_owned(),
+        })
+        .clone()
+}
+
+fn adapter_histogram(
+    registry: &mut Registry,
+    name: &str,
+    help: &str,
+    adapter: &str,
+    constructor: fn() -> Histogram,
+) -> Histogram {
+    let family =
+        Family::<AdapterLabels, Histogram, fn() -> Histogram>::new_with_constructor(constructor);
+    registry.register(name, help, family.clone());
+    family
+        .get_or_create(&AdapterLabels {
+            adapter: adapter.to_owned(),
+        })
+        .clone()
+}
+
+impl Metrics {
+    pub fn new(adapter: &str, guarantee: DeliveryGuarantee) -> Self {
+        let mut registry = Registry::with_prefix("switchboard");
+        let r = &mut registry;
+        let received = adapter_counter(
+            r,
+            "messages_received",
+            "Messages received from the broker",
+            adapter,
+        );
+        let stored = adapter_counter(
+            r,
+            "messages_stored",
+            "Messages stored as new todos",
+            adapter,
+        );
+        let duplicates = adapter_counter(
+            r,
+            "messages_duplicate",
+            "Redelivered messages whose event was already stored (no second todo)",
+            adapter,
+        );
+        let acked = adapter_counter(
+            r,
+            "messages_acked",
+            "Messages acknowledged to the broker after commit",
+            adapter,
+        );
+        let redelivered = adapter_counter(
+            r,
+            "messages_redelivered",
+            "Messages received with a delivery count above one",
+            adapter,
+        );
+        let reclaimed = adapter_counter(
+            r,
+            "messages_reclaimed",
+            "Messages taken over from consumers that stopped acknowledging them",
+            adapter,
+        );
+        let group_recreated = adapter_counter(
+            r,
+            "consumer_group_recreated",
+            "Times the consumer group was missing (NOGROUP) and recreated at the stored checkpoint",
+            adapter,
+        );
+        let consumers_removed = adapter_counter(
+            r,
+            "consumers_removed",
+            "Idle consumers with no pending entries removed from the group",
+            adapter,
+        );
+        let dead_lettered = Family::<ReasonLabels, Counter>::default();
+        r.register(
+            "messages_dead_lettered",
+            "Messages dead-lettered, by reason",
+            dead_lettered.clone(),
+        );
+        let errors = Family::<DependencyLabels, Counter>::default();
+        r.register(
+            "dependency_errors",
+            "Failed calls to the broker or the database",
+            errors.clone(),
+        );
+        let dependency_up = Family::<DependencyLabels, Gauge>::default();
+        r.register(
+            "dependency_up",
+            "1 while the dependency answers, 0 while it is down",
+            dependency_up.clone(),
+        );
+        let batch_size = adapter_histogram(
+            r,
+            "batch_size",
+            "Messages per received batch",
+            adapter,
+            || {
+                Histogram::new([
+                    1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0, 2000.0, 5000.0,
+                    10000.0,
+                ])
+            },
+        );
+        let commit_seconds = adapter_histogram(
+            r,
+            "commit_duration_seconds",
+            "Time to store one batch (one transaction)",
+            adapter,
+            || Histogram::new(exponential_buckets(0.0005, 2.0, 14)),
+        );
+        let end_to_end_seconds = adapter_histogram(
+            r,
+            "end_to_end_latency_seconds",
+            "From the broker's enqueue time (stream entry id) to the commit of its todo",
+            adapter,
+            || Histogram::new(exponential_buckets(0.001, 2.0, 18)),
+        );
+        let backlog = adapter_gauge(
+            r,
+            "backlog_messages",
+            "Messages in the broker not yet delivered to the consumer group (group lag)",
+            adapter,
+        );
+        let pending = adapter_gauge(
+            r,
+            "pending_messages",
+            "Messages delivered to a consumer and not yet acknowledged",
+            adapter,
+        );
+        let oldest_pending_age_seconds = adapter_gauge(
+            r,
+            "oldest_pending_age_seconds",
+            "Age of the oldest unacknowledged message",
+            adapter,
+        );
+        let info = Family::<GuaranteeLabels, Gauge>::default();
+        r.register(
+            "delivery_guarantee",
+            "The delivery guarantee of this adapter's source mode (value is always 1)",
+            info.clone(),
+        );
+        info.get_or_create(&GuaranteeLabels {
+            adapter: adapter.to_owned(),
+            guarantee: guarantee.as_str().replace('-', "_"),
+        })
+        .set(1);
+        let metrics = Self {
+            registry,
+            adapter: adapter.to_owned(),
+            received,
+            stored,
+            duplicates,
+            acked,
+            redelivered,
+            reclaimed,
+            group_recreated,
+            consumers_removed,
+            dead_lettered,
+            errors,
+            dependency_up,
+            batch_size,
+            commit_seconds,
+            end_to_end_seconds,
+            backlog,
+            pending,
+            oldest_pending_age_seconds,
+        };
+        for reason in PoisonReason::ALL {
+            metrics.dead_letter_counter(reason);
+        }
+        for dependency in Dependency::ALL {
+            metrics.error_counter(dependency);
+            metrics.set_up(dependency, true);
+        }
+        metrics
+    }
+
+    fn dead_letter_counter(&self, reason: PoisonReason) -> Counter {
+        self.dead_lettered
+            .get_or_create(&ReasonLabels {
+                adapter: self.adapter.clone(),
+                reason: reason.as_str().to_owned(),
+            })
+            .clone()
+    }
+
+    fn dependency_labels(&self, dependency: Dependency) -> DependencyLabels {
+        DependencyLabels {
+            adapter: self.adapter.clone(),
+            dependency: dependency.as_str().to_owned(),
+        }
+    }
+
+    fn error_counter(&self, dependency: Dependency) -> Counter {
+        self.errors
+            .get_or_create(&self.dependency_labels(dependency))
+            .clone()
+    }
+
+    pub fn dead_lettered(&self, reason: PoisonReason) {
+        self.dead_letter_counter(reason).inc();
+    }
+
+    pub fn dependency_error(&self, dependency: Dependency) {
+        self.error_counter(dependency).inc();
+    }
+
+    pub fn set_up(&self, dependency: Dependency, up: bool) {
+        self.dependency_up
+            .get_or_create(&self.dependency_labels(dependency))
+            .set(i64::from(up));
+    }
+
+    /// The Prometheus text exposition (OpenMetrics).
+    pub fn encode(&self) -> String {
+        let mut out = String::new();
+        // Writing into a String cannot fail.
+        let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
+        out
+    }
+}

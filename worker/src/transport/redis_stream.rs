@@ -1,0 +1,720 @@
+//! Redis Streams with a consumer group: XREADGROUP → (store) → XACK.
+//!
+//! - The group is created with MKSTREAM at `startFrom`, or at the stored checkpoint when one
+//!   exists (a lost group is recreated there: neither `$`, which would skip entries, nor `0`,
+//!   which would replay the whole stream).
+//! - At start the consumer first replays its own pending entries (`XREADGROUP … 0`).
+//! - `maintain` takes over entries idle longer than `claimIdleSeconds` (XAUTOCLAIM), removes
+//!   consumers that are idle and hold nothing, and reads lag and pending figures.
+//! - Blocking reads use their own connection so acknowledgements never queue behind them.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
+use std::time::Duration;
+
+use redis::aio::MultiplexedConnection;
+use redis::{AsyncConnectionConfig, Client, Value};
+use switchboard_api::StartFrom;
+use switchboard_store::Store;
+
+use super::{DeadLetter, Message, QueueHealth, Transport, TransportError};
+use crate::health::now_ms;
+use crate::metrics::Metrics;
+use crate::payload::fields_json;
+
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+const CONTROL_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long one blocking read waits for new entries.
+const BLOCK: Duration = Duration::from_secs(1);
+
+/// Everything the stream transport needs to know.
+#[derive(Debug, Clone)]
+pub struct StreamSettings {
+    /// `namespace/name` of the adapter.
+    pub adapter: String,
+    pub stream: String,
+    pub group: String,
+    pub consumer: String,
+    pub body_field: String,
+    pub start_from: StartFrom,
+    pub claim_idle: Duration,
+    pub dead_letter_stream: String,
+    pub batch_size: usize,
+}
+
+/// One stream entry as Redis returned it; `fields` is `None` for an entry deleted from the
+/// stream while it was pending.
+#[derive(Debug)]
+struct RawEntry {
+    id: String,
+    fields: Option<Vec<(String, Vec<u8>)>>,
+}
+
+/// The Redis stream transport.
+#[derive(Debug)]
+pub struct RedisStream {
+    settings: StreamSettings,
+    source: String,
+    client: Client,
+    reader: Option<MultiplexedConnection>,
+    control: Option<MultiplexedConnection>,
+    store: Store,
+    metrics: Arc<Metrics>,
+    /// While `Some`, the consumer is replaying its own pending entries after this id.
+    replay_after: Option<String>,
+    reclaimed: VecDeque<Message>,
+}
+
+fn redis_error(command: &'static str) -> impl FnOnce(redis::RedisError) -> TransportError {
+    move |source| TransportError::Redis { command, source }
+}
+
+fn protocol(command: &'static str, detail: impl Into<String>) -> TransportError {
+    TransportError::Protocol {
+        command,
+        detail: detail.into(),
+    }
+}
+
+fn is_nogroup(err: &TransportError) -> bool {
+    matches!(err, TransportError::Redis { source, .. } if source.code() == Some("NOGROUP"))
+}
+
+async fn connect(
+    client: &Client,
+    response_timeout: Duration,
+) -> redis::RedisResult<MultiplexedConnection> {
+    let config = AsyncConnectionConfig::new()
+        .set_connection_timeout(Some(CONNECT_TIMEOUT))
+        .set_response_timeout(Some(response_timeout));
+    client
+        .get_multiplexed_async_connection_with_config(&config)
+        .await
+}
+
+/// Runs `cmd` on the connection in `slot`, connecting first if needed. A failure other than an
+/// error reply from the server drops the connection so the next call reconnects.
+async fn query(
+    slot: &mut Option<MultiplexedConnection>,
+    client: &Client,
+    response_timeout: Duration,
+    command: &'static str,
+    cmd: &redis::Cmd,
+) -> Result<Value, TransportError> {
+    let mut conn = match slot.take() {
+        Some(conn) => conn,
+        None => connect(client, response_timeout)
+            .await
+            .map_err(redis_error("CONNECT"))?,
+    };
+    match cmd.query_async::<Value>(&mut conn).await {
+        Ok(value) => {
+            *slot = Some(conn);
+            Ok(value)
+        }
+        Err(err) => {
+            if err.code().is_some() {
+                *slot = Some(conn);
+            }
+            Err(TransportError::Redis {
+                command,
+                source: err,
+            })
+        }
+    }
+}
+
+fn text(value: &Value) -> Option<String> {
+    match value {
+        Value::BulkString(bytes) => String::from_utf8(bytes.clone()).ok(),
+        Value::SimpleString(s) => Some(s.clone()),
+        _ => None,
+    }
+}
+
+fn integer(value: &Value) -> Option<u64> {
+    match value {
+        Value::Int(n) => u64::try_from(*n).ok(),
+        other => text(other).and_then(|s| s.parse().ok()),
+    }
+}
+
+fn array(value: &Value) -> Option<&[Value]> {
+    match value {
+        Value::Array(items) => Some(items),
+        _ => None,
+    }
+}
+
+/// `ms-seq` → (ms, seq).
+fn parse_id(id: &str) -> Option<(u64, u64)> {
+    let (ms, seq) = id.split_once('-')?;
+    Some((ms.parse().ok()?, seq.parse().ok()?))
+}
+
+fn parse_entries(command: &'static str, value: &Value) -> Result<Vec<RawEntry>, TransportError> {
+    let items = array(value).ok_or_else(|| protocol(command, "entries are not an array"))?;
+    items
+        .iter()
+        .map(|entry| {
+            let parts = array(entry).ok_or_else(|| protocol(command, "entry is not an array"))?;
+            let id = parts
+                .first()
+                .and_then(text)
+                .ok_or_else(|| protocol(command, "entry has no id"))?;
+            let fields = match parts.get(1) {
+                None | Some(Value::Nil) => None,
+                Some(value) => {
+                    let flat =
+                        array(value).ok_or_else(|| protocol(command, "fields are not an array"))?;
+                    let pairs = flat
+                        .chunks_exact(2)
+                        .map(|pair| {
+                            let name =
+                                text(&pair[0]).ok_or_else(|| protocol(command, "field name"))?;
+                            let value = match &pair[1] {
+                                Value::BulkString(bytes) => bytes.clone(),
+                                other => text(other)
+                                    .ok_or_else(|| protocol(command, "field value"))?
+                                    .into_bytes(),
+                            };
+                            Ok((name, value))
+                        })
+                        .collect::<Result<Vec<_>, TransportError>>()?;
+                    Some(pairs)
+                }
+            };
+            Ok(RawEntry { id, fields })
+        })
+        .collect()
+}
+
+/// XREADGROUP's reply: nil on timeout, else `[[stream, entries]]`.
+fn parse_read_reply(value: &Value) -> Result<Vec<RawEntry>, TransportError> {
+    const COMMAND: &str = "XREADGROUP";
+    match value {
+        Value::Nil => Ok(Vec::new()),
+        Value::Array(streams) => match streams.first() {
+            None => Ok(Vec::new()),
+            Some(stream) => {
+                let parts = array(stream).ok_or_else(|| protocol(COMMAND, "stream reply"))?;
+                let entries = parts
+                    .get(1)
+                    .ok_or_else(|| protocol(COMMAND, "no entries"))?;
+                parse_entries(COMMAND, entries)
+            }
+        },
+        _ => Err(protocol(COMMAND, "unexpected reply type")),
+    }
+}
+
+/// A flat `[name, value, name, value, …]` reply (XINFO) as a map.
+fn flat_map(value: &Value) -> HashMap<String, &Value> {
+    array(value)
+        .unwrap_or_default()
+        .chunks_exact(2)
+        .filter_map(|pair| Some((text(&pair[0])?, &pair[1])))
+        .collect()
+}
+
+impl RedisStream {
+    pub fn new(
+        settings: StreamSettings,
+        redis_url: &str,
+        store: Store,
+        metrics: Arc<Metrics>,
+    ) -> Result<Self, TransportError> {
+        let client = Client::open(redis_url).map_err(redis_error("CONNECT"))?;
+        Ok(Self {
+            source: format!("redis:{}", settings.adapter),
+            settings,
+            client,
+            reader: None,
+            control: None,
+            store,
+            metrics,
+            replay_after: Some("0".to_owned()),
+            reclaimed: VecDeque::new(),
+        })
+    }
+
+    async fn control(
+        &mut self,
+        command: &'static str,
+        cmd: &redis::Cmd,
+    ) -> Result<Value, TransportError> {
+        query(
+            &mut self.control,
+            &self.client,
+            CONTROL_TIMEOUT,
+            command,
+            cmd,
+        )
+        .await
+    }
+
+    fn group_cmd(&self, name: &str) -> redis::Cmd {
+        let mut cmd = redis::cmd(name);
+        cmd.arg(&self.settings.stream).arg(&self.settings.group);
+        cmd
+    }
+
+    /// Creates the consumer group unless it exists: at the stored checkpoint if there is one,
+    /// else at `startFrom`. Returns whether it was created.
+    async fn ensure_group(&mut self) -> Result<bool, TransportError> {
+        let checkpoint = self
+            .store
+            .checkpoint(&self.source)
+            .await
+            .map_err(TransportError::Checkpoint)?;
+        let start = match (checkpoint, self.settings.start_from) {
+            (Some((ms, seq)), _) => format!("{ms}-{seq}"),
+            (None, StartFrom::Earliest) => "0".to_owned(),
+            (None, StartFrom::Latest) => "$".to_owned(),
+        };
+        let mut cmd = redis::cmd("XGROUP");
+        cmd.arg("CREATE")
+            .arg(&self.settings.stream)
+            .arg(&self.settings.group)
+            .arg(&start)
+            .arg("MKSTREAM");
+        match self.control("XGROUP CREATE", &cmd).await {
+            Ok(_) => {
+                if checkpoint.is_some() {
+                    self.metrics.group_recreated.inc();
+                    tracing::warn!(
+                        stream = %self.settings.stream,
+                        group = %self.settings.group,
+                        start = %start,
+                        "consumer group was missing (Redis restarted without persistence, or the group was deleted); recreated at the last stored entry"
+                    );
+                } else {
+                    tracing::info!(stream = %self.settings.stream, group = %self.settings.group, start = %start, "created consumer group");
+                }
+                Ok(true)
+            }
+            Err(TransportError::Redis { source, .. }) if source.code() == Some("BUSYGROUP") => {
+                Ok(false)
+            }
+            Err(err) => Err(err),
+        }
+    }
+
+    /// NOGROUP: the group vanished under us. Recreate it; own pending entries went with it.
+    async fn recover_group(&mut self) -> Result<(), TransportError> {
+        self.replay_after = None;
+        self.ensure_group().await.map(drop)
+    }
+
+    fn to_message(&self, raw: RawEntry) -> Option<Message> {
+        let fields = raw.fields?;
+        let position = parse_id(&raw.id);
+        let (body, headers) = match fields
+            .iter()
+            .position(|(name, _)| *name == self.settings.body_field)
+        {
+            Some(index) => {
+                let mut headers = fields;
+                let (_, body) = headers.remove(index);
+                (body, headers)
+            }
+            None => (fields_json(&fields).into_bytes(), Vec::new()),
+        };
+        Some(Message {
+            receipt: raw.id.clone(),
+            idempotency_key: format!("{}:{}", self.source, raw.id),
+            external_id: raw.id,
+            body,
+            headers,
+            delivery_count: 1,
+            enqueued_at_ms: position.map(|(ms, _)| ms),
+            position,
+        })
+    }
+
+    /// Delivery counts of this consumer's pending entries between `first` and `last`.
+    async fn delivery_counts(
+        &mut self,
+        first: &str,
+        last: &str,
+        count: usize,
+    ) -> Result<HashMap<String, u64>, TransportError> {
+        let mut cmd = self.group_cmd("XPENDING");
+        cmd.arg(first)
+            .arg(last)
+            .arg(count)
+            .arg(&self.settings.consumer);
+        let reply = self.control("XPENDING", &cmd).await?;
+        Ok(array(&reply)
+            .unwrap_or_default()
+            .iter()
+            .filter_map(|row| {
+                let row = array(row)?;
+                Some((text(row.first()?)?, integer(row.get(3)?)?))
+            })
+            .collect())
+    }
+
+    /// Turns raw entries into messages with their delivery counts; acknowledges entries that
+    /// were deleted from the stream while pending (there is nothing left to store).
+    async fn with_counts(
+        &mut self,
+        entries: Vec<RawEntry>,
+    ) -> Result<Vec<Message>, TransportError> {
+        let (Some(first), Some(last)) = (entries.first(), entries.last()) else {
+            return Ok(Vec::new());
+        };
+        let (first, last, len) = (first.id.clone(), last.id.clone(), entries.len());
+        let deleted: Vec<String> = entries
+            .iter()
+            .filter(|e| e.fields.is_none())
+            .map(|e| e.id.clone())
+            .collect();
+        if !deleted.is_empty() {
+            tracing::warn!(
+                count = deleted.len(),
+                "pending entries were deleted from the stream before they were stored; acknowledging them"
+            );
+            let mut cmd = self.group_cmd("XACK");
+            cmd.arg(&deleted);
+            self.control("XACK", &cmd).await?;
+        }
+        let counts = self.delivery_counts(&first, &last, len).await?;
+        Ok(entries
+            .into_iter()
+            .filter_map(|raw| self.to_message(raw))
+            .map(|mut message| {
+                message.delivery_count = counts.get(&message.external_id).copied().unwrap_or(1);
+                message
+            })
+            .collect())
+    }
+
+    async fn replay_own_pending(
+        &mut self,
+        after: String,
+        max: usize,
+    ) -> Result<Vec<Message>, TransportError> {
+        let mut cmd = redis::cmd("XREADGROUP");
+        cmd.arg("GROUP")
+            .arg(&self.settings.group)
+            .arg(&self.settings.consumer)
+            .arg("COUNT")
+            .arg(max)
+            .arg("STREAMS")
+            .arg(&self.settings.stream)
+            .arg(&after);
+        let entries = parse_read_reply(&self.control("XREADGROUP", &cmd).await?)?;
+        match entries.last() {
+            None => {
+                tracing::info!(consumer = %self.settings.consumer, "own pending entries replayed; reading new entries");
+                self.replay_after = None;
+            }
+            Some(last) => self.replay_after = Some(last.id.clone()),
+        }
+        self.with_counts(entries).await
+    }
+
+    async fn read_new(&mut self, max: usize) -> Result<Vec<Message>, TransportError> {
+        let mut cmd = redis::cmd("XREADGROUP");
+        cmd.arg("GROUP")
+            .arg(&self.settings.group)
+            .arg(&self.settings.consumer)
+            .arg("COUNT")
+            .arg(max)
+            .arg("BLOCK")
+            .arg(u64::try_from(BLOCK.as_millis()).unwrap_or(1000))
+            .arg("STREAMS")
+            .arg(&self.settings.stream)
+            .arg(">");
+        let reply = query(
+            &mut self.reader,
+            &self.client,
+            BLOCK + CONTROL_TIMEOUT,
+            "XREADGROUP",
+            &cmd,
+        )
+        .await?;
+        Ok(parse_read_reply(&reply)?
+            .into_iter()
+            .filter_map(|raw| self.to_message(raw))
+            .collect())
+    }
+
+    /// XAUTOCLAIM entries idle longer than `claimIdleSeconds` into `reclaimed`.
+    async fn reclaim_idle_entries(&mut self) -> Result<(), TransportError> {
+        let limit = self.settings.batch_size.saturating_mul(10);
+        let mut cursor = "0-0".to_owned();
+        while self.reclaimed.len() < limit {
+            let mut cmd = redis::cmd("XAUTOCLAIM");
+            cmd.arg(&self.settings.stream)
+                .arg(&self.settings.group)
+                .arg(&self.settings.consumer)
+                .arg(u64::try_from(self.settings.claim_idle.as_millis()).unwrap_or(u64::MAX))
+                .arg(&cursor)
+                .arg("COUNT")
+                .arg(self.settings.batch_size);
+            let reply = self.control("XAUTOCLAIM", &cmd).await?;
+            let parts =
+                array(&reply).ok_or_else(|| protocol("XAUTOCLAIM", "reply is not an array"))?;
+            let next = parts
+                .first()
+                .and_then(text)
+                .ok_or_else(|| protocol("XAUTOCLAIM", "no cursor"))?;
+            let entries = parse_entries("XAUTOCLAIM", parts.get(1).unwrap_or(&Value::Nil))?;
+            if !entries.is_empty() {
+                let messages = self.with_counts(entries).await?;
+                self.metrics.reclaimed.inc_by(messages.len() as u64);
+                tracing::info!(
+                    count = messages.len(),
+                    "took over entries idle longer than claimIdleSeconds"
+                );
+                self.reclaimed.extend(messages);
+            }
+            if next == "0-0" {
+                break;
+            }
+            cursor = next;
+        }
+        Ok(())
+    }
+
+    /// Removes other consumers that hold no pending entries and have been idle well beyond a
+    /// blocking read. A consumer with pending entries is never removed.
+    async fn remove_idle_consumers(&mut self) -> Result<(), TransportError> {
+        let threshold = (self.settings.claim_idle * 2).max(BLOCK * 5);
+        let mut cmd = redis::cmd("XINFO");
+        cmd.arg("CONSUMERS")
+            .arg(&self.settings.stream)
+            .arg(&self.settings.group);
+        let reply = self.control("XINFO CONSUMERS", &cmd).await?;
+        for consumer in array(&reply).unwrap_or_default() {
+            let info = flat_map(consumer);
+            let name = info.get("name").and_then(|v| text(v));
+            let pending = info.get("pending").and_then(|v| integer(v));
+            let idle = info.get("idle").and_then(|v| integer(v));
+            let (Some(name), Some(0), Some(idle)) = (name, pending, idle) else {
+                continue;
+            };
+            if name == self.settings.consumer || Duration::from_millis(idle) < threshold {
+                continue;
+            }
+            let mut cmd = redis::cmd("XGROUP");
+            cmd.arg("DELCONSUMER")
+                .arg(&self.settings.stream)
+                .arg(&self.settings.group)
+                .arg(&name);
+            self.control("XGROUP DELCONSUMER", &cmd).await?;
+            self.metrics.consumers_removed.inc();
+            tracing::info!(consumer = %name, idle_ms = idle, "removed idle consumer with no pending entries");
+        }
+        Ok(())
+    }
+
+    async fn queue_health(&mut self) -> Result<QueueHealth, TransportError> {
+        let mut cmd = redis::cmd("XINFO");
+        cmd.arg("GROUPS").arg(&self.settings.stream);
+        let reply = self.control("XINFO GROUPS", &cmd).await?;
+        let group = array(&reply)
+            .unwrap_or_default()
+            .iter()
+            .map(flat_map)
+            .find(|info| {
+                info.get("name").and_then(|v| text(v)).as_deref()
+                    == Some(self.settings.group.as_str())
+            });
+        let backlog = group
+            .as_ref()
+            .and_then(|info| info.get("lag").and_then(|v| integer(v)));
+        let pending = group
+            .as_ref()
+            .and_then(|info| info.get("pending").and_then(|v| integer(v)));
+        let summary = self
+            .control("XPENDING", &self.group_cmd("XPENDING"))
+            .await?;
+        let oldest_pending_age = array(&summary)
+            .and_then(|parts| parts.get(1))
+            .and_then(text)
+            .and_then(|id| parse_id(&id))
+            .map(|(ms, _)| Duration::from_millis(now_ms().saturating_sub(ms)));
+        Ok(QueueHealth {
+            backlog,
+            pending,
+            oldest_pending_age: oldest_pending_age.or(Some(Duration::ZERO)),
+        })
+    }
+}
+
+impl Transport for RedisStream {
+    fn source(&self) -> &str {
+        &self.source
+    }
+
+    async fn prepare(&mut self) -> Result<(), TransportError> {
+        self.ensure_group().await.map(drop)
+    }
+
+    async fn receive(&mut self, max: usize) -> Result<Vec<Message>, TransportError> {
+        if !self.reclaimed.is_empty() {
+            let take = max.min(self.reclaimed.len());
+            return Ok(self.reclaimed.drain(..take).collect());
+        }
+        let result = match self.replay_after.take() {
+            Some(after) => {
+                let result = self.replay_own_pending(after.clone(), max).await;
+                if result.is_err() && self.replay_after.is_none() {
+                    self.replay_after = Some(after);
+                }
+                result
+            }
+            None => self.read_new(max).await,
+        };
+        match result {
+            Err(err) if is_nogroup(&err) => self.recover_group().await.map(|()| Vec::new()),
+            other => other,
+        }
+    }
+
+    async fn ack(&mut self, messages: &[&Message]) -> Result<(), TransportError> {
+        if messages.is_empty() {
+            return Ok(());
+        }
+        let mut cmd = self.group_cmd("XACK");
+        for message in messages {
+            cmd.arg(&message.receipt);
+        }
+        self.control("XACK", &cmd).await.map(drop)
+    }
+
+    async fn dead_letter(&mut self, letters: &[DeadLetter<'_>]) -> Result<(), TransportError> {
+        if letters.is_empty() {
+            return Ok(());
+        }
+        let settings = &self.settings;
+        let last_seen = humantime::format_rfc3339_millis(std::time::SystemTime::now()).to_string();
+        let mut pipe = redis::pipe();
+        pipe.atomic();
+        for letter in letters {
+            let message = letter.message;
+            let first_seen = message
+                .enqueued_at_ms
+                .map(|ms| {
+                    humantime::format_rfc3339_millis(
+                        std::time::UNIX_EPOCH + Duration::from_millis(ms),
+                    )
+                    .to_string()
+                })
+                .unwrap_or_default();
+            pipe.cmd("XADD")
+                .arg(&settings.dead_letter_stream)
+                .arg("*")
+                .arg("body")
+                .arg(&message.body)
+                .arg("headers")
+                .arg(fields_json(&message.headers))
+                .arg("reason")
+                .arg(letter.reason.as_str())
+                .arg("last_error")
+                .arg(&letter.error)
+                .arg("delivery_count")
+                .arg(message.delivery_count)
+                .arg("origin_stream")
+                .arg(&settings.stream)
+                .arg("origin_id")
+                .arg(&message.external_id)
+                .arg("group")
+                .arg(&settings.group)
+                .arg("consumer")
+                .arg(&settings.consumer)
+                .arg("adapter")
+                .arg(&settings.adapter)
+                .arg("first_seen")
+                .arg(first_seen)
+                .arg("last_seen")
+                .arg(&last_seen)
+                .ignore();
+        }
+        let mut ack = pipe.cmd("XACK");
+        ack = ack.arg(&settings.stream).arg(&settings.group);
+        for letter in letters {
+            ack = ack.arg(&letter.message.receipt);
+        }
+        ack.ignore();
+        let mut conn = match self.control.take() {
+            Some(conn) => conn,
+            None => connect(&self.client, CONTROL_TIMEOUT)
+                .await
+                .map_err(redis_error("CONNECT"))?,
+        };
+        let result = pipe.query_async::<()>(&mut conn).await;
+        if result
+            .as_ref()
+            .map_or_else(|err| err.code().is_some(), |()| true)
+        {
+            self.control = Some(conn);
+        }
+        result.map_err(redis_error("XADD+XACK"))
+    }
+
+    async fn maintain(&mut self) -> Result<QueueHealth, TransportError> {
+        let result = async {
+            self.reclaim_idle_entries().await?;
+            self.remove_idle_consumers().await?;
+            self.queue_health().await
+        }
+        .await;
+        match result {
+            Err(err) if is_nogroup(&err) => {
+                self.recover_group().await?;
+                Ok(QueueHealth::default())
+            }
+            other => other,
+        }
+    }
+
+    fn maintenance_interval(&self) -> Duration {
+        (self.settings.claim_idle / 2).clamp(Duration::from_secs(1), Duration::from_secs(30))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn bulk(s: &str) -> Value {
+        Value::BulkString(s.as_bytes().to_vec())
+    }
+
+    #[test]
+    fn read_reply_with_a_deleted_entry_parses() {
+        let reply = Value::Array(vec![Value::Array(vec![
+            bulk("orders"),
+            Value::Array(vec![
+                Value::Array(vec![
+                    bulk("1-0"),
+                    Value::Array(vec![bulk("body"), bulk("{}")]),
+                ]),
+                Value::Array(vec![bulk("2-0"), Value::Nil]),
+            ]),
+        ])]);
+        let entries = parse_read_reply(&reply).expect("parses");
+        assert_eq!(entries.len(), 2);
+        assert_eq!(entries[0].id, "1-0");
+        assert_eq!(
+            entries[0].fields.as_deref(),
+            Some(&[("body".to_owned(), b"{}".to_vec())][..])
+        );
+        assert!(entries[1].fields.is_none());
+    }
+
+    #[test]
+    fn timeout_reply_is_empty() {
+        assert!(parse_read_reply(&Value::Nil).expect("nil").is_empty());
+    }
+
+    #[test]
+    fn ids_parse_into_ms_and_seq() {
+        assert_eq!(parse_id("1700000000000-7"), Some((1_700_000_000_000, 7)));
+        assert_eq!(parse_id("garbage"), None);
+    }
+}
