@@ -29,7 +29,7 @@ usage() {
 usage: $0 bin-dir
 
   bin-dir   print a directory containing etcd, kube-apiserver and kubectl
-            (building them into the cache if missing; takes 10-25 min cold)
+            (building them into the cache if missing; ~6-25 min cold, 2 cores)
 
 environment:
   K8S_VERSION        Kubernetes version to build        (default 1.34.4)
@@ -53,11 +53,11 @@ find_go() {
   if command -v go >/dev/null 2>&1; then GO="$(command -v go)"; return; fi
   if [[ -x /usr/local/go/bin/go ]]; then GO=/usr/local/go/bin/go; return; fi
   die "Go is required to build etcd/kube-apiserver/kubectl but was not found.
-  Install Go >= 1.24 from https://go.dev/dl/ , e.g.:
-    curl -fsSL https://go.dev/dl/go1.24.13.linux-amd64.tar.gz | sudo tar -C /usr/local -xz
+  Install Go (etcd v3.6.16 needs Go >= 1.26; an older Go >= 1.21 fetches the needed toolchain
+  itself via GOTOOLCHAIN=auto) from https://go.dev/dl/ , e.g. on linux/amd64:
+    curl -fsSL https://go.dev/dl/go1.26.0.linux-amd64.tar.gz | sudo tar -C /usr/local -xz
     export PATH=/usr/local/go/bin:\$PATH
-  (Debian/Ubuntu: 'apt-get install golang-go' only if it provides Go >= 1.22; newer toolchains
-  are then fetched automatically.) Alternatively point KUBEBUILDER_ASSETS at a folder holding
+  or set GO=/path/to/go. Alternatively point KUBEBUILDER_ASSETS at a folder holding
   prebuilt etcd and kube-apiserver binaries."
 }
 
@@ -120,12 +120,12 @@ prepare_k8s_wrapper() {
 }
 
 # Build one main package of the wrapper module into $BIN_DIR/<name>, atomically.
-build_into_bin() { # <module dir> <package> <name>
-  local dir="$1" pkg="$2" name="$3" tmp start
+build_into_bin() { # <module dir> <package> <name> [extra ldflags]
+  local dir="$1" pkg="$2" name="$3" ldflags="-s -w ${4:-}" tmp start
   tmp="$BIN_DIR/.${name}.tmp.$$"
   start=$SECONDS
   log "building $name from $pkg (this can take a while)"
-  (cd "$dir" && CGO_ENABLED=0 gocmd build -mod=mod -trimpath -ldflags=-s -o "$tmp" "$pkg") >&2 \
+  (cd "$dir" && CGO_ENABLED=0 gocmd build -mod=mod -trimpath -ldflags="$ldflags" -o "$tmp" "$pkg") >&2 \
     || { rm -f "$tmp"; die "go build of $pkg failed"; }
   chmod +x "$tmp"
   mv -f "$tmp" "$BIN_DIR/$name"
@@ -134,9 +134,17 @@ build_into_bin() { # <module dir> <package> <name>
 
 build_k8s() { # <names...> out of kube-apiserver kubectl
   prepare_k8s_wrapper
-  local name
+  # Stamp the version like hack/lib/version.sh does; otherwise /version and `kubectl version`
+  # report v0.0.0-master+$Format:%H$. The commit is not known from the module proxy.
+  local minor="${K8S_VERSION#*.}" x="" kv key val name
+  minor="${minor%%.*}"
+  for kv in "gitVersion=v${K8S_VERSION}" "gitMajor=${K8S_VERSION%%.*}" "gitMinor=${minor}" \
+            "gitTreeState=clean" "buildDate=$(date -u +%Y-%m-%dT%H:%M:%SZ)"; do
+    key="${kv%%=*}" val="${kv#*=}"
+    x+=" -X k8s.io/component-base/version.${key}=${val} -X k8s.io/client-go/pkg/version.${key}=${val}"
+  done
   for name in "$@"; do
-    build_into_bin "$CACHE_DIR/src/kubernetes" "k8s.io/kubernetes/cmd/$name" "$name"
+    build_into_bin "$CACHE_DIR/src/kubernetes" "k8s.io/kubernetes/cmd/$name" "$name" "$x"
   done
 }
 

@@ -1,1 +1,149 @@
+//! Test harness for Switchboard: real PostgreSQL and Redis servers, the real worker binary, and
+//! helpers to produce messages and inspect what landed.
 
+pub mod servers;
+pub mod wait;
+pub mod worker;
+
+use std::path::PathBuf;
+
+use anyhow::Result;
+use sqlx::PgPool;
+use switchboard_store::Store;
+use tempfile::TempDir;
+
+use crate::servers::{Postgres, Redis};
+use crate::worker::{WorkerEnv, WorkerProcess};
+
+/// PostgreSQL (migrated) + Redis + a scratch directory, for one test.
+#[derive(Debug)]
+pub struct Fixture {
+    pub postgres: Postgres,
+    pub redis: Redis,
+    pub dir: TempDir,
+    pub store: Store,
+    pub env: WorkerEnv,
+}
+
+impl Fixture {
+    /// Starts both servers and applies the migrations.
+    pub async fn start() -> Result<Self> {
+        Self::start_with(Postgres::start()?).await
+    }
+
+    /// Like [`Fixture::start`] with a PostgreSQL started by the caller.
+    pub async fn start_with(postgres: Postgres) -> Result<Self> {
+        let redis = Redis::start()?;
+        let dir = tempfile::Builder::new()
+            .prefix("switchboard-test-")
+            .tempdir()?;
+        let store = Store::connect(&postgres.url(), 4).await?;
+        store.migrate().await?;
+        let env = WorkerEnv {
+            database_url: postgres.url(),
+            redis_url: redis.url(),
+            log_dir: dir.path().to_path_buf(),
+        };
+        Ok(Self {
+            postgres,
+            redis,
+            dir,
+            store,
+            env,
+        })
+    }
+
+    pub fn pool(&self) -> &PgPool {
+        self.store.pool()
+    }
+
+    /// Writes a manifest file and returns its path.
+    pub fn manifest(&self, file: &str, yaml: &str) -> Result<PathBuf> {
+        let path = self.dir.path().join(file);
+        std::fs::write(&path, yaml)?;
+        Ok(path)
+    }
+
+    pub fn worker(&self, manifest: &std::path::Path, consumer: &str) -> Result<WorkerProcess> {
+        WorkerProcess::start(&self.env, manifest, consumer, &[])
+    }
+
+    /// XADDs one entry per body (field `body`), pipelined; returns the entry ids.
+    pub fn produce(
+        &self,
+        stream: &str,
+        bodies: impl IntoIterator<Item = Vec<u8>>,
+    ) -> Result<Vec<String>> {
+        let mut conn = self.redis.connection()?;
+        let mut ids = Vec::new();
+        let bodies: Vec<Vec<u8>> = bodies.into_iter().collect();
+        for chunk in bodies.chunks(1000) {
+            let mut pipe = redis::pipe();
+            for body in chunk {
+                pipe.cmd("XADD").arg(stream).arg("*").arg("body").arg(body);
+            }
+            let chunk_ids: Vec<String> = pipe.query(&mut conn)?;
+            ids.extend(chunk_ids);
+        }
+        Ok(ids)
+    }
+
+    /// Todos in `queue`.
+    pub async fn todo_count(&self, queue: &str) -> Result<i64> {
+        Ok(
+            sqlx::query_scalar("SELECT count(*) FROM todos WHERE queue = $1")
+                .bind(queue)
+                .fetch_one(self.pool())
+                .await?,
+        )
+    }
+
+    /// Distinct idempotency keys among the todos in `queue`.
+    pub async fn distinct_keys(&self, queue: &str) -> Result<i64> {
+        Ok(
+            sqlx::query_scalar(
+                "SELECT count(DISTINCT idempotency_key) FROM todos WHERE queue = $1",
+            )
+            .bind(queue)
+            .fetch_one(self.pool())
+            .await?,
+        )
+    }
+
+    /// Entries of `group` delivered and not acknowledged.
+    pub fn pending(&self, stream: &str, group: &str) -> Result<u64> {
+        let mut conn = self.redis.connection()?;
+        let summary: redis::Value = redis::cmd("XPENDING")
+            .arg(stream)
+            .arg(group)
+            .query(&mut conn)?;
+        Ok(match summary {
+            redis::Value::Array(parts) => match parts.first() {
+                Some(redis::Value::Int(n)) => u64::try_from(*n)?,
+                _ => 0,
+            },
+            _ => 0,
+        })
+    }
+
+    /// Length of a stream.
+    pub fn xlen(&self, key: &str) -> Result<u64> {
+        let mut conn = self.redis.connection()?;
+        Ok(redis::cmd("XLEN").arg(key).query(&mut conn)?)
+    }
+}
+
+/// A stream-mode manifest for adapter `test/{name}` reading `stream` into queue `name`.
+/// `delivery` and `payload` are YAML flow-mapping bodies, e.g. `batchSize: 50`.
+pub fn stream_manifest(name: &str, stream: &str, delivery: &str, payload: &str) -> String {
+    format!(
+        "apiVersion: switchboard.dev/v1alpha1\n\
+         kind: QueueAdapter\n\
+         metadata: {{name: {name}, namespace: test}}\n\
+         spec:\n\
+         \x20 source: {{redis: {{mode: stream, stream: {stream}}}}}\n\
+         \x20 target: {{queue: {name}}}\n\
+         \x20 delivery: {{{delivery}}}\n\
+         \x20 payload: {{{payload}}}\n"
+    )
+}

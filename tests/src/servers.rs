@@ -1,0 +1,388 @@
+//! Real PostgreSQL and Redis servers as child processes on random loopback ports, in temporary
+//! directories, stopped and restartable mid-test, killed on drop.
+
+use std::net::TcpListener;
+use std::os::unix::fs::chown;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use anyhow::{Context, Result, bail};
+use nix::sys::signal::{Signal, kill};
+use nix::unistd::{Pid, Uid, User};
+use tempfile::TempDir;
+
+use crate::wait::wait_until;
+
+/// A free TCP port on 127.0.0.1 (bound, then released for the server to take).
+pub fn free_port() -> Result<u16> {
+    let listener = TcpListener::bind("127.0.0.1:0").context("binding a probe port")?;
+    Ok(listener.local_addr()?.port())
+}
+
+fn signal_child(child: &Child, signal: Signal) {
+    if let Ok(pid) = i32::try_from(child.id()) {
+        let _ = kill(Pid::from_raw(pid), signal);
+    }
+}
+
+/// Sends `signal` and waits for the process to exit, up to `timeout`; then SIGKILL.
+fn stop_child(child: &mut Child, signal: Signal, timeout: Duration) {
+    signal_child(child, signal);
+    let deadline = std::time::Instant::now() + timeout;
+    while std::time::Instant::now() < deadline {
+        if let Ok(Some(_)) = child.try_wait() {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+}
+
+/// Processes whose parent is `parent`, from `/proc`.
+fn children_of(parent: i32) -> Vec<i32> {
+    std::fs::read_dir("/proc")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|entry| {
+            let pid: i32 = entry.file_name().to_str()?.parse().ok()?;
+            let stat = std::fs::read_to_string(entry.path().join("stat")).ok()?;
+            // Fields after the parenthesised command name: state, ppid, …
+            let ppid: i32 = stat
+                .rsplit_once(')')?
+                .1
+                .split_whitespace()
+                .nth(1)?
+                .parse()
+                .ok()?;
+            (ppid == parent).then_some(pid)
+        })
+        .collect()
+}
+
+/// Where PostgreSQL's server binaries are: `$PG_BIN`, else the newest `/usr/lib/postgresql/*/bin`.
+fn postgres_bin_dir() -> Result<PathBuf> {
+    if let Ok(dir) = std::env::var("PG_BIN") {
+        return Ok(PathBuf::from(dir));
+    }
+    let mut candidates: Vec<(u32, PathBuf)> = std::fs::read_dir("/usr/lib/postgresql")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|entry| {
+            let version = entry.file_name().to_str()?.parse().ok()?;
+            let bin = entry.path().join("bin");
+            bin.join("initdb").exists().then_some((version, bin))
+        })
+        .collect();
+    candidates.sort();
+    match candidates.pop() {
+        Some((_, bin)) => Ok(bin),
+        None => bail!(
+            "PostgreSQL server binaries (initdb, postgres) not found under /usr/lib/postgresql; \
+             install them with `apt-get install -y postgresql` (or set PG_BIN)"
+        ),
+    }
+}
+
+/// PostgreSQL refuses to run as root: when we are root, run it as the `postgres` user.
+fn postgres_user() -> Result<Option<User>> {
+    if !Uid::effective().is_root() {
+        return Ok(None);
+    }
+    match User::from_name("postgres")? {
+        Some(user) => Ok(Some(user)),
+        None => bail!(
+            "running as root but there is no `postgres` user to run PostgreSQL as; \
+             install the server with `apt-get install -y postgresql`"
+        ),
+    }
+}
+
+/// A PostgreSQL cluster of our own.
+#[derive(Debug)]
+pub struct Postgres {
+    dir: TempDir,
+    bin: PathBuf,
+    user: Option<User>,
+    port: u16,
+    settings: Vec<(String, String)>,
+    child: Option<Child>,
+}
+
+impl Postgres {
+    /// Starts a cluster tuned for tests (no fsync: process crashes are what the tests inject).
+    pub fn start() -> Result<Self> {
+        Self::start_with(&[
+            ("fsync", "off"),
+            ("synchronous_commit", "off"),
+            ("full_page_writes", "off"),
+        ])
+    }
+
+    /// Starts a cluster with extra `-c name=value` settings.
+    pub fn start_with(settings: &[(&str, &str)]) -> Result<Self> {
+        let bin = postgres_bin_dir()?;
+        let user = postgres_user()?;
+        let dir = tempfile::Builder::new()
+            .prefix("switchboard-pg-")
+            .tempdir()?;
+        if let Some(user) = &user {
+            chown(dir.path(), Some(user.uid.as_raw()), Some(user.gid.as_raw()))?;
+        }
+        let mut pg = Self {
+            dir,
+            bin,
+            user,
+            port: free_port()?,
+            settings: settings
+                .iter()
+                .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+                .collect(),
+            child: None,
+        };
+        let output = pg
+            .command("initdb")
+            .args([
+                "-A",
+                "trust",
+                "-U",
+                "postgres",
+                "-E",
+                "UTF8",
+                "--locale=C",
+                "--no-sync",
+                "-D",
+            ])
+            .arg(pg.data_dir())
+            .output()
+            .context("running initdb")?;
+        if !output.status.success() {
+            bail!("initdb failed: {}", String::from_utf8_lossy(&output.stderr));
+        }
+        pg.start_server()?;
+        Ok(pg)
+    }
+
+    fn data_dir(&self) -> PathBuf {
+        self.dir.path().join("data")
+    }
+
+    fn command(&self, program: &str) -> Command {
+        let mut cmd = Command::new(self.bin.join(program));
+        if let Some(user) = &self.user {
+            cmd.uid(user.uid.as_raw()).gid(user.gid.as_raw());
+        }
+        cmd.current_dir(self.dir.path());
+        cmd
+    }
+
+    fn start_server(&mut self) -> Result<()> {
+        let log = std::fs::File::create(self.dir.path().join("postgres.log"))?;
+        if let Some(user) = &self.user {
+            chown(
+                self.dir.path().join("postgres.log"),
+                Some(user.uid.as_raw()),
+                Some(user.gid.as_raw()),
+            )?;
+        }
+        let mut cmd = self.command("postgres");
+        cmd.arg("-D")
+            .arg(self.data_dir())
+            .args(["-p", &self.port.to_string()])
+            .args(["-c", "listen_addresses=127.0.0.1"])
+            .args([
+                "-c",
+                &format!("unix_socket_directories={}", self.dir.path().display()),
+            ])
+            .args(["-c", "max_connections=200"]);
+        for (name, value) in &self.settings {
+            cmd.args(["-c", &format!("{name}={value}")]);
+        }
+        let child = cmd
+            .stdin(Stdio::null())
+            .stdout(log.try_clone()?)
+            .stderr(log)
+            .spawn()
+            .context("starting postgres")?;
+        self.child = Some(child);
+        let port = self.port;
+        wait_until(
+            Duration::from_secs(30),
+            "PostgreSQL accepts connections",
+            || std::net::TcpStream::connect(("127.0.0.1", port)).is_ok(),
+        )
+        .with_context(|| self.log_tail())
+    }
+
+    /// `postgres://…` for the `postgres` database.
+    pub fn url(&self) -> String {
+        self.url_for("postgres")
+    }
+
+    /// `postgres://…` for `database`.
+    pub fn url_for(&self, database: &str) -> String {
+        format!("postgres://postgres@127.0.0.1:{}/{database}", self.port)
+    }
+
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// The server's process id, for CPU accounting.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
+    /// Fast shutdown (SIGINT): clients are disconnected.
+    pub fn stop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            stop_child(&mut child, Signal::SIGINT, Duration::from_secs(20));
+        }
+    }
+
+    /// SIGSTOP (`false`) or SIGCONT (`true`) the postmaster: a hung, not a dead, database.
+    pub fn set_running(&self, running: bool) -> Result<()> {
+        let child = self.child.as_ref().context("postgres is not running")?;
+        let signal = if running {
+            Signal::SIGCONT
+        } else {
+            Signal::SIGSTOP
+        };
+        // Backends are their own session leaders: signal the postmaster and each child.
+        let postmaster = i32::try_from(child.id())?;
+        let mut pids = vec![postmaster];
+        pids.extend(children_of(postmaster));
+        for pid in pids {
+            kill(Pid::from_raw(pid), signal)
+                .with_context(|| format!("sending {signal} to {pid}"))?;
+        }
+        Ok(())
+    }
+
+    /// Starts the same cluster again on the same port.
+    pub fn restart(&mut self) -> Result<()> {
+        self.stop();
+        self.start_server()
+    }
+
+    fn log_tail(&self) -> String {
+        let log = std::fs::read_to_string(self.dir.path().join("postgres.log")).unwrap_or_default();
+        let tail: Vec<&str> = log.lines().rev().take(20).collect();
+        format!(
+            "postgres log (last lines, newest first):\n{}",
+            tail.join("\n")
+        )
+    }
+}
+
+impl Drop for Postgres {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            // Immediate shutdown: the postmaster takes its backends down with it.
+            stop_child(&mut child, Signal::SIGQUIT, Duration::from_secs(10));
+        }
+    }
+}
+
+fn find_on_path(program: &str) -> Option<PathBuf> {
+    std::env::var_os("PATH")
+        .map(|paths| std::env::split_paths(&paths).collect::<Vec<_>>())
+        .unwrap_or_default()
+        .into_iter()
+        .chain([PathBuf::from("/usr/bin"), PathBuf::from("/usr/sbin")])
+        .map(|dir| dir.join(program))
+        .find(|path| path.is_file())
+}
+
+/// A redis-server of our own, without persistence.
+#[derive(Debug)]
+pub struct Redis {
+    dir: TempDir,
+    bin: PathBuf,
+    port: u16,
+    child: Option<Child>,
+}
+
+impl Redis {
+    pub fn start() -> Result<Self> {
+        let Some(bin) = find_on_path("redis-server") else {
+            bail!("redis-server not found; install it with `apt-get install -y redis-server`");
+        };
+        let mut redis = Self {
+            dir: tempfile::Builder::new()
+                .prefix("switchboard-redis-")
+                .tempdir()?,
+            bin,
+            port: free_port()?,
+            child: None,
+        };
+        redis.start_server()?;
+        Ok(redis)
+    }
+
+    fn start_server(&mut self) -> Result<()> {
+        let log = std::fs::File::create(self.dir.path().join("redis.log"))?;
+        let child = Command::new(&self.bin)
+            .args(["--port", &self.port.to_string()])
+            .args(["--bind", "127.0.0.1"])
+            .args(["--save", ""])
+            .args(["--appendonly", "no"])
+            .args(["--daemonize", "no"])
+            .arg("--dir")
+            .arg(self.dir.path())
+            .stdin(Stdio::null())
+            .stdout(log.try_clone()?)
+            .stderr(log)
+            .spawn()
+            .context("starting redis-server")?;
+        self.child = Some(child);
+        let url = self.url();
+        wait_until(Duration::from_secs(20), "redis-server answers PING", || {
+            redis::Client::open(url.as_str())
+                .and_then(|client| client.get_connection())
+                .and_then(|mut conn| redis::cmd("PING").query::<String>(&mut conn))
+                .is_ok()
+        })
+    }
+
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}/0", self.port)
+    }
+
+    /// The server's process id, for CPU accounting.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
+    /// Kills the server and starts an empty one on the same port (no persistence).
+    pub fn restart_empty(&mut self) -> Result<()> {
+        if let Some(mut child) = self.child.take() {
+            stop_child(&mut child, Signal::SIGKILL, Duration::from_secs(10));
+        }
+        self.start_server()
+    }
+
+    /// A blocking connection for test setup and assertions.
+    pub fn connection(&self) -> Result<redis::Connection> {
+        Ok(redis::Client::open(self.url().as_str())?.get_connection()?)
+    }
+}
+
+impl Drop for Redis {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            stop_child(&mut child, Signal::SIGKILL, Duration::from_secs(10));
+        }
+    }
+}
+
+/// Reads a path relative to the workspace root.
+pub fn workspace_path(relative: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("..")
+        .join(relative)
+}

@@ -1,0 +1,187 @@
+//! The real `switchboard-worker` binary as a child process.
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use nix::sys::signal::{Signal, kill};
+use nix::unistd::Pid;
+
+use crate::servers::free_port;
+
+/// `target/<profile>/switchboard-worker`, next to this test binary's `deps/` folder.
+pub fn worker_binary() -> Result<PathBuf> {
+    let exe = std::env::current_exe()?;
+    let profile_dir = exe
+        .parent()
+        .and_then(Path::parent)
+        .context("test binary has no target directory")?;
+    let binary = profile_dir.join("switchboard-worker");
+    if !binary.is_file() {
+        bail!(
+            "{} is missing: build it first with `cargo build --workspace --bins` (make test does)",
+            binary.display()
+        );
+    }
+    Ok(binary)
+}
+
+/// Connection settings every worker process gets.
+#[derive(Debug, Clone)]
+pub struct WorkerEnv {
+    pub database_url: String,
+    pub redis_url: String,
+    pub log_dir: PathBuf,
+}
+
+/// A running worker process.
+#[derive(Debug)]
+pub struct WorkerProcess {
+    child: Child,
+    pub consumer: String,
+    pub metrics_port: u16,
+    log: PathBuf,
+}
+
+/// Runs `switchboard-worker migrate`.
+pub fn migrate(env: &WorkerEnv) -> Result<std::process::Output> {
+    Ok(Command::new(worker_binary()?)
+        .arg("migrate")
+        .env("DATABASE_URL", &env.database_url)
+        .output()?)
+}
+
+impl WorkerProcess {
+    /// Starts `switchboard-worker run --file manifest --consumer consumer`.
+    pub fn start(
+        env: &WorkerEnv,
+        manifest: &Path,
+        consumer: &str,
+        extra_env: &[(&str, &str)],
+    ) -> Result<Self> {
+        let metrics_port = free_port()?;
+        let log = env
+            .log_dir
+            .join(format!("worker-{consumer}-{metrics_port}.log"));
+        let file = std::fs::File::create(&log)?;
+        let mut cmd = Command::new(worker_binary()?);
+        cmd.arg("run")
+            .arg("--file")
+            .arg(manifest)
+            .args(["--consumer", consumer])
+            .args(["--metrics-addr", &format!("127.0.0.1:{metrics_port}")])
+            .args(["--shutdown-timeout", "10s"])
+            .env("DATABASE_URL", &env.database_url)
+            .env("REDIS_URL", &env.redis_url)
+            .env("RUST_LOG", "info")
+            .stdin(Stdio::null())
+            .stdout(file.try_clone()?)
+            .stderr(file);
+        for (name, value) in extra_env {
+            cmd.env(name, value);
+        }
+        let child = cmd.spawn().context("starting switchboard-worker")?;
+        Ok(Self {
+            child,
+            consumer: consumer.to_owned(),
+            metrics_port,
+            log,
+        })
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    pub fn signal(&self, signal: Signal) -> Result<()> {
+        kill(Pid::from_raw(i32::try_from(self.child.id())?), signal)?;
+        Ok(())
+    }
+
+    /// SIGKILL and reap.
+    pub fn kill(mut self) -> Result<()> {
+        self.child.kill()?;
+        self.child.wait()?;
+        Ok(())
+    }
+
+    /// Waits for the process to exit, up to `timeout`.
+    pub fn wait_exit(&mut self, timeout: Duration) -> Result<ExitStatus> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(status) = self.child.try_wait()? {
+                return Ok(status);
+            }
+            if Instant::now() >= deadline {
+                bail!(
+                    "worker did not exit within {timeout:?}\n{}",
+                    self.log_tail()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    /// Status code and body of `GET path` on the worker's metrics server.
+    pub fn http_get(&self, path: &str) -> Result<(u16, String)> {
+        let mut stream = TcpStream::connect(("127.0.0.1", self.metrics_port))?;
+        stream.set_read_timeout(Some(Duration::from_secs(5)))?;
+        write!(stream, "GET {path} HTTP/1.0\r\nHost: localhost\r\n\r\n")?;
+        let mut response = String::new();
+        stream.read_to_string(&mut response)?;
+        let status = response
+            .split_whitespace()
+            .nth(1)
+            .and_then(|code| code.parse().ok())
+            .context("malformed HTTP response")?;
+        let body = response
+            .split_once("\r\n\r\n")
+            .map(|(_, b)| b.to_owned())
+            .unwrap_or_default();
+        Ok((status, body))
+    }
+
+    /// The value of a metric sample line starting with `prefix` (e.g. `name{labels}`).
+    pub fn metric(&self, prefix: &str) -> Result<f64> {
+        let (_, body) = self.http_get("/metrics")?;
+        body.lines()
+            .find(|line| line.starts_with(prefix))
+            .and_then(|line| line.rsplit(' ').next())
+            .and_then(|value| value.parse().ok())
+            .with_context(|| format!("metric {prefix} not found"))
+    }
+
+    /// The worker's log so far.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    pub fn log_tail(&self) -> String {
+        let log = self.log();
+        let lines: Vec<&str> = log.lines().collect();
+        let start = lines.len().saturating_sub(30);
+        format!(
+            "worker {} log tail:\n{}",
+            self.consumer,
+            lines[start..].join("\n")
+        )
+    }
+}
+
+impl Drop for WorkerProcess {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+/// Whether the process behind `status` was ended by `signal`.
+pub fn killed_by(status: ExitStatus, signal: Signal) -> bool {
+    use std::os::unix::process::ExitStatusExt;
+    status.signal() == Some(signal as i32)
+}

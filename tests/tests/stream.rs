@@ -1,0 +1,727 @@
+//! Redis Streams store-then-ack, end to end: the real worker binary against real PostgreSQL and
+//! redis-server processes.
+
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, ensure};
+use nix::sys::signal::Signal;
+use switchboard_tests::wait::wait_for;
+use switchboard_tests::worker::{WorkerProcess, killed_by, migrate};
+use switchboard_tests::{Fixture, stream_manifest};
+
+const ISSUE_MANIFEST: &str = "\
+apiVersion: switchboard.dev/v1alpha1
+kind: QueueAdapter
+metadata: {name: orders, namespace: default}
+spec:
+  source: {redis: {mode: stream, stream: orders, group: switchboard}}
+  target: {queue: orders}
+  delivery: {batchSize: 200, maxDeliveries: 3, claimIdleSeconds: 5}
+";
+
+const LONG: Duration = Duration::from_secs(120);
+
+fn bodies(range: std::ops::Range<usize>) -> impl Iterator<Item = Vec<u8>> {
+    range.map(|i| format!(r#"{{"order":{i}}}"#).into_bytes())
+}
+
+/// Waits until `queue` holds `expected` todos and `stream`'s group has nothing pending.
+async fn wait_stored(
+    fx: &Fixture,
+    queue: &str,
+    stream: &str,
+    group: &str,
+    expected: i64,
+) -> Result<()> {
+    wait_for(
+        LONG,
+        &format!("{expected} todos in {queue} and nothing pending"),
+        || async { Ok(fx.todo_count(queue).await? >= expected && fx.pending(stream, group)? == 0) },
+    )
+    .await
+}
+
+async fn assert_exactly_once(fx: &Fixture, queue: &str, expected: i64) -> Result<()> {
+    let todos = fx.todo_count(queue).await?;
+    let distinct = fx.distinct_keys(queue).await?;
+    ensure!(
+        todos == expected,
+        "expected {expected} todos, found {todos}"
+    );
+    ensure!(
+        distinct == expected,
+        "expected {expected} distinct keys, found {distinct}"
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn issue_manifest_runs_unchanged_and_stores_every_entry() -> Result<()> {
+    let fx = Fixture::start().await?;
+    let manifest = fx.manifest("orders.yaml", ISSUE_MANIFEST)?;
+    let ids = fx.produce("orders", bodies(0..1000))?;
+    let worker = fx.worker(&manifest, "worker-a")?;
+    wait_stored(&fx, "orders", "orders", "switchboard", 1000).await?;
+    assert_exactly_once(&fx, "orders", 1000).await?;
+
+    let (key, payload, event_source): (String, serde_json::Value, String) = sqlx::query_as(
+        "SELECT t.idempotency_key, t.payload, e.source FROM todos t JOIN events e ON e.id = t.event_id \
+         WHERE e.external_id = $1",
+    )
+    .bind(&ids[7])
+    .fetch_one(fx.pool())
+    .await?;
+    assert_eq!(key, format!("redis:default/orders:{}", ids[7]));
+    assert_eq!(payload, serde_json::json!({"order": 7}));
+    assert_eq!(event_source, "redis:default/orders");
+
+    wait_for(LONG, "metrics report 1000 stored and acked", || async {
+        Ok(
+            worker.metric(r#"switchboard_messages_acked_total{adapter="default/orders"}"#)?
+                >= 1000.0,
+        )
+    })
+    .await?;
+    let (_, metrics) = worker.http_get("/metrics")?;
+    for family in [
+        r#"switchboard_messages_received_total{adapter="default/orders"} 1000"#,
+        r#"switchboard_messages_stored_total{adapter="default/orders"} 1000"#,
+        r#"switchboard_messages_duplicate_total{adapter="default/orders"} 0"#,
+        r#"switchboard_delivery_guarantee{adapter="default/orders",guarantee="at_least_once"} 1"#,
+        "switchboard_commit_duration_seconds_bucket",
+        "switchboard_end_to_end_latency_seconds_bucket",
+        "switchboard_batch_size_bucket",
+        "switchboard_oldest_pending_age_seconds",
+        "switchboard_backlog_messages",
+    ] {
+        ensure!(
+            metrics.contains(family),
+            "metrics lack {family}:\n{metrics}"
+        );
+    }
+    assert_eq!(worker.http_get("/healthz")?.0, 200);
+    assert_eq!(worker.http_get("/readyz")?.0, 200);
+    Ok(())
+}
+
+#[tokio::test]
+async fn run_refuses_an_unmigrated_database_and_migrate_is_concurrency_safe() -> Result<()> {
+    let fx = Fixture::start().await?;
+    sqlx::query("CREATE DATABASE fresh")
+        .execute(fx.pool())
+        .await?;
+    let mut env = fx.env.clone();
+    env.database_url = fx.postgres.url_for("fresh");
+    let manifest = fx.manifest("orders.yaml", ISSUE_MANIFEST)?;
+
+    let mut refused = WorkerProcess::start(&env, &manifest, "w", &[])?;
+    let status = refused.wait_exit(Duration::from_secs(30))?;
+    ensure!(!status.success(), "run must fail on an unmigrated database");
+    ensure!(
+        refused.log().contains("switchboard-worker migrate"),
+        "the error must say to run migrate:\n{}",
+        refused.log()
+    );
+
+    let runs: Vec<_> = (0..3)
+        .map(|_| {
+            let env = env.clone();
+            std::thread::spawn(move || migrate(&env))
+        })
+        .collect();
+    for run in runs {
+        let output = run.join().expect("migrate thread")?;
+        ensure!(
+            output.status.success(),
+            "concurrent migrate failed: {output:?}"
+        );
+    }
+    let again = migrate(&env)?;
+    ensure!(again.status.success(), "repeated migrate failed: {again:?}");
+    Ok(())
+}
+
+#[tokio::test]
+async fn crash_between_commit_and_ack_leaves_exactly_one_todo_per_entry() -> Result<()> {
+    let fx = Fixture::start().await?;
+    let manifest = fx.manifest(
+        "crash.yaml",
+        &stream_manifest("crash", "crash", "batchSize: 100", ""),
+    )?;
+    fx.produce("crash", bodies(0..500))?;
+
+    let mut crashing = WorkerProcess::start(
+        &fx.env,
+        &manifest,
+        "w1",
+        &[(switchboard_worker::ABORT_AFTER_COMMITS_ENV, "1")],
+    )?;
+    let status = crashing.wait_exit(LONG)?;
+    ensure!(
+        killed_by(status, Signal::SIGABRT),
+        "expected the abort hook, got {status:?}"
+    );
+    // The first batch is committed but was never acknowledged.
+    ensure!(
+        fx.todo_count("crash").await? == 100,
+        "first batch must be committed"
+    );
+    ensure!(
+        fx.pending("crash", "switchboard")? == 100,
+        "first batch must still be pending"
+    );
+
+    let worker = fx.worker(&manifest, "w1")?;
+    wait_stored(&fx, "crash", "crash", "switchboard", 500).await?;
+    assert_exactly_once(&fx, "crash", 500).await?;
+    wait_for(LONG, "the replayed batch counts as duplicates", || async {
+        Ok(
+            worker.metric(r#"switchboard_messages_duplicate_total{adapter="test/crash"}"#)?
+                == 100.0,
+        )
+    })
+    .await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn redelivered_entry_whose_todo_is_done_creates_no_second_todo() -> Result<()> {
+    let fx = Fixture::start().await?;
+    let manifest = fx.manifest(
+        "done.yaml",
+        &stream_manifest("done", "done", "batchSize: 10", ""),
+    )?;
+    let ids = fx.produce("done", bodies(0..1))?;
+    let mut crashing = WorkerProcess::start(
+        &fx.env,
+        &manifest,
+        "w1",
+        &[(switchboard_worker::ABORT_AFTER_COMMITS_ENV, "1")],
+    )?;
+    crashing.wait_exit(LONG)?;
+    let updated = sqlx::query("UPDATE todos SET status = 'done' WHERE queue = 'done'")
+        .execute(fx.pool())
+        .await?
+        .rows_affected();
+    ensure!(updated == 1, "one todo committed before the crash");
+    ensure!(
+        fx.pending("done", "switchboard")? == 1,
+        "the entry is still pending"
+    );
+
+    let worker = fx.worker(&manifest, "w1")?;
+    wait_for(LONG, "the redelivered entry is acknowledged", || async {
+        Ok(fx.pending("done", "switchboard")? == 0)
+    })
+    .await?;
+    assert_exactly_once(&fx, "done", 1).await?;
+    let status: String = sqlx::query_scalar("SELECT status FROM todos WHERE idempotency_key = $1")
+        .bind(format!("redis:test/done:{}", ids[0]))
+        .fetch_one(fx.pool())
+        .await?;
+    assert_eq!(status, "done");
+    assert_eq!(
+        worker.metric(r#"switchboard_messages_duplicate_total{adapter="test/done"}"#)?,
+        1.0
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn chaos_sigkill_at_random_moments_stores_every_entry_exactly_once() -> Result<()> {
+    const TOTAL: i64 = 20_000;
+    let fx = Fixture::start().await?;
+    let manifest = fx.manifest(
+        "chaos.yaml",
+        &stream_manifest(
+            "chaos",
+            "chaos",
+            "batchSize: 200, maxDeliveries: 10, claimIdleSeconds: 2",
+            "",
+        ),
+    )?;
+    fx.produce("chaos", bodies(0..20_000))?;
+    let mut rng = fastrand::Rng::new();
+    let mut kills = 0;
+    let mut generation = 0;
+    let mut consumer = "chaos-0".to_owned();
+    while kills < 6 {
+        let worker = fx.worker(&manifest, &consumer)?;
+        let stored = fx.todo_count("chaos").await?;
+        // Kill once a random amount of further progress has been made.
+        let target = (stored + rng.i64(200..2_500)).min(TOTAL - 1);
+        wait_for(LONG, "progress before the kill", || async {
+            Ok(fx.todo_count("chaos").await? >= target)
+        })
+        .await?;
+        worker.kill()?;
+        kills += 1;
+        generation += 1;
+        if rng.bool() {
+            consumer = format!("chaos-{generation}");
+        }
+    }
+    let _last = fx.worker(&manifest, &format!("chaos-final-{generation}"))?;
+    wait_stored(&fx, "chaos", "chaos", "switchboard", TOTAL).await?;
+    assert_exactly_once(&fx, "chaos", TOTAL).await?;
+    ensure!(fx.xlen("chaos.dlq")? == 0, "nothing may be dead-lettered");
+    ensure!(kills >= 5);
+    Ok(())
+}
+
+#[tokio::test]
+async fn redis_restart_without_persistence_is_recovered_without_skipping_new_entries() -> Result<()>
+{
+    let mut fx = Fixture::start().await?;
+    let manifest = fx.manifest("rr.yaml", &stream_manifest("rr", "rr", "batchSize: 50", ""))?;
+    fx.produce("rr", bodies(0..300))?;
+    let worker = fx.worker(&manifest, "w1")?;
+    wait_stored(&fx, "rr", "rr", "switchboard", 300).await?;
+
+    fx.redis.restart_empty()?;
+    fx.produce("rr", bodies(300..600))?;
+    wait_stored(&fx, "rr", "rr", "switchboard", 600).await?;
+    assert_exactly_once(&fx, "rr", 600).await?;
+    ensure!(
+        worker.metric(r#"switchboard_consumer_group_recreated_total{adapter="test/rr"}"#)? >= 1.0,
+        "the recreation must be counted"
+    );
+    ensure!(
+        worker.log().contains("recreated at the last stored entry"),
+        "{}",
+        worker.log_tail()
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn postgres_outage_loses_nothing_duplicates_nothing_and_flips_readiness() -> Result<()> {
+    let mut fx = Fixture::start().await?;
+    let manifest = fx.manifest(
+        "pg.yaml",
+        &stream_manifest("pg", "pg", "batchSize: 100", ""),
+    )?;
+    let worker = fx.worker(&manifest, "w1")?;
+    fx.produce("pg", bodies(0..500))?;
+    wait_stored(&fx, "pg", "pg", "switchboard", 500).await?;
+    assert_eq!(worker.http_get("/readyz")?.0, 200);
+
+    fx.postgres.stop();
+    fx.produce("pg", bodies(500..1000))?;
+    wait_for(LONG, "readiness turns false during the outage", || async {
+        Ok(worker.http_get("/readyz")?.0 == 503)
+    })
+    .await?;
+    let outage_started = Instant::now();
+    // Keep producing through a 10 s outage; the worker holds its batch and backs off.
+    let mut next = 1000;
+    while outage_started.elapsed() < Duration::from_secs(10) {
+        fx.produce("pg", bodies(next..next + 100))?;
+        next += 100;
+        ensure!(
+            worker.http_get("/readyz")?.0 == 503,
+            "must stay unready while the database is down"
+        );
+        ensure!(
+            worker.http_get("/healthz")?.0 == 200,
+            "a backing-off loop is not stuck"
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    fx.postgres.restart()?;
+    let total = i64::try_from(next)?;
+    wait_stored(&fx, "pg", "pg", "switchboard", total).await?;
+    assert_exactly_once(&fx, "pg", total).await?;
+    wait_for(LONG, "readiness returns", || async {
+        Ok(worker.http_get("/readyz")?.0 == 200)
+    })
+    .await?;
+    let log = worker.log();
+    let outage_lines = log.matches("dependency unavailable").count();
+    ensure!(
+        outage_lines == 1,
+        "one log line per outage, found {outage_lines}:\n{log}"
+    );
+    ensure!(
+        log.contains("dependency recovered"),
+        "{}",
+        worker.log_tail()
+    );
+    Ok(())
+}
+
+fn stream_fields(
+    fx: &Fixture,
+    key: &str,
+) -> Result<Vec<std::collections::HashMap<String, Vec<u8>>>> {
+    let mut conn = fx.redis.connection()?;
+    let reply: redis::streams::StreamRangeReply = redis::cmd("XRANGE")
+        .arg(key)
+        .arg("-")
+        .arg("+")
+        .query(&mut conn)?;
+    Ok(reply
+        .ids
+        .into_iter()
+        .map(|entry| {
+            entry
+                .map
+                .into_iter()
+                .filter_map(|(k, v)| match v {
+                    redis::Value::BulkString(bytes) => Some((k, bytes)),
+                    _ => None,
+                })
+                .collect()
+        })
+        .collect())
+}
+
+fn field(entry: &std::collections::HashMap<String, Vec<u8>>, name: &str) -> Result<String> {
+    entry
+        .get(name)
+        .map(|v| String::from_utf8_lossy(v).into_owned())
+        .with_context(|| format!("dead letter lacks field {name}"))
+}
+
+#[tokio::test]
+async fn poison_entries_are_dead_lettered_with_context_while_their_batch_is_stored() -> Result<()> {
+    let fx = Fixture::start().await?;
+    let manifest = fx.manifest(
+        "poison.yaml",
+        &stream_manifest("poison", "poison", "batchSize: 50", "format: json"),
+    )?;
+    let mut all: Vec<Vec<u8>> = bodies(0..60).collect();
+    let invalid = b"{this is not json".to_vec();
+    let nul = br#"{"text": "nul \u0000 inside"}"#.to_vec();
+    all.insert(10, invalid.clone());
+    all.insert(40, nul.clone());
+    let ids = fx.produce("poison", all)?;
+    let worker = fx.worker(&manifest, "w1")?;
+    wait_stored(&fx, "poison", "poison", "switchboard", 60).await?;
+    wait_for(LONG, "two dead letters", || async {
+        Ok(fx.xlen("poison.dlq")? == 2)
+    })
+    .await?;
+    assert_exactly_once(&fx, "poison", 60).await?;
+    ensure!(fx.pending("poison", "switchboard")? == 0);
+
+    let letters = stream_fields(&fx, "poison.dlq")?;
+    let by_origin = |id: &str| {
+        letters
+            .iter()
+            .find(|l| field(l, "origin_id").ok().as_deref() == Some(id))
+    };
+    let invalid_letter = by_origin(&ids[10]).context("invalid JSON entry dead-lettered")?;
+    assert_eq!(
+        invalid_letter.get("body"),
+        Some(&invalid),
+        "body must be byte-identical"
+    );
+    assert_eq!(field(invalid_letter, "reason")?, "invalid_json");
+    let nul_letter = by_origin(&ids[40]).context("NUL entry dead-lettered")?;
+    assert_eq!(nul_letter.get("body"), Some(&nul));
+    assert_eq!(field(nul_letter, "reason")?, "nul_character");
+    for letter in [invalid_letter, nul_letter] {
+        assert_eq!(field(letter, "origin_stream")?, "poison");
+        assert_eq!(field(letter, "adapter")?, "test/poison");
+        assert_eq!(field(letter, "consumer")?, "w1");
+        assert_eq!(field(letter, "group")?, "switchboard");
+        assert_eq!(field(letter, "delivery_count")?, "1");
+        ensure!(!field(letter, "last_error")?.is_empty());
+        ensure!(field(letter, "first_seen")?.ends_with('Z'));
+        ensure!(field(letter, "last_seen")?.ends_with('Z'));
+        assert_eq!(field(letter, "headers")?, "{}");
+    }
+    assert_eq!(
+        worker.metric(r#"switchboard_messages_dead_lettered_total{adapter="test/poison",reason="invalid_json"}"#)?,
+        1.0
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn entry_delivered_max_times_to_dead_consumers_is_dead_lettered_not_stored() -> Result<()> {
+    let fx = Fixture::start().await?;
+    let manifest = fx.manifest(
+        "md.yaml",
+        &stream_manifest(
+            "md",
+            "md",
+            "batchSize: 10, maxDeliveries: 3, claimIdleSeconds: 1",
+            "",
+        ),
+    )?;
+    let mut conn = fx.redis.connection()?;
+    redis::cmd("XGROUP")
+        .arg("CREATE")
+        .arg("md")
+        .arg("switchboard")
+        .arg("0")
+        .arg("MKSTREAM")
+        .query::<()>(&mut conn)?;
+    let ids = fx.produce("md", bodies(0..1))?;
+    // A consumer that reads the entry and dies, twice claimed again by others that die too.
+    redis::cmd("XREADGROUP")
+        .arg("GROUP")
+        .arg("switchboard")
+        .arg("ghost-1")
+        .arg("STREAMS")
+        .arg("md")
+        .arg(">")
+        .query::<redis::Value>(&mut conn)?;
+    for ghost in ["ghost-2", "ghost-3"] {
+        redis::cmd("XCLAIM")
+            .arg("md")
+            .arg("switchboard")
+            .arg(ghost)
+            .arg(0)
+            .arg(&ids[0])
+            .query::<redis::Value>(&mut conn)?;
+    }
+    let _worker = fx.worker(&manifest, "w1")?;
+    wait_for(LONG, "the entry is dead-lettered", || async {
+        Ok(fx.xlen("md.dlq")? == 1)
+    })
+    .await?;
+    wait_for(LONG, "nothing pending", || async {
+        Ok(fx.pending("md", "switchboard")? == 0)
+    })
+    .await?;
+    let letters = stream_fields(&fx, "md.dlq")?;
+    assert_eq!(field(&letters[0], "reason")?, "max_deliveries");
+    assert_eq!(field(&letters[0], "delivery_count")?, "4");
+    assert_eq!(field(&letters[0], "origin_id")?, ids[0]);
+    assert_eq!(letters[0].get("body"), Some(&br#"{"order":0}"#.to_vec()));
+    ensure!(
+        fx.todo_count("md").await? == 0,
+        "a dead-lettered entry is not stored"
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn idle_consumer_without_pending_entries_is_removed() -> Result<()> {
+    let fx = Fixture::start().await?;
+    let manifest = fx.manifest(
+        "idle.yaml",
+        &stream_manifest("idle", "idle", "claimIdleSeconds: 1", ""),
+    )?;
+    let mut conn = fx.redis.connection()?;
+    redis::cmd("XGROUP")
+        .arg("CREATE")
+        .arg("idle")
+        .arg("switchboard")
+        .arg("0")
+        .arg("MKSTREAM")
+        .query::<()>(&mut conn)?;
+    redis::cmd("XGROUP")
+        .arg("CREATECONSUMER")
+        .arg("idle")
+        .arg("switchboard")
+        .arg("gone")
+        .query::<()>(&mut conn)?;
+    let _worker = fx.worker(&manifest, "w1")?;
+    wait_for(LONG, "the idle consumer is removed", || async {
+        let mut conn = fx.redis.connection()?;
+        let consumers: Vec<redis::Value> = redis::cmd("XINFO")
+            .arg("CONSUMERS")
+            .arg("idle")
+            .arg("switchboard")
+            .query(&mut conn)?;
+        let names = format!("{consumers:?}");
+        Ok(!names.contains("gone") && names.contains("w1"))
+    })
+    .await
+}
+
+#[tokio::test]
+async fn sigterm_during_steady_flow_exits_zero_and_acks_only_stored_entries() -> Result<()> {
+    let fx = Fixture::start().await?;
+    let manifest = fx.manifest(
+        "term.yaml",
+        &stream_manifest("term", "term", "batchSize: 100", ""),
+    )?;
+    let mut worker = fx.worker(&manifest, "w1")?;
+    let mut produced = 0;
+    // A steady flow: keep adding while the worker stores.
+    while fx.todo_count("term").await? < 2_000 {
+        fx.produce("term", bodies(produced..produced + 200))?;
+        produced += 200;
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    fx.produce("term", bodies(produced..produced + 2_000))?;
+    produced += 2_000;
+    worker.signal(Signal::SIGTERM)?;
+    let signalled = Instant::now();
+    let status = worker.wait_exit(Duration::from_secs(10))?;
+    ensure!(
+        status.success(),
+        "exit code must be 0, got {status:?}\n{}",
+        worker.log_tail()
+    );
+    ensure!(
+        signalled.elapsed() < Duration::from_secs(10),
+        "must exit within the shutdown timeout"
+    );
+
+    // Every entry the group no longer holds as pending has been acknowledged: each needs a todo.
+    let mut conn = fx.redis.connection()?;
+    let groups: Vec<redis::Value> = redis::cmd("XINFO")
+        .arg("GROUPS")
+        .arg("term")
+        .query(&mut conn)?;
+    let last_delivered = format!("{groups:?}");
+    let stored: Vec<String> =
+        sqlx::query_scalar("SELECT external_id FROM events WHERE source = 'redis:test/term'")
+            .fetch_all(fx.pool())
+            .await?;
+    let stored: std::collections::HashSet<String> = stored.into_iter().collect();
+    let pending: Vec<redis::Value> = redis::cmd("XPENDING")
+        .arg("term")
+        .arg("switchboard")
+        .arg("-")
+        .arg("+")
+        .arg(100_000)
+        .query(&mut conn)?;
+    let pending_ids: std::collections::HashSet<String> = pending
+        .iter()
+        .filter_map(|row| match row {
+            redis::Value::Array(parts) => match parts.first() {
+                Some(redis::Value::BulkString(id)) => {
+                    Some(String::from_utf8_lossy(id).into_owned())
+                }
+                _ => None,
+            },
+            _ => None,
+        })
+        .collect();
+    let delivered_up_to = last_delivered_id(&groups).context(last_delivered)?;
+    let all: redis::streams::StreamRangeReply = redis::cmd("XRANGE")
+        .arg("term")
+        .arg("-")
+        .arg(&delivered_up_to)
+        .query(&mut conn)?;
+    for entry in &all.ids {
+        if !pending_ids.contains(&entry.id) {
+            ensure!(
+                stored.contains(&entry.id),
+                "entry {} was acknowledged without a todo",
+                entry.id
+            );
+        }
+    }
+
+    let _restarted = fx.worker(&manifest, "w1")?;
+    let total = i64::try_from(produced)?;
+    wait_stored(&fx, "term", "term", "switchboard", total).await?;
+    assert_exactly_once(&fx, "term", total).await?;
+    Ok(())
+}
+
+fn last_delivered_id(groups: &[redis::Value]) -> Option<String> {
+    let redis::Value::Array(fields) = groups.first()? else {
+        return None;
+    };
+    fields
+        .chunks_exact(2)
+        .find_map(|pair| match (&pair[0], &pair[1]) {
+            (redis::Value::BulkString(name), redis::Value::BulkString(value))
+                if name == b"last-delivered-id" =>
+            {
+                Some(String::from_utf8_lossy(value).into_owned())
+            }
+            _ => None,
+        })
+}
+
+#[tokio::test]
+async fn sigterm_while_blocked_on_an_empty_stream_exits_within_a_second() -> Result<()> {
+    let fx = Fixture::start().await?;
+    let manifest = fx.manifest("quiet.yaml", &stream_manifest("quiet", "quiet", "", ""))?;
+    let mut worker = fx.worker(&manifest, "w1")?;
+    wait_for(LONG, "worker ready", || async {
+        Ok(worker.http_get("/readyz")?.0 == 200)
+    })
+    .await?;
+    worker.signal(Signal::SIGTERM)?;
+    let signalled = Instant::now();
+    let status = worker.wait_exit(Duration::from_secs(5))?;
+    ensure!(status.success(), "{status:?}");
+    let took = signalled.elapsed();
+    ensure!(
+        took < Duration::from_millis(1500),
+        "blocking read delayed shutdown by {took:?}"
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn sigterm_with_a_hung_database_exits_zero_within_the_timeout_leaving_the_batch_unacked()
+-> Result<()> {
+    let fx = Fixture::start().await?;
+    let manifest = fx.manifest("hung.yaml", &stream_manifest("hung", "hung", "", ""))?;
+    let received = r#"switchboard_messages_received_total{adapter="test/hung"}"#;
+    let mut worker = fx.worker(&manifest, "w1")?;
+    wait_for(LONG, "worker ready", || async {
+        Ok(worker.http_get("/readyz")?.0 == 200)
+    })
+    .await?;
+    // A database that answers nothing: the batch cannot be committed.
+    fx.postgres.set_running(false)?;
+    fx.produce("hung", bodies(0..10))?;
+    wait_for(LONG, "a batch is in hand", || async {
+        Ok(worker.metric(received)? >= 1.0)
+    })
+    .await?;
+    let in_hand = worker.metric(received)?;
+    worker.signal(Signal::SIGTERM)?;
+    let signalled = Instant::now();
+    let status = worker.wait_exit(Duration::from_secs(20))?;
+    let took = signalled.elapsed();
+    ensure!(
+        status.success(),
+        "exit 0, got {status:?}\n{}",
+        worker.log_tail()
+    );
+    ensure!(
+        took < Duration::from_secs(12),
+        "the 10 s shutdown timeout bounds the exit, took {took:?}"
+    );
+
+    fx.postgres.set_running(true)?;
+    let pending = fx.pending("hung", "switchboard")?;
+    ensure!(
+        pending as f64 == in_hand,
+        "nothing acknowledged that was not stored: {pending} pending, {in_hand} received"
+    );
+    let _restarted = fx.worker(&manifest, "w1")?;
+    wait_stored(&fx, "hung", "hung", "switchboard", 10).await?;
+    assert_exactly_once(&fx, "hung", 10).await
+}
+
+#[tokio::test]
+async fn two_workers_share_one_group_without_duplicate_todos() -> Result<()> {
+    let fx = Fixture::start().await?;
+    let manifest = fx.manifest(
+        "pair.yaml",
+        &stream_manifest("pair", "pair", "batchSize: 50", ""),
+    )?;
+    let a = fx.worker(&manifest, "a")?;
+    let b = fx.worker(&manifest, "b")?;
+    for chunk in 0..20 {
+        fx.produce("pair", bodies(chunk * 500..(chunk + 1) * 500))?;
+    }
+    wait_stored(&fx, "pair", "pair", "switchboard", 10_000).await?;
+    assert_exactly_once(&fx, "pair", 10_000).await?;
+    let stored_a = a.metric(r#"switchboard_messages_stored_total{adapter="test/pair"}"#)?;
+    let stored_b = b.metric(r#"switchboard_messages_stored_total{adapter="test/pair"}"#)?;
+    ensure!(
+        stored_a > 0.0 && stored_b > 0.0,
+        "both consumers must take work: a={stored_a} b={stored_b}"
+    );
+    ensure!(
+        (stored_a + stored_b - 10_000.0).abs() < f64::EPSILON,
+        "a={stored_a} b={stored_b}"
+    );
+    Ok(())
+}
