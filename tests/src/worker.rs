@@ -12,21 +12,26 @@ use nix::unistd::Pid;
 
 use crate::servers::free_port;
 
-/// `target/<profile>/switchboard-worker`, next to this test binary's `deps/` folder.
+/// The worker binary: `$SWITCHBOARD_WORKER_BIN`, else `switchboard-worker` in the target
+/// directory this executable was built into (`target/<profile>/` or its `deps/` folder).
 pub fn worker_binary() -> Result<PathBuf> {
-    let exe = std::env::current_exe()?;
-    let profile_dir = exe
-        .parent()
-        .and_then(Path::parent)
-        .context("test binary has no target directory")?;
-    let binary = profile_dir.join("switchboard-worker");
-    if !binary.is_file() {
-        bail!(
-            "{} is missing: build it first with `cargo build --workspace --bins` (make test does)",
-            binary.display()
-        );
+    if let Some(path) = std::env::var_os("SWITCHBOARD_WORKER_BIN") {
+        return Ok(PathBuf::from(path));
     }
-    Ok(binary)
+    let exe = std::env::current_exe()?;
+    let dir = exe.parent().context("executable has no directory")?;
+    let candidates = [Some(dir), dir.parent()];
+    candidates
+        .into_iter()
+        .flatten()
+        .map(|dir| dir.join("switchboard-worker"))
+        .find(|path| path.is_file())
+        .with_context(|| {
+            format!(
+                "switchboard-worker is not built next to {}: build it first with `cargo build --workspace --bins` (make test does)",
+                exe.display()
+            )
+        })
 }
 
 /// Connection settings every worker process gets.
