@@ -15,7 +15,7 @@ CREATE TABLE adapters (
 CREATE TABLE events (
     id           bigserial PRIMARY KEY,
     source       text        NOT NULL,                  -- e.g. "redis:namespace/name"
-    external_id  text        NOT NULL,                  -- native message id, or "sha256:<hex>:<n>"
+    external_id  text        NOT NULL,                  -- native message id, or "sha256:<hex>@<event id>"
     payload      jsonb       NOT NULL,
     headers      jsonb       NOT NULL DEFAULT '{}',
     received_at  timestamptz NOT NULL DEFAULT now(),

@@ -1,8 +1,14 @@
 //! All SQL of Switchboard's queue adapters: the migrator and the batched event+todo ingest.
 //!
-//! One batch is one statement: data-modifying CTEs insert the events (deduplicated on
-//! `(source, external_id)`), create todos for the events that are new (deduplicated on the live
-//! `(queue, idempotency_key)`), and advance the source's checkpoint, atomically.
+//! One batch is one statement (so one transaction): data-modifying CTEs insert the events,
+//! create their todos, and advance the source's checkpoint, atomically. Two deduplication rules:
+//!
+//! - [`Dedup::NativeId`]: the broker's message id is the event's `external_id`; an event that
+//!   exists already is a redelivery — no second todo, whatever the first todo's status.
+//! - [`Dedup::BodyHash`]: no native id; identical bodies collapse only while a live (`pending`
+//!   or `claimed`) todo with the same key exists. Each stored body gets its own event
+//!   (`external_id` = `sha256:<hex>@<event id>`).
+
 
 use std::time::Duration;
 
@@ -65,11 +71,21 @@ pub struct NewEvent {
     pub headers: String,
 }
 
+/// How a batch is deduplicated.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Dedup {
+    /// By the broker's native message id (`external_id`), permanently.
+    NativeId,
+    /// By idempotency key (a body hash), while a live todo holds it.
+    BodyHash,
+}
+
 /// A batch of messages from one source into one queue.
 #[derive(Debug, Clone)]
 pub struct IngestBatch<'a> {
     pub source: &'a str,
     pub queue: &'a str,
+    pub dedup: Dedup,
     /// The highest native stream position in the batch (`ms`, `seq`), if the source has one.
     pub checkpoint: Option<(u64, u64)>,
     pub events: &'a [NewEvent],
@@ -82,7 +98,7 @@ pub enum Stored {
     New,
     /// A new event whose todo key already had a live todo.
     NewEventOnly,
-    /// The event existed already: a redelivery.
+    /// A redelivery: the event existed already (native id), or a live todo holds the key (body hash).
     Duplicate,
 }
 
@@ -122,6 +138,40 @@ SELECT input.ord, new_events.id IS NOT NULL AS new_event, new_todos.event_id IS 
 FROM input
 LEFT JOIN new_events USING (external_id)
 LEFT JOIN new_todos ON new_todos.event_id = new_events.id
+ORDER BY input.ord
+"#;
+
+const INGEST_BY_BODY_SQL: &str = r#"
+WITH input AS (
+    SELECT *
+    FROM unnest($3::text[], $4::text[], $5::text[], $6::text[]) WITH ORDINALITY
+         AS t(external_id, idempotency_key, payload, headers, ord)
+), fresh AS (
+    SELECT DISTINCT ON (idempotency_key)
+           ord, external_id, idempotency_key, payload, headers, nextval('events_id_seq') AS event_id
+    FROM input
+    WHERE NOT EXISTS (
+        SELECT 1 FROM todos
+        WHERE todos.queue = $2 AND todos.idempotency_key = input.idempotency_key
+          AND todos.status IN ('pending', 'claimed'))
+    ORDER BY idempotency_key, ord
+), new_events AS (
+    INSERT INTO events (id, source, external_id, payload, headers)
+    SELECT event_id, $1, external_id || '@' || event_id, payload::jsonb, headers::jsonb
+    FROM fresh ORDER BY ord
+    RETURNING id, payload
+), new_todos AS (
+    INSERT INTO todos (queue, idempotency_key, event_id, payload)
+    SELECT $2, fresh.idempotency_key, new_events.id, new_events.payload
+    FROM new_events JOIN fresh ON fresh.event_id = new_events.id
+    ORDER BY fresh.ord
+    ON CONFLICT (queue, idempotency_key) WHERE status IN ('pending', 'claimed') DO NOTHING
+    RETURNING event_id
+)
+SELECT input.ord, fresh.event_id IS NOT NULL AS new_event, new_todos.event_id IS NOT NULL AS new_todo
+FROM input
+LEFT JOIN fresh USING (ord)
+LEFT JOIN new_todos ON new_todos.event_id = fresh.event_id
 ORDER BY input.ord
 "#;
 
@@ -185,15 +235,21 @@ impl Store {
             Some((ms, seq)) => (Some(to_i64(ms)), Some(to_i64(seq))),
             None => (None, None),
         };
-        let rows = sqlx::query(INGEST_SQL)
+        let sql = match batch.dedup {
+            Dedup::NativeId => INGEST_SQL,
+            Dedup::BodyHash => INGEST_BY_BODY_SQL,
+        };
+        let mut query = sqlx::query(sql)
             .bind(batch.source)
             .bind(batch.queue)
             .bind(column(|e| &e.external_id))
             .bind(column(|e| &e.idempotency_key))
             .bind(column(|e| &e.payload))
-            .bind(column(|e| &e.headers))
-            .bind(ms)
-            .bind(seq)
+            .bind(column(|e| &e.headers));
+        if batch.dedup == Dedup::NativeId {
+            query = query.bind(ms).bind(seq);
+        }
+        let rows = query
             .fetch_all(&self.pool)
             .await
             .map_err(StoreError::classify)?;

@@ -126,6 +126,39 @@ impl Fixture {
         })
     }
 
+    /// LPUSHes every body to `list`, pipelined.
+    pub fn push(&self, list: &str, bodies: impl IntoIterator<Item = Vec<u8>>) -> Result<()> {
+        let mut conn = self.redis.connection()?;
+        let bodies: Vec<Vec<u8>> = bodies.into_iter().collect();
+        for chunk in bodies.chunks(1000) {
+            let mut pipe = redis::pipe();
+            for body in chunk {
+                pipe.cmd("LPUSH").arg(list).arg(body).ignore();
+            }
+            pipe.query::<()>(&mut conn)?;
+        }
+        Ok(())
+    }
+
+    /// Length of a list.
+    pub fn llen(&self, key: &str) -> Result<u64> {
+        let mut conn = self.redis.connection()?;
+        Ok(redis::cmd("LLEN").arg(key).query(&mut conn)?)
+    }
+
+    /// Items in all processing lists of `list` (`{list}:processing:*`).
+    pub fn processing_items(&self, list: &str) -> Result<u64> {
+        let mut conn = self.redis.connection()?;
+        let keys: Vec<String> = redis::cmd("KEYS")
+            .arg(format!("{list}:processing:*"))
+            .query(&mut conn)?;
+        let mut total = 0;
+        for key in keys {
+            total += redis::cmd("LLEN").arg(&key).query::<u64>(&mut conn)?;
+        }
+        Ok(total)
+    }
+
     /// Length of a stream.
     pub fn xlen(&self, key: &str) -> Result<u64> {
         let mut conn = self.redis.connection()?;
@@ -133,17 +166,28 @@ impl Fixture {
     }
 }
 
-/// A stream-mode manifest for adapter `test/{name}` reading `stream` into queue `name`.
-/// `delivery` and `payload` are YAML flow-mapping bodies, e.g. `batchSize: 50`.
-pub fn stream_manifest(name: &str, stream: &str, delivery: &str, payload: &str) -> String {
+/// A manifest for adapter `test/{name}` storing into queue `name`. `redis` is the body of
+/// `spec.source.redis`; `delivery` and `payload` are YAML flow-mapping bodies, e.g.
+/// `batchSize: 50`.
+pub fn adapter_manifest(name: &str, redis: &str, delivery: &str, payload: &str) -> String {
     format!(
         "apiVersion: switchboard.dev/v1alpha1\n\
          kind: QueueAdapter\n\
          metadata: {{name: {name}, namespace: test}}\n\
          spec:\n\
-         \x20 source: {{redis: {{mode: stream, stream: {stream}}}}}\n\
+         \x20 source: {{redis: {{{redis}}}}}\n\
          \x20 target: {{queue: {name}}}\n\
          \x20 delivery: {{{delivery}}}\n\
          \x20 payload: {{{payload}}}\n"
+    )
+}
+
+/// A stream-mode manifest reading `stream` (see [`adapter_manifest`]).
+pub fn stream_manifest(name: &str, stream: &str, delivery: &str, payload: &str) -> String {
+    adapter_manifest(
+        name,
+        &format!("mode: stream, stream: {stream}"),
+        delivery,
+        payload,
     )
 }

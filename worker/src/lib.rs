@@ -23,8 +23,10 @@ use crate::backoff::Backoff;
 use crate::health::Health;
 use crate::metrics::Metrics;
 use crate::pipeline::{ErrorChain, Pipeline, PipelineSettings};
-use crate::transport::TransportError;
+use crate::transport::redis_list::{ListSettings, RedisList};
+use crate::transport::redis_pubsub::{PubSubSettings, RedisPubSub};
 use crate::transport::redis_stream::{RedisStream, StreamSettings};
+use crate::transport::{Transport, TransportError};
 
 /// Environment variable for the testing hook that aborts between commit and ack.
 pub const ABORT_AFTER_COMMITS_ENV: &str = "SWITCHBOARD_TEST_ABORT_AFTER_COMMITS";
@@ -48,8 +50,8 @@ pub enum WorkerError {
     MissingEnv(&'static str),
     #[error("no consumer name: pass --consumer or set HOSTNAME")]
     NoConsumer,
-    #[error("redis mode {0} is not supported by this version of the worker")]
-    UnsupportedMode(&'static str),
+    #[error("the manifest has no supported source (spec.source.redis)")]
+    NoSource,
     #[error(transparent)]
     Store(#[from] StoreError),
     #[error(transparent)]
@@ -175,6 +177,34 @@ impl Signals {
     }
 }
 
+/// What every pipeline shares.
+struct Deps {
+    store: Store,
+    metrics: Arc<Metrics>,
+    health: Arc<Health>,
+    cancel: CancellationToken,
+    shutdown_timeout: Duration,
+}
+
+/// Runs the loop until it stops, or until the shutdown timeout after cancellation: dropping the
+/// loop there leaves its batch un-acknowledged, never half-acknowledged.
+async fn drive<T: Transport>(transport: T, settings: PipelineSettings, deps: Deps) {
+    let Deps {
+        store,
+        metrics,
+        health,
+        cancel,
+        shutdown_timeout,
+    } = deps;
+    let pipeline = Pipeline::new(transport, store, settings, metrics, health, cancel.clone());
+    tokio::select! {
+        () = pipeline.run() => {}
+        () = async { cancel.cancelled().await; tokio::time::sleep(shutdown_timeout).await } => {
+            tracing::warn!(timeout = ?shutdown_timeout, "shutdown timeout reached; leaving the batch in hand un-acknowledged");
+        }
+    }
+}
+
 /// `switchboard-worker run`: one store-then-ack loop for the adapter in `options.file`.
 pub async fn run(options: RunOptions) -> Result<(), WorkerError> {
     let signals = Signals::install()?;
@@ -185,7 +215,7 @@ pub async fn run(options: RunOptions) -> Result<(), WorkerError> {
     let name = adapter.adapter_name();
     let spec = &adapter.spec;
     let Some(redis) = spec.source.redis.as_ref() else {
-        return Err(WorkerError::UnsupportedMode("none"));
+        return Err(WorkerError::NoSource);
     };
     if !spec.enabled {
         tracing::warn!(adapter = %name, "adapter is disabled (spec.enabled: false); nothing to do");
@@ -226,41 +256,80 @@ pub async fn run(options: RunOptions) -> Result<(), WorkerError> {
             .ok()
             .and_then(|v| v.parse().ok()),
     };
-    let transport = match redis.mode {
+    let deps = Deps {
+        store,
+        metrics,
+        health,
+        cancel,
+        shutdown_timeout: options.shutdown_timeout,
+    };
+    let claim_idle = Duration::from_secs(u64::from(spec.delivery.claim_idle_seconds));
+    let dead_letter = &spec.delivery.dead_letter;
+    tracing::info!(consumer = %consumer, "consumer name");
+    match redis.mode {
         RedisMode::Stream => {
             let stream = redis.stream.clone().unwrap_or_default();
-            RedisStream::new(
+            let transport = RedisStream::new(
                 StreamSettings {
                     adapter: name.clone(),
-                    dead_letter_stream: spec
-                        .delivery
-                        .dead_letter
+                    dead_letter_stream: dead_letter
                         .stream
                         .clone()
                         .unwrap_or_else(|| format!("{stream}.dlq")),
                     stream,
                     group: redis.group.clone(),
-                    consumer: consumer.clone(),
+                    consumer,
                     body_field: redis.body_field.clone(),
                     start_from: redis.start_from,
-                    claim_idle: Duration::from_secs(u64::from(spec.delivery.claim_idle_seconds)),
+                    claim_idle,
                     batch_size: settings.batch_size,
                 },
                 &redis_url,
-                store.clone(),
-                metrics.clone(),
-            )?
+                deps.store.clone(),
+                deps.metrics.clone(),
+            )?;
+            drive(transport, settings, deps).await;
         }
-        other => return Err(WorkerError::UnsupportedMode(other.as_str())),
-    };
-    tracing::info!(consumer = %consumer, "consumer name");
-    let pipeline = Pipeline::new(transport, store, settings, metrics, health, cancel.clone());
-    let timeout = options.shutdown_timeout;
-    // Dropping the loop at the deadline leaves its batch un-acknowledged, never half-acked.
-    tokio::select! {
-        () = pipeline.run() => {}
-        () = async { cancel.cancelled().await; tokio::time::sleep(timeout).await } => {
-            tracing::warn!(?timeout, "shutdown timeout reached; leaving the batch in hand un-acknowledged");
+        RedisMode::List => {
+            let list = redis.list.clone().unwrap_or_default();
+            let transport = RedisList::new(
+                ListSettings {
+                    adapter: name.clone(),
+                    dead_letter_list: dead_letter
+                        .list
+                        .clone()
+                        .unwrap_or_else(|| format!("{list}.dlq")),
+                    list,
+                    consumer,
+                    heartbeat_ttl: claim_idle,
+                    batch_size: settings.batch_size,
+                },
+                &redis_url,
+                deps.metrics.clone(),
+            )?;
+            drive(transport, settings, deps).await;
+        }
+        RedisMode::Pubsub => {
+            tracing::warn!(
+                "pub/sub mode is AT-MOST-ONCE: messages published while no worker is subscribed, \
+                 or in memory when the worker dies, are lost; use stream or list mode for durable work"
+            );
+            let channel = redis.channel.clone().unwrap_or_default();
+            let transport = RedisPubSub::new(
+                PubSubSettings {
+                    adapter: name.clone(),
+                    dead_letter_list: dead_letter
+                        .list
+                        .clone()
+                        .unwrap_or_else(|| format!("{channel}.dlq")),
+                    channel,
+                    pattern: redis.pattern,
+                    consumer,
+                },
+                &redis_url,
+                deps.metrics.clone(),
+            )?;
+            drive(transport, settings, deps).await;
         }
     }
     stop_server.cancel();

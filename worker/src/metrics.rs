@@ -49,6 +49,8 @@ pub struct Metrics {
     pub reclaimed: Counter,
     pub group_recreated: Counter,
     pub consumers_removed: Counter,
+    pub reaped: Counter,
+    pub reconnects: Counter,
     dead_lettered: Family<ReasonLabels, Counter>,
     errors: Family<DependencyLabels, Counter>,
     dependency_up: Family<DependencyLabels, Gauge>,
@@ -159,6 +161,18 @@ impl Metrics {
             "Idle consumers with no pending entries removed from the group",
             adapter,
         );
+        let reaped = adapter_counter(
+            r,
+            "messages_reaped",
+            "Items moved back to the list from processing lists of consumers whose heartbeat expired",
+            adapter,
+        );
+        let reconnects = adapter_counter(
+            r,
+            "broker_reconnects",
+            "Times the subscription was re-established after the connection was lost",
+            adapter,
+        );
         let dead_lettered = Family::<ReasonLabels, Counter>::default();
         r.register(
             "messages_dead_lettered",
@@ -243,6 +257,8 @@ impl Metrics {
             reclaimed,
             group_recreated,
             consumers_removed,
+            reaped,
+            reconnects,
             dead_lettered,
             errors,
             dependency_up,

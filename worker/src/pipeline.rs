@@ -249,6 +249,9 @@ impl<T: Transport> Pipeline<T> {
                 }
             }
         }
+        if cancel.is_cancelled() {
+            self.transport.shutdown().await;
+        }
         tracing::info!("worker stopped");
     }
 
@@ -423,6 +426,7 @@ impl<T: Transport> Pipeline<T> {
         let batch = IngestBatch {
             source: &source,
             queue: &queue,
+            dedup: self.transport.dedup(),
             checkpoint,
             events,
         };

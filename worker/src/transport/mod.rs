@@ -5,9 +5,14 @@
 //! an AMQP delivery tag), `delivery_count` carries the broker's redelivery counter, and
 //! `dead_letter` moves poison aside and acknowledges it in one step.
 
+mod redis_conn;
+pub mod redis_list;
+pub mod redis_pubsub;
 pub mod redis_stream;
 
 use std::time::Duration;
+
+use switchboard_store::Dedup;
 
 use crate::health::Dependency;
 use crate::payload::PoisonReason;
@@ -86,6 +91,9 @@ pub trait Transport {
     /// The event source name (`redis:{adapter}`).
     fn source(&self) -> &str;
 
+    /// How the store deduplicates this transport's messages.
+    fn dedup(&self) -> Dedup;
+
     /// Connects and creates what the broker needs (consumer group, …). Idempotent.
     async fn prepare(&mut self) -> Result<(), TransportError>;
 
@@ -104,4 +112,8 @@ pub trait Transport {
 
     /// How often `maintain` should run.
     fn maintenance_interval(&self) -> Duration;
+
+    /// After the loop stopped gracefully: hand back what was received and not acknowledged,
+    /// where the broker needs that (a list's processing list). Best effort.
+    async fn shutdown(&mut self) {}
 }

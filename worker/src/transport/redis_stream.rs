@@ -12,20 +12,18 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::Duration;
 
-use redis::aio::MultiplexedConnection;
-use redis::{AsyncConnectionConfig, Client, Value};
+use redis::Value;
 use switchboard_api::StartFrom;
-use switchboard_store::Store;
+use switchboard_store::{Dedup, Store};
 
+use super::redis_conn::{
+    BLOCK, CONTROL_TIMEOUT, Connection, array, integer, now_rfc3339, open, protocol, rfc3339_ms,
+    text,
+};
 use super::{DeadLetter, Message, QueueHealth, Transport, TransportError};
 use crate::health::now_ms;
 use crate::metrics::Metrics;
 use crate::payload::fields_json;
-
-const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
-const CONTROL_TIMEOUT: Duration = Duration::from_secs(10);
-/// How long one blocking read waits for new entries.
-const BLOCK: Duration = Duration::from_secs(1);
 
 /// Everything the stream transport needs to know.
 #[derive(Debug, Clone)]
@@ -55,9 +53,9 @@ struct RawEntry {
 pub struct RedisStream {
     settings: StreamSettings,
     source: String,
-    client: Client,
-    reader: Option<MultiplexedConnection>,
-    control: Option<MultiplexedConnection>,
+    /// Blocking reads only, so acknowledgements never queue behind them.
+    reader: Connection,
+    control: Connection,
     store: Store,
     metrics: Arc<Metrics>,
     /// While `Some`, the consumer is replaying its own pending entries after this id.
@@ -65,85 +63,8 @@ pub struct RedisStream {
     reclaimed: VecDeque<Message>,
 }
 
-fn redis_error(command: &'static str) -> impl FnOnce(redis::RedisError) -> TransportError {
-    move |source| TransportError::Redis { command, source }
-}
-
-fn protocol(command: &'static str, detail: impl Into<String>) -> TransportError {
-    TransportError::Protocol {
-        command,
-        detail: detail.into(),
-    }
-}
-
 fn is_nogroup(err: &TransportError) -> bool {
     matches!(err, TransportError::Redis { source, .. } if source.code() == Some("NOGROUP"))
-}
-
-async fn connect(
-    client: &Client,
-    response_timeout: Duration,
-) -> redis::RedisResult<MultiplexedConnection> {
-    let config = AsyncConnectionConfig::new()
-        .set_connection_timeout(Some(CONNECT_TIMEOUT))
-        .set_response_timeout(Some(response_timeout));
-    client
-        .get_multiplexed_async_connection_with_config(&config)
-        .await
-}
-
-/// Runs `cmd` on the connection in `slot`, connecting first if needed. A failure other than an
-/// error reply from the server drops the connection so the next call reconnects.
-async fn query(
-    slot: &mut Option<MultiplexedConnection>,
-    client: &Client,
-    response_timeout: Duration,
-    command: &'static str,
-    cmd: &redis::Cmd,
-) -> Result<Value, TransportError> {
-    let mut conn = match slot.take() {
-        Some(conn) => conn,
-        None => connect(client, response_timeout)
-            .await
-            .map_err(redis_error("CONNECT"))?,
-    };
-    match cmd.query_async::<Value>(&mut conn).await {
-        Ok(value) => {
-            *slot = Some(conn);
-            Ok(value)
-        }
-        Err(err) => {
-            if err.code().is_some() {
-                *slot = Some(conn);
-            }
-            Err(TransportError::Redis {
-                command,
-                source: err,
-            })
-        }
-    }
-}
-
-fn text(value: &Value) -> Option<String> {
-    match value {
-        Value::BulkString(bytes) => String::from_utf8(bytes.clone()).ok(),
-        Value::SimpleString(s) => Some(s.clone()),
-        _ => None,
-    }
-}
-
-fn integer(value: &Value) -> Option<u64> {
-    match value {
-        Value::Int(n) => u64::try_from(*n).ok(),
-        other => text(other).and_then(|s| s.parse().ok()),
-    }
-}
-
-fn array(value: &Value) -> Option<&[Value]> {
-    match value {
-        Value::Array(items) => Some(items),
-        _ => None,
-    }
 }
 
 /// `ms-seq` → (ms, seq).
@@ -224,13 +145,12 @@ impl RedisStream {
         store: Store,
         metrics: Arc<Metrics>,
     ) -> Result<Self, TransportError> {
-        let client = Client::open(redis_url).map_err(redis_error("CONNECT"))?;
+        let client = open(redis_url)?;
         Ok(Self {
             source: format!("redis:{}", settings.adapter),
             settings,
-            client,
-            reader: None,
-            control: None,
+            reader: Connection::new(client.clone(), BLOCK + CONTROL_TIMEOUT),
+            control: Connection::new(client, CONTROL_TIMEOUT),
             store,
             metrics,
             replay_after: Some("0".to_owned()),
@@ -243,14 +163,7 @@ impl RedisStream {
         command: &'static str,
         cmd: &redis::Cmd,
     ) -> Result<Value, TransportError> {
-        query(
-            &mut self.control,
-            &self.client,
-            CONTROL_TIMEOUT,
-            command,
-            cmd,
-        )
-        .await
+        self.control.query(command, cmd).await
     }
 
     fn group_cmd(&self, name: &str) -> redis::Cmd {
@@ -427,14 +340,7 @@ impl RedisStream {
             .arg("STREAMS")
             .arg(&self.settings.stream)
             .arg(">");
-        let reply = query(
-            &mut self.reader,
-            &self.client,
-            BLOCK + CONTROL_TIMEOUT,
-            "XREADGROUP",
-            &cmd,
-        )
-        .await?;
+        let reply = self.reader.query("XREADGROUP", &cmd).await?;
         Ok(parse_read_reply(&reply)?
             .into_iter()
             .filter_map(|raw| self.to_message(raw))
@@ -550,6 +456,10 @@ impl Transport for RedisStream {
         &self.source
     }
 
+    fn dedup(&self) -> Dedup {
+        Dedup::NativeId
+    }
+
     async fn prepare(&mut self) -> Result<(), TransportError> {
         self.ensure_group().await.map(drop)
     }
@@ -591,20 +501,12 @@ impl Transport for RedisStream {
             return Ok(());
         }
         let settings = &self.settings;
-        let last_seen = humantime::format_rfc3339_millis(std::time::SystemTime::now()).to_string();
+        let last_seen = now_rfc3339();
         let mut pipe = redis::pipe();
         pipe.atomic();
         for letter in letters {
             let message = letter.message;
-            let first_seen = message
-                .enqueued_at_ms
-                .map(|ms| {
-                    humantime::format_rfc3339_millis(
-                        std::time::UNIX_EPOCH + Duration::from_millis(ms),
-                    )
-                    .to_string()
-                })
-                .unwrap_or_default();
+            let first_seen = message.enqueued_at_ms.map(rfc3339_ms).unwrap_or_default();
             pipe.cmd("XADD")
                 .arg(&settings.dead_letter_stream)
                 .arg("*")
@@ -640,20 +542,7 @@ impl Transport for RedisStream {
             ack = ack.arg(&letter.message.receipt);
         }
         ack.ignore();
-        let mut conn = match self.control.take() {
-            Some(conn) => conn,
-            None => connect(&self.client, CONTROL_TIMEOUT)
-                .await
-                .map_err(redis_error("CONNECT"))?,
-        };
-        let result = pipe.query_async::<()>(&mut conn).await;
-        if result
-            .as_ref()
-            .map_or_else(|err| err.code().is_some(), |()| true)
-        {
-            self.control = Some(conn);
-        }
-        result.map_err(redis_error("XADD+XACK"))
+        self.control.pipeline("XADD+XACK", &pipe).await
     }
 
     async fn maintain(&mut self) -> Result<QueueHealth, TransportError> {

@@ -1,0 +1,440 @@
+//! Redis reliable list: producers `LPUSH`; the worker moves items into its own processing list
+//! (`BLMOVE`, then `LMOVE` to fill the batch), stores them, then removes exactly those items
+//! (`LREM … -1 item` per item, so identical bodies are handled one by one).
+//!
+//! Keys, for a list `L` and a consumer `C`:
+//! - `L:processing:C` — what `C` holds un-acknowledged; re-processed first when `C` restarts;
+//! - `L:heartbeat:C` — refreshed by a background task with a TTL of `claimIdleSeconds`;
+//! - `L:consumers` — every consumer that ever held items;
+//! - `L:deliveries`, `L:first-seen` — delivery count and first delivery time per body hash,
+//!   cleared when the body is stored;
+//! - `L:reaper` — a short lock: one live consumer at a time moves the items of consumers whose
+//!   heartbeat expired back to `L`.
+
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::time::Duration;
+
+use redis::Value;
+use switchboard_store::Dedup;
+use tokio::task::JoinHandle;
+
+use super::redis_conn::{
+    BLOCK, CONTROL_TIMEOUT, Connection, Origin, array, body_hash, dead_letter_record, integer,
+    open, text,
+};
+use super::{DeadLetter, Message, QueueHealth, Transport, TransportError};
+use crate::health::now_ms;
+use crate::metrics::Metrics;
+
+/// Everything the list transport needs to know.
+#[derive(Debug, Clone)]
+pub struct ListSettings {
+    /// `namespace/name` of the adapter.
+    pub adapter: String,
+    pub list: String,
+    pub consumer: String,
+    /// Heartbeat TTL: a consumer silent this long is presumed dead and its items reaped.
+    pub heartbeat_ttl: Duration,
+    pub dead_letter_list: String,
+    pub batch_size: usize,
+}
+
+/// The Redis reliable-list transport.
+#[derive(Debug)]
+pub struct RedisList {
+    settings: ListSettings,
+    source: String,
+    processing: String,
+    consumers: String,
+    deliveries: String,
+    first_seen: String,
+    reaper_lock: String,
+    client: redis::Client,
+    reader: Connection,
+    control: Connection,
+    metrics: Arc<Metrics>,
+    /// Re-process the own processing list before taking new items.
+    replay: bool,
+    heartbeat: Option<JoinHandle<()>>,
+}
+
+fn millis(duration: Duration) -> u64 {
+    u64::try_from(duration.as_millis()).unwrap_or(u64::MAX)
+}
+
+fn bytes(value: Value) -> Option<Vec<u8>> {
+    match value {
+        Value::BulkString(bytes) => Some(bytes),
+        _ => None,
+    }
+}
+
+impl RedisList {
+    pub fn new(
+        settings: ListSettings,
+        redis_url: &str,
+        metrics: Arc<Metrics>,
+    ) -> Result<Self, TransportError> {
+        let client = open(redis_url)?;
+        let list = &settings.list;
+        Ok(Self {
+            source: format!("redis:{}", settings.adapter),
+            processing: Self::processing_key(list, &settings.consumer),
+            consumers: format!("{list}:consumers"),
+            deliveries: format!("{list}:deliveries"),
+            first_seen: format!("{list}:first-seen"),
+            reaper_lock: format!("{list}:reaper"),
+            reader: Connection::new(client.clone(), BLOCK + CONTROL_TIMEOUT),
+            control: Connection::new(client.clone(), CONTROL_TIMEOUT),
+            client,
+            settings,
+            metrics,
+            replay: true,
+            heartbeat: None,
+        })
+    }
+
+    fn processing_key(list: &str, consumer: &str) -> String {
+        format!("{list}:processing:{consumer}")
+    }
+
+    fn heartbeat_key(list: &str, consumer: &str) -> String {
+        format!("{list}:heartbeat:{consumer}")
+    }
+
+    fn heartbeat_cmd(&self) -> redis::Cmd {
+        let mut cmd = redis::cmd("SET");
+        cmd.arg(Self::heartbeat_key(
+            &self.settings.list,
+            &self.settings.consumer,
+        ))
+        .arg(now_ms())
+        .arg("PX")
+        .arg(millis(self.settings.heartbeat_ttl));
+        cmd
+    }
+
+    /// Refreshes the heartbeat every third of its TTL, for as long as the process lives.
+    fn spawn_heartbeat(&mut self) {
+        if self
+            .heartbeat
+            .as_ref()
+            .is_some_and(|task| !task.is_finished())
+        {
+            return;
+        }
+        let ttl = self.settings.heartbeat_ttl;
+        let list = self.settings.list.clone();
+        let consumer = self.settings.consumer.clone();
+        let ttl_ms = millis(ttl);
+        let client = self.client.clone();
+        self.heartbeat = Some(tokio::spawn(async move {
+            let mut conn = Connection::new(client, CONTROL_TIMEOUT);
+            loop {
+                tokio::time::sleep(ttl / 3).await;
+                let mut cmd = redis::cmd("SET");
+                cmd.arg(Self::heartbeat_key(&list, &consumer))
+                    .arg(now_ms())
+                    .arg("PX")
+                    .arg(ttl_ms);
+                if let Err(err) = conn.query("SET heartbeat", &cmd).await {
+                    tracing::debug!(error = %err, "heartbeat refresh failed");
+                }
+            }
+        }));
+    }
+
+    /// Counts a delivery of each distinct body (once per batch) and builds the messages.
+    async fn deliver(&mut self, items: Vec<Vec<u8>>) -> Result<Vec<Message>, TransportError> {
+        if items.is_empty() {
+            return Ok(Vec::new());
+        }
+        let hashes: Vec<String> = items.iter().map(|item| body_hash(item)).collect();
+        let mut distinct: Vec<&String> = Vec::new();
+        let mut seen = HashSet::new();
+        for hash in &hashes {
+            if seen.insert(hash) {
+                distinct.push(hash);
+            }
+        }
+        let now = now_ms();
+        let mut pipe = redis::pipe();
+        for hash in &distinct {
+            pipe.cmd("HINCRBY").arg(&self.deliveries).arg(*hash).arg(1);
+            pipe.cmd("HSETNX")
+                .arg(&self.first_seen)
+                .arg(*hash)
+                .arg(now)
+                .ignore();
+            pipe.cmd("HGET").arg(&self.first_seen).arg(*hash);
+        }
+        let replies: Vec<Value> = self.control.pipeline("HINCRBY", &pipe).await?;
+        let counts: std::collections::HashMap<&String, (u64, Option<u64>)> = distinct
+            .iter()
+            .zip(replies.chunks_exact(2))
+            .map(|(hash, pair)| (*hash, (integer(&pair[0]).unwrap_or(1), integer(&pair[1]))))
+            .collect();
+        Ok(items
+            .into_iter()
+            .zip(&hashes)
+            .map(|(body, hash)| {
+                let (delivery_count, first_seen) = counts.get(hash).copied().unwrap_or((1, None));
+                Message {
+                    receipt: hash.clone(),
+                    external_id: format!("sha256:{hash}"),
+                    idempotency_key: format!("{}:sha256:{hash}", self.source),
+                    body,
+                    headers: Vec::new(),
+                    delivery_count,
+                    enqueued_at_ms: first_seen,
+                    position: None,
+                }
+            })
+            .collect())
+    }
+
+    /// Adds to `pipe`: remove handled items from the processing list (one occurrence each) and
+    /// forget their delivery counts.
+    fn settle(&self, pipe: &mut redis::Pipeline, messages: &[&Message]) {
+        for message in messages {
+            pipe.cmd("LREM")
+                .arg(&self.processing)
+                .arg(-1)
+                .arg(&message.body)
+                .ignore();
+        }
+        let hashes: Vec<&str> = messages.iter().map(|m| m.receipt.as_str()).collect();
+        pipe.cmd("HDEL").arg(&self.deliveries).arg(&hashes).ignore();
+        pipe.cmd("HDEL").arg(&self.first_seen).arg(&hashes).ignore();
+    }
+
+    /// Moves every item of `from` back to the tail of the source list (next to be taken),
+    /// oldest last so the original order is kept. Returns how many moved.
+    async fn move_back(&mut self, from: &str) -> Result<u64, TransportError> {
+        let mut llen = redis::cmd("LLEN");
+        llen.arg(from);
+        let len = integer(&self.control.query("LLEN", &llen).await?).unwrap_or(0);
+        if len == 0 {
+            return Ok(0);
+        }
+        let mut pipe = redis::pipe();
+        for _ in 0..len {
+            pipe.cmd("LMOVE")
+                .arg(from)
+                .arg(&self.settings.list)
+                .arg("LEFT")
+                .arg("RIGHT");
+        }
+        let moved: Vec<Value> = self.control.pipeline("LMOVE", &pipe).await?;
+        Ok(moved
+            .into_iter()
+            .filter(|v| !matches!(v, Value::Nil))
+            .count() as u64)
+    }
+
+    /// Moves the items of consumers whose heartbeat expired back to the list. One reaper at a
+    /// time holds a short lock.
+    async fn reap_dead_consumers(&mut self) -> Result<(), TransportError> {
+        let mut lock = redis::cmd("SET");
+        lock.arg(&self.reaper_lock)
+            .arg(&self.settings.consumer)
+            .arg("NX")
+            .arg("PX")
+            .arg(millis(self.maintenance_interval()));
+        if matches!(self.control.query("SET reaper", &lock).await?, Value::Nil) {
+            return Ok(());
+        }
+        let mut members = redis::cmd("SMEMBERS");
+        members.arg(&self.consumers);
+        let members: Vec<String> = array(&self.control.query("SMEMBERS", &members).await?)
+            .unwrap_or_default()
+            .iter()
+            .filter_map(text)
+            .filter(|name| *name != self.settings.consumer)
+            .collect();
+        for consumer in members {
+            let mut alive = redis::cmd("EXISTS");
+            alive.arg(Self::heartbeat_key(&self.settings.list, &consumer));
+            if integer(&self.control.query("EXISTS", &alive).await?) != Some(0) {
+                continue;
+            }
+            let moved = self
+                .move_back(&Self::processing_key(&self.settings.list, &consumer))
+                .await?;
+            let mut forget = redis::cmd("SREM");
+            forget.arg(&self.consumers).arg(&consumer);
+            self.control.query("SREM", &forget).await?;
+            if moved > 0 {
+                self.metrics.reaped.inc_by(moved);
+                tracing::info!(consumer = %consumer, items = moved, "moved the items of a dead consumer back to the list");
+            }
+        }
+        Ok(())
+    }
+
+    async fn queue_health(&mut self) -> Result<QueueHealth, TransportError> {
+        let mut members = redis::cmd("SMEMBERS");
+        members.arg(&self.consumers);
+        let members: Vec<String> = array(&self.control.query("SMEMBERS", &members).await?)
+            .unwrap_or_default()
+            .iter()
+            .filter_map(text)
+            .collect();
+        let mut pipe = redis::pipe();
+        pipe.cmd("LLEN").arg(&self.settings.list);
+        for consumer in &members {
+            pipe.cmd("LLEN")
+                .arg(Self::processing_key(&self.settings.list, consumer));
+        }
+        let lengths: Vec<u64> = self.control.pipeline("LLEN", &pipe).await?;
+        Ok(QueueHealth {
+            backlog: lengths.first().copied(),
+            pending: Some(lengths.iter().skip(1).sum()),
+            oldest_pending_age: None,
+        })
+    }
+}
+
+impl Transport for RedisList {
+    fn source(&self) -> &str {
+        &self.source
+    }
+
+    fn dedup(&self) -> Dedup {
+        Dedup::BodyHash
+    }
+
+    async fn prepare(&mut self) -> Result<(), TransportError> {
+        let mut pipe = redis::pipe();
+        pipe.cmd("SADD")
+            .arg(&self.consumers)
+            .arg(&self.settings.consumer)
+            .ignore();
+        pipe.add_command(self.heartbeat_cmd()).ignore();
+        self.control.pipeline::<()>("SADD+SET", &pipe).await?;
+        self.spawn_heartbeat();
+        Ok(())
+    }
+
+    async fn receive(&mut self, max: usize) -> Result<Vec<Message>, TransportError> {
+        if self.replay {
+            let mut range = redis::cmd("LRANGE");
+            range.arg(&self.processing).arg(0).arg(-1);
+            let held: Vec<Vec<u8>> = array(&self.control.query("LRANGE", &range).await?)
+                .unwrap_or_default()
+                .iter()
+                .cloned()
+                .filter_map(bytes)
+                .rev()
+                .collect();
+            self.replay = false;
+            if !held.is_empty() {
+                tracing::info!(
+                    items = held.len(),
+                    "re-processing items left in the own processing list"
+                );
+                return self.deliver(held).await;
+            }
+        }
+        let mut blocking = redis::cmd("BLMOVE");
+        blocking
+            .arg(&self.settings.list)
+            .arg(&self.processing)
+            .arg("RIGHT")
+            .arg("LEFT")
+            .arg(BLOCK.as_secs_f64());
+        let Some(first) = bytes(self.reader.query("BLMOVE", &blocking).await?) else {
+            return Ok(Vec::new());
+        };
+        let mut items = vec![first];
+        if max > 1 {
+            let mut pipe = redis::pipe();
+            for _ in 1..max {
+                pipe.cmd("LMOVE")
+                    .arg(&self.settings.list)
+                    .arg(&self.processing)
+                    .arg("RIGHT")
+                    .arg("LEFT");
+            }
+            let more: Vec<Value> = self.control.pipeline("LMOVE", &pipe).await?;
+            items.extend(more.into_iter().filter_map(bytes));
+        }
+        self.deliver(items).await
+    }
+
+    async fn ack(&mut self, messages: &[&Message]) -> Result<(), TransportError> {
+        if messages.is_empty() {
+            return Ok(());
+        }
+        let mut pipe = redis::pipe();
+        pipe.atomic();
+        self.settle(&mut pipe, messages);
+        self.control.pipeline("LREM", &pipe).await
+    }
+
+    async fn dead_letter(&mut self, letters: &[DeadLetter<'_>]) -> Result<(), TransportError> {
+        if letters.is_empty() {
+            return Ok(());
+        }
+        let origin = Origin {
+            kind: "list",
+            name: &self.settings.list,
+            adapter: &self.settings.adapter,
+            consumer: &self.settings.consumer,
+        };
+        let mut pipe = redis::pipe();
+        pipe.atomic();
+        for letter in letters {
+            pipe.cmd("LPUSH")
+                .arg(&self.settings.dead_letter_list)
+                .arg(dead_letter_record(letter, origin))
+                .ignore();
+        }
+        let messages: Vec<&Message> = letters.iter().map(|l| l.message).collect();
+        self.settle(&mut pipe, &messages);
+        self.control.pipeline("LPUSH+LREM", &pipe).await
+    }
+
+    async fn maintain(&mut self) -> Result<QueueHealth, TransportError> {
+        self.reap_dead_consumers().await?;
+        self.queue_health().await
+    }
+
+    fn maintenance_interval(&self) -> Duration {
+        (self.settings.heartbeat_ttl / 2).clamp(Duration::from_secs(1), Duration::from_secs(30))
+    }
+
+    async fn shutdown(&mut self) {
+        // Close the blocking connection so no late BLMOVE lands after the hand-back.
+        self.reader.disconnect();
+        if let Some(task) = self.heartbeat.take() {
+            task.abort();
+        }
+        let processing = self.processing.clone();
+        match self.move_back(&processing).await {
+            Ok(moved) => tracing::info!(
+                items = moved,
+                "handed un-acknowledged items back to the list"
+            ),
+            Err(err) => {
+                tracing::warn!(error = %err, "could not hand items back; a live consumer will reap them")
+            }
+        }
+        // Without a heartbeat, any straggler is reaped by a live consumer (which also forgets us).
+        let mut forget = redis::cmd("DEL");
+        forget.arg(Self::heartbeat_key(
+            &self.settings.list,
+            &self.settings.consumer,
+        ));
+        let _ = self.control.query("DEL heartbeat", &forget).await;
+    }
+}
+
+impl Drop for RedisList {
+    fn drop(&mut self) {
+        if let Some(task) = self.heartbeat.take() {
+            task.abort();
+        }
+    }
+}
