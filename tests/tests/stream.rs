@@ -725,3 +725,90 @@ async fn two_workers_share_one_group_without_duplicate_todos() -> Result<()> {
     );
     Ok(())
 }
+
+#[tokio::test]
+async fn other_fields_become_headers_and_an_entry_without_a_body_is_stored_whole() -> Result<()> {
+    let fx = Fixture::start().await?;
+    let manifest = fx.manifest("hdr.yaml", &stream_manifest("hdr", "hdr", "", ""))?;
+    let mut conn = fx.redis.connection()?;
+    let with_body: String = redis::cmd("XADD")
+        .arg("hdr")
+        .arg("*")
+        .arg("body")
+        .arg("plain text")
+        .arg("kind")
+        .arg("order")
+        .query(&mut conn)?;
+    let without_body: String = redis::cmd("XADD")
+        .arg("hdr")
+        .arg("*")
+        .arg("sku")
+        .arg("A-1")
+        .arg("qty")
+        .arg("2")
+        .query(&mut conn)?;
+    let _worker = fx.worker(&manifest, "w1")?;
+    wait_stored(&fx, "hdr", "hdr", "switchboard", 2).await?;
+    let fx = &fx;
+    let row = |id: String| async move {
+        sqlx::query_as::<_, (serde_json::Value, serde_json::Value)>(
+            "SELECT payload, headers FROM events WHERE external_id = $1",
+        )
+        .bind(id)
+        .fetch_one(fx.pool())
+        .await
+    };
+    let (payload, headers) = row(with_body).await?;
+    assert_eq!(
+        payload,
+        serde_json::json!("plain text"),
+        "auto: text becomes a JSON string"
+    );
+    assert_eq!(headers, serde_json::json!({"kind": "order"}));
+    let (payload, headers) = row(without_body).await?;
+    assert_eq!(payload, serde_json::json!({"sku": "A-1", "qty": "2"}));
+    assert_eq!(headers, serde_json::json!({}));
+    Ok(())
+}
+
+#[tokio::test]
+async fn redis_acl_user_in_the_url_is_used() -> Result<()> {
+    let fx = Fixture::start().await?;
+    let mut conn = fx.redis.connection()?;
+    redis::cmd("ACL")
+        .arg("SETUSER")
+        .arg("ingest")
+        .arg("on")
+        .arg(">s3cret")
+        .arg("~acl*")
+        .arg("+@all")
+        .query::<()>(&mut conn)?;
+    redis::cmd("ACL")
+        .arg("SETUSER")
+        .arg("default")
+        .arg("off")
+        .query::<()>(&mut conn)?;
+    let mut env = fx.env.clone();
+    env.redis_url = fx
+        .env
+        .redis_url
+        .replace("redis://", "redis://ingest:s3cret@");
+    let manifest = fx.manifest("acl.yaml", &stream_manifest("acl", "acl", "", ""))?;
+    let worker = WorkerProcess::start(&env, &manifest, "w1", &[])?;
+    let mut user = redis::Client::open(env.redis_url.as_str())?.get_connection()?;
+    redis::cmd("XADD")
+        .arg("acl")
+        .arg("*")
+        .arg("body")
+        .arg("{}")
+        .query::<String>(&mut user)?;
+    wait_for(LONG, "the entry is stored through the ACL user", || async {
+        Ok(fx.todo_count("acl").await? == 1)
+    })
+    .await?;
+    ensure!(
+        !worker.log().contains("s3cret"),
+        "the password must never be logged"
+    );
+    Ok(())
+}

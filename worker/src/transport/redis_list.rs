@@ -288,10 +288,20 @@ impl RedisList {
                 .arg(Self::processing_key(&self.settings.list, consumer));
         }
         let lengths: Vec<u64> = self.control.pipeline("LLEN", &pipe).await?;
+        // First delivery times of every body delivered and not yet stored.
+        let mut first_seen = redis::cmd("HVALS");
+        first_seen.arg(&self.first_seen);
+        let oldest = array(&self.control.query("HVALS", &first_seen).await?)
+            .unwrap_or_default()
+            .iter()
+            .filter_map(integer)
+            .min();
         Ok(QueueHealth {
             backlog: lengths.first().copied(),
             pending: Some(lengths.iter().skip(1).sum()),
-            oldest_pending_age: None,
+            oldest_pending_age: Some(Duration::from_millis(
+                oldest.map_or(0, |ms| now_ms().saturating_sub(ms)),
+            )),
         })
     }
 }
