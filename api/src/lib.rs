@@ -30,6 +30,8 @@ pub const VERSION: &str = "v1alpha1";
     shortname = "qa",
     category = "switchboard",
     namespaced,
+    doc = "A QueueAdapter runs a worker that pulls messages from a broker and stores each one as a durable todo in PostgreSQL before acknowledging it to the broker (store-then-ack).",
+    validation = Rule::new("size(self.metadata.name) <= 63").message("metadata.name must be at most 63 characters: it names the worker's Deployment and labels"),
     status = "QueueAdapterStatus",
     printcolumn = r#"{"name":"Source","type":"string","jsonPath":".status.source"}"#,
     printcolumn = r#"{"name":"Mode","type":"string","jsonPath":".status.mode"}"#,
@@ -81,13 +83,14 @@ pub struct Source {
 #[x_kube(
     validation = Rule::new("self.mode != 'stream' || has(self.stream)").message("spec.source.redis.stream is required when mode is stream"),
     validation = Rule::new("self.mode != 'list' || has(self.list)").message("spec.source.redis.list is required when mode is list"),
-    validation = Rule::new("self.mode != 'pubsub' || has(self.channel)").message("spec.source.redis.channel is required when mode is pubsub")
+    validation = Rule::new("self.mode != 'pubsub' || has(self.channel)").message("spec.source.redis.channel is required when mode is pubsub"),
+    validation = Rule::new("self.mode == oldSelf.mode").message("spec.source.redis.mode is immutable; create a new QueueAdapter instead")
 )]
 #[serde(rename_all = "camelCase")]
 pub struct RedisSource {
     /// `stream` (consumer group, at-least-once, recommended), `list` (reliable list,
     /// at-least-once) or `pubsub` (at-most-once: messages published while no worker is
-    /// subscribed are lost).
+    /// subscribed are lost). Cannot be changed after creation.
     #[serde(default)]
     pub mode: RedisMode,
     /// The stream key to read (mode `stream`). Created if missing.

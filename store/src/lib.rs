@@ -9,6 +9,8 @@
 //!   or `claimed`) todo with the same key exists. Each stored body gets its own event
 //!   (`external_id` = `sha256:<hex>@<event id>`).
 
+mod adapters;
+pub use adapters::{Mirrored, QueueAdapterRow};
 
 use std::time::Duration;
 

@@ -1,0 +1,681 @@
+//! The pure middle of a reconcile: validate a QueueAdapter and build the objects its worker needs.
+//! No client, no I/O: everything here is unit-tested from YAML fixtures.
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::api::apps::v1::{Deployment, DeploymentSpec};
+use k8s_openapi::api::core::v1::{
+    Capabilities, ConfigMap, ConfigMapVolumeSource, Container, ContainerPort, EnvVar, EnvVarSource,
+    HTTPGetAction, ObjectFieldSelector, PodSecurityContext, PodSpec, PodTemplateSpec, Probe,
+    SeccompProfile, SecretKeySelector, SecurityContext, Volume, VolumeMount,
+};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta, OwnerReference};
+use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+use kube::Resource;
+use sha2::{Digest, Sha256};
+use switchboard_api::{InvalidSpec, QueueAdapter, QueueAdapterSpec, RedisSource, SecretKeyRef};
+
+/// The one field manager every write of the operator uses.
+pub const FIELD_MANAGER: &str = "switchboard-operator";
+/// Pod-template annotation: a hash of the adapter's spec and the referenced Secrets' values, so
+/// that any change to either rolls the worker pods.
+pub const CONFIG_HASH_ANNOTATION: &str = "switchboard.dev/config-hash";
+/// Where the pod sees the ConfigMap holding the adapter's manifest.
+pub const MANIFEST_DIR: &str = "/etc/switchboard";
+/// The ConfigMap key (and file name) of the adapter's manifest.
+pub const MANIFEST_KEY: &str = "adapter.yaml";
+/// The worker's `/healthz`, `/readyz` and `/metrics` port.
+pub const METRICS_PORT: i32 = 9090;
+/// Above the worker's 25 s shutdown timeout, so a stopping worker finishes its batch.
+pub const TERMINATION_GRACE_PERIOD_SECONDS: i64 = 40;
+/// The worker binary in the image (which holds the operator binary too).
+pub const WORKER_COMMAND: &str = "switchboard-worker";
+/// The user and group the worker runs as (the image's non-root user).
+pub const WORKER_UID: i64 = 65532;
+
+const MANAGED_BY: &str = "switchboard-operator";
+
+/// What the operator's configuration contributes to every worker.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WorkerSettings {
+    /// Image used when the spec names none.
+    pub image: String,
+    pub image_pull_policy: String,
+    /// Database Secret used when the spec has no `database`.
+    pub default_database_secret: SecretKeyRef,
+}
+
+/// Why a QueueAdapter cannot be turned into a worker (it waits for a spec change).
+#[derive(Debug, thiserror::Error)]
+pub enum InvalidAdapter {
+    #[error(transparent)]
+    Spec(#[from] InvalidSpec),
+    #[error(
+        "spec.source.redis.urlSecretRef is required in Kubernetes: the worker reads REDIS_URL from that Secret"
+    )]
+    MissingRedisSecret,
+    #[error("metadata.name and metadata.namespace are required")]
+    MissingMetadata,
+}
+
+/// A QueueAdapter that passed validation, with its defaults resolved.
+#[derive(Debug, Clone)]
+pub struct ValidAdapter<'a> {
+    pub adapter: &'a QueueAdapter,
+    pub name: &'a str,
+    pub namespace: &'a str,
+    pub redis: &'a RedisSource,
+    pub redis_secret: &'a SecretKeyRef,
+    pub database_secret: &'a SecretKeyRef,
+}
+
+/// Checks the spec the way the API server does, plus what only Kubernetes needs.
+pub fn validate<'a>(
+    adapter: &'a QueueAdapter,
+    settings: &'a WorkerSettings,
+) -> Result<ValidAdapter<'a>, InvalidAdapter> {
+    let (Some(name), Some(namespace)) = (
+        adapter.metadata.name.as_deref(),
+        adapter.metadata.namespace.as_deref(),
+    ) else {
+        return Err(InvalidAdapter::MissingMetadata);
+    };
+    adapter.spec.validate()?;
+    let redis = adapter
+        .spec
+        .source
+        .redis
+        .as_ref()
+        .ok_or(InvalidAdapter::MissingRedisSecret)?;
+    let redis_secret = redis
+        .url_secret_ref
+        .as_ref()
+        .ok_or(InvalidAdapter::MissingRedisSecret)?;
+    Ok(ValidAdapter {
+        adapter,
+        name,
+        namespace,
+        redis,
+        redis_secret,
+        database_secret: database_secret(&adapter.spec, settings),
+    })
+}
+
+/// The database Secret of `spec`: its own, else the operator's default.
+fn database_secret<'a>(
+    spec: &'a QueueAdapterSpec,
+    settings: &'a WorkerSettings,
+) -> &'a SecretKeyRef {
+    spec.database
+        .as_ref()
+        .map_or(&settings.default_database_secret, |db| &db.url_secret_ref)
+}
+
+/// Every Secret key the worker of `spec` reads.
+pub fn referenced_secrets<'a>(
+    spec: &'a QueueAdapterSpec,
+    settings: &'a WorkerSettings,
+) -> impl Iterator<Item = &'a SecretKeyRef> {
+    let redis = spec
+        .source
+        .redis
+        .as_ref()
+        .and_then(|redis| redis.url_secret_ref.as_ref());
+    redis
+        .into_iter()
+        .chain(std::iter::once(database_secret(spec, settings)))
+}
+
+/// The values behind the adapter's secret references (only hashed, never copied).
+#[derive(Debug, Clone, Copy)]
+pub struct SecretValues<'a> {
+    pub redis_url: &'a [u8],
+    pub database_url: &'a [u8],
+}
+
+/// Everything the worker needs, ready for server-side apply.
+#[derive(Debug, Clone)]
+pub struct WorkerObjects {
+    pub config_map: ConfigMap,
+    pub deployment: Deployment,
+}
+
+/// Why building failed (a bug, not a user error).
+#[derive(Debug, thiserror::Error)]
+pub enum BuildError {
+    #[error("cannot render the adapter manifest")]
+    Manifest(#[source] serde_yaml_ng::Error),
+    #[error("the QueueAdapter has no uid yet")]
+    NoUid,
+}
+
+/// `<name>-worker`: the Deployment and the ConfigMap.
+pub fn worker_name(adapter_name: &str) -> String {
+    format!("{adapter_name}-worker")
+}
+
+/// Labels that select the worker pods of one adapter.
+pub fn selector_labels(adapter_name: &str) -> BTreeMap<String, String> {
+    BTreeMap::from([
+        (
+            "app.kubernetes.io/name".to_owned(),
+            "switchboard-worker".to_owned(),
+        ),
+        (
+            "app.kubernetes.io/instance".to_owned(),
+            adapter_name.to_owned(),
+        ),
+    ])
+}
+
+/// The standard `app.kubernetes.io/*` labels of every object the operator writes.
+pub fn labels(adapter_name: &str) -> BTreeMap<String, String> {
+    let mut labels = selector_labels(adapter_name);
+    labels.extend([
+        (
+            "app.kubernetes.io/component".to_owned(),
+            "queue-adapter".to_owned(),
+        ),
+        (
+            "app.kubernetes.io/part-of".to_owned(),
+            "switchboard".to_owned(),
+        ),
+        (
+            "app.kubernetes.io/managed-by".to_owned(),
+            MANAGED_BY.to_owned(),
+        ),
+    ]);
+    labels
+}
+
+/// Label selector for watching the objects the operator manages.
+pub fn managed_selector() -> String {
+    format!("app.kubernetes.io/managed-by={MANAGED_BY}")
+}
+
+/// The manifest the worker runs: the QueueAdapter's name, namespace and spec (with defaults).
+pub fn worker_manifest(valid: &ValidAdapter<'_>) -> Result<String, BuildError> {
+    let manifest = QueueAdapter {
+        metadata: ObjectMeta {
+            name: Some(valid.name.to_owned()),
+            namespace: Some(valid.namespace.to_owned()),
+            ..ObjectMeta::default()
+        },
+        spec: valid.adapter.spec.clone(),
+        status: None,
+    };
+    let yaml = serde_yaml_ng::to_string(&manifest).map_err(BuildError::Manifest)?;
+    Ok(format!(
+        "# Rendered by switchboard-operator from QueueAdapter {}/{}; edits are overwritten.\n{yaml}",
+        valid.namespace, valid.name
+    ))
+}
+
+/// sha256 over the manifest and the secret values, each length-prefixed.
+pub fn config_hash(manifest: &str, secrets: SecretValues<'_>) -> String {
+    let mut hasher = Sha256::new();
+    for part in [manifest.as_bytes(), secrets.redis_url, secrets.database_url] {
+        hasher.update((part.len() as u64).to_be_bytes());
+        hasher.update(part);
+    }
+    hex::encode(hasher.finalize())
+}
+
+/// The adapter's settings for the `adapters.config` column: the spec without Kubernetes-only
+/// parts (database, workload) and without secret references.
+pub fn adapter_config(spec: &QueueAdapterSpec) -> serde_json::Value {
+    let mut source = spec.source.clone();
+    if let Some(redis) = source.redis.as_mut() {
+        redis.url_secret_ref = None;
+    }
+    serde_json::json!({
+        "source": source,
+        "target": spec.target,
+        "payload": spec.payload,
+        "delivery": spec.delivery,
+    })
+}
+
+fn secret_env(name: &str, secret: &SecretKeyRef) -> EnvVar {
+    EnvVar {
+        name: name.to_owned(),
+        value_from: Some(EnvVarSource {
+            secret_key_ref: Some(SecretKeySelector {
+                name: secret.name.clone(),
+                key: secret.key.clone(),
+                optional: Some(false),
+            }),
+            ..EnvVarSource::default()
+        }),
+        ..EnvVar::default()
+    }
+}
+
+fn http_probe(path: &str, period_seconds: i32) -> Probe {
+    Probe {
+        http_get: Some(HTTPGetAction {
+            path: Some(path.to_owned()),
+            port: IntOrString::String("metrics".to_owned()),
+            ..HTTPGetAction::default()
+        }),
+        period_seconds: Some(period_seconds),
+        timeout_seconds: Some(2),
+        failure_threshold: Some(3),
+        ..Probe::default()
+    }
+}
+
+fn worker_container(valid: &ValidAdapter<'_>, settings: &WorkerSettings) -> Container {
+    let workload = &valid.adapter.spec.workload;
+    Container {
+        name: "worker".to_owned(),
+        image: Some(
+            workload
+                .image
+                .clone()
+                .filter(|image| !image.is_empty())
+                .unwrap_or_else(|| settings.image.clone()),
+        ),
+        image_pull_policy: Some(settings.image_pull_policy.clone()),
+        command: Some(vec![WORKER_COMMAND.to_owned()]),
+        args: Some(vec![
+            "run".to_owned(),
+            "--file".to_owned(),
+            format!("{MANIFEST_DIR}/{MANIFEST_KEY}"),
+        ]),
+        env: Some(vec![
+            EnvVar {
+                name: "HOSTNAME".to_owned(),
+                value_from: Some(EnvVarSource {
+                    field_ref: Some(ObjectFieldSelector {
+                        field_path: "metadata.name".to_owned(),
+                        api_version: Some("v1".to_owned()),
+                    }),
+                    ..EnvVarSource::default()
+                }),
+                ..EnvVar::default()
+            },
+            secret_env("REDIS_URL", valid.redis_secret),
+            secret_env("DATABASE_URL", valid.database_secret),
+            EnvVar {
+                name: "LOG_JSON".to_owned(),
+                value: Some("true".to_owned()),
+                ..EnvVar::default()
+            },
+        ]),
+        ports: Some(vec![ContainerPort {
+            name: Some("metrics".to_owned()),
+            container_port: METRICS_PORT,
+            protocol: Some("TCP".to_owned()),
+            ..ContainerPort::default()
+        }]),
+        liveness_probe: Some(http_probe("/healthz", 10)),
+        readiness_probe: Some(http_probe("/readyz", 5)),
+        resources: workload.resources.clone(),
+        security_context: Some(SecurityContext {
+            allow_privilege_escalation: Some(false),
+            read_only_root_filesystem: Some(true),
+            run_as_non_root: Some(true),
+            capabilities: Some(Capabilities {
+                drop: Some(vec!["ALL".to_owned()]),
+                add: None,
+            }),
+            ..SecurityContext::default()
+        }),
+        volume_mounts: Some(vec![VolumeMount {
+            name: "manifest".to_owned(),
+            mount_path: MANIFEST_DIR.to_owned(),
+            read_only: Some(true),
+            ..VolumeMount::default()
+        }]),
+        ..Container::default()
+    }
+}
+
+fn object_meta(valid: &ValidAdapter<'_>, owner: &OwnerReference) -> ObjectMeta {
+    ObjectMeta {
+        name: Some(worker_name(valid.name)),
+        namespace: Some(valid.namespace.to_owned()),
+        labels: Some(labels(valid.name)),
+        owner_references: Some(vec![owner.clone()]),
+        ..ObjectMeta::default()
+    }
+}
+
+/// The ConfigMap with the worker's manifest and the worker Deployment, owned by the adapter.
+pub fn build(
+    valid: &ValidAdapter<'_>,
+    settings: &WorkerSettings,
+    secrets: SecretValues<'_>,
+) -> Result<WorkerObjects, BuildError> {
+    let owner = valid
+        .adapter
+        .controller_owner_ref(&())
+        .ok_or(BuildError::NoUid)?;
+    let manifest = worker_manifest(valid)?;
+    let hash = config_hash(&manifest, secrets);
+    let name = worker_name(valid.name);
+    let spec = &valid.adapter.spec;
+    let config_map = ConfigMap {
+        metadata: object_meta(valid, &owner),
+        data: Some(BTreeMap::from([(MANIFEST_KEY.to_owned(), manifest)])),
+        ..ConfigMap::default()
+    };
+    let pod = PodSpec {
+        containers: vec![worker_container(valid, settings)],
+        automount_service_account_token: Some(false),
+        enable_service_links: Some(false),
+        termination_grace_period_seconds: Some(TERMINATION_GRACE_PERIOD_SECONDS),
+        security_context: Some(PodSecurityContext {
+            run_as_non_root: Some(true),
+            run_as_user: Some(WORKER_UID),
+            run_as_group: Some(WORKER_UID),
+            seccomp_profile: Some(SeccompProfile {
+                type_: "RuntimeDefault".to_owned(),
+                localhost_profile: None,
+            }),
+            ..PodSecurityContext::default()
+        }),
+        volumes: Some(vec![Volume {
+            name: "manifest".to_owned(),
+            config_map: Some(ConfigMapVolumeSource {
+                name: name.clone(),
+                default_mode: Some(0o444),
+                ..ConfigMapVolumeSource::default()
+            }),
+            ..Volume::default()
+        }]),
+        ..PodSpec::default()
+    };
+    let deployment = Deployment {
+        metadata: object_meta(valid, &owner),
+        spec: Some(DeploymentSpec {
+            replicas: Some(if spec.enabled {
+                spec.workload.replicas
+            } else {
+                0
+            }),
+            revision_history_limit: Some(3),
+            selector: LabelSelector {
+                match_labels: Some(selector_labels(valid.name)),
+                ..LabelSelector::default()
+            },
+            template: PodTemplateSpec {
+                metadata: Some(ObjectMeta {
+                    labels: Some(labels(valid.name)),
+                    annotations: Some(BTreeMap::from([(CONFIG_HASH_ANNOTATION.to_owned(), hash)])),
+                    ..ObjectMeta::default()
+                }),
+                spec: Some(pod),
+            },
+            ..DeploymentSpec::default()
+        }),
+        status: None,
+    };
+    Ok(WorkerObjects {
+        config_map,
+        deployment,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const ORDERS: &str = include_str!("../fixtures/orders-stream.yaml");
+    const DISABLED_WITH_DATABASE: &str = include_str!("../fixtures/disabled-with-database.yaml");
+    const NO_REDIS_SECRET: &str = include_str!("../fixtures/no-redis-secret.yaml");
+
+    const REDIS_URL: &[u8] = b"redis://:hunter2@redis:6379/0";
+    const DATABASE_URL: &[u8] = b"postgres://app:s3cret@db/app";
+
+    fn settings() -> WorkerSettings {
+        WorkerSettings {
+            image: "registry.example/switchboard:9.9.9".to_owned(),
+            image_pull_policy: "IfNotPresent".to_owned(),
+            default_database_secret: SecretKeyRef {
+                name: "switchboard-db".to_owned(),
+                key: "url".to_owned(),
+            },
+        }
+    }
+
+    fn fixture(yaml: &str) -> QueueAdapter {
+        serde_yaml_ng::from_str(yaml).expect("fixture parses")
+    }
+
+    fn secrets() -> SecretValues<'static> {
+        SecretValues {
+            redis_url: REDIS_URL,
+            database_url: DATABASE_URL,
+        }
+    }
+
+    fn build_fixture(yaml: &str) -> WorkerObjects {
+        let adapter = fixture(yaml);
+        let settings = settings();
+        let valid = validate(&adapter, &settings).expect("valid");
+        build(&valid, &settings, secrets()).expect("builds")
+    }
+
+    fn pod_spec(objects: &WorkerObjects) -> &PodSpec {
+        objects
+            .deployment
+            .spec
+            .as_ref()
+            .and_then(|s| s.template.spec.as_ref())
+            .expect("pod spec")
+    }
+
+    fn env_secret<'a>(container: &'a Container, name: &str) -> &'a SecretKeySelector {
+        container
+            .env
+            .iter()
+            .flatten()
+            .find(|e| e.name == name)
+            .and_then(|e| e.value_from.as_ref())
+            .and_then(|v| v.secret_key_ref.as_ref())
+            .unwrap_or_else(|| panic!("{name} from a secret"))
+    }
+
+    fn hash_of(objects: &WorkerObjects) -> String {
+        objects
+            .deployment
+            .spec
+            .as_ref()
+            .expect("spec")
+            .template
+            .metadata
+            .as_ref()
+            .and_then(|m| m.annotations.as_ref())
+            .and_then(|a| a.get(CONFIG_HASH_ANNOTATION))
+            .cloned()
+            .expect("hash annotation")
+    }
+
+    #[test]
+    fn worker_deployment_runs_the_rendered_manifest_with_secrets_from_secret_refs() {
+        let objects = build_fixture(ORDERS);
+        let deployment = &objects.deployment;
+        assert_eq!(deployment.metadata.name.as_deref(), Some("orders-worker"));
+        assert_eq!(deployment.metadata.namespace.as_deref(), Some("shop"));
+        let owner = &deployment
+            .metadata
+            .owner_references
+            .as_ref()
+            .expect("owner")[0];
+        assert_eq!(
+            (owner.kind.as_str(), owner.name.as_str(), owner.controller),
+            ("QueueAdapter", "orders", Some(true))
+        );
+        assert_eq!(deployment.spec.as_ref().and_then(|s| s.replicas), Some(2));
+        let pod = pod_spec(&objects);
+        let container = &pod.containers[0];
+        assert_eq!(
+            container.image.as_deref(),
+            Some("registry.example/switchboard:9.9.9")
+        );
+        assert_eq!(container.image_pull_policy.as_deref(), Some("IfNotPresent"));
+        assert_eq!(
+            container.command,
+            Some(vec!["switchboard-worker".to_owned()])
+        );
+        assert_eq!(
+            container.args.as_deref(),
+            Some(
+                &[
+                    "run".to_owned(),
+                    "--file".to_owned(),
+                    "/etc/switchboard/adapter.yaml".to_owned()
+                ][..]
+            )
+        );
+        let redis = env_secret(container, "REDIS_URL");
+        assert_eq!((redis.name.as_str(), redis.key.as_str()), ("redis", "url"));
+        let database = env_secret(container, "DATABASE_URL");
+        assert_eq!(
+            (database.name.as_str(), database.key.as_str()),
+            ("switchboard-db", "url")
+        );
+        let hostname = container
+            .env
+            .iter()
+            .flatten()
+            .find(|e| e.name == "HOSTNAME")
+            .and_then(|e| e.value_from.as_ref())
+            .and_then(|v| v.field_ref.as_ref())
+            .expect("HOSTNAME from the downward API");
+        assert_eq!(hostname.field_path, "metadata.name");
+        let rendered = objects.config_map.data.as_ref().expect("data")[MANIFEST_KEY].clone();
+        let manifest = switchboard_api::load_manifest(&rendered).expect("worker accepts it");
+        assert_eq!(manifest.adapter_name(), "shop/orders");
+        assert_eq!(manifest.spec, fixture(ORDERS).spec);
+    }
+
+    #[test]
+    fn worker_pod_is_restricted_probed_and_outlives_the_shutdown_timeout() {
+        let objects = build_fixture(ORDERS);
+        let pod = pod_spec(&objects);
+        let container = &pod.containers[0];
+        let pod_security = pod.security_context.as_ref().expect("pod security");
+        assert_eq!(pod_security.run_as_non_root, Some(true));
+        assert_eq!(
+            pod_security
+                .seccomp_profile
+                .as_ref()
+                .map(|p| p.type_.as_str()),
+            Some("RuntimeDefault")
+        );
+        let security = container
+            .security_context
+            .as_ref()
+            .expect("container security");
+        assert_eq!(security.allow_privilege_escalation, Some(false));
+        assert_eq!(security.read_only_root_filesystem, Some(true));
+        assert_eq!(security.run_as_non_root, Some(true));
+        assert_eq!(
+            security.capabilities.as_ref().and_then(|c| c.drop.clone()),
+            Some(vec!["ALL".to_owned()])
+        );
+        assert!(pod.termination_grace_period_seconds.expect("grace") > 25);
+        let port = &container.ports.as_ref().expect("ports")[0];
+        assert_eq!(
+            (port.name.as_deref(), port.container_port),
+            (Some("metrics"), 9090)
+        );
+        for (probe, path) in [
+            (&container.liveness_probe, "/healthz"),
+            (&container.readiness_probe, "/readyz"),
+        ] {
+            let get = probe
+                .as_ref()
+                .and_then(|p| p.http_get.as_ref())
+                .expect("probe");
+            assert_eq!(get.path.as_deref(), Some(path));
+            assert_eq!(get.port, IntOrString::String("metrics".to_owned()));
+        }
+        let requests = container
+            .resources
+            .as_ref()
+            .and_then(|r| r.requests.as_ref())
+            .expect("requests from the spec");
+        assert_eq!(requests["memory"].0, "64Mi");
+        let labels = objects.deployment.metadata.labels.as_ref().expect("labels");
+        for key in [
+            "app.kubernetes.io/name",
+            "app.kubernetes.io/instance",
+            "app.kubernetes.io/component",
+            "app.kubernetes.io/part-of",
+            "app.kubernetes.io/managed-by",
+        ] {
+            assert!(labels.contains_key(key), "missing label {key}");
+        }
+    }
+
+    #[test]
+    fn disabled_adapter_scales_to_zero_and_uses_its_own_database_and_image() {
+        let objects = build_fixture(DISABLED_WITH_DATABASE);
+        assert_eq!(
+            objects.deployment.spec.as_ref().and_then(|s| s.replicas),
+            Some(0)
+        );
+        let container = &pod_spec(&objects).containers[0];
+        assert_eq!(container.image.as_deref(), Some("example/worker:dev"));
+        let database = env_secret(container, "DATABASE_URL");
+        assert_eq!(
+            (database.name.as_str(), database.key.as_str()),
+            ("billing-db", "dsn")
+        );
+    }
+
+    #[test]
+    fn hash_changes_with_the_spec_and_with_each_secret_but_holds_no_secret() {
+        let base = build_fixture(ORDERS);
+        let hash = hash_of(&base);
+        let changed_spec = build_fixture(&ORDERS.replace("batchSize: 200", "batchSize: 300"));
+        assert_ne!(hash_of(&changed_spec), hash);
+        let adapter = fixture(ORDERS);
+        let settings = settings();
+        let valid = validate(&adapter, &settings).expect("valid");
+        for secrets in [
+            SecretValues {
+                redis_url: b"redis://:other@redis:6379/0",
+                database_url: DATABASE_URL,
+            },
+            SecretValues {
+                redis_url: REDIS_URL,
+                database_url: b"postgres://app:other@db/app",
+            },
+        ] {
+            let rebuilt = build(&valid, &settings, secrets).expect("builds");
+            assert_ne!(hash_of(&rebuilt), hash);
+        }
+        assert_eq!(hash_of(&build_fixture(ORDERS)), hash, "deterministic");
+        let everything = format!("{base:?}");
+        assert!(!everything.contains("hunter2") && !everything.contains("s3cret"));
+    }
+
+    #[test]
+    fn adapter_config_has_no_secret_references() {
+        let adapter = fixture(ORDERS);
+        let config = adapter_config(&adapter.spec);
+        let text = config.to_string();
+        assert!(
+            !text.contains("urlSecretRef") && !text.contains("database"),
+            "{text}"
+        );
+        assert_eq!(config["target"]["queue"], "orders");
+        assert_eq!(config["source"]["redis"]["stream"], "orders");
+        assert_eq!(config["delivery"]["batchSize"], 200);
+    }
+
+    #[test]
+    fn adapter_without_a_redis_secret_is_invalid_naming_the_field() {
+        let adapter = fixture(NO_REDIS_SECRET);
+        let err = validate(&adapter, &settings()).expect_err("invalid");
+        assert!(
+            err.to_string().contains("spec.source.redis.urlSecretRef"),
+            "{err}"
+        );
+    }
+}

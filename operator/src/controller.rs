@@ -1,0 +1,455 @@
+//! The QueueAdapter controller: validate → dereference Secrets → build (pure) → mirror the
+//! `adapters` row → server-side apply (one field manager, owner references) → status.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::core::v1::{ConfigMap, Secret};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use k8s_openapi::jiff::Timestamp;
+use kube::api::{Patch, PatchParams};
+use kube::runtime::controller::Action;
+use kube::runtime::events::{Event, EventType, Recorder, Reporter};
+use kube::runtime::finalizer::{self, finalizer};
+use kube::runtime::reflector::{ObjectRef, Store as Cache};
+use kube::runtime::{Controller, watcher};
+use kube::{Api, Client, Resource, ResourceExt};
+use switchboard_api::{QueueAdapter, SecretKeyRef};
+use switchboard_store::{QueueAdapterRow, Store, StoreError};
+use tokio_util::sync::CancellationToken;
+
+use crate::ErrorChain;
+use crate::build::{
+    BuildError, FIELD_MANAGER, SecretValues, ValidAdapter, WorkerSettings, adapter_config, build,
+    managed_selector, referenced_secrets, validate, worker_name,
+};
+use crate::metrics::{ErrorCategory, Metrics, ReconcileOutcome};
+use crate::status::{Outcome, desired_status};
+
+/// Held on every QueueAdapter until its `adapters` row is deleted.
+pub const FINALIZER: &str = "switchboard.dev/adapters-row";
+/// A successful reconcile runs again after this long even without a change (drift repair).
+const RESYNC: Duration = Duration::from_secs(300);
+const BACKOFF_INITIAL: Duration = Duration::from_millis(500);
+const BACKOFF_CAP: Duration = Duration::from_secs(300);
+
+/// Why a reconcile failed (transient: retried with backoff).
+#[derive(Debug, thiserror::Error)]
+pub enum ReconcileError {
+    #[error("Kubernetes API call failed: {action}")]
+    Kubernetes {
+        action: &'static str,
+        #[source]
+        source: kube::Error,
+    },
+    #[error("cannot mirror the adapter into the adapters table")]
+    Store(#[source] StoreError),
+    #[error("cannot build the worker objects")]
+    Build(#[source] BuildError),
+}
+
+impl ReconcileError {
+    fn category(&self) -> ErrorCategory {
+        match self {
+            ReconcileError::Kubernetes { .. } => ErrorCategory::Kubernetes,
+            ReconcileError::Store(_) => ErrorCategory::Database,
+            ReconcileError::Build(_) => ErrorCategory::Build,
+        }
+    }
+
+    /// The condition reason reported for this failure.
+    fn reason(&self) -> &'static str {
+        match self {
+            ReconcileError::Kubernetes { .. } => "KubernetesApiError",
+            ReconcileError::Store(_) => "DatabaseUnavailable",
+            ReconcileError::Build(_) => "BuildFailed",
+        }
+    }
+}
+
+fn kubernetes(action: &'static str) -> impl FnOnce(kube::Error) -> ReconcileError {
+    move |source| ReconcileError::Kubernetes { action, source }
+}
+
+/// What a reconcile returns: the finalizer helper wraps our errors.
+pub type ReconcileResult = Result<Action, finalizer::Error<ReconcileError>>;
+
+fn category(err: &finalizer::Error<ReconcileError>) -> ErrorCategory {
+    match err {
+        finalizer::Error::ApplyFailed(err) | finalizer::Error::CleanupFailed(err) => err.category(),
+        finalizer::Error::AddFinalizer(_) | finalizer::Error::RemoveFinalizer(_) => {
+            ErrorCategory::Kubernetes
+        }
+        finalizer::Error::UnnamedObject | finalizer::Error::InvalidFinalizer => {
+            ErrorCategory::Build
+        }
+    }
+}
+
+#[derive(Debug, Default)]
+struct Failures {
+    attempts: u32,
+    last_error: String,
+}
+
+/// Everything a reconcile needs, built once.
+pub struct Context {
+    client: Client,
+    store: Store,
+    settings: WorkerSettings,
+    metrics: Arc<Metrics>,
+    recorder: Recorder,
+    failures: Mutex<HashMap<String, Failures>>,
+}
+
+impl Context {
+    pub fn new(
+        client: Client,
+        store: Store,
+        settings: WorkerSettings,
+        metrics: Arc<Metrics>,
+        identity: &str,
+    ) -> Self {
+        let reporter = Reporter {
+            controller: FIELD_MANAGER.to_owned(),
+            instance: Some(identity.to_owned()),
+        };
+        Self {
+            recorder: Recorder::new(client.clone(), reporter),
+            client,
+            store,
+            settings,
+            metrics,
+            failures: Mutex::default(),
+        }
+    }
+
+    async fn publish(&self, adapter: &QueueAdapter, type_: EventType, reason: &str, note: String) {
+        let event = Event {
+            type_,
+            reason: reason.to_owned(),
+            note: Some(note),
+            action: "Reconcile".to_owned(),
+            secondary: None,
+        };
+        if let Err(err) = self
+            .recorder
+            .publish(&event, &adapter.object_ref(&()))
+            .await
+        {
+            tracing::warn!(adapter = %adapter.adapter_name(), error = %ErrorChain(&err), "cannot publish event");
+        }
+    }
+
+    /// Writes the status `outcome` implies, unless the adapter already has it. Returns whether
+    /// it wrote.
+    async fn write_status(
+        &self,
+        adapter: &QueueAdapter,
+        outcome: Outcome<'_>,
+    ) -> Result<bool, ReconcileError> {
+        let status = desired_status(adapter, outcome, &Time(Timestamp::now()));
+        if adapter.status.as_ref() == Some(&status) {
+            return Ok(false);
+        }
+        let patch = serde_json::json!({
+            "apiVersion": QueueAdapter::api_version(&()),
+            "kind": QueueAdapter::kind(&()),
+            "status": status,
+        });
+        self.adapters(adapter)
+            .patch_status(
+                &adapter.name_any(),
+                &PatchParams::apply(FIELD_MANAGER).force(),
+                &Patch::Apply(&patch),
+            )
+            .await
+            .map_err(kubernetes("patch QueueAdapter status"))?;
+        Ok(true)
+    }
+
+    fn adapters(&self, adapter: &QueueAdapter) -> Api<QueueAdapter> {
+        Api::namespaced(self.client.clone(), &namespace(adapter))
+    }
+}
+
+fn namespace(adapter: &QueueAdapter) -> String {
+    adapter.namespace().unwrap_or_else(|| "default".to_owned())
+}
+
+/// The value of `reference` in the adapter's namespace; `Ok(Err(message))` when it is missing.
+async fn secret_value(
+    secrets: &Api<Secret>,
+    namespace: &str,
+    reference: &SecretKeyRef,
+) -> Result<Result<Vec<u8>, String>, ReconcileError> {
+    let Some(secret) = secrets
+        .get_opt(&reference.name)
+        .await
+        .map_err(kubernetes("get Secret"))?
+    else {
+        return Ok(Err(format!(
+            "Secret {namespace}/{} not found",
+            reference.name
+        )));
+    };
+    Ok(secret
+        .data
+        .and_then(|mut data| data.remove(&reference.key))
+        .map(|value| value.0)
+        .ok_or_else(|| {
+            format!(
+                "Secret {namespace}/{} has no key {:?}",
+                reference.name, reference.key
+            )
+        }))
+}
+
+/// Mirrors the row and applies the ConfigMap and Deployment; returns the Deployment as applied.
+async fn converge(
+    adapter: &QueueAdapter,
+    valid: &ValidAdapter<'_>,
+    secrets: SecretValues<'_>,
+    ctx: &Context,
+) -> Result<Deployment, ReconcileError> {
+    let objects = build(valid, &ctx.settings, secrets).map_err(ReconcileError::Build)?;
+    let config = adapter_config(&adapter.spec);
+    ctx.store
+        .upsert_queue_adapter(&QueueAdapterRow {
+            name: &adapter.adapter_name(),
+            enabled: adapter.spec.enabled,
+            config: &config,
+            generation: adapter.metadata.generation.unwrap_or(0),
+        })
+        .await
+        .map_err(ReconcileError::Store)?;
+    let apply = PatchParams::apply(FIELD_MANAGER).force();
+    let name = worker_name(valid.name);
+    Api::<ConfigMap>::namespaced(ctx.client.clone(), valid.namespace)
+        .patch(&name, &apply, &Patch::Apply(&objects.config_map))
+        .await
+        .map_err(kubernetes("apply worker ConfigMap"))?;
+    let deployments = Api::<Deployment>::namespaced(ctx.client.clone(), valid.namespace);
+    let before = deployments
+        .get_opt(&name)
+        .await
+        .map_err(kubernetes("get worker Deployment"))?
+        .and_then(|d| d.metadata.resource_version);
+    let applied = deployments
+        .patch(&name, &apply, &Patch::Apply(&objects.deployment))
+        .await
+        .map_err(kubernetes("apply worker Deployment"))?;
+    let change = match before {
+        None => Some(("Created", "created")),
+        Some(version) if applied.metadata.resource_version.as_ref() != Some(&version) => {
+            Some(("Updated", "updated"))
+        }
+        Some(_) => None,
+    };
+    if let Some((reason, verb)) = change {
+        tracing::info!(adapter = %adapter.adapter_name(), deployment = %name, "worker Deployment {verb}");
+        ctx.publish(
+            adapter,
+            EventType::Normal,
+            reason,
+            format!("worker Deployment {name} {verb}"),
+        )
+        .await;
+    }
+    Ok(applied)
+}
+
+/// Reports that the adapter cannot run as it is, and waits for a change to it or its Secrets.
+async fn block(
+    adapter: &QueueAdapter,
+    ctx: &Context,
+    reason: &str,
+    message: &str,
+) -> Result<Action, ReconcileError> {
+    ctx.metrics.reconciled(ReconcileOutcome::Blocked);
+    if ctx
+        .write_status(adapter, Outcome::Blocked { reason, message })
+        .await?
+    {
+        tracing::info!(adapter = %adapter.adapter_name(), reason, message, "adapter cannot run; waiting for a change");
+        ctx.publish(adapter, EventType::Warning, reason, message.to_owned())
+            .await;
+    }
+    Ok(Action::await_change())
+}
+
+async fn apply(adapter: &QueueAdapter, ctx: &Context) -> Result<Action, ReconcileError> {
+    let valid = match validate(adapter, &ctx.settings) {
+        Ok(valid) => valid,
+        Err(invalid) => return block(adapter, ctx, "InvalidSpec", &invalid.to_string()).await,
+    };
+    let secrets = Api::<Secret>::namespaced(ctx.client.clone(), valid.namespace);
+    let redis_url = match secret_value(&secrets, valid.namespace, valid.redis_secret).await? {
+        Ok(value) => value,
+        Err(message) => return block(adapter, ctx, "SecretNotFound", &message).await,
+    };
+    let database_url = match secret_value(&secrets, valid.namespace, valid.database_secret).await? {
+        Ok(value) => value,
+        Err(message) => return block(adapter, ctx, "SecretNotFound", &message).await,
+    };
+    let values = SecretValues {
+        redis_url: &redis_url,
+        database_url: &database_url,
+    };
+    match converge(adapter, &valid, values, ctx).await {
+        Ok(deployment) => {
+            ctx.write_status(adapter, Outcome::Applied(&deployment))
+                .await?;
+            ctx.metrics.reconciled(ReconcileOutcome::Applied);
+            Ok(Action::requeue(RESYNC))
+        }
+        Err(err) => {
+            let message = ErrorChain(&err).to_string();
+            let failed = Outcome::Failed {
+                reason: err.reason(),
+                message: &message,
+            };
+            // Best effort: the API server may be what failed.
+            if let Ok(true) = ctx.write_status(adapter, failed).await {
+                ctx.publish(adapter, EventType::Warning, err.reason(), message)
+                    .await;
+            }
+            Err(err)
+        }
+    }
+}
+
+async fn cleanup(adapter: &QueueAdapter, ctx: &Context) -> Result<Action, ReconcileError> {
+    let name = adapter.adapter_name();
+    let deleted = ctx
+        .store
+        .delete_adapter(&name)
+        .await
+        .map_err(ReconcileError::Store)?;
+    tracing::info!(adapter = %name, row_deleted = deleted, "adapter deleted; adapters row cleaned up");
+    ctx.metrics.reconciled(ReconcileOutcome::CleanedUp);
+    Ok(Action::await_change())
+}
+
+async fn reconcile(adapter: Arc<QueueAdapter>, ctx: Arc<Context>) -> ReconcileResult {
+    let started = Instant::now();
+    let key = adapter.adapter_name();
+    let api = ctx.adapters(&adapter);
+    let result = finalizer(&api, FINALIZER, adapter, |event| async {
+        match event {
+            finalizer::Event::Apply(adapter) => apply(&adapter, &ctx).await,
+            finalizer::Event::Cleanup(adapter) => cleanup(&adapter, &ctx).await,
+        }
+    })
+    .await;
+    ctx.metrics
+        .reconcile_seconds
+        .observe(started.elapsed().as_secs_f64());
+    if result.is_ok() {
+        let recovered = ctx
+            .failures
+            .lock()
+            .map(|mut failures| failures.remove(&key).is_some())
+            .unwrap_or(false);
+        if recovered {
+            tracing::info!(adapter = %key, "reconcile succeeded again");
+        }
+    }
+    result
+}
+
+/// Counts the failure, logs it when it is new, and requeues with exponential backoff.
+fn error_policy(
+    adapter: Arc<QueueAdapter>,
+    err: &finalizer::Error<ReconcileError>,
+    ctx: Arc<Context>,
+) -> Action {
+    let category = category(err);
+    ctx.metrics.failed(category);
+    let key = adapter.adapter_name();
+    let message = ErrorChain(err).to_string();
+    let (attempts, is_new) = match ctx.failures.lock() {
+        Ok(mut failures) => {
+            let entry = failures.entry(key.clone()).or_default();
+            entry.attempts = entry.attempts.saturating_add(1);
+            let is_new = entry.last_error != message;
+            entry.last_error.clone_from(&message);
+            (entry.attempts, is_new)
+        }
+        Err(_) => (1, true),
+    };
+    let delay = backoff(attempts);
+    if is_new {
+        tracing::warn!(adapter = %key, category = category.as_str(), error = %message, retry_in = ?delay, "reconcile failed; retrying with backoff");
+    }
+    Action::requeue(delay)
+}
+
+/// Exponential: 0.5 s, 1 s, 2 s, … capped at 5 min.
+fn backoff(attempts: u32) -> Duration {
+    let factor = 2u32.saturating_pow(attempts.saturating_sub(1).min(16));
+    BACKOFF_INITIAL.saturating_mul(factor).min(BACKOFF_CAP)
+}
+
+/// The adapters in `secret`'s namespace that reference it.
+fn adapters_using(
+    cache: &Cache<QueueAdapter>,
+    settings: &WorkerSettings,
+    secret: &Secret,
+) -> Vec<ObjectRef<QueueAdapter>> {
+    let name = secret.name_any();
+    cache
+        .state()
+        .iter()
+        .filter(|adapter| adapter.namespace() == secret.namespace())
+        .filter(|adapter| referenced_secrets(&adapter.spec, settings).any(|r| r.name == name))
+        .map(|adapter| ObjectRef::from_obj(adapter.as_ref()))
+        .collect()
+}
+
+/// Runs the controller until `stop` fires, then lets running reconciles finish.
+pub async fn run_controller(ctx: Arc<Context>, stop: CancellationToken) {
+    let client = ctx.client.clone();
+    let managed = watcher::Config::default().labels(&managed_selector());
+    let controller = Controller::new(
+        Api::<QueueAdapter>::all(client.clone()),
+        watcher::Config::default(),
+    );
+    let cache = controller.store();
+    let settings = ctx.settings.clone();
+    controller
+        .owns(Api::<Deployment>::all(client.clone()), managed.clone())
+        .owns(Api::<ConfigMap>::all(client.clone()), managed)
+        .watches(
+            Api::<Secret>::all(client),
+            watcher::Config::default(),
+            move |secret| adapters_using(&cache, &settings, &secret),
+        )
+        .graceful_shutdown_on(async move { stop.cancelled_owned().await })
+        .run(reconcile, error_policy, ctx)
+        .for_each(|result| async move {
+            // Reconcile failures are logged by `error_policy`; these are the controller's own.
+            if let Err(err) = result
+                && !matches!(err, kube::runtime::controller::Error::ReconcilerFailed(..))
+            {
+                tracing::warn!(error = %ErrorChain(&err), "controller error");
+            }
+        })
+        .await;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backoff_doubles_from_half_a_second_and_is_capped() {
+        assert_eq!(backoff(1), Duration::from_millis(500));
+        assert_eq!(backoff(2), Duration::from_secs(1));
+        assert_eq!(backoff(4), Duration::from_secs(4));
+        assert_eq!(backoff(40), BACKOFF_CAP);
+    }
+}

@@ -1,0 +1,218 @@
+//! Switchboard's Kubernetes operator: turns each QueueAdapter into a worker Deployment (plus the
+//! ConfigMap holding its manifest) and a row in the `adapters` table.
+//!
+//! A reconcile is a pipeline with a pure middle: validate → dereference Secrets → [`build`] →
+//! server-side apply under one field manager with owner references → status with
+//! `observedGeneration` and conditions. A finalizer guards only the `adapters` row, the one thing
+//! Kubernetes cannot garbage-collect.
+
+pub mod build;
+pub mod controller;
+pub mod lease;
+pub mod metrics;
+pub mod server;
+pub mod status;
+
+use std::error::Error;
+use std::fmt;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use kube::{Client, CustomResourceExt};
+use switchboard_api::QueueAdapter;
+use switchboard_store::{Store, StoreError};
+use tokio::signal::unix::{SignalKind, signal};
+use tokio_util::sync::CancellationToken;
+
+use crate::build::WorkerSettings;
+use crate::controller::{Context, run_controller};
+use crate::lease::{LeaderElector, LeaseError, LeaseSettings};
+use crate::metrics::Metrics;
+use crate::server::Probes;
+
+/// The worker image used when neither the flag nor the spec names one: this operator's version.
+pub const DEFAULT_WORKER_IMAGE: &str = concat!(
+    "ghcr.io/switchboard/switchboard:",
+    env!("CARGO_PKG_VERSION")
+);
+
+/// The QueueAdapter CustomResourceDefinition as YAML (what `crds/` holds).
+pub fn crd_yaml() -> Result<String, serde_yaml_ng::Error> {
+    serde_yaml_ng::to_string(&QueueAdapter::crd())
+}
+
+/// Displays an error with its whole `source()` chain, `outer: inner: …`.
+pub struct ErrorChain<'a>(pub &'a dyn Error);
+
+impl fmt::Display for ErrorChain<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mut first = true;
+        let mut next = Some(self.0);
+        while let Some(err) = next {
+            if !first {
+                f.write_str(": ")?;
+            }
+            first = false;
+            write!(f, "{err}")?;
+            next = err.source();
+        }
+        Ok(())
+    }
+}
+
+/// Why the operator could not start or run.
+#[derive(Debug, thiserror::Error)]
+pub enum OperatorError {
+    #[error("cannot install signal handlers")]
+    Signals(#[source] std::io::Error),
+    #[error("cannot serve metrics on {addr}")]
+    Serve {
+        addr: SocketAddr,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("cannot migrate the database")]
+    Migrate(#[source] StoreError),
+    #[error("cannot configure the Kubernetes client (KUBECONFIG or in-cluster)")]
+    Client(#[source] kube::Error),
+    #[error(transparent)]
+    Lease(#[from] LeaseError),
+}
+
+/// Options of `switchboard-operator run`.
+#[derive(Debug, Clone)]
+pub struct RunOptions {
+    pub worker: WorkerSettings,
+    /// `None`: run without leader election (a single replica).
+    pub leader_election: Option<LeaseSettings>,
+    /// This process's name in the Lease and in Events.
+    pub identity: String,
+    pub metrics_addr: SocketAddr,
+    pub database_url: String,
+}
+
+/// Sets up logging: `RUST_LOG` filters (default `info`); JSON lines when `json`.
+pub fn init_tracing(json: bool) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let subscriber = tracing_subscriber::fmt().with_env_filter(filter);
+    if json {
+        subscriber.json().init();
+    } else {
+        subscriber.init();
+    }
+}
+
+/// First SIGTERM/SIGINT cancels `shutdown`.
+fn cancel_on_signal(shutdown: CancellationToken) -> Result<(), OperatorError> {
+    let mut terminate = signal(SignalKind::terminate()).map_err(OperatorError::Signals)?;
+    let mut interrupt = signal(SignalKind::interrupt()).map_err(OperatorError::Signals)?;
+    tokio::spawn(async move {
+        tokio::select! {
+            _ = terminate.recv() => {}
+            _ = interrupt.recv() => {}
+        }
+        tracing::info!("shutdown requested; finishing running reconciles");
+        shutdown.cancel();
+    });
+    Ok(())
+}
+
+/// `switchboard-operator run`: migrates the database, then reconciles QueueAdapters (as the
+/// leader, with leader election) until SIGTERM.
+pub async fn run(options: RunOptions) -> Result<(), OperatorError> {
+    let shutdown = CancellationToken::new();
+    cancel_on_signal(shutdown.clone())?;
+    let metrics = Arc::new(Metrics::new());
+    let ready = Arc::new(AtomicBool::new(false));
+    let probes = Probes {
+        metrics: metrics.clone(),
+        ready: ready.clone(),
+    };
+    let (bound, server) = server::serve(options.metrics_addr, probes, shutdown.clone())
+        .await
+        .map_err(|source| OperatorError::Serve {
+            addr: options.metrics_addr,
+            source,
+        })?;
+    tracing::info!(addr = %bound, "serving /healthz, /readyz and /metrics");
+
+    let store = Store::connect(&options.database_url, 4)
+        .await
+        .map_err(OperatorError::Migrate)?;
+    store.migrate().await.map_err(OperatorError::Migrate)?;
+    tracing::info!("database migrations applied");
+    let client = Client::try_default().await.map_err(OperatorError::Client)?;
+    let ctx = Arc::new(Context::new(
+        client.clone(),
+        store,
+        options.worker,
+        metrics.clone(),
+        &options.identity,
+    ));
+    ready.store(true, Ordering::Relaxed);
+
+    let result = match options.leader_election {
+        None => {
+            metrics.leader.set(1);
+            run_controller(ctx, shutdown.clone()).await;
+            Ok(())
+        }
+        Some(settings) => {
+            let elector = LeaderElector::new(client, settings);
+            lead(elector, ctx, &metrics, &shutdown).await
+        }
+    };
+    metrics.leader.set(0);
+    shutdown.cancel();
+    let _ = server.await;
+    tracing::info!("exiting");
+    result
+}
+
+/// Waits for the lease, then runs the controller while renewing it. On shutdown the controller
+/// finishes first, then the lease is released; a lost lease stops the controller and fails.
+async fn lead(
+    mut elector: LeaderElector,
+    ctx: Arc<Context>,
+    metrics: &Metrics,
+    shutdown: &CancellationToken,
+) -> Result<(), OperatorError> {
+    if !elector.acquire(shutdown).await? {
+        return Ok(());
+    }
+    metrics.leader.set(1);
+    let stop_controller = shutdown.child_token();
+    let release = CancellationToken::new();
+    let mut controller = tokio::spawn(run_controller(ctx, stop_controller.clone()));
+    let hold = elector.hold(&release);
+    tokio::pin!(hold);
+    tokio::select! {
+        held = &mut hold => {
+            stop_controller.cancel();
+            let _ = controller.await;
+            held?;
+        }
+        _ = &mut controller => {
+            release.cancel();
+            hold.await?;
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    const COMMITTED_CRD: &str = include_str!("../../crds/queueadapters.switchboard.dev.yaml");
+
+    #[test]
+    fn committed_crd_matches_the_api_types() {
+        let generated = super::crd_yaml().expect("CRD renders");
+        assert!(
+            generated == COMMITTED_CRD,
+            "crds/queueadapters.switchboard.dev.yaml is stale; regenerate it with \
+             `cargo run -p switchboard-operator -- crd > crds/queueadapters.switchboard.dev.yaml`"
+        );
+    }
+}

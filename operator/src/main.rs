@@ -1,0 +1,138 @@
+use std::net::SocketAddr;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand};
+use switchboard_api::SecretKeyRef;
+use switchboard_operator::build::WorkerSettings;
+use switchboard_operator::lease::LeaseSettings;
+use switchboard_operator::{
+    DEFAULT_WORKER_IMAGE, ErrorChain, RunOptions, crd_yaml, init_tracing, run,
+};
+
+/// Kubernetes operator for Switchboard QueueAdapters: one worker Deployment and one `adapters`
+/// row per QueueAdapter.
+///
+/// Kubernetes access: KUBECONFIG or the in-cluster service account. Database: DATABASE_URL
+/// (migrated at start).
+#[derive(Debug, Parser)]
+#[command(name = "switchboard-operator", version)]
+struct Cli {
+    /// Log JSON lines instead of text.
+    #[arg(long, global = true, env = "LOG_JSON")]
+    log_json: bool,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Print the QueueAdapter CustomResourceDefinition as YAML.
+    Crd,
+    /// Reconcile QueueAdapters until SIGTERM.
+    Run(Box<RunArgs>),
+}
+
+#[derive(Debug, Args)]
+struct RunArgs {
+    /// Image of the worker pods (a QueueAdapter's spec.workload.image overrides it).
+    #[arg(long, env = "SWITCHBOARD_WORKER_IMAGE", default_value = DEFAULT_WORKER_IMAGE)]
+    worker_image: String,
+    /// imagePullPolicy of the worker pods.
+    #[arg(long, env = "SWITCHBOARD_WORKER_IMAGE_PULL_POLICY", default_value = "IfNotPresent",
+          value_parser = ["Always", "IfNotPresent", "Never"])]
+    worker_image_pull_policy: String,
+    /// Secret (in the adapter's namespace) holding the database URL when a QueueAdapter has no
+    /// spec.database.
+    #[arg(
+        long,
+        env = "SWITCHBOARD_DEFAULT_DATABASE_SECRET_NAME",
+        default_value = "switchboard-db"
+    )]
+    default_database_secret_name: String,
+    /// Key of that Secret.
+    #[arg(
+        long,
+        env = "SWITCHBOARD_DEFAULT_DATABASE_SECRET_KEY",
+        default_value = "url"
+    )]
+    default_database_secret_key: String,
+    /// Reconcile only while holding a coordination.k8s.io Lease (run several replicas safely).
+    #[arg(long, env = "SWITCHBOARD_LEADER_ELECTION")]
+    leader_election: bool,
+    /// Name of the leader Lease.
+    #[arg(
+        long,
+        env = "SWITCHBOARD_LEASE_NAME",
+        default_value = "switchboard-operator"
+    )]
+    lease_name: String,
+    /// Namespace of the leader Lease.
+    #[arg(long, env = "POD_NAMESPACE", default_value = "default")]
+    lease_namespace: String,
+    /// How long a lease lasts without renewal before another replica takes over.
+    #[arg(long, env = "SWITCHBOARD_LEASE_DURATION", default_value = "15s",
+          value_parser = humantime::parse_duration)]
+    lease_duration: Duration,
+    /// This replica's identity in the Lease and in Events [default: the host name].
+    #[arg(long, env = "HOSTNAME")]
+    identity: Option<String>,
+    /// Address of the /healthz, /readyz and /metrics server.
+    #[arg(long, env = "SWITCHBOARD_METRICS_ADDR", default_value = "0.0.0.0:8080")]
+    metrics_addr: SocketAddr,
+    /// PostgreSQL URL of the database holding the adapters table.
+    #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
+    database_url: String,
+}
+
+impl RunArgs {
+    fn into_options(self) -> RunOptions {
+        let identity = self
+            .identity
+            .or_else(|| std::fs::read_to_string("/proc/sys/kernel/hostname").ok())
+            .map(|name| name.trim().to_owned())
+            .filter(|name| !name.is_empty())
+            .unwrap_or_else(|| format!("switchboard-operator-{}", std::process::id()));
+        RunOptions {
+            worker: WorkerSettings {
+                image: self.worker_image,
+                image_pull_policy: self.worker_image_pull_policy,
+                default_database_secret: SecretKeyRef {
+                    name: self.default_database_secret_name,
+                    key: self.default_database_secret_key,
+                },
+            },
+            leader_election: self.leader_election.then(|| LeaseSettings {
+                name: self.lease_name,
+                namespace: self.lease_namespace,
+                identity: identity.clone(),
+                duration: self.lease_duration,
+            }),
+            identity,
+            metrics_addr: self.metrics_addr,
+            database_url: self.database_url,
+        }
+    }
+}
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Crd => crd_yaml()
+            .map(|yaml| print!("{yaml}"))
+            .map_err(anyhow::Error::from),
+        Command::Run(args) => {
+            init_tracing(cli.log_json);
+            run(args.into_options()).await.map_err(anyhow::Error::from)
+        }
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(err) => {
+            tracing::error!(error = %ErrorChain(err.as_ref()), "fatal");
+            eprintln!("error: {}", ErrorChain(err.as_ref()));
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,221 @@
+//! A kubelet stand-in: runs the first container of a Deployment's pod template as a local process,
+//! the way a kubelet would start it — ConfigMap volumes written to a folder and the container's
+//! mount paths in its arguments pointed there, `env` resolved from literal values, Secrets,
+//! ConfigMaps and the downward API, and nothing else from the test's environment.
+//!
+//! Two deliberate differences, because the process shares the host's network and file system:
+//! the metrics port is remapped to a free loopback port (`--metrics-addr`), and the container's
+//! `command` is looked up among the workspace's binaries instead of the image.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command};
+
+use anyhow::{Context, Result, bail};
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::core::v1::{ConfigMap, Container, EnvVar, PodSpec, Probe, Secret};
+use kube::{Api, Client};
+use tempfile::TempDir;
+
+use super::{http_get, log_tail, spawn_logged};
+use crate::servers::free_port;
+use crate::worker::worker_binary;
+
+/// The pod's one container, running.
+#[derive(Debug)]
+pub struct LocalPod {
+    child: Child,
+    _volumes: TempDir,
+    pub container: Container,
+    pub metrics_addr: SocketAddr,
+    /// What the container's environment was resolved to (names only are safe to print).
+    pub env: BTreeMap<String, String>,
+    pub args: Vec<String>,
+    log: PathBuf,
+}
+
+fn template(deployment: &Deployment) -> Result<(&PodSpec, &Container)> {
+    let pod = deployment
+        .spec
+        .as_ref()
+        .and_then(|s| s.template.spec.as_ref())
+        .context("the Deployment has no pod template")?;
+    let container = pod.containers.first().context("the pod has no container")?;
+    Ok((pod, container))
+}
+
+async fn secret_value(client: &Client, namespace: &str, name: &str, key: &str) -> Result<String> {
+    let secret = Api::<Secret>::namespaced(client.clone(), namespace)
+        .get(name)
+        .await
+        .with_context(|| format!("Secret {namespace}/{name}"))?;
+    let value = secret
+        .data
+        .and_then(|mut d| d.remove(key))
+        .with_context(|| format!("Secret {namespace}/{name} has no key {key}"))?;
+    Ok(String::from_utf8(value.0)?)
+}
+
+async fn config_map(
+    client: &Client,
+    namespace: &str,
+    name: &str,
+) -> Result<BTreeMap<String, String>> {
+    let map = Api::<ConfigMap>::namespaced(client.clone(), namespace)
+        .get(name)
+        .await
+        .with_context(|| format!("ConfigMap {namespace}/{name}"))?;
+    Ok(map.data.unwrap_or_default())
+}
+
+async fn resolve_env(
+    client: &Client,
+    namespace: &str,
+    pod_name: &str,
+    var: &EnvVar,
+) -> Result<String> {
+    if let Some(value) = &var.value {
+        return Ok(value.clone());
+    }
+    let source = var
+        .value_from
+        .as_ref()
+        .with_context(|| format!("env {} has neither value nor valueFrom", var.name))?;
+    if let Some(secret) = &source.secret_key_ref {
+        return secret_value(client, namespace, &secret.name, &secret.key).await;
+    }
+    if let Some(map_ref) = &source.config_map_key_ref {
+        return config_map(client, namespace, &map_ref.name)
+            .await?
+            .remove(&map_ref.key)
+            .with_context(|| format!("ConfigMap {} has no key {}", map_ref.name, map_ref.key));
+    }
+    match source.field_ref.as_ref().map(|f| f.field_path.as_str()) {
+        Some("metadata.name") => Ok(pod_name.to_owned()),
+        Some("metadata.namespace") => Ok(namespace.to_owned()),
+        other => bail!("env {}: unsupported valueFrom {other:?}", var.name),
+    }
+}
+
+/// Writes each ConfigMap volume to a folder; returns mount path → local folder.
+async fn mount_volumes(
+    client: &Client,
+    namespace: &str,
+    pod: &PodSpec,
+    container: &Container,
+    root: &Path,
+) -> Result<Vec<(String, PathBuf)>> {
+    let mut mounts = Vec::new();
+    for mount in container.volume_mounts.iter().flatten() {
+        let volume = pod
+            .volumes
+            .iter()
+            .flatten()
+            .find(|v| v.name == mount.name)
+            .with_context(|| format!("volume {} is not defined", mount.name))?;
+        let source = volume.config_map.as_ref().with_context(|| {
+            format!(
+                "volume {}: only ConfigMap volumes are supported",
+                volume.name
+            )
+        })?;
+        let local = root.join(&volume.name);
+        std::fs::create_dir_all(&local)?;
+        for (key, value) in config_map(client, namespace, &source.name).await? {
+            std::fs::write(local.join(key), value)?;
+        }
+        mounts.push((mount.mount_path.clone(), local));
+    }
+    Ok(mounts)
+}
+
+impl LocalPod {
+    /// Starts the first container of `deployment`'s pod template as pod `pod_name`.
+    pub async fn start(
+        client: &Client,
+        deployment: &Deployment,
+        pod_name: &str,
+        log_dir: &Path,
+    ) -> Result<Self> {
+        let namespace = deployment
+            .metadata
+            .namespace
+            .as_deref()
+            .context("the Deployment has no namespace")?;
+        let (pod, container) = template(deployment)?;
+        let volumes = tempfile::Builder::new()
+            .prefix("switchboard-pod-")
+            .tempdir()?;
+        let mounts = mount_volumes(client, namespace, pod, container, volumes.path()).await?;
+        let program = match container.command.as_deref() {
+            Some([program]) => worker_binary()?.with_file_name(program),
+            other => bail!("expected a one-word command, found {other:?}"),
+        };
+        let mut args: Vec<String> = container
+            .args
+            .iter()
+            .flatten()
+            .map(|arg| {
+                mounts
+                    .iter()
+                    .find_map(|(path, local)| {
+                        arg.strip_prefix(path.as_str())
+                            .map(|rest| format!("{}{rest}", local.display()))
+                    })
+                    .unwrap_or_else(|| arg.clone())
+            })
+            .collect();
+        let metrics_addr: SocketAddr = format!("127.0.0.1:{}", free_port()?).parse()?;
+        args.extend(["--metrics-addr".to_owned(), metrics_addr.to_string()]);
+        let mut env = BTreeMap::new();
+        for var in container.env.iter().flatten() {
+            env.insert(
+                var.name.clone(),
+                resolve_env(client, namespace, pod_name, var).await?,
+            );
+        }
+        let log = log_dir.join(format!("pod-{pod_name}.log"));
+        let child = spawn_logged(
+            Command::new(&program)
+                .args(&args)
+                .env_clear()
+                .env("PATH", "/usr/local/bin:/usr/bin:/bin")
+                .envs(&env),
+            &log,
+        )?;
+        Ok(Self {
+            child,
+            _volumes: volumes,
+            container: container.clone(),
+            metrics_addr,
+            env,
+            args,
+            log,
+        })
+    }
+
+    /// Runs an HTTP probe of the container against the process: the status code.
+    pub async fn probe(&self, probe: Option<&Probe>) -> Result<u16> {
+        let path = probe
+            .and_then(|p| p.http_get.as_ref())
+            .and_then(|get| get.path.as_deref())
+            .context("not an HTTP probe")?;
+        Ok(http_get(self.metrics_addr, path).await?.0)
+    }
+
+    /// Whether the process is still running.
+    pub fn is_running(&mut self) -> bool {
+        matches!(self.child.try_wait(), Ok(None))
+    }
+
+    pub fn log_tail(&self) -> String {
+        log_tail(&self.log, 30)
+    }
+}
+
+impl Drop for LocalPod {
+    fn drop(&mut self) {
+        super::kill(&mut self.child);
+    }
+}

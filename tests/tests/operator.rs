@@ -1,0 +1,667 @@
+//! The operator against a real etcd + kube-apiserver (no kubelet: Deployment status is patched by
+//! the test), real PostgreSQL and Redis. Every operator here runs with the least-privilege token
+//! bound by `charts/switchboard/files/operator-rules.yaml`.
+
+use std::collections::BTreeMap;
+
+use anyhow::{Context, Result, ensure};
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::core::v1::Container;
+use k8s_openapi::api::events::v1::Event;
+use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+use kube::Api;
+use kube::api::{DeleteParams, DynamicObject, ListParams, Patch, PatchParams, PostParams};
+use kube::core::ApiResource;
+use switchboard_api::QueueAdapter;
+use switchboard_operator::build::{CONFIG_HASH_ANNOTATION, MANIFEST_KEY};
+use switchboard_operator::controller::FINALIZER;
+use switchboard_tests::control_plane::{OPERATOR_TIMEOUT, OperatorEnv};
+use switchboard_tests::wait::wait_for;
+
+const ORDERS: &str = "\
+apiVersion: switchboard.dev/v1alpha1
+kind: QueueAdapter
+metadata: {name: orders, namespace: shop}
+spec:
+  source:
+    redis: {mode: stream, stream: orders, urlSecretRef: {name: redis, key: url}}
+  target: {queue: orders}
+  delivery: {batchSize: 200, maxDeliveries: 5, claimIdleSeconds: 10}
+  workload:
+    replicas: 2
+    resources: {requests: {cpu: 50m, memory: 64Mi}, limits: {memory: 128Mi}}
+";
+
+fn condition<'a>(adapter: &'a QueueAdapter, type_: &str) -> Option<(&'a str, &'a str)> {
+    adapter
+        .status
+        .as_ref()?
+        .conditions
+        .iter()
+        .find(|c| c.type_ == type_)
+        .map(|c| (c.status.as_str(), c.reason.as_str()))
+}
+
+fn is_ready(adapter: &QueueAdapter) -> bool {
+    condition(adapter, "Ready").is_some_and(|(status, _)| status == "True")
+        && adapter.status.as_ref().and_then(|s| s.observed_generation)
+            == adapter.metadata.generation
+}
+
+fn container(deployment: &Deployment) -> Result<&Container> {
+    deployment
+        .spec
+        .as_ref()
+        .and_then(|s| s.template.spec.as_ref())
+        .and_then(|p| p.containers.first())
+        .context("deployment has a container")
+}
+
+fn config_hash(deployment: &Deployment) -> Option<String> {
+    deployment
+        .spec
+        .as_ref()?
+        .template
+        .metadata
+        .as_ref()?
+        .annotations
+        .as_ref()?
+        .get(CONFIG_HASH_ANNOTATION)
+        .cloned()
+}
+
+fn replicas(deployment: &Deployment) -> Option<i32> {
+    deployment.spec.as_ref()?.replicas
+}
+
+/// The operator's `applied` reconciliations so far.
+async fn applied(operator: &switchboard_tests::control_plane::OperatorProcess) -> Result<f64> {
+    operator
+        .metric_sum(r#"switchboard_operator_reconciliations_total{outcome="applied"}"#)
+        .await
+}
+
+#[tokio::test]
+async fn crd_is_established_and_kubectl_explains_the_fields() -> Result<()> {
+    let env = OperatorEnv::start().await?;
+    println!("control plane ready in {:?}", env.plane.started_in);
+    let mut explained = String::new();
+    wait_for(
+        OPERATOR_TIMEOUT,
+        "kubectl explain knows queueadapter.spec.delivery",
+        || {
+            let output = env
+                .plane
+                .kubectl(&["explain", "queueadapter.spec.delivery"]);
+            let done = match output {
+                Ok(output) if output.status.success() => {
+                    explained = String::from_utf8_lossy(&output.stdout).into_owned();
+                    true
+                }
+                _ => false,
+            };
+            async move { Ok(done) }
+        },
+    )
+    .await?;
+    for text in [
+        "Batching, redelivery and dead-letter settings.",
+        "batchSize",
+        "The most messages read in one call and stored in one database transaction.",
+        "maxDeliveries",
+        "claimIdleSeconds",
+    ] {
+        ensure!(
+            explained.contains(text),
+            "explain lacks {text:?}:\n{explained}"
+        );
+    }
+    let top = env.plane.kubectl_ok(&["explain", "qa"])?;
+    ensure!(top.contains("store-then-ack"), "explain qa:\n{top}");
+    Ok(())
+}
+
+/// (manifest edit, text the API server's message must contain)
+fn invalid_manifests() -> Vec<(String, &'static str)> {
+    let edit = |from: &str, to: &str| {
+        assert!(ORDERS.contains(from), "{from}");
+        ORDERS.replace(from, to)
+    };
+    let long_queue = format!("target: {{queue: {}}}", "q".repeat(201));
+    vec![
+        (
+            edit(
+                "redis: {mode: stream, stream: orders, urlSecretRef: {name: redis, key: url}}",
+                "{}",
+            ),
+            "spec.source",
+        ),
+        (
+            edit("mode: stream, stream: orders,", "mode: stream,"),
+            "spec.source.redis.stream",
+        ),
+        (
+            edit("mode: stream, stream: orders,", "mode: list,"),
+            "spec.source.redis.list",
+        ),
+        (
+            edit("mode: stream, stream: orders,", "mode: pubsub,"),
+            "spec.source.redis.channel",
+        ),
+        (
+            edit("mode: stream,", "mode: firehose,"),
+            "spec.source.redis.mode",
+        ),
+        (
+            edit("batchSize: 200", "batchSize: 0"),
+            "spec.delivery.batchSize",
+        ),
+        (
+            edit("batchSize: 200", "batchSize: 10001"),
+            "spec.delivery.batchSize",
+        ),
+        (
+            edit("maxDeliveries: 5", "maxDeliveries: 0"),
+            "spec.delivery.maxDeliveries",
+        ),
+        (
+            edit("claimIdleSeconds: 10", "claimIdleSeconds: 0"),
+            "spec.delivery.claimIdleSeconds",
+        ),
+        (
+            edit("replicas: 2", "replicas: 101"),
+            "spec.workload.replicas",
+        ),
+        (
+            edit("replicas: 2", "replicas: -1"),
+            "spec.workload.replicas",
+        ),
+        (
+            edit("target: {queue: orders}", "target: {queue: ''}"),
+            "spec.target.queue",
+        ),
+        (
+            edit("target: {queue: orders}", &long_queue),
+            "spec.target.queue",
+        ),
+        (
+            edit("target: {queue: orders}", "target: {}"),
+            "spec.target.queue",
+        ),
+        (
+            edit(
+                "urlSecretRef: {name: redis, key: url}",
+                "urlSecretRef: {name: redis}",
+            ),
+            "spec.source.redis.urlSecretRef.key",
+        ),
+        (
+            edit("name: orders,", &format!("name: {},", "o".repeat(64))),
+            "metadata.name",
+        ),
+    ]
+}
+
+#[tokio::test]
+async fn api_server_rejects_invalid_manifests_naming_the_field() -> Result<()> {
+    let env = OperatorEnv::start().await?;
+    let resource = ApiResource::erase::<QueueAdapter>(&());
+    let api: Api<DynamicObject> =
+        Api::namespaced_with(env.admin.clone(), OperatorEnv::NAMESPACE, &resource);
+    let cases = invalid_manifests();
+    ensure!(cases.len() >= 10);
+    for (yaml, field) in &cases {
+        let object: DynamicObject = serde_yaml_ng::from_str(yaml)?;
+        let err = api
+            .create(&PostParams::default(), &object)
+            .await
+            .err()
+            .with_context(|| format!("accepted a manifest that must name {field}:\n{yaml}"))?;
+        let message = err.to_string();
+        ensure!(
+            message.contains(field),
+            "rejection does not name {field}: {message}"
+        );
+    }
+
+    // Transition rule: the source mode cannot change after creation.
+    env.apply_adapter(ORDERS).await?;
+    let changed = ORDERS.replace("mode: stream, stream: orders,", "mode: list, list: orders,");
+    let err = env
+        .apply_adapter(&changed)
+        .await
+        .err()
+        .context("changing the source mode must be rejected")?;
+    ensure!(
+        err.to_string()
+            .contains("spec.source.redis.mode is immutable"),
+        "{err}"
+    );
+    println!(
+        "{} invalid manifests + 1 invalid update rejected",
+        cases.len()
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn created_adapter_gets_a_restricted_worker_deployment_and_an_adapters_row() -> Result<()> {
+    let env = OperatorEnv::start().await?;
+    let _operator = env.start_operator("operator-a", &["--worker-image-pull-policy", "Always"])?;
+    let adapter = env.apply_adapter(ORDERS).await?;
+    let deployment = env
+        .wait_deployment("orders-worker", "the worker Deployment exists", |_| true)
+        .await?;
+
+    let owner = &deployment
+        .metadata
+        .owner_references
+        .clone()
+        .unwrap_or_default()[0];
+    ensure!(owner.kind == "QueueAdapter" && owner.name == "orders");
+    ensure!(owner.controller == Some(true) && Some(&owner.uid) == adapter.metadata.uid.as_ref());
+    let labels = deployment.metadata.labels.clone().unwrap_or_default();
+    for (key, value) in [
+        ("app.kubernetes.io/name", "switchboard-worker"),
+        ("app.kubernetes.io/instance", "orders"),
+        ("app.kubernetes.io/component", "queue-adapter"),
+        ("app.kubernetes.io/part-of", "switchboard"),
+        ("app.kubernetes.io/managed-by", "switchboard-operator"),
+    ] {
+        ensure!(
+            labels.get(key).map(String::as_str) == Some(value),
+            "label {key}: {labels:?}"
+        );
+    }
+    ensure!(replicas(&deployment) == Some(2));
+    ensure!(config_hash(&deployment).is_some_and(|h| h.len() == 64));
+    let pod = deployment
+        .spec
+        .as_ref()
+        .and_then(|s| s.template.spec.as_ref())
+        .context("pod spec")?;
+    ensure!(pod.termination_grace_period_seconds.is_some_and(|s| s > 25));
+    ensure!(pod.automount_service_account_token == Some(false));
+    let pod_security = pod.security_context.clone().unwrap_or_default();
+    ensure!(pod_security.run_as_non_root == Some(true));
+    ensure!(pod_security.seccomp_profile.map(|p| p.type_) == Some("RuntimeDefault".into()));
+
+    let worker = container(&deployment)?;
+    ensure!(worker.image.as_deref() == Some("switchboard:test"));
+    ensure!(worker.image_pull_policy.as_deref() == Some("Always"));
+    ensure!(
+        worker.args.clone().unwrap_or_default()
+            == ["run", "--file", "/etc/switchboard/adapter.yaml"]
+    );
+    let env_vars: BTreeMap<&str, _> = worker
+        .env
+        .iter()
+        .flatten()
+        .map(|e| (e.name.as_str(), e))
+        .collect();
+    for (name, secret) in [("REDIS_URL", "redis"), ("DATABASE_URL", "switchboard-db")] {
+        let from = env_vars
+            .get(name)
+            .and_then(|e| e.value_from.as_ref())
+            .and_then(|v| v.secret_key_ref.as_ref())
+            .with_context(|| format!("{name} from a secretKeyRef"))?;
+        ensure!(from.name == secret && from.key == "url" && env_vars[name].value.is_none());
+    }
+    let hostname = env_vars
+        .get("HOSTNAME")
+        .and_then(|e| e.value_from.as_ref())
+        .and_then(|v| v.field_ref.as_ref())
+        .context("HOSTNAME from the downward API")?;
+    ensure!(hostname.field_path == "metadata.name");
+    let port = &worker.ports.clone().unwrap_or_default()[0];
+    ensure!(port.name.as_deref() == Some("metrics") && port.container_port == 9090);
+    for (probe, path) in [
+        (&worker.liveness_probe, "/healthz"),
+        (&worker.readiness_probe, "/readyz"),
+    ] {
+        let get = probe
+            .as_ref()
+            .and_then(|p| p.http_get.clone())
+            .context("HTTP probe")?;
+        ensure!(
+            get.path.as_deref() == Some(path) && get.port == IntOrString::String("metrics".into())
+        );
+    }
+    let security = worker.security_context.clone().unwrap_or_default();
+    ensure!(security.run_as_non_root == Some(true));
+    ensure!(security.read_only_root_filesystem == Some(true));
+    ensure!(security.allow_privilege_escalation == Some(false));
+    ensure!(security.capabilities.and_then(|c| c.drop) == Some(vec!["ALL".to_owned()]));
+    let resources = worker.resources.clone().unwrap_or_default();
+    ensure!(resources.requests.unwrap_or_default()["cpu"].0 == "50m");
+    ensure!(resources.limits.unwrap_or_default()["memory"].0 == "128Mi");
+
+    let config_map = env.config_maps().get("orders-worker").await?;
+    ensure!(config_map.metadata.owner_references.unwrap_or_default()[0].name == "orders");
+    let manifest = config_map.data.unwrap_or_default()[MANIFEST_KEY].clone();
+    ensure!(switchboard_api::load_manifest(&manifest)?.adapter_name() == "shop/orders");
+    ensure!(
+        !manifest.contains(&env.fixture.redis.url()),
+        "no secret in the ConfigMap"
+    );
+
+    let row = env.adapter_row("orders").await?.context("adapters row")?;
+    ensure!(row.family == "queue" && row.trust_mode == "connection" && row.enabled);
+    ensure!(row.generation == adapter.metadata.generation.unwrap_or_default());
+    ensure!(row.config["target"]["queue"] == "orders");
+    let config = row.config.to_string();
+    ensure!(
+        !config.contains("redis://")
+            && !config.contains("postgres://")
+            && !config.contains("urlSecretRef")
+    );
+
+    let adapter = env
+        .wait_adapter("orders", "status is reported", |a| {
+            condition(a, "Reconciled").is_some()
+        })
+        .await?;
+    ensure!(adapter.metadata.finalizers.clone().unwrap_or_default() == [FINALIZER]);
+    let status = adapter.status.clone().unwrap_or_default();
+    ensure!(status.delivery_guarantee.as_deref() == Some("at-least-once"));
+    ensure!(condition(&adapter, "Reconciled") == Some(("True", "Applied")));
+    ensure!(condition(&adapter, "Degraded") == Some(("False", "AsExpected")));
+    ensure!(
+        condition(&adapter, "Ready") == Some(("False", "Progressing")),
+        "no pods yet"
+    );
+    let status_text = serde_json::to_string(&status)?;
+    ensure!(!status_text.contains("redis://") && !status_text.contains("postgres://"));
+
+    let events: Api<Event> = Api::namespaced(env.admin.clone(), OperatorEnv::NAMESPACE);
+    wait_for(
+        OPERATOR_TIMEOUT,
+        "a Created event about the adapter",
+        || async {
+            Ok(events
+                .list(&ListParams::default())
+                .await?
+                .items
+                .iter()
+                .any(|e| {
+                    e.reason.as_deref() == Some("Created")
+                        && e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some("orders")
+                }))
+        },
+    )
+    .await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn available_deployment_makes_the_adapter_ready_and_kubectl_shows_the_columns() -> Result<()>
+{
+    let env = OperatorEnv::start().await?;
+    let _operator = env.start_operator("operator-a", &[])?;
+    env.apply_adapter(ORDERS).await?;
+    env.wait_deployment("orders-worker", "the worker Deployment exists", |_| true)
+        .await?;
+    env.mark_deployment_available("orders-worker").await?;
+    let adapter = env
+        .wait_adapter("orders", "Ready=True at the current generation", is_ready)
+        .await?;
+    ensure!(adapter.status.as_ref().and_then(|s| s.ready_replicas) == Some(2));
+
+    let table = env
+        .plane
+        .kubectl_ok(&["get", "qa", "-n", OperatorEnv::NAMESPACE])?;
+    let mut lines = table.lines();
+    let header: Vec<&str> = lines.next().context("header")?.split_whitespace().collect();
+    ensure!(
+        header == ["NAME", "SOURCE", "MODE", "QUEUE", "ENABLED", "READY", "AGE"],
+        "{table}"
+    );
+    let row: Vec<&str> = lines.next().context("row")?.split_whitespace().collect();
+    ensure!(
+        row[..6] == ["orders", "redis", "stream", "orders", "true", "True"],
+        "{table}"
+    );
+    println!("{table}");
+    Ok(())
+}
+
+#[tokio::test]
+async fn spec_and_secret_changes_roll_the_hash_and_an_unchanged_adapter_writes_nothing()
+-> Result<()> {
+    let env = OperatorEnv::start().await?;
+    let operator = env.start_operator("operator-a", &[])?;
+    env.apply_adapter(ORDERS).await?;
+    let first = env
+        .wait_deployment("orders-worker", "the worker Deployment exists", |_| true)
+        .await?;
+    env.mark_deployment_available("orders-worker").await?;
+    env.wait_adapter("orders", "Ready", is_ready).await?;
+    let hash = config_hash(&first).context("hash")?;
+
+    // Unchanged: touch only an annotation, which triggers a reconcile without changing the spec.
+    let adapter = env.adapters().get("orders").await?;
+    let deployment = env.deployments().get("orders-worker").await?;
+    let config_map = env.config_maps().get("orders-worker").await?;
+    let row = env.adapter_row("orders").await?;
+    let before = applied(&operator).await?;
+    let touched = env
+        .adapters()
+        .patch(
+            "orders",
+            &PatchParams::apply("touch"),
+            &Patch::Apply(serde_json::json!({
+                "apiVersion": "switchboard.dev/v1alpha1", "kind": "QueueAdapter",
+                "metadata": {"annotations": {"example.com/touched": "yes"}},
+            })),
+        )
+        .await?;
+    ensure!(touched.metadata.generation == adapter.metadata.generation);
+    wait_for(
+        OPERATOR_TIMEOUT,
+        "the touched adapter is reconciled",
+        || async { Ok(applied(&operator).await? > before) },
+    )
+    .await?;
+    let after_adapter = env.adapters().get("orders").await?;
+    ensure!(
+        after_adapter.metadata.resource_version == touched.metadata.resource_version,
+        "reconciling an unchanged adapter wrote its status"
+    );
+    ensure!(
+        env.deployments()
+            .get("orders-worker")
+            .await?
+            .metadata
+            .resource_version
+            == deployment.metadata.resource_version,
+        "Deployment rewritten"
+    );
+    ensure!(
+        env.config_maps()
+            .get("orders-worker")
+            .await?
+            .metadata
+            .resource_version
+            == config_map.metadata.resource_version,
+        "ConfigMap rewritten"
+    );
+    ensure!(
+        env.adapter_row("orders").await? == row,
+        "adapters row rewritten"
+    );
+
+    // Spec change: the Deployment follows and the hash changes.
+    env.apply_adapter(&ORDERS.replace("batchSize: 200", "batchSize: 300"))
+        .await?;
+    let updated = env
+        .wait_deployment("orders-worker", "the hash changes with the spec", |d| {
+            config_hash(d).is_some_and(|h| h != hash)
+        })
+        .await?;
+    let manifest = env
+        .config_maps()
+        .get("orders-worker")
+        .await?
+        .data
+        .unwrap_or_default()[MANIFEST_KEY]
+        .clone();
+    ensure!(manifest.contains("batchSize: 300"), "{manifest}");
+    let spec_hash = config_hash(&updated).context("hash")?;
+    ensure!(
+        env.adapter_row("orders").await?.context("row")?.config["delivery"]["batchSize"] == 300
+    );
+
+    // Secret change (same spec): the hash changes again.
+    env.plane
+        .put_secret(
+            OperatorEnv::NAMESPACE,
+            "redis",
+            "url",
+            &format!("{}?rotated=1", env.fixture.redis.url()),
+        )
+        .await?;
+    env.wait_deployment("orders-worker", "the hash changes with the Secret", |d| {
+        config_hash(d).is_some_and(|h| h != spec_hash && h != hash)
+    })
+    .await?;
+    ensure!(
+        !operator.log().contains(&env.fixture.redis.url()),
+        "secret in the operator log"
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn disabling_scales_to_zero_and_disables_the_row_and_enabling_restores_both() -> Result<()> {
+    let env = OperatorEnv::start().await?;
+    let _operator = env.start_operator("operator-a", &[])?;
+    env.apply_adapter(ORDERS).await?;
+    env.wait_deployment("orders-worker", "2 replicas", |d| replicas(d) == Some(2))
+        .await?;
+
+    let disabled = ORDERS.replace("spec:\n", "spec:\n  enabled: false\n");
+    env.apply_adapter(&disabled).await?;
+    env.wait_deployment("orders-worker", "0 replicas", |d| replicas(d) == Some(0))
+        .await?;
+    let row = env.adapter_row("orders").await?.context("row")?;
+    ensure!(!row.enabled, "adapters.enabled must be false");
+    let adapter = env
+        .wait_adapter("orders", "Ready=False Disabled", |a| {
+            condition(a, "Ready") == Some(("False", "Disabled"))
+        })
+        .await?;
+    ensure!(adapter.status.and_then(|s| s.observed_generation) == adapter.metadata.generation);
+
+    env.apply_adapter(ORDERS).await?;
+    env.wait_deployment("orders-worker", "2 replicas again", |d| {
+        replicas(d) == Some(2)
+    })
+    .await?;
+    wait_for(
+        OPERATOR_TIMEOUT,
+        "adapters.enabled is true again",
+        || async { Ok(env.adapter_row("orders").await?.is_some_and(|r| r.enabled)) },
+    )
+    .await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn deleting_the_adapter_removes_its_row_and_finalizer_and_the_object() -> Result<()> {
+    let env = OperatorEnv::start().await?;
+    let operator = env.start_operator("operator-a", &[])?;
+    env.apply_adapter(ORDERS).await?;
+    env.wait_adapter("orders", "the finalizer is added", |a| {
+        a.metadata
+            .finalizers
+            .clone()
+            .unwrap_or_default()
+            .contains(&FINALIZER.to_owned())
+    })
+    .await?;
+    wait_for(OPERATOR_TIMEOUT, "the adapters row exists", || async {
+        Ok(env.adapter_row("orders").await?.is_some())
+    })
+    .await?;
+
+    env.adapters()
+        .delete("orders", &DeleteParams::default())
+        .await?;
+    wait_for(OPERATOR_TIMEOUT, "the QueueAdapter is gone", || async {
+        Ok(env.adapters().get_opt("orders").await?.is_none())
+    })
+    .await?;
+    ensure!(
+        env.adapter_row("orders").await?.is_none(),
+        "adapters row left behind"
+    );
+    ensure!(
+        operator
+            .metric_sum(r#"switchboard_operator_reconciliations_total{outcome="cleaned_up"}"#)
+            .await?
+            >= 1.0
+    );
+
+    // Cleanup is idempotent: a row that never existed (or is already gone) is no error.
+    env.apply_adapter(ORDERS).await?;
+    wait_for(OPERATOR_TIMEOUT, "the new row exists", || async {
+        Ok(env.adapter_row("orders").await?.is_some())
+    })
+    .await?;
+    sqlx::query("DELETE FROM adapters")
+        .execute(env.fixture.pool())
+        .await?;
+    env.adapters()
+        .delete("orders", &DeleteParams::default())
+        .await?;
+    wait_for(
+        OPERATOR_TIMEOUT,
+        "the QueueAdapter without a row is gone",
+        || async { Ok(env.adapters().get_opt("orders").await?.is_none()) },
+    )
+    .await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn invalid_adapter_and_missing_secret_are_reported_and_resolved_by_a_change() -> Result<()> {
+    let env = OperatorEnv::start().await?;
+    let _operator = env.start_operator("operator-a", &[])?;
+    // Valid for the API server, not for a worker in Kubernetes: no Redis Secret.
+    env.apply_adapter(&ORDERS.replace(", urlSecretRef: {name: redis, key: url}", ""))
+        .await?;
+    let adapter = env
+        .wait_adapter("orders", "Reconciled=False InvalidSpec", |a| {
+            condition(a, "Reconciled") == Some(("False", "InvalidSpec"))
+        })
+        .await?;
+    ensure!(condition(&adapter, "Degraded") == Some(("True", "InvalidSpec")));
+    ensure!(env.deployments().get_opt("orders-worker").await?.is_none());
+
+    // Fixed spec, but its Secret does not exist yet.
+    env.apply_adapter(&ORDERS.replace("name: redis, key: url", "name: redis-later, key: url"))
+        .await?;
+    env.wait_adapter("orders", "Reconciled=False SecretNotFound", |a| {
+        condition(a, "Reconciled") == Some(("False", "SecretNotFound"))
+    })
+    .await?;
+    env.plane
+        .put_secret(
+            OperatorEnv::NAMESPACE,
+            "redis-later",
+            "url",
+            &env.fixture.redis.url(),
+        )
+        .await?;
+    env.wait_deployment(
+        "orders-worker",
+        "the Secret's creation unblocks the adapter",
+        |_| true,
+    )
+    .await?;
+    env.wait_adapter("orders", "Reconciled=True", |a| {
+        condition(a, "Reconciled") == Some(("True", "Applied"))
+    })
+    .await?;
+    Ok(())
+}
