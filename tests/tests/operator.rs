@@ -665,3 +665,78 @@ async fn invalid_adapter_and_missing_secret_are_reported_and_resolved_by_a_chang
     .await?;
     Ok(())
 }
+
+#[tokio::test]
+async fn operator_token_holds_only_the_rules_it_needs() -> Result<()> {
+    use k8s_openapi::api::authorization::v1::{
+        ResourceAttributes, SelfSubjectAccessReview, SelfSubjectAccessReviewSpec,
+    };
+    let plane = switchboard_tests::control_plane::ControlPlane::start().await?;
+    let rules = switchboard_tests::control_plane::ControlPlane::operator_rules()?;
+    for rule in &rules {
+        let all = [
+            rule.api_groups.clone().unwrap_or_default(),
+            rule.resources.clone().unwrap_or_default(),
+            rule.verbs.clone(),
+        ];
+        ensure!(
+            !all.iter().flatten().any(|v| v.contains('*')),
+            "wildcard in {rule:?}"
+        );
+    }
+    let reviews = Api::<SelfSubjectAccessReview>::all(plane.operator_client().await?);
+    let can = |group: &str, resource: &str, verb: &str| {
+        let review = SelfSubjectAccessReview {
+            spec: SelfSubjectAccessReviewSpec {
+                resource_attributes: Some(ResourceAttributes {
+                    group: Some(group.to_owned()),
+                    resource: Some(resource.to_owned()),
+                    verb: Some(verb.to_owned()),
+                    namespace: Some("shop".to_owned()),
+                    ..ResourceAttributes::default()
+                }),
+                ..SelfSubjectAccessReviewSpec::default()
+            },
+            ..SelfSubjectAccessReview::default()
+        };
+        let reviews = reviews.clone();
+        async move {
+            let answer = reviews.create(&PostParams::default(), &review).await?;
+            anyhow::Ok(answer.status.is_some_and(|s| s.allowed))
+        }
+    };
+    for (group, resource, verb) in [
+        ("apps", "deployments", "patch"),
+        ("", "secrets", "get"),
+        ("switchboard.dev", "queueadapters", "watch"),
+        ("switchboard.dev", "queueadapters/status", "patch"),
+        ("coordination.k8s.io", "leases", "update"),
+        ("events.k8s.io", "events", "create"),
+    ] {
+        ensure!(
+            can(group, resource, verb).await?,
+            "operator cannot {verb} {resource}"
+        );
+    }
+    for (group, resource, verb) in [
+        ("", "secrets", "create"),
+        ("", "secrets", "update"),
+        ("", "secrets", "delete"),
+        ("apps", "deployments", "delete"),
+        ("", "configmaps", "delete"),
+        ("", "configmaps", "get"),
+        ("switchboard.dev", "queueadapters", "create"),
+        ("switchboard.dev", "queueadapters", "delete"),
+        ("", "pods", "create"),
+        ("", "pods", "list"),
+        ("", "serviceaccounts", "create"),
+        ("rbac.authorization.k8s.io", "clusterroles", "create"),
+        ("coordination.k8s.io", "leases", "delete"),
+    ] {
+        ensure!(
+            !can(group, resource, verb).await?,
+            "operator may {verb} {resource}"
+        );
+    }
+    Ok(())
+}

@@ -1,0 +1,116 @@
+//! Two operator processes with leader election against a real kube-apiserver: only the Lease
+//! holder reconciles; the standby takes over when the leader stops (released lease) or dies
+//! (expired lease).
+
+use anyhow::{Context, Result, ensure};
+use k8s_openapi::api::coordination::v1::Lease;
+use kube::Api;
+use switchboard_tests::control_plane::{OPERATOR_TIMEOUT, OperatorEnv, OperatorProcess};
+use switchboard_tests::wait::wait_for;
+
+const LEADER_ARGS: &[&str] = &[
+    "--leader-election",
+    "--lease-namespace",
+    "shop",
+    "--lease-duration",
+    "3s",
+];
+
+fn adapter(name: &str) -> String {
+    format!(
+        "apiVersion: switchboard.dev/v1alpha1\n\
+         kind: QueueAdapter\n\
+         metadata: {{name: {name}, namespace: shop}}\n\
+         spec:\n\
+         \x20 source: {{redis: {{mode: stream, stream: {name}, urlSecretRef: {{name: redis, key: url}}}}}}\n\
+         \x20 target: {{queue: {name}}}\n"
+    )
+}
+
+async fn holder(env: &OperatorEnv) -> Result<Option<String>> {
+    let leases: Api<Lease> = Api::namespaced(env.admin.clone(), OperatorEnv::NAMESPACE);
+    Ok(leases
+        .get_opt("switchboard-operator")
+        .await?
+        .and_then(|l| l.spec)
+        .and_then(|s| s.holder_identity))
+}
+
+async fn wait_leader(operator: &OperatorProcess) -> Result<()> {
+    wait_for(
+        OPERATOR_TIMEOUT,
+        &format!("{} leads", operator.identity),
+        || async { Ok(operator.metric_sum("switchboard_operator_leader").await? == 1.0) },
+    )
+    .await
+    .with_context(|| operator.log_tail())
+}
+
+async fn reconciliations(operator: &OperatorProcess) -> Result<f64> {
+    operator
+        .metric_sum("switchboard_operator_reconciliations_total")
+        .await
+}
+
+async fn wait_reconciled(operator: &OperatorProcess) -> Result<()> {
+    wait_for(
+        OPERATOR_TIMEOUT,
+        &format!("{} counts reconciliations", operator.identity),
+        || async { Ok(reconciliations(operator).await? > 0.0) },
+    )
+    .await
+}
+
+/// Starts `operator-a` (leader) and `operator-b` (standby) and proves only A reconciles.
+async fn leader_and_standby(env: &OperatorEnv) -> Result<(OperatorProcess, OperatorProcess)> {
+    let a = env.start_operator("operator-a", LEADER_ARGS)?;
+    wait_leader(&a).await?;
+    let b = env.start_operator("operator-b", LEADER_ARGS)?;
+    wait_for(OPERATOR_TIMEOUT, "the standby is ready", || async {
+        Ok(b.http_get("/readyz").await?.0 == 200)
+    })
+    .await
+    .with_context(|| b.log_tail())?;
+    env.apply_adapter(&adapter("first")).await?;
+    env.wait_deployment("first-worker", "the leader creates the worker", |_| true)
+        .await?;
+    ensure!(holder(env).await?.as_deref() == Some("operator-a"));
+    wait_reconciled(&a).await?;
+    ensure!(reconciliations(&b).await? == 0.0, "the standby reconciled");
+    ensure!(b.metric_sum("switchboard_operator_leader").await? == 0.0);
+    ensure!(b.log().contains("another replica leads; standing by"));
+    Ok((a, b))
+}
+
+async fn standby_takes_over(env: &OperatorEnv, b: &OperatorProcess) -> Result<()> {
+    wait_leader(b).await?;
+    env.apply_adapter(&adapter("second")).await?;
+    env.wait_deployment("second-worker", "the new leader creates the worker", |_| {
+        true
+    })
+    .await?;
+    ensure!(holder(env).await?.as_deref() == Some("operator-b"));
+    wait_reconciled(b).await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn only_the_lease_holder_reconciles_and_the_standby_takes_over_when_it_stops() -> Result<()> {
+    let env = OperatorEnv::start().await?;
+    let (mut a, b) = leader_and_standby(&env).await?;
+    a.terminate(std::time::Duration::from_secs(30))?;
+    ensure!(
+        a.log().contains("released the leader lease"),
+        "{}",
+        a.log_tail()
+    );
+    standby_takes_over(&env, &b).await
+}
+
+#[tokio::test]
+async fn a_killed_leader_is_replaced_once_its_lease_expires() -> Result<()> {
+    let env = OperatorEnv::start().await?;
+    let (a, b) = leader_and_standby(&env).await?;
+    drop(a); // SIGKILL: no release, the lease must expire.
+    standby_takes_over(&env, &b).await
+}

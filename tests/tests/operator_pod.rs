@@ -1,0 +1,90 @@
+//! Acceptance for the Deployment the operator writes: its pod template, run locally the way a
+//! kubelet would (ConfigMap volume, env from Secrets and the downward API, probes), ingests
+//! messages from Redis into todos with the real worker binary.
+
+use anyhow::{Context, Result, ensure};
+use switchboard_tests::control_plane::pod::LocalPod;
+use switchboard_tests::control_plane::{OPERATOR_TIMEOUT, OperatorEnv};
+use switchboard_tests::wait::wait_for;
+
+const ORDERS: &str = "\
+apiVersion: switchboard.dev/v1alpha1
+kind: QueueAdapter
+metadata: {name: orders, namespace: shop}
+spec:
+  source:
+    redis: {mode: stream, stream: orders, urlSecretRef: {name: redis, key: url}}
+  target: {queue: orders}
+  delivery: {batchSize: 50}
+  workload: {replicas: 2}
+";
+
+const MESSAGES: usize = 500;
+
+#[tokio::test]
+async fn rendered_pod_template_ingests_messages_from_redis_into_todos() -> Result<()> {
+    let env = OperatorEnv::start().await?;
+    let _operator = env.start_operator("operator-a", &[])?;
+    env.apply_adapter(ORDERS).await?;
+    let deployment = env
+        .wait_deployment("orders-worker", "the worker Deployment exists", |_| true)
+        .await?;
+    let log_dir = env.fixture.dir.path();
+    let mut pods = Vec::new();
+    for pod_name in ["orders-worker-5d8c7-aaaaa", "orders-worker-5d8c7-bbbbb"] {
+        pods.push(LocalPod::start(&env.admin, &deployment, pod_name, log_dir).await?);
+    }
+    let first = &pods[0];
+    ensure!(first.env["REDIS_URL"] == env.fixture.redis.url());
+    ensure!(first.env["DATABASE_URL"] == env.fixture.postgres.url());
+    ensure!(first.env["HOSTNAME"] == "orders-worker-5d8c7-aaaaa");
+    for pod in &pods {
+        wait_for(OPERATOR_TIMEOUT, "the readiness probe passes", || async {
+            Ok(pod.probe(pod.container.readiness_probe.as_ref()).await? == 200)
+        })
+        .await
+        .with_context(|| pod.log_tail())?;
+        ensure!(pod.probe(pod.container.liveness_probe.as_ref()).await? == 200);
+    }
+
+    let bodies = (0..MESSAGES).map(|i| format!(r#"{{"order":{i}}}"#).into_bytes());
+    env.fixture.produce("orders", bodies)?;
+    wait_for(OPERATOR_TIMEOUT, "every message is a todo", || async {
+        Ok(env.fixture.todo_count("orders").await? == MESSAGES as i64
+            && env.fixture.pending("orders", "switchboard")? == 0)
+    })
+    .await
+    .with_context(|| {
+        pods.iter()
+            .map(LocalPod::log_tail)
+            .collect::<Vec<_>>()
+            .join("\n")
+    })?;
+    ensure!(env.fixture.distinct_keys("orders").await? == MESSAGES as i64);
+
+    // Consumer names are the pod names (HOSTNAME from metadata.name).
+    let mut redis = env.fixture.redis.connection()?;
+    let consumers: redis::Value = redis::cmd("XINFO")
+        .arg("CONSUMERS")
+        .arg("orders")
+        .arg("switchboard")
+        .query(&mut redis)?;
+    let consumers = format!("{consumers:?}");
+    for pod in ["orders-worker-5d8c7-aaaaa", "orders-worker-5d8c7-bbbbb"] {
+        ensure!(
+            consumers.contains(pod),
+            "{pod} is not a consumer: {consumers}"
+        );
+    }
+    for pod in &mut pods {
+        ensure!(pod.is_running(), "{}", pod.log_tail());
+    }
+    // JSON logs (LOG_JSON=true), and no secret in them.
+    let log = pods[0].log_tail();
+    ensure!(log.contains(r#""level":"INFO""#), "{log}");
+    ensure!(
+        !log.contains(&env.fixture.redis.url()),
+        "secret in the worker log"
+    );
+    Ok(())
+}
