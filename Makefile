@@ -2,18 +2,30 @@
 export CARGO_TARGET_DIR ?= $(HOME)/.cache/switchboard/target
 CARGO ?= cargo
 
-.PHONY: demo test deps build lint unit bench
+.PHONY: demo demo-k8s control-plane test deps build lint unit bench
 
-## make demo: the whole pipeline locally (ephemeral PostgreSQL + Redis, 20,000 messages, a kill -9 mid-way)
-demo: deps build
+## make demo: the whole pipeline locally (ephemeral PostgreSQL + Redis, 20,000 messages, a kill -9 mid-way),
+## then the Kubernetes path (make demo-k8s)
+demo: deps build control-plane
 	$(CARGO) run --quiet -p switchboard-tests --bin switchboard-demo
+	$(CARGO) run --quiet -p switchboard-tests --bin switchboard-demo-k8s
+
+## make demo-k8s: local etcd + kube-apiserver + operator; kubectl apply examples/orders-stream.yaml;
+## the rendered worker pod run as a kubelet would; messages → todos; kubectl get qa
+demo-k8s: deps build control-plane
+	$(CARGO) run --quiet -p switchboard-tests --bin switchboard-demo-k8s
 
 ## make test: formatting, lints and every test against real servers
-test: deps lint build
+test: deps lint build control-plane
 	$(CARGO) test --workspace
 
 deps:
 	scripts/install-deps.sh
+
+## etcd, kube-apiserver and kubectl for the operator tests: built once from the Go module proxy
+## into ~/.cache/switchboard/control-plane (or taken from KUBEBUILDER_ASSETS); docs/control-plane.md
+control-plane:
+	scripts/control-plane.sh bin-dir >/dev/null
 
 build:
 	$(CARGO) build --workspace --bins

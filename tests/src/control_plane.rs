@@ -549,38 +549,43 @@ impl Drop for OperatorProcess {
 }
 
 /// Everything an operator test needs: the control plane with the CRD installed, PostgreSQL and
-/// Redis, namespace [`OperatorEnv::NAMESPACE`] with the Secrets `redis` and `switchboard-db`
-/// (key `url`) pointing at them.
+/// Redis, and a namespace with the Secrets `redis` and `switchboard-db` (key `url`) pointing at
+/// them.
 pub struct OperatorEnv {
     pub fixture: Fixture,
     pub plane: ControlPlane,
     pub admin: Client,
+    pub namespace: String,
 }
 
 impl OperatorEnv {
+    /// The namespace of [`OperatorEnv::start`].
     pub const NAMESPACE: &'static str = "shop";
 
     pub async fn start() -> Result<Self> {
+        Self::start_in(Self::NAMESPACE).await
+    }
+
+    /// Like [`OperatorEnv::start`] with the adapters in `namespace`.
+    pub async fn start_in(namespace: &str) -> Result<Self> {
         let plane = ControlPlane::start().await?;
         plane.install_crd().await?;
-        plane.create_namespace(Self::NAMESPACE).await?;
+        if namespace != "default" {
+            plane.create_namespace(namespace).await?;
+        }
         let fixture = Fixture::start().await?;
         plane
-            .put_secret(Self::NAMESPACE, "redis", "url", &fixture.redis.url())
+            .put_secret(namespace, "redis", "url", &fixture.redis.url())
             .await?;
         plane
-            .put_secret(
-                Self::NAMESPACE,
-                "switchboard-db",
-                "url",
-                &fixture.postgres.url(),
-            )
+            .put_secret(namespace, "switchboard-db", "url", &fixture.postgres.url())
             .await?;
         let admin = plane.admin().await?;
         Ok(Self {
             fixture,
             plane,
             admin,
+            namespace: namespace.to_owned(),
         })
     }
 
@@ -596,15 +601,15 @@ impl OperatorEnv {
     }
 
     pub fn adapters(&self) -> Api<QueueAdapter> {
-        Api::namespaced(self.admin.clone(), Self::NAMESPACE)
+        Api::namespaced(self.admin.clone(), &self.namespace)
     }
 
     pub fn deployments(&self) -> Api<Deployment> {
-        Api::namespaced(self.admin.clone(), Self::NAMESPACE)
+        Api::namespaced(self.admin.clone(), &self.namespace)
     }
 
     pub fn config_maps(&self) -> Api<ConfigMap> {
-        Api::namespaced(self.admin.clone(), Self::NAMESPACE)
+        Api::namespaced(self.admin.clone(), &self.namespace)
     }
 
     /// Server-side applies a QueueAdapter manifest as a user would (`kubectl apply`).
@@ -673,13 +678,13 @@ impl OperatorEnv {
         Ok(())
     }
 
-    /// The `adapters` row of `namespace/name`: (family, trust_mode, enabled, config, generation).
+    /// The `adapters` row of adapter `name` in this namespace.
     pub async fn adapter_row(&self, name: &str) -> Result<Option<AdapterRow>> {
         Ok(sqlx::query_as(
             "SELECT family, trust_mode, enabled, config, generation, updated_at::text \
              FROM adapters WHERE name = $1",
         )
-        .bind(format!("{}/{name}", Self::NAMESPACE))
+        .bind(format!("{}/{name}", self.namespace))
         .fetch_optional(self.fixture.pool())
         .await?)
     }
