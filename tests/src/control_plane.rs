@@ -246,13 +246,10 @@ impl ControlPlane {
             OPERATOR_USER,
             &operator_token,
         )?;
-        let admin = plane.admin().await?;
-        wait_for(START_TIMEOUT, "kube-apiserver /readyz is 200", || {
-            let admin = admin.clone();
-            async move {
-                let request = http::Request::get("/readyz").body(Vec::new())?;
-                Ok(admin.request_text(request).await?.trim() == "ok")
-            }
+        // A fresh client per attempt: the certificate file may still be being written.
+        wait_for(START_TIMEOUT, "kube-apiserver /readyz is 200", || async {
+            let request = http::Request::get("/readyz").body(Vec::new())?;
+            Ok(plane.admin().await?.request_text(request).await?.trim() == "ok")
         })
         .await
         .with_context(|| log_tail(&apiserver_log, 30))?;
@@ -724,6 +721,23 @@ pub struct AdapterRow {
     pub config: serde_json::Value,
     pub generation: i64,
     pub updated_at: String,
+}
+
+/// A stream-mode QueueAdapter `name` in [`OperatorEnv::NAMESPACE`] reading stream `name` into
+/// queue `name`, the Redis URL from Secret `redis`, plus `spec_extra` (spec lines, indented by
+/// two spaces).
+pub fn adapter_manifest(name: &str, spec_extra: &str) -> String {
+    format!(
+        "apiVersion: switchboard.dev/v1alpha1\n\
+         kind: QueueAdapter\n\
+         metadata: {{name: {name}, namespace: {namespace}}}\n\
+         spec:\n\
+         \x20 source:\n\
+         \x20   redis: {{mode: stream, stream: {name}, urlSecretRef: {{name: redis, key: url}}}}\n\
+         \x20 target: {{queue: {name}}}\n\
+         {spec_extra}",
+        namespace = OperatorEnv::NAMESPACE
+    )
 }
 
 /// How long the operator gets to react to a change.

@@ -3,6 +3,7 @@
 //! bound by `charts/switchboard/files/operator-rules.yaml`.
 
 use std::collections::BTreeMap;
+use std::sync::LazyLock;
 
 use anyhow::{Context, Result, ensure};
 use k8s_openapi::api::apps::v1::Deployment;
@@ -15,22 +16,18 @@ use kube::core::ApiResource;
 use switchboard_api::QueueAdapter;
 use switchboard_operator::build::{CONFIG_HASH_ANNOTATION, MANIFEST_KEY};
 use switchboard_operator::controller::FINALIZER;
-use switchboard_tests::control_plane::{OPERATOR_TIMEOUT, OperatorEnv};
+use switchboard_tests::control_plane::{OPERATOR_TIMEOUT, OperatorEnv, adapter_manifest};
 use switchboard_tests::wait::wait_for;
 
-const ORDERS: &str = "\
-apiVersion: switchboard.dev/v1alpha1
-kind: QueueAdapter
-metadata: {name: orders, namespace: shop}
-spec:
-  source:
-    redis: {mode: stream, stream: orders, urlSecretRef: {name: redis, key: url}}
-  target: {queue: orders}
-  delivery: {batchSize: 200, maxDeliveries: 5, claimIdleSeconds: 10}
-  workload:
-    replicas: 2
-    resources: {requests: {cpu: 50m, memory: 64Mi}, limits: {memory: 128Mi}}
-";
+static ORDERS: LazyLock<String> = LazyLock::new(|| {
+    adapter_manifest(
+        "orders",
+        "  delivery: {batchSize: 200, maxDeliveries: 5, claimIdleSeconds: 10}\n\
+         \x20 workload:\n\
+         \x20   replicas: 2\n\
+         \x20   resources: {requests: {cpu: 50m, memory: 64Mi}, limits: {memory: 128Mi}}\n",
+    )
+});
 
 fn condition<'a>(adapter: &'a QueueAdapter, type_: &str) -> Option<(&'a str, &'a str)> {
     adapter
@@ -225,7 +222,7 @@ async fn api_server_rejects_invalid_manifests_naming_the_field() -> Result<()> {
     }
 
     // Transition rule: the source mode cannot change after creation.
-    env.apply_adapter(ORDERS).await?;
+    env.apply_adapter(&ORDERS).await?;
     let changed = ORDERS.replace("mode: stream, stream: orders,", "mode: list, list: orders,");
     let err = env
         .apply_adapter(&changed)
@@ -248,7 +245,7 @@ async fn api_server_rejects_invalid_manifests_naming_the_field() -> Result<()> {
 async fn created_adapter_gets_a_restricted_worker_deployment_and_an_adapters_row() -> Result<()> {
     let env = OperatorEnv::start().await?;
     let _operator = env.start_operator("operator-a", &["--worker-image-pull-policy", "Always"])?;
-    let adapter = env.apply_adapter(ORDERS).await?;
+    let adapter = env.apply_adapter(&ORDERS).await?;
     let deployment = env
         .wait_deployment("orders-worker", "the worker Deployment exists", |_| true)
         .await?;
@@ -398,7 +395,7 @@ async fn available_deployment_makes_the_adapter_ready_and_kubectl_shows_the_colu
 {
     let env = OperatorEnv::start().await?;
     let _operator = env.start_operator("operator-a", &[])?;
-    env.apply_adapter(ORDERS).await?;
+    env.apply_adapter(&ORDERS).await?;
     env.wait_deployment("orders-worker", "the worker Deployment exists", |_| true)
         .await?;
     env.mark_deployment_available("orders-worker").await?;
@@ -430,7 +427,7 @@ async fn spec_and_secret_changes_roll_the_hash_and_an_unchanged_adapter_writes_n
 -> Result<()> {
     let env = OperatorEnv::start().await?;
     let operator = env.start_operator("operator-a", &[])?;
-    env.apply_adapter(ORDERS).await?;
+    env.apply_adapter(&ORDERS).await?;
     let first = env
         .wait_deployment("orders-worker", "the worker Deployment exists", |_| true)
         .await?;
@@ -535,7 +532,7 @@ async fn spec_and_secret_changes_roll_the_hash_and_an_unchanged_adapter_writes_n
 async fn disabling_scales_to_zero_and_disables_the_row_and_enabling_restores_both() -> Result<()> {
     let env = OperatorEnv::start().await?;
     let _operator = env.start_operator("operator-a", &[])?;
-    env.apply_adapter(ORDERS).await?;
+    env.apply_adapter(&ORDERS).await?;
     env.wait_deployment("orders-worker", "2 replicas", |d| replicas(d) == Some(2))
         .await?;
 
@@ -552,7 +549,7 @@ async fn disabling_scales_to_zero_and_disables_the_row_and_enabling_restores_bot
         .await?;
     ensure!(adapter.status.and_then(|s| s.observed_generation) == adapter.metadata.generation);
 
-    env.apply_adapter(ORDERS).await?;
+    env.apply_adapter(&ORDERS).await?;
     env.wait_deployment("orders-worker", "2 replicas again", |d| {
         replicas(d) == Some(2)
     })
@@ -570,7 +567,7 @@ async fn disabling_scales_to_zero_and_disables_the_row_and_enabling_restores_bot
 async fn deleting_the_adapter_removes_its_row_and_finalizer_and_the_object() -> Result<()> {
     let env = OperatorEnv::start().await?;
     let operator = env.start_operator("operator-a", &[])?;
-    env.apply_adapter(ORDERS).await?;
+    env.apply_adapter(&ORDERS).await?;
     env.wait_adapter("orders", "the finalizer is added", |a| {
         a.metadata
             .finalizers
@@ -603,7 +600,7 @@ async fn deleting_the_adapter_removes_its_row_and_finalizer_and_the_object() -> 
     );
 
     // Cleanup is idempotent: a row that never existed (or is already gone) is no error.
-    env.apply_adapter(ORDERS).await?;
+    env.apply_adapter(&ORDERS).await?;
     wait_for(OPERATOR_TIMEOUT, "the new row exists", || async {
         Ok(env.adapter_row("orders").await?.is_some())
     })

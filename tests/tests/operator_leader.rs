@@ -5,7 +5,9 @@
 use anyhow::{Context, Result, ensure};
 use k8s_openapi::api::coordination::v1::Lease;
 use kube::Api;
-use switchboard_tests::control_plane::{OPERATOR_TIMEOUT, OperatorEnv, OperatorProcess};
+use switchboard_tests::control_plane::{
+    OPERATOR_TIMEOUT, OperatorEnv, OperatorProcess, adapter_manifest,
+};
 use switchboard_tests::wait::wait_for;
 
 const LEADER_ARGS: &[&str] = &[
@@ -15,17 +17,6 @@ const LEADER_ARGS: &[&str] = &[
     "--lease-duration",
     "3s",
 ];
-
-fn adapter(name: &str) -> String {
-    format!(
-        "apiVersion: switchboard.dev/v1alpha1\n\
-         kind: QueueAdapter\n\
-         metadata: {{name: {name}, namespace: shop}}\n\
-         spec:\n\
-         \x20 source: {{redis: {{mode: stream, stream: {name}, urlSecretRef: {{name: redis, key: url}}}}}}\n\
-         \x20 target: {{queue: {name}}}\n"
-    )
-}
 
 async fn holder(env: &OperatorEnv) -> Result<Option<String>> {
     let leases: Api<Lease> = Api::namespaced(env.admin.clone(), OperatorEnv::NAMESPACE);
@@ -71,7 +62,7 @@ async fn leader_and_standby(env: &OperatorEnv) -> Result<(OperatorProcess, Opera
     })
     .await
     .with_context(|| b.log_tail())?;
-    env.apply_adapter(&adapter("first")).await?;
+    env.apply_adapter(&adapter_manifest("first", "")).await?;
     env.wait_deployment("first-worker", "the leader creates the worker", |_| true)
         .await?;
     ensure!(holder(env).await?.as_deref() == Some("operator-a"));
@@ -84,7 +75,7 @@ async fn leader_and_standby(env: &OperatorEnv) -> Result<(OperatorProcess, Opera
 
 async fn standby_takes_over(env: &OperatorEnv, b: &OperatorProcess) -> Result<()> {
     wait_leader(b).await?;
-    env.apply_adapter(&adapter("second")).await?;
+    env.apply_adapter(&adapter_manifest("second", "")).await?;
     env.wait_deployment("second-worker", "the new leader creates the worker", |_| {
         true
     })

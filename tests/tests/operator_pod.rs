@@ -4,20 +4,8 @@
 
 use anyhow::{Context, Result, ensure};
 use switchboard_tests::control_plane::pod::LocalPod;
-use switchboard_tests::control_plane::{OPERATOR_TIMEOUT, OperatorEnv};
+use switchboard_tests::control_plane::{OPERATOR_TIMEOUT, OperatorEnv, adapter_manifest};
 use switchboard_tests::wait::wait_for;
-
-const ORDERS: &str = "\
-apiVersion: switchboard.dev/v1alpha1
-kind: QueueAdapter
-metadata: {name: orders, namespace: shop}
-spec:
-  source:
-    redis: {mode: stream, stream: orders, urlSecretRef: {name: redis, key: url}}
-  target: {queue: orders}
-  delivery: {batchSize: 50}
-  workload: {replicas: 2}
-";
 
 const MESSAGES: usize = 500;
 
@@ -25,7 +13,11 @@ const MESSAGES: usize = 500;
 async fn rendered_pod_template_ingests_messages_from_redis_into_todos() -> Result<()> {
     let env = OperatorEnv::start().await?;
     let _operator = env.start_operator("operator-a", &[])?;
-    env.apply_adapter(ORDERS).await?;
+    env.apply_adapter(&adapter_manifest(
+        "orders",
+        "  delivery: {batchSize: 50}\n  workload: {replicas: 2}\n",
+    ))
+    .await?;
     let deployment = env
         .wait_deployment("orders-worker", "the worker Deployment exists", |_| true)
         .await?;
