@@ -2,7 +2,7 @@
 export CARGO_TARGET_DIR ?= $(HOME)/.cache/switchboard/target
 CARGO ?= cargo
 
-.PHONY: demo demo-k8s control-plane test deps build lint unit bench
+.PHONY: demo demo-k8s control-plane test deps build lint unit bench helm kind-up kind-demo kind-down
 
 ## make demo: the whole pipeline locally (ephemeral PostgreSQL + Redis, 20,000 messages, a kill -9 mid-way),
 ## then the Kubernetes path (make demo-k8s)
@@ -16,7 +16,7 @@ demo-k8s: deps build control-plane
 	$(CARGO) run --quiet -p switchboard-tests --bin switchboard-demo-k8s
 
 ## make test: formatting, lints and every test against real servers
-test: deps lint build control-plane
+test: deps lint build helm control-plane
 	$(CARGO) test --workspace
 
 deps:
@@ -26,6 +26,20 @@ deps:
 ## into ~/.cache/switchboard/control-plane (or taken from KUBEBUILDER_ASSETS); docs/control-plane.md
 control-plane:
 	scripts/control-plane.sh bin-dir >/dev/null
+
+## helm for the chart tests, built once from the Go module proxy into ~/.cache/switchboard/helm
+helm:
+	scripts/helm.sh >/dev/null
+
+## make kind-up / kind-demo / kind-down: the kind path for people with Docker (docs/kubernetes.md)
+kind-up:
+	scripts/kind-up.sh
+
+kind-demo: kind-up
+	scripts/kind-demo.sh
+
+kind-down:
+	scripts/kind-down.sh
 
 build:
 	$(CARGO) build --workspace --bins

@@ -1,0 +1,1141 @@
+//! The Helm chart (`charts/switchboard`), the Dockerfile and the kind path.
+//!
+//! helm comes from `scripts/helm.sh` (built once from the Go module proxy, cached); the chart is
+//! rendered by the real helm and its objects are applied to the real kube-apiserver of the test
+//! harness. There is no Docker engine here: the Dockerfile and the kind scripts are checked
+//! statically (and the scripts in their `KIND_DRY_RUN=1` mode).
+
+use std::collections::BTreeSet;
+use std::path::PathBuf;
+use std::process::{Command, Output, Stdio};
+
+use anyhow::{Context, Result, bail, ensure};
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::api::core::v1::{Container, EnvVar};
+use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, PolicyRule};
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
+use kube::api::{DynamicObject, Patch, PatchParams, PostParams};
+use kube::config::Kubeconfig;
+use kube::core::GroupVersionKind;
+use kube::discovery::Scope;
+use kube::{Api, Client};
+use serde::Deserialize;
+use serde_json::Value;
+use switchboard_operator::DEFAULT_WORKER_IMAGE;
+use switchboard_operator::build::{WORKER_COMMAND, WORKER_UID, worker_name};
+use switchboard_tests::control_plane::pod::LocalPod;
+use switchboard_tests::control_plane::{
+    CRD_FILE, ControlPlane, OPERATOR_TIMEOUT, OperatorEnv, wait_object,
+};
+use switchboard_tests::servers::workspace_path;
+use switchboard_tests::wait::wait_for;
+
+const CHART: &str = "charts/switchboard";
+const RELEASE: &str = "switchboard";
+/// The release namespace of every render (the kind path's too).
+const NAMESPACE: &str = "switchboard";
+/// Two replicas, ServiceMonitor and NetworkPolicy on, an existing database Secret.
+const HA_VALUES: &str = "charts/switchboard/ci/ha-values.yaml";
+/// The chart creates the database Secret from `database.url`; names overridden.
+const CREATED_SECRET_VALUES: &str = "charts/switchboard/ci/created-secret-values.yaml";
+/// `None`: the chart's defaults.
+const VALUE_SETS: [Option<&str>; 3] = [None, Some(HA_VALUES), Some(CREATED_SECRET_VALUES)];
+
+const ADAPTER: &str = "\
+apiVersion: switchboard.dev/v1alpha1
+kind: QueueAdapter
+metadata: {name: orders, namespace: shop}
+spec:
+  source:
+    redis: {mode: stream, stream: orders, urlSecretRef: {name: redis, key: url}}
+  target: {queue: orders}
+";
+
+/// A minimal `monitoring.coreos.com/v1` ServiceMonitor CRD: only the fields the chart sets, typed
+/// as in the Prometheus Operator's CRD, so that strict field validation rejects anything else.
+const SERVICE_MONITOR_CRD: &str = r#"
+apiVersion: apiextensions.k8s.io/v1
+kind: CustomResourceDefinition
+metadata: {name: servicemonitors.monitoring.coreos.com}
+spec:
+  group: monitoring.coreos.com
+  scope: Namespaced
+  names: {kind: ServiceMonitor, listKind: ServiceMonitorList, plural: servicemonitors, singular: servicemonitor}
+  versions:
+    - name: v1
+      served: true
+      storage: true
+      schema:
+        openAPIV3Schema:
+          type: object
+          required: [spec]
+          properties:
+            spec:
+              type: object
+              required: [selector]
+              properties:
+                selector:
+                  type: object
+                  properties:
+                    matchLabels: {type: object, additionalProperties: {type: string}}
+                namespaceSelector:
+                  type: object
+                  properties:
+                    any: {type: boolean}
+                    matchNames: {type: array, items: {type: string}}
+                endpoints:
+                  type: array
+                  items:
+                    type: object
+                    properties:
+                      port: {type: string}
+                      path: {type: string}
+                      interval: {type: string, pattern: '^(0|(([0-9]+)y)?(([0-9]+)w)?(([0-9]+)d)?(([0-9]+)h)?(([0-9]+)m)?(([0-9]+)s)?(([0-9]+)ms)?)$'}
+                      scrapeTimeout: {type: string, pattern: '^(0|(([0-9]+)y)?(([0-9]+)w)?(([0-9]+)d)?(([0-9]+)h)?(([0-9]+)m)?(([0-9]+)s)?(([0-9]+)ms)?)$'}
+"#;
+
+// ---------------------------------------------------------------------------------------------
+// helm
+
+/// The helm binary from `scripts/helm.sh` (which honours `HELM` and otherwise builds it once).
+fn helm_binary() -> Result<PathBuf> {
+    let script = workspace_path("scripts/helm.sh");
+    let output = Command::new("bash")
+        .arg(&script)
+        .stdin(Stdio::null())
+        .output()
+        .with_context(|| format!("running {}", script.display()))?;
+    let path = PathBuf::from(String::from_utf8_lossy(&output.stdout).trim());
+    if !output.status.success() || !path.is_file() {
+        bail!(
+            "helm is missing and could not be built; run `scripts/helm.sh` (or `make helm`; needs \
+             Go, see docs/kubernetes.md) or set HELM=/path/to/helm.\n{}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+    }
+    Ok(path)
+}
+
+/// Runs helm in the workspace root.
+fn helm(args: &[&str]) -> Result<Output> {
+    Ok(Command::new(helm_binary()?)
+        .current_dir(workspace_path(""))
+        .args(args)
+        .stdin(Stdio::null())
+        .output()?)
+}
+
+/// `helm template` of the release with `values` (a file; `None`: defaults) and `extra` args:
+/// every rendered object.
+fn render(values: Option<&str>, extra: &[&str]) -> Result<Vec<Value>> {
+    let mut args = vec!["template", RELEASE, CHART, "--namespace", NAMESPACE];
+    args.extend(values.iter().flat_map(|file| ["--values", *file]));
+    args.extend(extra);
+    let output = helm(&args)?;
+    ensure!(
+        output.status.success(),
+        "helm {args:?} failed: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    yaml_documents(&String::from_utf8(output.stdout)?)
+}
+
+/// The non-empty documents of a multi-document YAML stream.
+fn yaml_documents(yaml: &str) -> Result<Vec<Value>> {
+    let mut documents = Vec::new();
+    for document in serde_yaml_ng::Deserializer::from_str(yaml) {
+        let value = Value::deserialize(document)?;
+        if !value.is_null() {
+            documents.push(value);
+        }
+    }
+    Ok(documents)
+}
+
+fn kind_of(object: &Value) -> &str {
+    object["kind"].as_str().unwrap_or_default()
+}
+
+fn kinds(objects: &[Value]) -> BTreeSet<&str> {
+    objects.iter().map(kind_of).collect()
+}
+
+/// The one rendered object of `kind`, typed.
+fn the<K: serde::de::DeserializeOwned>(objects: &[Value], kind: &str) -> Result<K> {
+    let mut found = objects.iter().filter(|o| kind_of(o) == kind);
+    let object = found
+        .next()
+        .with_context(|| format!("no {kind} rendered"))?;
+    ensure!(found.next().is_none(), "more than one {kind} rendered");
+    Ok(serde_json::from_value(object.clone())?)
+}
+
+fn operator_container(deployment: &Deployment) -> Result<&Container> {
+    deployment
+        .spec
+        .as_ref()
+        .and_then(|s| s.template.spec.as_ref())
+        .and_then(|p| p.containers.first())
+        .context("the Deployment has a container")
+}
+
+fn env<'a>(container: &'a Container, name: &str) -> Option<&'a EnvVar> {
+    container.env.iter().flatten().find(|var| var.name == name)
+}
+
+fn env_value<'a>(container: &'a Container, name: &str) -> Option<&'a str> {
+    env(container, name)?.value.as_deref()
+}
+
+// ---------------------------------------------------------------------------------------------
+// Acceptance 1: lint and schema
+
+#[test]
+fn helm_lint_strict_passes_with_every_values_set() -> Result<()> {
+    for values in VALUE_SETS {
+        let mut args = vec!["lint", "--strict", CHART];
+        args.extend(values.iter().flat_map(|file| ["--values", *file]));
+        let output = helm(&args)?;
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&output.stdout),
+            String::from_utf8_lossy(&output.stderr)
+        );
+        ensure!(
+            output.status.success() && text.contains("1 chart(s) linted, 0 chart(s) failed"),
+            "helm {args:?}:\n{text}"
+        );
+    }
+    Ok(())
+}
+
+#[test]
+fn schema_rejects_values_of_the_wrong_type_and_unknown_keys() -> Result<()> {
+    // (helm arguments, what the schema error must name)
+    let cases: [(&[&str], &str); 10] = [
+        (&["--set", "replicaCount=two"], "/replicaCount"),
+        (
+            &["--set-string", "serviceMonitor.enabled=yes"],
+            "/serviceMonitor/enabled",
+        ),
+        (&["--set", "metrics.port=70000"], "/metrics/port"),
+        (
+            &["--set", "image.pullPolicy=Sometimes"],
+            "/image/pullPolicy",
+        ),
+        (
+            &["--set", "leaderElection.leaseDuration=soon"],
+            "/leaderElection/leaseDuration",
+        ),
+        (
+            &["--set", "database.existingSecret.name=Not_A_Name"],
+            "/database/existingSecret/name",
+        ),
+        (&["--set", "replicas=2"], "'replicas' not allowed"),
+        (&["--set", "image.tga=latest"], "'tga' not allowed"),
+        (
+            &[
+                "--set",
+                "networkPolicy.metricsFrom.podSelecter.app=prometheus",
+            ],
+            "'podSelecter' not allowed",
+        ),
+        (
+            &["--set", "worker.defaultDatabaseSecret.url=postgres://x"],
+            "'url' not allowed",
+        ),
+    ];
+    for (values, needle) in cases {
+        let mut args = vec!["template", RELEASE, CHART];
+        args.extend(values);
+        let output = helm(&args)?;
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        ensure!(
+            !output.status.success()
+                && stderr.contains("don't meet the specifications of the schema")
+                && stderr.contains(needle),
+            "helm {args:?} should fail naming {needle:?}; status {}, stderr:\n{stderr}",
+            output.status
+        );
+    }
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------------
+// What the templates render (no API server)
+
+#[test]
+fn cluster_role_renders_exactly_the_operator_rules_file() -> Result<()> {
+    for values in VALUE_SETS {
+        let objects = render(values, &[])?;
+        let role: ClusterRole = the(&objects, "ClusterRole")?;
+        let rendered: Vec<PolicyRule> = role.rules.unwrap_or_default();
+        ensure!(
+            rendered == ControlPlane::operator_rules()?,
+            "the ClusterRole's rules differ from files/operator-rules.yaml: {rendered:#?}"
+        );
+        let binding: ClusterRoleBinding = the(&objects, "ClusterRoleBinding")?;
+        let deployment: Deployment = the(&objects, "Deployment")?;
+        let pod = deployment
+            .spec
+            .as_ref()
+            .and_then(|s| s.template.spec.as_ref())
+            .context("pod spec")?;
+        let subject = binding.subjects.unwrap_or_default();
+        ensure!(
+            subject.len() == 1
+                && subject[0].kind == "ServiceAccount"
+                && subject[0].namespace.as_deref() == Some(NAMESPACE)
+                && Some(&subject[0].name) == pod.service_account_name.as_ref()
+                && binding.role_ref.name == role.metadata.name.unwrap_or_default(),
+            "the binding must bind the ClusterRole to the pods' ServiceAccount: {subject:?}"
+        );
+    }
+    Ok(())
+}
+
+#[test]
+fn operator_deployment_is_restricted_probed_and_elects_a_leader_with_replicas() -> Result<()> {
+    for (values, replicas, leader_election) in [(None, 1, "false"), (Some(HA_VALUES), 2, "true")] {
+        let objects = render(values, &[])?;
+        let deployment: Deployment = the(&objects, "Deployment")?;
+        let spec = deployment.spec.as_ref().context("spec")?;
+        ensure!(
+            spec.replicas == Some(replicas),
+            "replicas {:?}",
+            spec.replicas
+        );
+        let pod = spec.template.spec.as_ref().context("pod spec")?;
+        let pod_security = pod
+            .security_context
+            .as_ref()
+            .context("pod securityContext")?;
+        ensure!(pod_security.run_as_non_root == Some(true));
+        ensure!(pod_security.run_as_user == Some(WORKER_UID));
+        ensure!(
+            pod_security
+                .seccomp_profile
+                .as_ref()
+                .map(|p| p.type_.as_str())
+                == Some("RuntimeDefault")
+        );
+        let container = operator_container(&deployment)?;
+        let security = container
+            .security_context
+            .as_ref()
+            .context("securityContext")?;
+        ensure!(security.allow_privilege_escalation == Some(false));
+        ensure!(security.read_only_root_filesystem == Some(true));
+        ensure!(security.run_as_non_root == Some(true));
+        ensure!(
+            security.capabilities.as_ref().and_then(|c| c.drop.clone())
+                == Some(vec!["ALL".to_owned()])
+        );
+        for (probe, path) in [
+            (&container.liveness_probe, "/healthz"),
+            (&container.readiness_probe, "/readyz"),
+        ] {
+            let get = probe.as_ref().and_then(|p| p.http_get.as_ref());
+            ensure!(
+                get.and_then(|g| g.path.as_deref()) == Some(path),
+                "probe {path}: {probe:?}"
+            );
+        }
+        let resources = container.resources.as_ref().context("resources")?;
+        ensure!(resources.requests.is_some() && resources.limits.is_some());
+        ensure!(
+            env_value(container, "SWITCHBOARD_LEADER_ELECTION") == Some(leader_election),
+            "leader election with {replicas} replica(s)"
+        );
+        let namespace = env(container, "POD_NAMESPACE")
+            .and_then(|v| v.value_from.as_ref()?.field_ref.as_ref())
+            .map(|f| f.field_path.as_str());
+        ensure!(namespace == Some("metadata.namespace"), "POD_NAMESPACE");
+    }
+    Ok(())
+}
+
+#[test]
+fn database_url_is_only_referenced_from_a_secret_the_user_or_the_chart_owns() -> Result<()> {
+    // (values, the Secret and key the operator reads, whether the chart creates it)
+    let cases = [
+        (None, "switchboard-db", "url", false),
+        (Some(HA_VALUES), "operator-db", "dsn", false),
+        (Some(CREATED_SECRET_VALUES), "sb-database", "url", true),
+    ];
+    for (values, name, key, created) in cases {
+        let objects = render(values, &[])?;
+        let deployment: Deployment = the(&objects, "Deployment")?;
+        let container = operator_container(&deployment)?;
+        let reference = env(container, "DATABASE_URL")
+            .and_then(|v| v.value_from.as_ref()?.secret_key_ref.as_ref())
+            .context("DATABASE_URL comes from a Secret")?;
+        ensure!(
+            reference.name == name && reference.key == key,
+            "{values:?}: {reference:?}"
+        );
+        let secrets: Vec<&Value> = objects.iter().filter(|o| kind_of(o) == "Secret").collect();
+        ensure!(
+            secrets.len() == usize::from(created),
+            "{values:?}: {} Secrets",
+            secrets.len()
+        );
+        if created {
+            ensure!(secrets[0]["metadata"]["name"] == name);
+            ensure!(secrets[0]["stringData"][key].as_str() == Some(DATABASE_URL_IN_VALUES));
+        }
+        ensure!(!kinds(&objects).contains("ConfigMap"), "no ConfigMap");
+        // The URL appears in the Secret only: never in an env value, annotation or label.
+        for object in objects.iter().filter(|o| kind_of(o) != "Secret") {
+            let text = object.to_string();
+            ensure!(
+                !text.contains("postgres://"),
+                "{values:?}: a database URL outside a Secret in {object}"
+            );
+        }
+    }
+    Ok(())
+}
+
+/// The URL of `ci/created-secret-values.yaml`.
+const DATABASE_URL_IN_VALUES: &str =
+    "postgres://switchboard:not-a-real-password@postgres.switchboard-dev.svc:5432/switchboard";
+
+#[test]
+fn names_and_labels_follow_helm_conventions() -> Result<()> {
+    let objects = render(Some(CREATED_SECRET_VALUES), &[])?;
+    for object in &objects {
+        let name = object["metadata"]["name"].as_str().unwrap_or_default();
+        ensure!(name.starts_with("sb"), "fullnameOverride: {name}");
+        let labels = &object["metadata"]["labels"];
+        for label in [
+            "app.kubernetes.io/name",
+            "app.kubernetes.io/instance",
+            "app.kubernetes.io/version",
+            "app.kubernetes.io/managed-by",
+            "helm.sh/chart",
+        ] {
+            ensure!(labels[label].is_string(), "{name} lacks label {label}");
+        }
+    }
+    let renamed = render(None, &["--set", "nameOverride=queues"])?;
+    let deployment: Deployment = the(&renamed, "Deployment")?;
+    ensure!(deployment.metadata.name.as_deref() == Some("switchboard-queues"));
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------------
+// Acceptance 2: the real API server accepts every rendered object
+
+/// Server-side applies `object` as helm's field manager with strict field validation (unknown or
+/// duplicate fields are errors); `dry_run`: dryRun=All, nothing is stored.
+async fn server_side_apply(client: &Client, object: &Value, dry_run: bool) -> Result<()> {
+    let object: DynamicObject = serde_json::from_value(object.clone())?;
+    let types = object.types.as_ref().context("apiVersion and kind")?;
+    let gvk = GroupVersionKind::try_from(types)?;
+    let (resource, capabilities) = kube::discovery::pinned_kind(client, &gvk).await?;
+    let api: Api<DynamicObject> = match capabilities.scope {
+        Scope::Namespaced => Api::namespaced_with(
+            client.clone(),
+            object.metadata.namespace.as_deref().unwrap_or(NAMESPACE),
+            &resource,
+        ),
+        Scope::Cluster => Api::all_with(client.clone(), &resource),
+    };
+    let mut params = PatchParams::apply("helm").force().validation_strict();
+    if dry_run {
+        params = params.dry_run();
+    }
+    let name = object.metadata.name.clone().context("a name")?;
+    api.patch(&name, &params, &Patch::Apply(&object))
+        .await
+        .with_context(|| format!("applying {} {name}", gvk.kind))?;
+    Ok(())
+}
+
+async fn create_crd(client: &Client, yaml: &str) -> Result<()> {
+    let crd: CustomResourceDefinition = serde_yaml_ng::from_str(yaml)?;
+    let name = crd.metadata.name.clone().context("CRD name")?;
+    let api = Api::<CustomResourceDefinition>::all(client.clone());
+    api.create(&PostParams::default(), &crd).await?;
+    wait_object(&api, &name, "the CRD is Established", |crd| {
+        crd.status
+            .as_ref()
+            .and_then(|s| s.conditions.as_ref())
+            .is_some_and(|c| {
+                c.iter()
+                    .any(|c| c.type_ == "Established" && c.status == "True")
+            })
+    })
+    .await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn every_rendered_object_is_accepted_by_the_api_server_with_every_values_set() -> Result<()> {
+    let plane = ControlPlane::start().await?;
+    let admin = plane.admin().await?;
+    plane.create_namespace(NAMESPACE).await?;
+    create_crd(&admin, SERVICE_MONITOR_CRD).await?;
+    let mut applied = 0;
+    for values in VALUE_SETS {
+        let objects = render(values, &["--include-crds"])?;
+        let rendered = kinds(&objects);
+        for kind in [
+            "CustomResourceDefinition",
+            "ServiceAccount",
+            "ClusterRole",
+            "ClusterRoleBinding",
+            "Service",
+            "Deployment",
+        ] {
+            ensure!(rendered.contains(kind), "{values:?}: no {kind}");
+        }
+        let optional = ["ServiceMonitor", "NetworkPolicy"].map(|k| rendered.contains(k));
+        ensure!(
+            optional == [values == Some(HA_VALUES); 2],
+            "{values:?}: ServiceMonitor and NetworkPolicy only when enabled"
+        );
+        for object in &objects {
+            server_side_apply(&admin, object, true)
+                .await
+                .with_context(|| format!("values {values:?}"))?;
+            applied += 1;
+        }
+    }
+    // The kind path's dev manifests too (their namespaces for real, the rest dry-run).
+    for file in ["namespaces", "postgres", "redis", "secrets"] {
+        let path = workspace_path(&format!("examples/dev/{file}.yaml"));
+        for object in yaml_documents(&std::fs::read_to_string(&path)?)? {
+            let dry_run = file != "namespaces";
+            server_side_apply(&admin, &object, dry_run)
+                .await
+                .with_context(|| path.display().to_string())?;
+            applied += 1;
+        }
+    }
+    println!("{applied} objects accepted");
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------------
+// Acceptance 3: the chart's RBAC suffices for the operator, and each part of it is needed
+
+/// The chart installed for real (the database URL in an existing Secret), its ServiceAccount's
+/// token from the TokenRequest API, and the chart's operator container running locally with it.
+struct ChartOperator {
+    env: OperatorEnv,
+    pod: LocalPod,
+}
+
+impl ChartOperator {
+    /// `values`: helm arguments (the database URL must come from Secret `operator-db`, key
+    /// `dsn`). `drop_rule`: leave out the rendered ClusterRole's rules matching it.
+    async fn start(values: &[&str], drop_rule: impl Fn(&PolicyRule) -> bool) -> Result<Self> {
+        let env = OperatorEnv::start().await?;
+        let plane = &env.plane;
+        plane.create_namespace(NAMESPACE).await?;
+        create_crd(&env.admin, SERVICE_MONITOR_CRD).await?;
+        plane
+            .put_secret(NAMESPACE, "operator-db", "dsn", &env.fixture.postgres.url())
+            .await?;
+        for mut object in render(None, values)? {
+            if kind_of(&object) == "ClusterRole" {
+                let rules: Vec<PolicyRule> = serde_json::from_value(object["rules"].clone())?;
+                let kept: Vec<PolicyRule> = rules.into_iter().filter(|r| !drop_rule(r)).collect();
+                object["rules"] = serde_json::to_value(kept)?;
+            }
+            server_side_apply(&env.admin, &object, false).await?;
+        }
+        let account = "switchboard";
+        let token = plane.kubectl_ok(&[
+            "create",
+            "token",
+            account,
+            "--namespace",
+            NAMESPACE,
+            "--duration",
+            "1h",
+        ])?;
+        let mut kubeconfig = Kubeconfig::read_from(&plane.admin_kubeconfig)?;
+        for user in &mut kubeconfig.auth_infos {
+            if let Some(auth) = user.auth_info.as_mut() {
+                auth.token = Some(token.trim().to_owned().into());
+            }
+        }
+        let kubeconfig_path = env.fixture.dir.path().join("service-account.kubeconfig");
+        std::fs::write(&kubeconfig_path, serde_yaml_ng::to_string(&kubeconfig)?)?;
+
+        // What the kubelet would do with the in-cluster config, done with a kubeconfig: the
+        // process runs outside the cluster.
+        let mut deployment = Api::<Deployment>::namespaced(env.admin.clone(), NAMESPACE)
+            .get(RELEASE)
+            .await?;
+        let container = deployment
+            .spec
+            .as_mut()
+            .and_then(|s| s.template.spec.as_mut())
+            .and_then(|p| p.containers.first_mut())
+            .context("the chart's Deployment has a container")?;
+        container.env.get_or_insert_with(Vec::new).push(EnvVar {
+            name: "KUBECONFIG".to_owned(),
+            value: Some(kubeconfig_path.display().to_string()),
+            ..EnvVar::default()
+        });
+        let pod = LocalPod::start(
+            &env.admin,
+            &deployment,
+            "switchboard-5d8f9c7b4-x2k9q",
+            env.fixture.dir.path(),
+        )
+        .await?;
+        let probe = pod.container.readiness_probe.clone();
+        wait_for(
+            OPERATOR_TIMEOUT,
+            "the operator's readiness probe passes",
+            || {
+                let probe = probe.clone();
+                let pod = &pod;
+                async move { Ok(pod.probe(probe.as_ref()).await? == 200) }
+            },
+        )
+        .await
+        .with_context(|| pod.log_tail())?;
+        Ok(Self { env, pod })
+    }
+}
+
+fn condition<'a>(adapter: &'a switchboard_api::QueueAdapter, type_: &str) -> Option<&'a Condition> {
+    adapter
+        .status
+        .as_ref()?
+        .conditions
+        .iter()
+        .find(|c| c.type_ == type_)
+}
+
+#[tokio::test]
+async fn operator_with_the_charts_service_account_reconciles_an_adapter_end_to_end() -> Result<()> {
+    // Two replicas: leader election on, so the Lease rule is exercised too.
+    let mut chart = ChartOperator::start(&["--values", HA_VALUES], |_| false).await?;
+    let env = &chart.env;
+    env.apply_adapter(ADAPTER).await?;
+    let worker_deployment = worker_name("orders");
+    let deployment = env
+        .wait_deployment(&worker_deployment, "the worker Deployment exists", |_| true)
+        .await
+        .with_context(|| chart.pod.log_tail())?;
+    // The chart's worker settings (ci/ha-values.yaml) reach the worker Deployment.
+    let worker = operator_container(&deployment)?;
+    ensure!(
+        worker.image.as_deref() == Some("registry.example/switchboard-worker:0.1.0-rc.1")
+            && worker.image_pull_policy.as_deref() == Some("Always"),
+        "worker image {:?}, pull policy {:?}",
+        worker.image,
+        worker.image_pull_policy
+    );
+    env.mark_deployment_available(&worker_deployment).await?;
+    let adapter = env
+        .wait_adapter("orders", "the adapter is Ready", |adapter| {
+            condition(adapter, "Ready").is_some_and(|c| c.status == "True")
+                && adapter.status.as_ref().and_then(|s| s.observed_generation)
+                    == adapter.metadata.generation
+        })
+        .await
+        .with_context(|| chart.pod.log_tail())?;
+    let row = env
+        .adapter_row("orders")
+        .await?
+        .context("the adapters row exists")?;
+    ensure!(row.family == "queue" && row.enabled, "{row:?}");
+    ensure!(
+        chart.pod.is_running(),
+        "the operator keeps running\n{}",
+        chart.pod.log_tail()
+    );
+    let lease = Api::<Lease>::namespaced(env.admin.clone(), NAMESPACE)
+        .get(RELEASE)
+        .await
+        .context("the chart's leader Lease")?;
+    let holder = lease.spec.and_then(|s| s.holder_identity);
+    ensure!(
+        holder.is_some_and(|h| !h.is_empty()),
+        "the operator holds the Lease"
+    );
+    println!(
+        "reconciled with the chart's ServiceAccount: {:?}",
+        condition(&adapter, "Reconciled")
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn operator_without_the_charts_deployments_rule_cannot_reconcile() -> Result<()> {
+    let values = [
+        "--set",
+        "database.existingSecret.name=operator-db,database.existingSecret.key=dsn",
+    ];
+    let chart = ChartOperator::start(&values, |rule| {
+        rule.resources
+            .as_ref()
+            .is_some_and(|r| r.iter().any(|r| r == "deployments"))
+    })
+    .await?;
+    let env = &chart.env;
+    env.apply_adapter(ADAPTER).await?;
+    let adapter = env
+        .wait_adapter(
+            "orders",
+            "the adapter reports the forbidden Deployment",
+            |adapter| {
+                condition(adapter, "Reconciled").is_some_and(|c| {
+                    c.status == "False" && c.message.to_lowercase().contains("forbidden")
+                })
+            },
+        )
+        .await
+        .with_context(|| chart.pod.log_tail())?;
+    let message = &condition(&adapter, "Reconciled")
+        .context("Reconciled")?
+        .message;
+    ensure!(
+        message.contains("system:serviceaccount:switchboard:switchboard"),
+        "the operator must act as the chart's ServiceAccount: {message}"
+    );
+    ensure!(
+        env.deployments()
+            .get_opt(&worker_name("orders"))
+            .await?
+            .is_none(),
+        "no worker Deployment without the rule"
+    );
+    // One replica: the chart turns leader election off, so there is no Lease.
+    ensure!(
+        Api::<Lease>::namespaced(env.admin.clone(), NAMESPACE)
+            .get_opt(RELEASE)
+            .await?
+            .is_none(),
+        "leader election is off with one replica"
+    );
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------------
+// Acceptance 4: the chart's CRD and versions
+
+#[test]
+fn chart_crd_is_the_generated_crd_and_chart_versions_are_the_crates_version() -> Result<()> {
+    let committed = std::fs::read_to_string(workspace_path(CRD_FILE))?;
+    let chart_copy = workspace_path("charts/switchboard/crds/queueadapters.switchboard.dev.yaml");
+    ensure!(
+        std::fs::read_to_string(&chart_copy)? == committed,
+        "{} differs from {CRD_FILE}; copy it: `cp {CRD_FILE} {}`",
+        chart_copy.display(),
+        chart_copy.display()
+    );
+    let chart: serde_yaml_ng::Value = serde_yaml_ng::from_str(&std::fs::read_to_string(
+        workspace_path("charts/switchboard/Chart.yaml"),
+    )?)?;
+    let crate_version = env!("CARGO_PKG_VERSION");
+    for key in ["version", "appVersion"] {
+        ensure!(
+            chart[key].as_str() == Some(crate_version),
+            "Chart.yaml {key} is {:?}, the crates are {crate_version}",
+            chart[key]
+        );
+    }
+    let metadata = cargo_metadata()?;
+    for package in metadata["packages"].as_array().context("packages")? {
+        ensure!(
+            package["version"] == crate_version,
+            "{} has version {}",
+            package["name"],
+            package["version"]
+        );
+    }
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------------
+// Acceptance 5: Dockerfile and kind scripts, statically
+
+fn cargo_metadata() -> Result<Value> {
+    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    let output = Command::new(cargo)
+        .current_dir(workspace_path(""))
+        .args([
+            "metadata",
+            "--no-deps",
+            "--format-version",
+            "1",
+            "--offline",
+        ])
+        .stdin(Stdio::null())
+        .output()?;
+    ensure!(
+        output.status.success(),
+        "cargo metadata failed: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    Ok(serde_json::from_slice(&output.stdout)?)
+}
+
+/// Dockerfile instructions with continuation lines joined, comments dropped: (INSTRUCTION, rest).
+fn dockerfile_instructions(text: &str) -> Vec<(String, String)> {
+    let mut joined = Vec::new();
+    let mut current = String::new();
+    for line in text.lines().map(str::trim) {
+        if line.starts_with('#') || (line.is_empty() && current.is_empty()) {
+            continue;
+        }
+        match line.strip_suffix('\\') {
+            Some(part) => current.push_str(part),
+            None => {
+                current.push_str(line);
+                joined.push(std::mem::take(&mut current));
+            }
+        }
+    }
+    joined
+        .into_iter()
+        .filter_map(|line| {
+            let (instruction, rest) = line.split_once(char::is_whitespace)?;
+            Some((instruction.to_uppercase(), rest.trim().to_owned()))
+        })
+        .collect()
+}
+
+#[test]
+fn dockerfile_copies_existing_sources_and_installs_the_binaries_cargo_builds() -> Result<()> {
+    let text = std::fs::read_to_string(workspace_path("Dockerfile"))?;
+    let instructions = dockerfile_instructions(&text);
+    let ignored: Vec<String> = std::fs::read_to_string(workspace_path(".dockerignore"))?
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty() && !l.starts_with('#'))
+        .map(str::to_owned)
+        .collect();
+    let metadata = cargo_metadata()?;
+    let root = workspace_path("").canonicalize()?;
+
+    // Every source copied from the context exists and is not excluded by .dockerignore; every
+    // workspace member and the migrations are copied.
+    let mut copied = BTreeSet::new();
+    for (_, rest) in instructions
+        .iter()
+        .filter(|(i, rest)| i == "COPY" && !rest.starts_with("--from"))
+    {
+        let words: Vec<&str> = rest.split_whitespace().collect();
+        for source in &words[..words.len() - 1] {
+            ensure!(
+                root.join(source).exists(),
+                "Dockerfile copies missing {source}"
+            );
+            ensure!(
+                !ignored.iter().any(|pattern| pattern == source),
+                ".dockerignore excludes {source}, which the Dockerfile copies"
+            );
+            copied.insert((*source).to_owned());
+        }
+    }
+    let mut needed = vec![
+        "Cargo.toml".to_owned(),
+        "Cargo.lock".to_owned(),
+        "migrations".to_owned(),
+    ];
+    for package in metadata["packages"].as_array().context("packages")? {
+        let manifest = PathBuf::from(package["manifest_path"].as_str().context("manifest")?);
+        let dir = manifest.parent().context("package dir")?.canonicalize()?;
+        needed.push(dir.strip_prefix(&root)?.display().to_string());
+    }
+    for path in needed {
+        ensure!(
+            copied.contains(&path),
+            "the Dockerfile does not copy {path}"
+        );
+    }
+
+    // The binaries the runtime stage installs are bin targets of the packages the build builds,
+    // and they are the two the chart and the operator run.
+    let bins: BTreeSet<(String, String)> = metadata["packages"]
+        .as_array()
+        .context("packages")?
+        .iter()
+        .flat_map(|package| {
+            let name = package["name"].as_str().unwrap_or_default().to_owned();
+            package["targets"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter(|t| {
+                    t["kind"]
+                        .as_array()
+                        .is_some_and(|k| k.iter().any(|k| k == "bin"))
+                })
+                .map(move |t| {
+                    (
+                        name.clone(),
+                        t["name"].as_str().unwrap_or_default().to_owned(),
+                    )
+                })
+        })
+        .collect();
+    let build = instructions
+        .iter()
+        .find(|(i, rest)| i == "RUN" && rest.contains("cargo build"))
+        .context("a RUN cargo build")?;
+    // The words of the `cargo build …` command, up to the next `&&`.
+    let words: Vec<&str> = build
+        .1
+        .split_whitespace()
+        .skip_while(|w| *w != "cargo")
+        .take_while(|w| *w != "&&")
+        .collect();
+    let built_packages: BTreeSet<&str> = words
+        .windows(2)
+        .filter(|w| w[0] == "-p" || w[0] == "--package")
+        .map(|w| w[1])
+        .collect();
+    let installed: BTreeSet<String> = instructions
+        .iter()
+        .filter(|(i, rest)| i == "COPY" && rest.starts_with("--from"))
+        .flat_map(|(_, rest)| {
+            let words: Vec<&str> = rest.split_whitespace().skip(1).collect();
+            words[..words.len().saturating_sub(1)]
+                .iter()
+                .filter_map(|path| path.rsplit('/').next().map(str::to_owned))
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    for binary in &installed {
+        ensure!(
+            bins.iter()
+                .any(|(package, bin)| bin == binary && built_packages.contains(package.as_str())),
+            "the image installs {binary}, which is no bin target of the packages built \
+             ({built_packages:?}); cargo's bins: {bins:?}"
+        );
+        ensure!(
+            build.1.contains(&format!("target/release/{binary}")),
+            "the build stage does not copy out {binary}"
+        );
+    }
+    let objects = render(None, &[])?;
+    let deployment: Deployment = the(&objects, "Deployment")?;
+    let chart_command = operator_container(&deployment)?
+        .command
+        .clone()
+        .unwrap_or_default();
+    let expected: BTreeSet<String> = [chart_command.join(" "), WORKER_COMMAND.to_owned()].into();
+    ensure!(
+        installed == expected,
+        "the image must hold exactly the chart's and the operator's commands {expected:?}, it \
+         holds {installed:?}"
+    );
+    let user = instructions
+        .iter()
+        .rfind(|(i, _)| i == "USER")
+        .context("a USER")?;
+    ensure!(
+        user.1 == format!("{WORKER_UID}:{WORKER_UID}"),
+        "USER {} is not the uid the pods run as ({WORKER_UID})",
+        user.1
+    );
+    Ok(())
+}
+
+/// Runs a kind script with `KIND_DRY_RUN=1`: the commands it would run.
+fn kind_dry_run(script: &str) -> Result<Vec<Vec<String>>> {
+    let output = Command::new("bash")
+        .arg(workspace_path(&format!("scripts/{script}")))
+        .env("KIND_DRY_RUN", "1")
+        .env_remove("IMAGE")
+        .env_remove("KIND_CLUSTER")
+        .env_remove("HELM")
+        .stdin(Stdio::null())
+        .output()?;
+    ensure!(
+        output.status.success(),
+        "{script} failed: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    Ok(String::from_utf8(output.stdout)?
+        .lines()
+        .filter_map(|line| line.strip_prefix("+ "))
+        .map(|command| command.split(' ').map(str::to_owned).collect())
+        .collect())
+}
+
+/// The value after `flag` in `command`.
+fn flag<'a>(command: &'a [String], flag: &str) -> Option<&'a str> {
+    command
+        .windows(2)
+        .find(|w| w[0] == flag)
+        .map(|w| w[1].as_str())
+}
+
+#[test]
+fn kind_scripts_build_and_load_the_image_the_chart_deploys_by_default() -> Result<()> {
+    let up = kind_dry_run("kind-up.sh")?;
+    let demo = kind_dry_run("kind-demo.sh")?;
+    let down = kind_dry_run("kind-down.sh")?;
+    let starts = |command: &[String], prefix: &[&str]| {
+        command.len() >= prefix.len() && command.iter().zip(prefix).all(|(a, b)| a == b)
+    };
+    let find = |commands: &[Vec<String>], prefix: &[&str]| -> Result<Vec<String>> {
+        commands
+            .iter()
+            .find(|c| starts(c, prefix))
+            .cloned()
+            .with_context(|| format!("no `{}` in {commands:?}", prefix.join(" ")))
+    };
+
+    // The image: built, loaded, and the one the chart's defaults deploy for both binaries.
+    let build = find(&up, &["docker", "build"])?;
+    let built = flag(&build, "--tag").context("docker build --tag")?;
+    let load = find(&up, &["kind", "load", "docker-image"])?;
+    ensure!(
+        load[3] == built,
+        "kind loads {} but docker builds {built}",
+        load[3]
+    );
+    ensure!(flag(&build, "--file") == Some("Dockerfile"));
+    let objects = render(None, &[])?;
+    let deployment: Deployment = the(&objects, "Deployment")?;
+    let container = operator_container(&deployment)?;
+    ensure!(
+        container.image.as_deref() == Some(built),
+        "the chart deploys {:?}, the kind scripts load {built}",
+        container.image
+    );
+    ensure!(
+        env_value(container, "SWITCHBOARD_WORKER_IMAGE") == Some(built)
+            && DEFAULT_WORKER_IMAGE == built,
+        "the workers' image must be the loaded {built} too (operator default \
+         {DEFAULT_WORKER_IMAGE})"
+    );
+    ensure!(
+        container.image_pull_policy.as_deref() == Some("IfNotPresent"),
+        "a kind-loaded image needs imagePullPolicy IfNotPresent"
+    );
+    // helm installs the chart with its defaults, so the image is the one above.
+    let install = find(&up, &["helm", "upgrade", "--install"])?;
+    ensure!(
+        !install
+            .iter()
+            .any(|w| w.starts_with("--set") || w == "--values" || w == "-f"),
+        "kind-up must install the chart's defaults: {install:?}"
+    );
+    ensure!(install[4] == CHART && flag(&install, "--namespace") == Some(NAMESPACE));
+
+    // Every file the scripts pass exists; the cluster is created from kind-config.yaml and the
+    // same cluster is deleted.
+    let root = workspace_path("");
+    let mut files = vec![install[4].clone()];
+    for command in up.iter().chain(&demo).chain(&down) {
+        for option in ["-f", "--file", "--config"] {
+            files.extend(
+                command
+                    .windows(2)
+                    .filter(|w| w[0] == option)
+                    .map(|w| w[1].clone()),
+            );
+        }
+    }
+    for file in &files {
+        ensure!(
+            root.join(file).exists(),
+            "the kind scripts use missing {file}"
+        );
+    }
+    let create = find(&up, &["kind", "create", "cluster"])?;
+    ensure!(flag(&create, "--config") == Some("kind-config.yaml"));
+    let delete = find(&down, &["kind", "delete", "cluster"])?;
+    ensure!(flag(&create, "--name") == flag(&delete, "--name"));
+    ensure!(flag(&load, "--name") == flag(&create, "--name"));
+    find(
+        &demo,
+        &[
+            "kubectl",
+            "apply",
+            "--server-side",
+            "-f",
+            "examples/orders-stream.yaml",
+        ],
+    )?;
+
+    // The Makefile targets run the scripts.
+    let makefile = std::fs::read_to_string(root.join("Makefile"))?;
+    for target in ["kind-up", "kind-demo", "kind-down"] {
+        ensure!(
+            makefile.contains(&format!("{target}:"))
+                && makefile.contains(&format!("scripts/{target}.sh")),
+            "Makefile target {target} runs scripts/{target}.sh"
+        );
+    }
+    Ok(())
+}
+
+#[test]
+fn dev_manifests_provide_every_secret_the_chart_and_the_example_reference() -> Result<()> {
+    let secrets: BTreeSet<(String, String, String)> = yaml_documents(&std::fs::read_to_string(
+        workspace_path("examples/dev/secrets.yaml"),
+    )?)?
+    .iter()
+    .flat_map(|secret| {
+        let namespace = secret["metadata"]["namespace"].as_str().unwrap_or_default();
+        let name = secret["metadata"]["name"].as_str().unwrap_or_default();
+        secret["stringData"]
+            .as_object()
+            .into_iter()
+            .flat_map(|data| data.keys())
+            .map(move |key| (namespace.to_owned(), name.to_owned(), key.clone()))
+    })
+    .collect();
+    let objects = render(None, &[])?;
+    let deployment: Deployment = the(&objects, "Deployment")?;
+    let container = operator_container(&deployment)?;
+    let operator_db = env(container, "DATABASE_URL")
+        .and_then(|v| v.value_from.as_ref()?.secret_key_ref.as_ref())
+        .context("DATABASE_URL")?;
+    let example: switchboard_api::QueueAdapter = serde_yaml_ng::from_str(
+        &std::fs::read_to_string(workspace_path("examples/orders-stream.yaml"))?,
+    )?;
+    let example_namespace = example.metadata.namespace.clone().unwrap_or_default();
+    let redis = example
+        .spec
+        .source
+        .redis
+        .as_ref()
+        .and_then(|r| r.url_secret_ref.as_ref())
+        .context("the example's Redis Secret")?;
+    let worker_db = (
+        env_value(container, "SWITCHBOARD_DEFAULT_DATABASE_SECRET_NAME").context("worker db")?,
+        env_value(container, "SWITCHBOARD_DEFAULT_DATABASE_SECRET_KEY").context("worker key")?,
+    );
+    for needed in [
+        (
+            NAMESPACE,
+            operator_db.name.as_str(),
+            operator_db.key.as_str(),
+        ),
+        (example_namespace.as_str(), worker_db.0, worker_db.1),
+        (
+            example_namespace.as_str(),
+            redis.name.as_str(),
+            redis.key.as_str(),
+        ),
+    ] {
+        let needed = (
+            needed.0.to_owned(),
+            needed.1.to_owned(),
+            needed.2.to_owned(),
+        );
+        ensure!(
+            secrets.contains(&needed),
+            "examples/dev/secrets.yaml lacks {needed:?}; it has {secrets:?}"
+        );
+    }
+    Ok(())
+}
