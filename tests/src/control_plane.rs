@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail, ensure};
 use k8s_openapi::ByteString;
 use k8s_openapi::api::apps::v1::Deployment;
-use k8s_openapi::api::core::v1::{ConfigMap, Namespace, Secret};
+use k8s_openapi::api::core::v1::{ConfigMap, Container, Namespace, PodSpec, Secret};
 use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, PolicyRule, RoleRef, Subject};
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
@@ -721,6 +721,17 @@ pub struct AdapterRow {
     pub config: serde_json::Value,
     pub generation: i64,
     pub updated_at: String,
+}
+
+/// The pod spec of `deployment` and its first container.
+pub fn pod_template(deployment: &Deployment) -> Result<(&PodSpec, &Container)> {
+    let pod = deployment
+        .spec
+        .as_ref()
+        .and_then(|s| s.template.spec.as_ref())
+        .context("the Deployment has no pod template")?;
+    let container = pod.containers.first().context("the pod has no container")?;
+    Ok((pod, container))
 }
 
 /// A stream-mode QueueAdapter `name` in [`OperatorEnv::NAMESPACE`] reading stream `name` into

@@ -7,7 +7,6 @@ use std::sync::LazyLock;
 
 use anyhow::{Context, Result, ensure};
 use k8s_openapi::api::apps::v1::Deployment;
-use k8s_openapi::api::core::v1::Container;
 use k8s_openapi::api::events::v1::Event;
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use kube::Api;
@@ -16,7 +15,9 @@ use kube::core::ApiResource;
 use switchboard_api::QueueAdapter;
 use switchboard_operator::build::{CONFIG_HASH_ANNOTATION, MANIFEST_KEY};
 use switchboard_operator::controller::FINALIZER;
-use switchboard_tests::control_plane::{OPERATOR_TIMEOUT, OperatorEnv, adapter_manifest};
+use switchboard_tests::control_plane::{
+    OPERATOR_TIMEOUT, OperatorEnv, adapter_manifest, pod_template,
+};
 use switchboard_tests::wait::wait_for;
 
 static ORDERS: LazyLock<String> = LazyLock::new(|| {
@@ -43,15 +44,6 @@ fn is_ready(adapter: &QueueAdapter) -> bool {
     condition(adapter, "Ready").is_some_and(|(status, _)| status == "True")
         && adapter.status.as_ref().and_then(|s| s.observed_generation)
             == adapter.metadata.generation
-}
-
-fn container(deployment: &Deployment) -> Result<&Container> {
-    deployment
-        .spec
-        .as_ref()
-        .and_then(|s| s.template.spec.as_ref())
-        .and_then(|p| p.containers.first())
-        .context("deployment has a container")
 }
 
 fn config_hash(deployment: &Deployment) -> Option<String> {
@@ -272,18 +264,13 @@ async fn created_adapter_gets_a_restricted_worker_deployment_and_an_adapters_row
     }
     ensure!(replicas(&deployment) == Some(2));
     ensure!(config_hash(&deployment).is_some_and(|h| h.len() == 64));
-    let pod = deployment
-        .spec
-        .as_ref()
-        .and_then(|s| s.template.spec.as_ref())
-        .context("pod spec")?;
+    let (pod, worker) = pod_template(&deployment)?;
     ensure!(pod.termination_grace_period_seconds.is_some_and(|s| s > 25));
     ensure!(pod.automount_service_account_token == Some(false));
     let pod_security = pod.security_context.clone().unwrap_or_default();
     ensure!(pod_security.run_as_non_root == Some(true));
     ensure!(pod_security.seccomp_profile.map(|p| p.type_) == Some("RuntimeDefault".into()));
 
-    let worker = container(&deployment)?;
     ensure!(worker.image.as_deref() == Some("switchboard:test"));
     ensure!(worker.image_pull_policy.as_deref() == Some("Always"));
     ensure!(

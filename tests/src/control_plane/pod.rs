@@ -18,7 +18,7 @@ use k8s_openapi::api::core::v1::{ConfigMap, Container, EnvVar, PodSpec, Probe, S
 use kube::{Api, Client};
 use tempfile::TempDir;
 
-use super::{http_get, log_tail, spawn_logged};
+use super::{http_get, log_tail, pod_template, spawn_logged};
 use crate::servers::free_port;
 use crate::worker::worker_binary;
 
@@ -33,16 +33,6 @@ pub struct LocalPod {
     pub env: BTreeMap<String, String>,
     pub args: Vec<String>,
     log: PathBuf,
-}
-
-fn template(deployment: &Deployment) -> Result<(&PodSpec, &Container)> {
-    let pod = deployment
-        .spec
-        .as_ref()
-        .and_then(|s| s.template.spec.as_ref())
-        .context("the Deployment has no pod template")?;
-    let container = pod.containers.first().context("the pod has no container")?;
-    Ok((pod, container))
 }
 
 async fn secret_value(client: &Client, namespace: &str, name: &str, key: &str) -> Result<String> {
@@ -143,7 +133,7 @@ impl LocalPod {
             .namespace
             .as_deref()
             .context("the Deployment has no namespace")?;
-        let (pod, container) = template(deployment)?;
+        let (pod, container) = pod_template(deployment)?;
         let volumes = tempfile::Builder::new()
             .prefix("switchboard-pod-")
             .tempdir()?;
