@@ -525,11 +525,6 @@ impl OperatorProcess {
         }
     }
 
-    /// Whether the process is still running.
-    pub fn is_running(&mut self) -> bool {
-        matches!(self.child.try_wait(), Ok(None))
-    }
-
     pub fn log(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()
     }
