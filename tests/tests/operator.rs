@@ -724,3 +724,54 @@ async fn operator_token_holds_only_the_rules_it_needs() -> Result<()> {
     }
     Ok(())
 }
+
+#[tokio::test]
+async fn database_outage_is_reported_retried_with_backoff_and_recovered() -> Result<()> {
+    let mut env = OperatorEnv::start().await?;
+    let operator = env.start_operator("operator-a", &[])?;
+    wait_for(OPERATOR_TIMEOUT, "the operator migrated and is ready", || async {
+        Ok(operator.http_get("/readyz").await?.0 == 200)
+    })
+    .await?;
+    env.fixture.postgres.stop();
+    env.apply_adapter(&ORDERS).await?;
+    let adapter = env
+        .wait_adapter("orders", "Degraded=True DatabaseUnavailable", |a| {
+            condition(a, "Degraded") == Some(("True", "DatabaseUnavailable"))
+        })
+        .await?;
+    ensure!(condition(&adapter, "Reconciled") == Some(("False", "DatabaseUnavailable")));
+    wait_for(
+        OPERATOR_TIMEOUT,
+        "failures are counted as database failures",
+        || async {
+            Ok(operator
+                .metric_sum(r#"switchboard_operator_reconcile_failures_total{category="database"}"#)
+                .await?
+                >= 2.0)
+        },
+    )
+    .await?;
+    let warnings = operator
+        .log()
+        .lines()
+        .filter(|line| line.contains("reconcile failed; retrying with backoff"))
+        .count();
+    ensure!(
+        warnings == 1,
+        "one log line per new failure, found {warnings}"
+    );
+
+    env.fixture.postgres.restart()?;
+    env.wait_adapter(
+        "orders",
+        "Reconciled=True after the database is back",
+        |a| {
+            condition(a, "Reconciled") == Some(("True", "Applied"))
+                && condition(a, "Degraded") == Some(("False", "AsExpected"))
+        },
+    )
+    .await?;
+    ensure!(env.adapter_row("orders").await?.is_some());
+    Ok(())
+}
