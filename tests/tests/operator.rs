@@ -729,9 +729,11 @@ async fn operator_token_holds_only_the_rules_it_needs() -> Result<()> {
 async fn database_outage_is_reported_retried_with_backoff_and_recovered() -> Result<()> {
     let mut env = OperatorEnv::start().await?;
     let operator = env.start_operator("operator-a", &[])?;
-    wait_for(OPERATOR_TIMEOUT, "the operator migrated and is ready", || async {
-        Ok(operator.http_get("/readyz").await?.0 == 200)
-    })
+    wait_for(
+        OPERATOR_TIMEOUT,
+        "the operator migrated and is ready",
+        || async { Ok(operator.http_get("/readyz").await?.0 == 200) },
+    )
     .await?;
     env.fixture.postgres.stop();
     env.apply_adapter(&ORDERS).await?;
