@@ -10,11 +10,9 @@ pub mod build;
 pub mod controller;
 pub mod lease;
 pub mod metrics;
-pub mod server;
+pub mod probes;
 pub mod status;
 
-use std::error::Error;
-use std::fmt;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -22,6 +20,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use kube::{Client, CustomResourceExt};
 use switchboard_api::QueueAdapter;
 use switchboard_store::{Store, StoreError};
+pub use switchboard_telemetry::ErrorChain;
 use tokio::signal::unix::{SignalKind, signal};
 use tokio_util::sync::CancellationToken;
 
@@ -29,7 +28,7 @@ use crate::build::WorkerSettings;
 use crate::controller::{Context, run_controller};
 use crate::lease::{LeaderElector, LeaseError, LeaseSettings};
 use crate::metrics::Metrics;
-use crate::server::Probes;
+use crate::probes::OperatorProbes;
 
 /// The worker image used when neither the flag nor the spec names one: this operator's version.
 pub const DEFAULT_WORKER_IMAGE: &str = concat!(
@@ -40,25 +39,6 @@ pub const DEFAULT_WORKER_IMAGE: &str = concat!(
 /// The QueueAdapter CustomResourceDefinition as YAML (what `crds/` holds).
 pub fn crd_yaml() -> Result<String, serde_yaml_ng::Error> {
     serde_yaml_ng::to_string(&QueueAdapter::crd())
-}
-
-/// Displays an error with its whole `source()` chain, `outer: inner: …`.
-pub struct ErrorChain<'a>(pub &'a dyn Error);
-
-impl fmt::Display for ErrorChain<'_> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let mut first = true;
-        let mut next = Some(self.0);
-        while let Some(err) = next {
-            if !first {
-                f.write_str(": ")?;
-            }
-            first = false;
-            write!(f, "{err}")?;
-            next = err.source();
-        }
-        Ok(())
-    }
 }
 
 /// Why the operator could not start or run.
@@ -92,18 +72,6 @@ pub struct RunOptions {
     pub database_url: String,
 }
 
-/// Sets up logging: `RUST_LOG` filters (default `info`); JSON lines when `json`.
-pub fn init_tracing(json: bool) {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let subscriber = tracing_subscriber::fmt().with_env_filter(filter);
-    if json {
-        subscriber.json().init();
-    } else {
-        subscriber.init();
-    }
-}
-
 /// First SIGTERM/SIGINT cancels `shutdown`.
 fn cancel_on_signal(shutdown: CancellationToken) -> Result<(), OperatorError> {
     let mut terminate = signal(SignalKind::terminate()).map_err(OperatorError::Signals)?;
@@ -126,16 +94,17 @@ pub async fn run(options: RunOptions) -> Result<(), OperatorError> {
     cancel_on_signal(shutdown.clone())?;
     let metrics = Arc::new(Metrics::new());
     let ready = Arc::new(AtomicBool::new(false));
-    let probes = Probes {
+    let probes = Arc::new(OperatorProbes {
         metrics: metrics.clone(),
         ready: ready.clone(),
-    };
-    let (bound, server) = server::serve(options.metrics_addr, probes, shutdown.clone())
-        .await
-        .map_err(|source| OperatorError::Serve {
-            addr: options.metrics_addr,
-            source,
-        })?;
+    });
+    let (bound, server) =
+        switchboard_telemetry::serve(options.metrics_addr, probes, shutdown.clone())
+            .await
+            .map_err(|source| OperatorError::Serve {
+                addr: options.metrics_addr,
+                source,
+            })?;
     tracing::info!(addr = %bound, "serving /healthz, /readyz and /metrics");
 
     let store = Store::connect(&options.database_url, 4)

@@ -6,9 +6,7 @@ use clap::{Args, Parser, Subcommand};
 use switchboard_api::SecretKeyRef;
 use switchboard_operator::build::WorkerSettings;
 use switchboard_operator::lease::LeaseSettings;
-use switchboard_operator::{
-    DEFAULT_WORKER_IMAGE, ErrorChain, RunOptions, crd_yaml, init_tracing, run,
-};
+use switchboard_operator::{DEFAULT_WORKER_IMAGE, ErrorChain, RunOptions, crd_yaml, run};
 
 /// Kubernetes operator for Switchboard QueueAdapters: one worker Deployment and one `adapters`
 /// row per QueueAdapter.
@@ -123,7 +121,7 @@ async fn main() -> ExitCode {
             .map(|yaml| print!("{yaml}"))
             .map_err(anyhow::Error::from),
         Command::Run(args) => {
-            init_tracing(cli.log_json);
+            switchboard_telemetry::init_tracing(cli.log_json);
             run(args.into_options()).await.map_err(anyhow::Error::from)
         }
     };

@@ -144,10 +144,7 @@ impl Metrics {
 
     /// The Prometheus text exposition (OpenMetrics).
     pub fn encode(&self) -> String {
-        let mut out = String::new();
-        // Writing into a String cannot fail.
-        let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
-        out
+        switchboard_telemetry::encode(&self.registry)
     }
 }
 

@@ -6,7 +6,6 @@ pub mod health;
 pub mod metrics;
 pub mod payload;
 pub mod pipeline;
-pub mod server;
 pub mod transport;
 
 use std::net::SocketAddr;
@@ -16,13 +15,14 @@ use std::time::Duration;
 
 use switchboard_api::{ManifestError, QueueAdapter, RedisMode, load_manifest};
 use switchboard_store::{Store, StoreError};
+use switchboard_telemetry::{ErrorChain, Probes};
 use tokio::signal::unix::{Signal, SignalKind, signal};
 use tokio_util::sync::CancellationToken;
 
 use crate::backoff::Backoff;
 use crate::health::Health;
 use crate::metrics::Metrics;
-use crate::pipeline::{ErrorChain, Pipeline, PipelineSettings};
+use crate::pipeline::{Pipeline, PipelineSettings};
 use crate::transport::redis_list::{ListSettings, RedisList};
 use crate::transport::redis_pubsub::{PubSubSettings, RedisPubSub};
 use crate::transport::redis_stream::{RedisStream, StreamSettings};
@@ -73,20 +73,6 @@ pub struct RunOptions {
     pub consumer: Option<String>,
     pub metrics_addr: SocketAddr,
     pub shutdown_timeout: Duration,
-}
-
-/// Sets up logging: `RUST_LOG` filters (default `info`); JSON lines when `json`.
-pub fn init_tracing(json: bool) {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_target(false);
-    if json {
-        builder.json().init();
-    } else {
-        builder.init();
-    }
 }
 
 fn env(name: &'static str) -> Result<String, WorkerError> {
@@ -177,6 +163,26 @@ impl Signals {
     }
 }
 
+/// `/healthz`: the loop makes progress; `/readyz`: started and every dependency answers.
+struct WorkerProbes {
+    health: Arc<Health>,
+    metrics: Arc<Metrics>,
+}
+
+impl Probes for WorkerProbes {
+    fn is_live(&self) -> bool {
+        self.health.is_live()
+    }
+
+    fn is_ready(&self) -> bool {
+        self.health.is_ready()
+    }
+
+    fn metrics(&self) -> String {
+        self.metrics.encode()
+    }
+}
+
 /// What every pipeline shares.
 struct Deps {
     store: Store,
@@ -230,17 +236,17 @@ pub async fn run(options: RunOptions) -> Result<(), WorkerError> {
     let metrics = Arc::new(Metrics::new(&name, guarantee));
     let health = Arc::new(Health::new());
     let stop_server = CancellationToken::new();
-    let (bound, server) = server::serve(
-        options.metrics_addr,
-        health.clone(),
-        metrics.clone(),
-        stop_server.clone(),
-    )
-    .await
-    .map_err(|source| WorkerError::Serve {
-        addr: options.metrics_addr,
-        source,
-    })?;
+    let probes = Arc::new(WorkerProbes {
+        health: health.clone(),
+        metrics: metrics.clone(),
+    });
+    let (bound, server) =
+        switchboard_telemetry::serve(options.metrics_addr, probes, stop_server.clone())
+            .await
+            .map_err(|source| WorkerError::Serve {
+                addr: options.metrics_addr,
+                source,
+            })?;
     tracing::info!(addr = %bound, "serving /healthz, /readyz and /metrics");
 
     if !wait_for_schema(&store, &cancel).await? {

@@ -4,8 +4,8 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::{Parser, Subcommand};
-use switchboard_worker::pipeline::ErrorChain;
-use switchboard_worker::{RunOptions, init_tracing, migrate, run};
+use switchboard_telemetry::{ErrorChain, init_tracing};
+use switchboard_worker::{RunOptions, migrate, run};
 
 /// Pulls broker messages into durable PostgreSQL todos (store-then-ack).
 ///

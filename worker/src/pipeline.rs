@@ -5,13 +5,12 @@
 //! with backoff, logged once per outage, and reported through readiness; shutdown is checked
 //! between batches, and a batch in hand is finished or left un-acknowledged.
 
-use std::error::Error;
-use std::fmt;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use switchboard_api::PayloadFormat;
 use switchboard_store::{IngestBatch, NewEvent, Store, StoreError, Stored};
+use switchboard_telemetry::ErrorChain;
 use tokio_util::sync::CancellationToken;
 
 use crate::backoff::Backoff;
@@ -57,21 +56,6 @@ impl StepError {
             StepError::Transport(_) => true,
             StepError::Store(err) => err.is_retryable(),
         }
-    }
-}
-
-/// Formats an error with its whole `source()` chain.
-pub struct ErrorChain<'a>(pub &'a dyn Error);
-
-impl fmt::Display for ErrorChain<'_> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}", self.0)?;
-        let mut source = self.0.source();
-        while let Some(err) = source {
-            write!(f, ": {err}")?;
-            source = err.source();
-        }
-        Ok(())
     }
 }
 

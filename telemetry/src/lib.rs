@@ -1,0 +1,144 @@
+//! What the worker and the operator share about being observed: logging set-up, an error's
+//! whole cause chain for log fields, and the `/healthz`, `/readyz`, `/metrics` server.
+
+use std::error::Error;
+use std::fmt;
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use axum::Router;
+use axum::extract::State;
+use axum::http::{StatusCode, header};
+use axum::response::IntoResponse;
+use axum::routing::get;
+use prometheus_client::registry::Registry;
+use tokio_util::sync::CancellationToken;
+
+/// Displays an error with its whole `source()` chain, `outer: inner: …`.
+pub struct ErrorChain<'a>(pub &'a dyn Error);
+
+impl fmt::Display for ErrorChain<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.0)?;
+        let mut source = self.0.source();
+        while let Some(err) = source {
+            write!(f, ": {err}")?;
+            source = err.source();
+        }
+        Ok(())
+    }
+}
+
+/// Sets up logging: `RUST_LOG` filters (default `info`); JSON lines when `json`; colours only
+/// on a terminal.
+pub fn init_tracing(json: bool) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_target(false)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stdout()));
+    if json {
+        builder.json().init();
+    } else {
+        builder.init();
+    }
+}
+
+/// The Prometheus text exposition (OpenMetrics) of a registry.
+pub fn encode(registry: &Registry) -> String {
+    let mut out = String::new();
+    // Writing into a String cannot fail.
+    let _ = prometheus_client::encoding::text::encode(&mut out, registry);
+    out
+}
+
+/// What a process reports to its probes and scrapers.
+pub trait Probes: Send + Sync + 'static {
+    /// `/healthz`: `false` only when the process is stuck and should be restarted.
+    fn is_live(&self) -> bool;
+    /// `/readyz`: whether the process can do its work now.
+    fn is_ready(&self) -> bool;
+    /// `/metrics`: the OpenMetrics text.
+    fn metrics(&self) -> String;
+}
+
+type SharedProbes = Arc<dyn Probes>;
+
+async fn healthz(State(probes): State<SharedProbes>) -> impl IntoResponse {
+    if probes.is_live() {
+        (StatusCode::OK, "ok\n")
+    } else {
+        (StatusCode::SERVICE_UNAVAILABLE, "stuck\n")
+    }
+}
+
+async fn readyz(State(probes): State<SharedProbes>) -> impl IntoResponse {
+    if probes.is_ready() {
+        (StatusCode::OK, "ready\n")
+    } else {
+        (StatusCode::SERVICE_UNAVAILABLE, "not ready\n")
+    }
+}
+
+async fn metrics(State(probes): State<SharedProbes>) -> impl IntoResponse {
+    (
+        [(
+            header::CONTENT_TYPE,
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        )],
+        probes.metrics(),
+    )
+}
+
+/// Binds `addr` and serves `/healthz`, `/readyz` and `/metrics` until `stop` is cancelled.
+/// Returns the bound address and the server task.
+pub async fn serve(
+    addr: SocketAddr,
+    probes: Arc<dyn Probes>,
+    stop: CancellationToken,
+) -> std::io::Result<(SocketAddr, tokio::task::JoinHandle<()>)> {
+    let listener = tokio::net::TcpListener::bind(addr).await?;
+    let bound = listener.local_addr()?;
+    let app = Router::new()
+        .route("/healthz", get(healthz))
+        .route("/readyz", get(readyz))
+        .route("/metrics", get(metrics))
+        .with_state(probes);
+    let task = tokio::spawn(async move {
+        let shutdown = async move { stop.cancelled().await };
+        if let Err(err) = axum::serve(listener, app)
+            .with_graceful_shutdown(shutdown)
+            .await
+        {
+            tracing::error!(error = %err, "probe server failed");
+        }
+    });
+    Ok((bound, task))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn error_chain_joins_every_source() {
+        let outer = Wrapped(std::io::Error::other("disk full"));
+        assert_eq!(ErrorChain(&outer).to_string(), "writing failed: disk full");
+    }
+
+    #[derive(Debug)]
+    struct Wrapped(std::io::Error);
+
+    impl fmt::Display for Wrapped {
+        fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+            f.write_str("writing failed")
+        }
+    }
+
+    impl Error for Wrapped {
+        fn source(&self) -> Option<&(dyn Error + 'static)> {
+            Some(&self.0)
+        }
+    }
+}
