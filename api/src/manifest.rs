@@ -13,6 +13,10 @@ pub enum ManifestError {
     WrongKind { found: String, kind: String },
     #[error("manifest has no metadata.name")]
     MissingName,
+    #[error(
+        "metadata.name must be at most 63 characters (it names the worker's Deployment), got {0}"
+    )]
+    NameTooLong(usize),
     #[error(transparent)]
     Invalid(#[from] InvalidSpec),
 }
@@ -36,8 +40,16 @@ pub fn load_manifest(yaml: &str) -> Result<QueueAdapter, ManifestError> {
         });
     }
     let adapter: QueueAdapter = serde_yaml_ng::from_value(value).map_err(ManifestError::Parse)?;
-    if adapter.metadata.name.as_deref().is_none_or(str::is_empty) {
+    let name_len = adapter
+        .metadata
+        .name
+        .as_deref()
+        .map_or(0, |n| n.chars().count());
+    if name_len == 0 {
         return Err(ManifestError::MissingName);
+    }
+    if name_len > 63 {
+        return Err(ManifestError::NameTooLong(name_len));
     }
     adapter.spec.validate()?;
     Ok(adapter)
@@ -108,6 +120,15 @@ spec:
     fn unknown_mode_is_a_parse_error() {
         let yaml = ISSUE_MANIFEST.replace("mode: stream", "mode: firehose");
         assert!(matches!(load_manifest(&yaml), Err(ManifestError::Parse(_))));
+    }
+
+    #[test]
+    fn overlong_name_is_rejected_like_the_api_server_does() {
+        let yaml = ISSUE_MANIFEST.replace("name: orders,", &format!("name: {},", "a".repeat(64)));
+        assert!(matches!(
+            load_manifest(&yaml),
+            Err(ManifestError::NameTooLong(64))
+        ));
     }
 
     #[test]
