@@ -18,6 +18,7 @@ WORKDIR /src
 COPY Cargo.toml Cargo.lock rust-toolchain.toml ./
 COPY api api
 COPY store store
+COPY telemetry telemetry
 COPY worker worker
 COPY operator operator
 COPY tests tests
