@@ -41,6 +41,13 @@ kind-demo: kind-up
 kind-down:
 	scripts/kind-down.sh
 
+## make bench: worker throughput, CPU, latency and memory vs the raw PostgreSQL and Redis limits,
+## in release, against real servers (docs/PERFORMANCE.md); fails if any entry is not stored exactly once
+bench: deps
+	$(CARGO) build --release --workspace --bins
+	$(CARGO) run --quiet --release -p switchboard-tests --bin switchboard-bench -- \
+		--worker $(CARGO_TARGET_DIR)/release/switchboard-worker $(BENCH_ARGS)
+
 build:
 	$(CARGO) build --workspace --bins
 

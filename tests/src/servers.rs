@@ -42,7 +42,7 @@ fn stop_child(child: &mut Child, signal: Signal, timeout: Duration) {
 }
 
 /// Processes whose parent is `parent`, from `/proc`.
-fn children_of(parent: i32) -> Vec<i32> {
+pub fn children_of(parent: i32) -> Vec<i32> {
     std::fs::read_dir("/proc")
         .into_iter()
         .flatten()

@@ -67,12 +67,23 @@ impl WorkerProcess {
         consumer: &str,
         extra_env: &[(&str, &str)],
     ) -> Result<Self> {
+        Self::start_binary(&worker_binary()?, env, manifest, consumer, extra_env)
+    }
+
+    /// [`WorkerProcess::start`] with a given worker binary (e.g. a release build).
+    pub fn start_binary(
+        binary: &Path,
+        env: &WorkerEnv,
+        manifest: &Path,
+        consumer: &str,
+        extra_env: &[(&str, &str)],
+    ) -> Result<Self> {
         let metrics_port = free_port()?;
         let log = env
             .log_dir
             .join(format!("worker-{consumer}-{metrics_port}.log"));
         let file = std::fs::File::create(&log)?;
-        let mut cmd = Command::new(worker_binary()?);
+        let mut cmd = Command::new(binary);
         cmd.arg("run")
             .arg("--file")
             .arg(manifest)

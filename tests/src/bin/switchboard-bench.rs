@@ -1,0 +1,1071 @@
+//! `make bench`: the worker's throughput, CPU cost, latency and memory against real PostgreSQL
+//! and Redis, next to the raw limits of each server, in one run (see docs/PERFORMANCE.md).
+//!
+//! Every phase gets a fresh database and a fresh stream or list, and checks its own result:
+//! every entry stored exactly once and nothing left pending, or the bench fails.
+
+use std::ops::Range;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use anyhow::{Context, Result, ensure};
+use clap::{Parser, ValueEnum};
+use nix::sys::signal::Signal;
+use sqlx::{Connection, PgConnection};
+use switchboard_store::{Dedup, IngestBatch, NewEvent, Store, Stored};
+use switchboard_tests::servers::{Postgres, children_of};
+use switchboard_tests::wait::wait_for;
+use switchboard_tests::worker::{WorkerEnv, WorkerProcess};
+use switchboard_tests::{Fixture, adapter_manifest};
+use tokio::task::JoinSet;
+
+/// Measures the worker end to end and the raw limits of PostgreSQL and Redis.
+#[derive(Debug, Parser)]
+#[command(name = "switchboard-bench")]
+struct Args {
+    /// The worker binary to measure (a release build).
+    #[arg(long)]
+    worker: PathBuf,
+    /// Entries preloaded for the batched worker runs and the raw limits.
+    #[arg(long, default_value_t = 200_000)]
+    entries: usize,
+    /// Entries for the batchSize-1 run (one transaction per message, so slow).
+    #[arg(long, default_value_t = 20_000)]
+    naive_entries: usize,
+    /// The worker's delivery.batchSize, and the batch of the raw loops.
+    #[arg(long, default_value_t = 500)]
+    batch_size: usize,
+    /// Offered rate of the latency run, messages per second.
+    #[arg(long, default_value_t = 2_000)]
+    rate: u64,
+    /// Length of the latency run, seconds.
+    #[arg(long, default_value_t = 30)]
+    latency_seconds: u64,
+    /// Connection counts tried for the raw database limit.
+    #[arg(long, value_delimiter = ',', default_value = "1,2,4")]
+    connections: Vec<usize>,
+    /// Broker modes run end to end (the first is the reference for the ratios).
+    #[arg(long, value_delimiter = ',', default_value = "stream,list")]
+    modes: Vec<Mode>,
+    /// Batches in flight tried in the model of the worker's loop.
+    #[arg(long, value_delimiter = ',', default_value = "1,2,4")]
+    depths: Vec<usize>,
+}
+
+/// How long any one phase may take before the bench gives up.
+const PHASE_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// `/proc` reports CPU times in USER_HZ ticks, which Linux fixes at 100 per second.
+const USER_HZ: u64 = 100;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum Mode {
+    Stream,
+    List,
+}
+
+impl Mode {
+    fn as_str(self) -> &'static str {
+        match self {
+            Mode::Stream => "stream",
+            Mode::List => "list",
+        }
+    }
+
+    /// The body of `spec.source.redis` reading `key`.
+    fn source(self, key: &str) -> String {
+        let mode = self.as_str();
+        format!("mode: {mode}, {mode}: {key}")
+    }
+
+    /// XADDs (stream) or LPUSHes (list) one message per body.
+    fn preload(self, fx: &Fixture, key: &str, bodies: impl Iterator<Item = Vec<u8>>) -> Result<()> {
+        match self {
+            Mode::Stream => fx.produce(key, bodies).map(drop),
+            Mode::List => fx.push(key, bodies),
+        }
+    }
+
+    /// Fails unless the broker holds nothing undelivered or unacknowledged for `key`.
+    fn ensure_drained(self, fx: &Fixture, key: &str) -> Result<()> {
+        match self {
+            Mode::Stream => {
+                let pending = fx.pending(key, "switchboard")?;
+                ensure!(pending == 0, "{pending} entries of {key} still pending");
+            }
+            Mode::List => {
+                let left = fx.llen(key)?;
+                let processing = fx.processing_items(key)?;
+                ensure!(
+                    left == 0 && processing == 0,
+                    "{left} items left in {key}, {processing} in its processing lists"
+                );
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A small order as JSON, unique per `i` (list mode deduplicates on the body hash).
+fn order_body(i: usize) -> Vec<u8> {
+    format!(
+        r#"{{"order":{i},"customer":"customer-{}","amount_cents":{},"currency":"EUR","items":[{{"sku":"sku-{}","qty":{}}}],"note":"benchmark order"}}"#,
+        i % 997,
+        100 + i % 10_000,
+        i % 101,
+        1 + i % 5
+    )
+    .into_bytes()
+}
+
+/// CPU ticks of `pid` (user + system), plus those of its reaped children when asked.
+fn cpu_ticks(pid: u32, with_reaped_children: bool) -> u64 {
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+        return 0;
+    };
+    let Some((_, after_name)) = stat.rsplit_once(')') else {
+        return 0;
+    };
+    // Fields after the command name start at field 3 (state); utime is field 14.
+    let fields: Vec<u64> = after_name
+        .split_whitespace()
+        .skip(11)
+        .take(4)
+        .map(|field| field.parse().unwrap_or(0))
+        .collect();
+    let own: u64 = fields.iter().take(2).sum();
+    let reaped: u64 = fields.iter().skip(2).sum();
+    if with_reaped_children {
+        own + reaped
+    } else {
+        own
+    }
+}
+
+/// CPU ticks of a server and everything it forked (PostgreSQL: postmaster and backends,
+/// including backends that have exited since).
+fn server_cpu_ticks(pid: u32) -> u64 {
+    let children = i32::try_from(pid).map(children_of).unwrap_or_default();
+    cpu_ticks(pid, true)
+        + children
+            .into_iter()
+            .filter_map(|child| u32::try_from(child).ok())
+            .map(|child| cpu_ticks(child, false))
+            .sum::<u64>()
+}
+
+fn ticks_to_duration(ticks: u64) -> Duration {
+    Duration::from_millis(ticks * 1000 / USER_HZ)
+}
+
+/// A line `Name: value kB` of `/proc/PID/status`, in KiB.
+fn status_kib(pid: u32, name: &str) -> Option<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    status
+        .lines()
+        .find_map(|line| line.strip_prefix(name)?.strip_prefix(':'))
+        .and_then(|value| value.split_whitespace().next()?.parse().ok())
+}
+
+/// CPU time spent, per side.
+#[derive(Debug, Clone, Copy, Default)]
+struct CpuSpent {
+    /// The worker process, or the bench itself in the raw loops.
+    client: Duration,
+    postgres: Duration,
+    redis: Duration,
+}
+
+/// One line of the table.
+#[derive(Debug, Clone)]
+struct Measurement {
+    name: String,
+    messages: usize,
+    elapsed: Duration,
+    cpu: CpuSpent,
+    peak_rss_kib: Option<u64>,
+    /// The share of the wall time the worker spent in `ingest_batch`.
+    store_share: Option<f64>,
+}
+
+impl Measurement {
+    fn rate(&self) -> f64 {
+        self.messages as f64 / self.elapsed.as_secs_f64()
+    }
+
+    fn micros_per_message(&self, spent: Duration) -> f64 {
+        spent.as_secs_f64() * 1e6 / self.messages as f64
+    }
+}
+
+/// Commit latency percentiles of the steady-load run.
+#[derive(Debug, Clone, Copy)]
+struct Latency {
+    p50_ms: f64,
+    p99_ms: f64,
+    max_ms: f64,
+}
+
+/// CPU counters of both servers and of the bench process, read together.
+#[derive(Debug, Clone, Copy)]
+struct CpuSnapshot {
+    bench: u64,
+    postgres: u64,
+    redis: u64,
+}
+
+/// A database of its own for one phase, dropped at the end of the phase.
+struct PhaseDatabase {
+    name: String,
+    url: String,
+    store: Store,
+}
+
+/// The servers and settings shared by every phase.
+struct Bench {
+    args: Args,
+    fx: Fixture,
+    postgres_pid: u32,
+    redis_pid: u32,
+    databases_created: usize,
+}
+
+impl Bench {
+    async fn start(args: Args) -> Result<Self> {
+        // Realistic durability: every commit is flushed to disk before it is acknowledged.
+        // Commit timestamps give the latency run the exact commit time of every row.
+        let postgres = Postgres::start_with(&[
+            ("fsync", "on"),
+            ("synchronous_commit", "on"),
+            ("full_page_writes", "on"),
+            ("track_commit_timestamp", "on"),
+        ])?;
+        let fx = Fixture::start_with(postgres).await?;
+        let postgres_pid = fx.postgres.pid().context("postgres is not running")?;
+        let redis_pid = fx.redis.pid().context("redis-server is not running")?;
+        Ok(Self {
+            args,
+            fx,
+            postgres_pid,
+            redis_pid,
+            databases_created: 0,
+        })
+    }
+
+    fn cpu_snapshot(&self) -> CpuSnapshot {
+        CpuSnapshot {
+            bench: cpu_ticks(std::process::id(), false),
+            postgres: server_cpu_ticks(self.postgres_pid),
+            redis: cpu_ticks(self.redis_pid, false),
+        }
+    }
+
+    /// CPU spent since `before`; the client is the worker process when given, else the bench.
+    fn cpu_since(&self, before: CpuSnapshot, worker: Option<u32>) -> CpuSpent {
+        let now = self.cpu_snapshot();
+        let client = match worker {
+            Some(pid) => cpu_ticks(pid, false),
+            None => now.bench - before.bench,
+        };
+        CpuSpent {
+            client: ticks_to_duration(client),
+            postgres: ticks_to_duration(now.postgres - before.postgres),
+            redis: ticks_to_duration(now.redis - before.redis),
+        }
+    }
+
+    /// Creates and migrates a fresh database, after a checkpoint so that no phase inherits
+    /// the previous one's dirty pages.
+    async fn fresh_database(&mut self, connections: u32) -> Result<PhaseDatabase> {
+        self.databases_created += 1;
+        let name = format!("bench_{}", self.databases_created);
+        sqlx::query(&format!("CREATE DATABASE {name}"))
+            .execute(self.fx.pool())
+            .await?;
+        let url = self.fx.postgres.url_for(&name);
+        let store = Store::connect(&url, connections).await?;
+        store.migrate().await?;
+        sqlx::query("CHECKPOINT").execute(self.fx.pool()).await?;
+        Ok(PhaseDatabase { name, url, store })
+    }
+
+    async fn drop_database(&self, database: PhaseDatabase) -> Result<()> {
+        database.store.pool().close().await;
+        sqlx::query(&format!("DROP DATABASE {} WITH (FORCE)", database.name))
+            .execute(self.fx.pool())
+            .await?;
+        Ok(())
+    }
+
+    fn worker_env(&self, database: &PhaseDatabase) -> WorkerEnv {
+        WorkerEnv {
+            database_url: database.url.clone(),
+            redis_url: self.fx.redis.url(),
+            log_dir: self.fx.dir.path().to_path_buf(),
+        }
+    }
+
+    fn start_worker(
+        &self,
+        database: &PhaseDatabase,
+        mode: Mode,
+        name: &str,
+        batch_size: usize,
+    ) -> Result<WorkerProcess> {
+        let manifest = self.fx.manifest(
+            &format!("{name}.yaml"),
+            &adapter_manifest(
+                name,
+                &mode.source(name),
+                &format!("batchSize: {batch_size}"),
+                "",
+            ),
+        )?;
+        WorkerProcess::start_binary(
+            &self.args.worker,
+            &self.worker_env(database),
+            &manifest,
+            "bench",
+            &[],
+        )
+    }
+
+    /// Throughput of the worker draining `entries` preloaded messages.
+    async fn worker_throughput(
+        &mut self,
+        mode: Mode,
+        batch_size: usize,
+        entries: usize,
+    ) -> Result<Measurement> {
+        let name = format!("{}-batch{batch_size}", mode.as_str());
+        let database = self.fresh_database(4).await?;
+        mode.preload(&self.fx, &name, (0..entries).map(order_body))?;
+        let before = self.cpu_snapshot();
+        let started = Instant::now();
+        let worker = self.start_worker(&database, mode, &name, batch_size)?;
+        wait_acked(&worker, &name, entries).await?;
+        let elapsed = started.elapsed();
+        let cpu = self.cpu_since(before, Some(worker.pid()));
+        let peak_rss_kib = status_kib(worker.pid(), "VmHWM");
+        let store_share = Some(seconds_in_store(&worker, &name)? / elapsed.as_secs_f64());
+        stop_worker(worker)?;
+        ensure_stored_once(&database.store, &name, entries).await?;
+        mode.ensure_drained(&self.fx, &name)?;
+        self.drop_database(database).await?;
+        Ok(Measurement {
+            name: format!("worker {} batchSize {batch_size}", mode.as_str()),
+            messages: entries,
+            elapsed,
+            cpu,
+            peak_rss_kib,
+            store_share,
+        })
+    }
+
+    /// Offers `rate` stream entries per second for `latency_seconds` to a running worker and
+    /// reads each row's commit time from PostgreSQL's commit timestamps.
+    async fn latency_under_load(&mut self) -> Result<(Measurement, Latency)> {
+        let name = "stream-latency";
+        let (rate, seconds) = (self.args.rate, self.args.latency_seconds);
+        let total = usize::try_from(rate * seconds)?;
+        let database = self.fresh_database(4).await?;
+        let worker = self.start_worker(&database, Mode::Stream, name, self.args.batch_size)?;
+        wait_for(PHASE_TIMEOUT, "the worker is ready", || async {
+            Ok(worker.http_get("/readyz")?.0 == 200)
+        })
+        .await?;
+        let before = self.cpu_snapshot();
+        let started = Instant::now();
+        offer_steady_load(&self.fx.redis.url(), name, rate, total).await?;
+        wait_acked(&worker, name, total).await?;
+        let elapsed = started.elapsed();
+        let cpu = self.cpu_since(before, Some(worker.pid()));
+        let peak_rss_kib = status_kib(worker.pid(), "VmHWM");
+        let store_share = Some(seconds_in_store(&worker, name)? / elapsed.as_secs_f64());
+        stop_worker(worker)?;
+        ensure_stored_once(&database.store, name, total).await?;
+        Mode::Stream.ensure_drained(&self.fx, name)?;
+        let (p50_ms, p99_ms, max_ms): (f64, f64, f64) = sqlx::query_as(
+            "SELECT percentile_disc(0.5) WITHIN GROUP (ORDER BY ms), \
+                    percentile_disc(0.99) WITHIN GROUP (ORDER BY ms), max(ms) \
+             FROM (SELECT (extract(epoch FROM pg_xact_commit_timestamp(xmin)) * 1000 \
+                           - split_part(external_id, '-', 1)::bigint)::float8 AS ms \
+                   FROM events) AS latencies",
+        )
+        .fetch_one(database.store.pool())
+        .await?;
+        self.drop_database(database).await?;
+        Ok((
+            Measurement {
+                name: format!("worker stream steady {rate}/s"),
+                messages: total,
+                elapsed,
+                cpu,
+                peak_rss_kib,
+                store_share,
+            },
+            Latency {
+                p50_ms,
+                p99_ms,
+                max_ms,
+            },
+        ))
+    }
+
+    /// XREADGROUP COUNT batch + XACK of `entries` preloaded entries, no database.
+    async fn raw_broker(&mut self) -> Result<Measurement> {
+        let key = "raw-broker";
+        let entries = self.args.entries;
+        Mode::Stream.preload(&self.fx, key, (0..entries).map(order_body))?;
+        let mut conn = self.group_connection(key).await?;
+        let before = self.cpu_snapshot();
+        let started = Instant::now();
+        let mut received = 0;
+        loop {
+            let ids: Vec<String> = read_group_batch(&mut conn, key, self.args.batch_size)
+                .await?
+                .into_iter()
+                .map(|entry| entry.id)
+                .collect();
+            if ids.is_empty() {
+                break;
+            }
+            received += ids.len();
+            acknowledge(&mut conn, key, &ids).await?;
+        }
+        let elapsed = started.elapsed();
+        let cpu = self.cpu_since(before, None);
+        ensure!(
+            received == entries,
+            "raw broker loop read {received} of {entries} entries"
+        );
+        Mode::Stream.ensure_drained(&self.fx, key)?;
+        Ok(Measurement {
+            name: format!("raw broker XREADGROUP+XACK {}", self.args.batch_size),
+            messages: entries,
+            elapsed,
+            cpu,
+            peak_rss_kib: None,
+            store_share: None,
+        })
+    }
+
+    /// An async connection, with the group `switchboard` created at the start of `key`.
+    async fn group_connection(&self, key: &str) -> Result<redis::aio::MultiplexedConnection> {
+        let client = redis::Client::open(self.fx.redis.url())?;
+        let mut conn = client.get_multiplexed_async_connection().await?;
+        redis::cmd("XGROUP")
+            .arg("CREATE")
+            .arg(key)
+            .arg("switchboard")
+            .arg("0")
+            .arg("MKSTREAM")
+            .query_async::<()>(&mut conn)
+            .await?;
+        Ok(conn)
+    }
+
+    /// A model of the worker's loop — XREADGROUP, build rows, `ingest_batch`, XACK after the
+    /// commit — with up to `depth` batches stored at once (acks in receive order). Depth 1 is
+    /// the worker's current shape; deeper shows what overlapping would gain.
+    async fn pipelined_ceiling(&mut self, depth: usize) -> Result<Measurement> {
+        let name = format!("pipelined-depth{depth}");
+        let entries = self.args.entries;
+        let database = self.fresh_database(u32::try_from(depth)?).await?;
+        Mode::Stream.preload(&self.fx, &name, (0..entries).map(order_body))?;
+        let mut conn = self.group_connection(&name).await?;
+        let before = self.cpu_snapshot();
+        let started = Instant::now();
+        let mut in_flight = std::collections::VecDeque::new();
+        let mut exhausted = false;
+        while !(exhausted && in_flight.is_empty()) {
+            if exhausted || in_flight.len() == depth {
+                let stored: tokio::task::JoinHandle<Result<Vec<String>>> =
+                    in_flight.pop_front().context("a batch is in flight")?;
+                acknowledge(&mut conn, &name, &stored.await??).await?;
+                continue;
+            }
+            let batch = read_group_batch(&mut conn, &name, self.args.batch_size).await?;
+            if batch.is_empty() {
+                exhausted = true;
+                continue;
+            }
+            let events = batch
+                .iter()
+                .map(|entry| stream_event(&name, entry))
+                .collect::<Result<Vec<_>>>()?;
+            let checkpoint = batch.last().and_then(|entry| entry_position(&entry.id));
+            let (store, source) = (database.store.clone(), format!("redis:test/{name}"));
+            let queue = name.clone();
+            in_flight.push_back(tokio::spawn(async move {
+                store
+                    .ingest_batch(&IngestBatch {
+                        source: &source,
+                        queue: &queue,
+                        dedup: Dedup::NativeId,
+                        checkpoint,
+                        events: &events,
+                    })
+                    .await?;
+                Ok(events.into_iter().map(|event| event.external_id).collect())
+            }));
+        }
+        let elapsed = started.elapsed();
+        let cpu = self.cpu_since(before, None);
+        ensure_stored_once(&database.store, &name, entries).await?;
+        Mode::Stream.ensure_drained(&self.fx, &name)?;
+        self.drop_database(database).await?;
+        Ok(Measurement {
+            name: format!("model loop, {depth} batch(es) in flight"),
+            messages: entries,
+            elapsed,
+            cpu,
+            peak_rss_kib: None,
+            store_share: None,
+        })
+    }
+
+    /// The same rows the worker stores, with no broker: `connections` loops pulling batches.
+    async fn raw_database(&mut self, method: RawMethod, connections: usize) -> Result<Measurement> {
+        let entries = self.args.entries;
+        let rows = Arc::new(RawRows::new(entries, self.args.batch_size));
+        let database = self.fresh_database(u32::try_from(connections)?).await?;
+        let before = self.cpu_snapshot();
+        let started = Instant::now();
+        let mut loops = JoinSet::new();
+        for _ in 0..connections {
+            let rows = Arc::clone(&rows);
+            let store = database.store.clone();
+            let url = database.url.clone();
+            loops.spawn(async move {
+                match method {
+                    RawMethod::WorkerSql => ingest_loop(&store, &rows).await,
+                    RawMethod::CopyStaging => copy_loop(&url, &rows).await,
+                }
+            });
+        }
+        while let Some(result) = loops.join_next().await {
+            result??;
+        }
+        let elapsed = started.elapsed();
+        let cpu = self.cpu_since(before, None);
+        ensure_stored_once(&database.store, RAW_QUEUE, entries).await?;
+        self.drop_database(database).await?;
+        Ok(Measurement {
+            name: format!("raw DB {} x{connections}", method.as_str()),
+            messages: entries,
+            elapsed,
+            cpu,
+            peak_rss_kib: None,
+            store_share: None,
+        })
+    }
+}
+
+/// XREADGROUP of up to `count` new entries of `key` for consumer `bench`, without blocking.
+async fn read_group_batch(
+    conn: &mut redis::aio::MultiplexedConnection,
+    key: &str,
+    count: usize,
+) -> Result<Vec<redis::streams::StreamId>> {
+    let reply: Option<redis::streams::StreamReadReply> = redis::cmd("XREADGROUP")
+        .arg("GROUP")
+        .arg("switchboard")
+        .arg("bench")
+        .arg("COUNT")
+        .arg(count)
+        .arg("STREAMS")
+        .arg(key)
+        .arg(">")
+        .query_async(conn)
+        .await?;
+    Ok(reply
+        .into_iter()
+        .flat_map(|reply| reply.keys)
+        .flat_map(|stream| stream.ids)
+        .collect())
+}
+
+async fn acknowledge(
+    conn: &mut redis::aio::MultiplexedConnection,
+    key: &str,
+    ids: &[String],
+) -> Result<()> {
+    redis::cmd("XACK")
+        .arg(key)
+        .arg("switchboard")
+        .arg(ids)
+        .query_async::<u64>(conn)
+        .await?;
+    Ok(())
+}
+
+/// The row the worker builds for a stream entry of adapter `test/{name}`.
+fn stream_event(name: &str, entry: &redis::streams::StreamId) -> Result<NewEvent> {
+    let body: Vec<u8> = entry.get("body").context("entry has no body field")?;
+    serde_json::from_slice::<serde::de::IgnoredAny>(&body).context("body is not JSON")?;
+    Ok(NewEvent {
+        idempotency_key: format!("redis:test/{name}:{}", entry.id),
+        external_id: entry.id.clone(),
+        payload: String::from_utf8(body)?,
+        headers: "{}".to_owned(),
+    })
+}
+
+/// The stream position (`ms`, `seq`) of an entry id.
+fn entry_position(id: &str) -> Option<(u64, u64)> {
+    let (ms, seq) = id.split_once('-')?;
+    Some((ms.parse().ok()?, seq.parse().ok()?))
+}
+
+/// Waits until the worker has acknowledged `expected` messages of adapter `test/{name}`.
+async fn wait_acked(worker: &WorkerProcess, name: &str, expected: usize) -> Result<()> {
+    let metric = format!(r#"switchboard_messages_acked_total{{adapter="test/{name}"}}"#);
+    let expected = expected as f64;
+    wait_for(
+        PHASE_TIMEOUT,
+        &format!("the worker acked {expected} messages"),
+        || async { Ok(worker.metric(&metric)? >= expected) },
+    )
+    .await
+    .with_context(|| worker.log_tail())
+}
+
+/// Seconds the worker of adapter `test/{name}` has spent storing batches.
+fn seconds_in_store(worker: &WorkerProcess, name: &str) -> Result<f64> {
+    worker.metric(&format!(
+        r#"switchboard_commit_duration_seconds_sum{{adapter="test/{name}"}}"#
+    ))
+}
+
+/// SIGTERM, and a clean exit.
+fn stop_worker(mut worker: WorkerProcess) -> Result<()> {
+    worker.signal(Signal::SIGTERM)?;
+    let status = worker.wait_exit(Duration::from_secs(30))?;
+    ensure!(
+        status.success(),
+        "worker exited with {status}\n{}",
+        worker.log_tail()
+    );
+    Ok(())
+}
+
+/// Fails unless `queue` holds exactly `expected` todos with distinct keys, one event each.
+async fn ensure_stored_once(store: &Store, queue: &str, expected: usize) -> Result<()> {
+    let (todos, keys, events): (i64, i64, i64) = sqlx::query_as(
+        "SELECT (SELECT count(*) FROM todos WHERE queue = $1), \
+                (SELECT count(DISTINCT idempotency_key) FROM todos WHERE queue = $1), \
+                (SELECT count(*) FROM events)",
+    )
+    .bind(queue)
+    .fetch_one(store.pool())
+    .await?;
+    let expected = i64::try_from(expected)?;
+    ensure!(
+        todos == expected && keys == expected && events == expected,
+        "{queue}: expected {expected} todos, distinct keys and events; \
+         found {todos} todos, {keys} distinct keys, {events} events"
+    );
+    Ok(())
+}
+
+/// XADDs `total` entries to `stream` at `rate` per second, on a timer.
+async fn offer_steady_load(redis_url: &str, stream: &str, rate: u64, total: usize) -> Result<()> {
+    let client = redis::Client::open(redis_url)?;
+    let mut conn = client.get_multiplexed_async_connection().await?;
+    let mut ticks = tokio::time::interval(Duration::from_millis(5));
+    let started = Instant::now();
+    let mut sent = 0;
+    while sent < total {
+        ticks.tick().await;
+        let due = usize::try_from(started.elapsed().as_millis() * u128::from(rate) / 1000)?;
+        let due = due.min(total);
+        if due > sent {
+            let mut pipe = redis::pipe();
+            for i in sent..due {
+                pipe.cmd("XADD")
+                    .arg(stream)
+                    .arg("*")
+                    .arg("body")
+                    .arg(order_body(i))
+                    .ignore();
+            }
+            pipe.query_async::<()>(&mut conn).await?;
+            sent = due;
+        }
+    }
+    Ok(())
+}
+
+const RAW_SOURCE: &str = "redis:test/raw";
+const RAW_QUEUE: &str = "raw";
+
+/// How the raw database loop stores a batch.
+#[derive(Debug, Clone, Copy)]
+enum RawMethod {
+    /// `Store::ingest_batch`: the worker's own statement.
+    WorkerSql,
+    /// COPY into a temporary staging table, then INSERT … SELECT into events and todos.
+    CopyStaging,
+}
+
+impl RawMethod {
+    fn as_str(self) -> &'static str {
+        match self {
+            RawMethod::WorkerSql => "worker SQL",
+            RawMethod::CopyStaging => "COPY+staging",
+        }
+    }
+}
+
+/// The rows the worker would build for a stream of `order_body` entries, handed out in
+/// batches to concurrent loops.
+struct RawRows {
+    first_ms: u64,
+    events: Vec<NewEvent>,
+    batch_size: usize,
+    next_batch: AtomicUsize,
+}
+
+impl RawRows {
+    fn new(entries: usize, batch_size: usize) -> Self {
+        let first_ms = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(|since| u64::try_from(since.as_millis()).unwrap_or(u64::MAX))
+            .unwrap_or_default();
+        let events = (0..entries)
+            .map(|i| {
+                let id = format!("{first_ms}-{i}");
+                NewEvent {
+                    idempotency_key: format!("{RAW_SOURCE}:{id}"),
+                    external_id: id,
+                    payload: String::from_utf8_lossy(&order_body(i)).into_owned(),
+                    headers: "{}".to_owned(),
+                }
+            })
+            .collect();
+        Self {
+            first_ms,
+            events,
+            batch_size,
+            next_batch: AtomicUsize::new(0),
+        }
+    }
+
+    /// The next batch not yet taken by any loop.
+    fn take_batch(&self) -> Option<Range<usize>> {
+        let start = self.next_batch.fetch_add(1, Ordering::Relaxed) * self.batch_size;
+        (start < self.events.len()).then(|| start..(start + self.batch_size).min(self.events.len()))
+    }
+
+    /// The stream position (`ms`, `seq`) of the last row in `batch`.
+    fn checkpoint(&self, batch: &Range<usize>) -> (u64, u64) {
+        (self.first_ms, batch.end as u64 - 1)
+    }
+}
+
+async fn ingest_loop(store: &Store, rows: &RawRows) -> Result<()> {
+    while let Some(batch) = rows.take_batch() {
+        let outcomes = store
+            .ingest_batch(&IngestBatch {
+                source: RAW_SOURCE,
+                queue: RAW_QUEUE,
+                dedup: Dedup::NativeId,
+                checkpoint: Some(rows.checkpoint(&batch)),
+                events: &rows.events[batch],
+            })
+            .await?;
+        ensure!(
+            outcomes.iter().all(|outcome| *outcome == Stored::New),
+            "fresh rows were not all stored as new"
+        );
+    }
+    Ok(())
+}
+
+/// Inserts the staged batch like the worker's statement does (dedup, todos for new events,
+/// checkpoint), without returning per-row outcomes.
+const STAGED_INGEST_SQL: &str = r#"
+WITH new_events AS (
+    INSERT INTO events (source, external_id, payload, headers)
+    SELECT $1, external_id, payload, headers FROM staging ORDER BY ord
+    ON CONFLICT (source, external_id) DO NOTHING
+    RETURNING id, external_id, payload
+), new_todos AS (
+    INSERT INTO todos (queue, idempotency_key, event_id, payload)
+    SELECT $2, staging.idempotency_key, new_events.id, new_events.payload
+    FROM new_events JOIN staging USING (external_id)
+    ORDER BY staging.ord
+    ON CONFLICT (queue, idempotency_key) WHERE status IN ('pending', 'claimed') DO NOTHING
+)
+INSERT INTO source_checkpoints (source, position_ms, position_seq)
+SELECT $1, $3, $4 WHERE EXISTS (SELECT 1 FROM new_events)
+ON CONFLICT (source) DO UPDATE
+    SET position_ms = EXCLUDED.position_ms, position_seq = EXCLUDED.position_seq,
+        updated_at = now()
+    WHERE (source_checkpoints.position_ms, source_checkpoints.position_seq)
+        < (EXCLUDED.position_ms, EXCLUDED.position_seq)
+"#;
+
+async fn copy_loop(url: &str, rows: &RawRows) -> Result<()> {
+    let mut conn = PgConnection::connect(url).await?;
+    sqlx::query(
+        "CREATE TEMPORARY TABLE staging (ord bigint, external_id text, idempotency_key text, \
+         payload jsonb, headers jsonb) ON COMMIT DELETE ROWS",
+    )
+    .execute(&mut conn)
+    .await?;
+    let mut data = Vec::new();
+    while let Some(batch) = rows.take_batch() {
+        data.clear();
+        for (ord, event) in rows.events[batch.clone()].iter().enumerate() {
+            for (column, value) in [
+                ord.to_string().as_str(),
+                &event.external_id,
+                &event.idempotency_key,
+                &event.payload,
+                &event.headers,
+            ]
+            .into_iter()
+            .enumerate()
+            {
+                if column > 0 {
+                    data.push(b'\t');
+                }
+                push_copy_text(&mut data, value);
+            }
+            data.push(b'\n');
+        }
+        let (ms, seq) = rows.checkpoint(&batch);
+        let mut tx = conn.begin().await?;
+        let mut copy = tx
+            .copy_in_raw(
+                "COPY staging (ord, external_id, idempotency_key, payload, headers) FROM STDIN",
+            )
+            .await?;
+        copy.send(data.as_slice()).await?;
+        copy.finish().await?;
+        sqlx::query(STAGED_INGEST_SQL)
+            .bind(RAW_SOURCE)
+            .bind(RAW_QUEUE)
+            .bind(i64::try_from(ms)?)
+            .bind(i64::try_from(seq)?)
+            .execute(&mut *tx)
+            .await?;
+        tx.commit().await?;
+    }
+    Ok(())
+}
+
+/// Appends `value` escaped for COPY's text format.
+fn push_copy_text(out: &mut Vec<u8>, value: &str) {
+    for byte in value.bytes() {
+        match byte {
+            b'\\' => out.extend_from_slice(b"\\\\"),
+            b'\t' => out.extend_from_slice(b"\\t"),
+            b'\n' => out.extend_from_slice(b"\\n"),
+            b'\r' => out.extend_from_slice(b"\\r"),
+            other => out.push(other),
+        }
+    }
+}
+
+fn machine_summary() -> String {
+    let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    let model = cpuinfo
+        .lines()
+        .find_map(|line| line.strip_prefix("model name")?.split_once(':'))
+        .map(|(_, model)| model.trim().to_owned())
+        .unwrap_or_else(|| "unknown CPU".to_owned());
+    let cpus = std::thread::available_parallelism().map_or(0, usize::from);
+    let memory_gib = memory_total_kib().unwrap_or(0) as f64 / 1024.0 / 1024.0;
+    format!("{cpus} CPUs ({model}), {memory_gib:.1} GiB RAM")
+}
+
+fn memory_total_kib() -> Option<u64> {
+    let meminfo = std::fs::read_to_string("/proc/meminfo").ok()?;
+    meminfo
+        .lines()
+        .find_map(|line| line.strip_prefix("MemTotal:"))
+        .and_then(|value| value.split_whitespace().next()?.parse().ok())
+}
+
+fn load_average() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .map(|load| {
+            load.split_whitespace()
+                .take(3)
+                .collect::<Vec<_>>()
+                .join(" ")
+        })
+        .unwrap_or_default()
+}
+
+fn print_table(rows: &[Measurement]) {
+    println!(
+        "| {:<36} | {:>8} | {:>7} | {:>8} | {:>13} | {:>15} | {:>12} | {:>8} | {:>8} |",
+        "phase",
+        "messages",
+        "seconds",
+        "msg/s",
+        "client µs/msg",
+        "postgres µs/msg",
+        "redis µs/msg",
+        "peak RSS",
+        "in store"
+    );
+    println!(
+        "|{:-<38}|{:->10}|{:->9}|{:->10}|{:->15}|{:->17}|{:->14}|{:->10}|{:->10}|",
+        "", "", "", "", "", "", "", "", ""
+    );
+    for row in rows {
+        let rss = row.peak_rss_kib.map_or_else(
+            || "-".to_owned(),
+            |kib| format!("{:.1} MiB", kib as f64 / 1024.0),
+        );
+        let store_share = row
+            .store_share
+            .map_or_else(|| "-".to_owned(), |share| format!("{:.0}%", share * 100.0));
+        println!(
+            "| {:<36} | {:>8} | {:>7.2} | {:>8.0} | {:>13.1} | {:>15.1} | {:>12.1} | {:>8} | {:>8} |",
+            row.name,
+            row.messages,
+            row.elapsed.as_secs_f64(),
+            row.rate(),
+            row.micros_per_message(row.cpu.client),
+            row.micros_per_message(row.cpu.postgres),
+            row.micros_per_message(row.cpu.redis),
+            rss,
+            store_share
+        );
+    }
+}
+
+fn verdict(passed: bool) -> &'static str {
+    if passed { "PASS" } else { "FAIL" }
+}
+
+fn best(rows: &[Measurement]) -> Option<&Measurement> {
+    rows.iter().max_by(|a, b| a.rate().total_cmp(&b.rate()))
+}
+
+async fn run(args: Args) -> Result<()> {
+    println!("machine: {}", machine_summary());
+    println!("load average before: {}", load_average());
+    let started = Instant::now();
+    let mut bench = Bench::start(args).await?;
+    let args = &bench.args;
+    let (batch_size, naive_entries, modes) =
+        (args.batch_size, args.naive_entries, args.modes.clone());
+    let (connections, depths) = (args.connections.clone(), args.depths.clone());
+
+    let broker = bench.raw_broker().await?;
+    eprintln!("raw broker: {:.0} msg/s", broker.rate());
+    let mut raw_db = Vec::new();
+    for method in [RawMethod::WorkerSql, RawMethod::CopyStaging] {
+        for &count in &connections {
+            let measurement = bench.raw_database(method, count).await?;
+            eprintln!("{}: {:.0} msg/s", measurement.name, measurement.rate());
+            raw_db.push(measurement);
+        }
+    }
+    let mut models = Vec::new();
+    for &depth in &depths {
+        let measurement = bench.pipelined_ceiling(depth).await?;
+        eprintln!("{}: {:.0} msg/s", measurement.name, measurement.rate());
+        models.push(measurement);
+    }
+    let mut worker_runs = Vec::new();
+    for &mode in &modes {
+        let measurement = bench
+            .worker_throughput(mode, batch_size, bench.args.entries)
+            .await?;
+        eprintln!("{}: {:.0} msg/s", measurement.name, measurement.rate());
+        worker_runs.push((mode, measurement));
+    }
+    let naive = bench
+        .worker_throughput(Mode::Stream, 1, naive_entries)
+        .await?;
+    eprintln!("{}: {:.0} msg/s", naive.name, naive.rate());
+    let (steady, latency) = bench.latency_under_load().await?;
+
+    let raw_db_best = best(&raw_db).context("no raw database run")?;
+    let mut table: Vec<Measurement> = worker_runs.iter().map(|(_, m)| m.clone()).collect();
+    table.push(naive.clone());
+    table.push(steady.clone());
+    table.extend(raw_db.iter().cloned());
+    table.push(broker);
+    table.extend(models);
+    println!();
+    print_table(&table);
+    println!();
+    println!(
+        "latency at {} msg/s offered for {} s (XADD entry-id time → commit timestamp of the row): \
+         p50 {:.0} ms, p99 {:.0} ms, max {:.0} ms",
+        bench.args.rate, bench.args.latency_seconds, latency.p50_ms, latency.p99_ms, latency.max_ms
+    );
+    println!(
+        "raw database limit: {} ({:.0} msg/s)",
+        raw_db_best.name,
+        raw_db_best.rate()
+    );
+    println!();
+    let stream = worker_runs
+        .iter()
+        .find(|(mode, _)| *mode == Mode::Stream)
+        .map(|(_, m)| m)
+        .context("the stream mode run is required for the ratios")?;
+    let vs_naive = stream.rate() / naive.rate();
+    let vs_raw = stream.rate() / raw_db_best.rate();
+    let peak_rss_mib = table
+        .iter()
+        .filter_map(|m| m.peak_rss_kib)
+        .max()
+        .unwrap_or(0) as f64
+        / 1024.0;
+    println!(
+        "stream batch {batch_size} / batch 1 (1/2):  {vs_naive:>6.2}x   target >= 4x     {}",
+        verdict(vs_naive >= 4.0)
+    );
+    println!(
+        "stream batch {batch_size} / raw DB (1/3):   {:>6.1}%   target >= 75%    {}",
+        vs_raw * 100.0,
+        verdict(vs_raw >= 0.75)
+    );
+    println!(
+        "p99 latency at {} msg/s:      {:>6.1} ms  target <= 50 ms  {}",
+        bench.args.rate,
+        latency.p99_ms,
+        verdict(latency.p99_ms <= 50.0)
+    );
+    println!(
+        "worker peak RSS (max of runs):   {peak_rss_mib:>6.1} MiB target <= 64 MiB {}",
+        verdict(peak_rss_mib <= 64.0)
+    );
+    match worker_runs.iter().find(|(mode, _)| *mode == Mode::List) {
+        Some((_, list)) => {
+            let vs_stream = list.rate() / stream.rate();
+            println!(
+                "list / stream:                   {:>6.1}%   target >= 60%    {}",
+                vs_stream * 100.0,
+                verdict(vs_stream >= 0.6)
+            );
+        }
+        None => println!("list / stream: not measured (--modes has no list)"),
+    }
+    println!();
+    println!("correctness: every phase stored each entry exactly once with nothing pending");
+    println!(
+        "load average after: {}; bench took {:.0} s",
+        load_average(),
+        started.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
+
+#[tokio::main]
+async fn main() -> Result<()> {
+    run(Args::parse()).await
+}
