@@ -149,14 +149,18 @@ WITH input AS (
     FROM unnest($3::text[], $4::text[], $5::text[], $6::text[]) WITH ORDINALITY
          AS t(external_id, idempotency_key, payload, headers, ord)
 ), fresh AS (
-    SELECT DISTINCT ON (idempotency_key)
-           ord, external_id, idempotency_key, payload, headers, nextval('events_id_seq') AS event_id
+    SELECT DISTINCT ON (input.idempotency_key)
+           input.ord, input.external_id, input.idempotency_key, input.payload, input.headers,
+           nextval('events_id_seq') AS event_id
     FROM input
-    WHERE NOT EXISTS (
-        SELECT 1 FROM todos
+    LEFT JOIN LATERAL (
+        SELECT 1 AS found FROM todos
         WHERE todos.queue = $2 AND todos.idempotency_key = input.idempotency_key
-          AND todos.status IN ('pending', 'claimed'))
-    ORDER BY idempotency_key, ord
+          AND todos.status IN ('pending', 'claimed')
+        LIMIT 1
+    ) live ON true
+    WHERE live.found IS NULL
+    ORDER BY input.idempotency_key, input.ord
 ), new_events AS (
     INSERT INTO events (id, source, external_id, payload, headers)
     SELECT event_id, $1, external_id || '@' || event_id, payload::jsonb, headers::jsonb
@@ -241,7 +245,10 @@ impl Store {
             Dedup::NativeId => INGEST_SQL,
             Dedup::BodyHash => INGEST_BY_BODY_SQL,
         };
+        // The body-hash statement must be planned for its actual keys: a cached generic plan
+        // filters live todos by queue alone and slows down as the queue grows.
         let mut query = sqlx::query(sql)
+            .persistent(batch.dedup == Dedup::NativeId)
             .bind(batch.source)
             .bind(batch.queue)
             .bind(column(|e| &e.external_id))

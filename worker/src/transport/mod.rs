@@ -97,9 +97,10 @@ pub trait Transport {
     /// Connects and creates what the broker needs (consumer group, …). Idempotent.
     async fn prepare(&mut self) -> Result<(), TransportError>;
 
-    /// Up to `max` messages; waits a bounded time (about a second) when there are none.
-    /// Dropping the future is safe: undelivered entries stay with the broker.
-    async fn receive(&mut self, max: usize) -> Result<Vec<Message>, TransportError>;
+    /// Up to `max` messages. With `block`, waits a bounded time (about a second) when there are
+    /// none; without, returns at once. Dropping the future is safe: undelivered entries stay
+    /// with the broker.
+    async fn receive(&mut self, max: usize, block: bool) -> Result<Vec<Message>, TransportError>;
 
     /// Acknowledges messages whose todos are committed.
     async fn ack(&mut self, messages: &[&Message]) -> Result<(), TransportError>;

@@ -327,7 +327,7 @@ impl Transport for RedisList {
         Ok(())
     }
 
-    async fn receive(&mut self, max: usize) -> Result<Vec<Message>, TransportError> {
+    async fn receive(&mut self, max: usize, block: bool) -> Result<Vec<Message>, TransportError> {
         if self.replay {
             let mut range = redis::cmd("LRANGE");
             range.arg(&self.processing).arg(0).arg(-1);
@@ -347,20 +347,23 @@ impl Transport for RedisList {
                 return self.deliver(held).await;
             }
         }
-        let mut blocking = redis::cmd("BLMOVE");
-        blocking
-            .arg(&self.settings.list)
-            .arg(&self.processing)
-            .arg("RIGHT")
-            .arg("LEFT")
-            .arg(BLOCK.as_secs_f64());
-        let Some(first) = bytes(self.reader.query("BLMOVE", &blocking).await?) else {
-            return Ok(Vec::new());
-        };
-        let mut items = vec![first];
-        if max > 1 {
+        let mut items = Vec::with_capacity(max);
+        if block {
+            let mut blocking = redis::cmd("BLMOVE");
+            blocking
+                .arg(&self.settings.list)
+                .arg(&self.processing)
+                .arg("RIGHT")
+                .arg("LEFT")
+                .arg(BLOCK.as_secs_f64());
+            let Some(first) = bytes(self.reader.query("BLMOVE", &blocking).await?) else {
+                return Ok(Vec::new());
+            };
+            items.push(first);
+        }
+        if items.len() < max {
             let mut pipe = redis::pipe();
-            for _ in 1..max {
+            for _ in items.len()..max {
                 pipe.cmd("LMOVE")
                     .arg(&self.settings.list)
                     .arg(&self.processing)

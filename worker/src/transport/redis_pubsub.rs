@@ -139,13 +139,14 @@ impl Transport for RedisPubSub {
         self.subscribe().await
     }
 
-    async fn receive(&mut self, max: usize) -> Result<Vec<Message>, TransportError> {
+    async fn receive(&mut self, max: usize, block: bool) -> Result<Vec<Message>, TransportError> {
         self.subscribe().await?;
         let Some(subscription) = self.subscription.as_mut() else {
             return Ok(Vec::new());
         };
         let mut stream = subscription.on_message();
-        let first = match timeout(BLOCK, stream.next()).await {
+        let wait = if block { BLOCK } else { Duration::ZERO };
+        let first = match timeout(wait, stream.next()).await {
             Err(_) => return Ok(Vec::new()),
             Ok(None) => {
                 drop(stream);

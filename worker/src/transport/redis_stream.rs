@@ -328,18 +328,18 @@ impl RedisStream {
         self.with_counts(entries).await
     }
 
-    async fn read_new(&mut self, max: usize) -> Result<Vec<Message>, TransportError> {
+    async fn read_new(&mut self, max: usize, block: bool) -> Result<Vec<Message>, TransportError> {
         let mut cmd = redis::cmd("XREADGROUP");
         cmd.arg("GROUP")
             .arg(&self.settings.group)
             .arg(&self.settings.consumer)
             .arg("COUNT")
-            .arg(max)
-            .arg("BLOCK")
-            .arg(u64::try_from(BLOCK.as_millis()).unwrap_or(1000))
-            .arg("STREAMS")
-            .arg(&self.settings.stream)
-            .arg(">");
+            .arg(max);
+        if block {
+            cmd.arg("BLOCK")
+                .arg(u64::try_from(BLOCK.as_millis()).unwrap_or(1000));
+        }
+        cmd.arg("STREAMS").arg(&self.settings.stream).arg(">");
         let reply = self.reader.query("XREADGROUP", &cmd).await?;
         Ok(parse_read_reply(&reply)?
             .into_iter()
@@ -464,7 +464,7 @@ impl Transport for RedisStream {
         self.ensure_group().await.map(drop)
     }
 
-    async fn receive(&mut self, max: usize) -> Result<Vec<Message>, TransportError> {
+    async fn receive(&mut self, max: usize, block: bool) -> Result<Vec<Message>, TransportError> {
         if !self.reclaimed.is_empty() {
             let take = max.min(self.reclaimed.len());
             return Ok(self.reclaimed.drain(..take).collect());
@@ -477,7 +477,7 @@ impl Transport for RedisStream {
                 }
                 result
             }
-            None => self.read_new(max).await,
+            None => self.read_new(max, block).await,
         };
         match result {
             Err(err) if is_nogroup(&err) => self.recover_group().await.map(|()| Vec::new()),
