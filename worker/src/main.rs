@@ -41,7 +41,8 @@ enum Command {
     },
 }
 
-#[tokio::main]
+// One thread: the worker waits on I/O; the CPU is better left to PostgreSQL and Redis.
+#[tokio::main(flavor = "current_thread")]
 async fn main() -> ExitCode {
     let cli = Cli::parse();
     init_tracing(cli.log_json);

@@ -223,6 +223,9 @@ mod tests {
 /// `{"base64": "…"}` so that nothing is lost.
 pub fn fields_json(fields: &[(String, Vec<u8>)]) -> String {
     use base64::Engine as _;
+    if fields.is_empty() {
+        return "{}".to_owned();
+    }
     let object: serde_json::Map<String, serde_json::Value> = fields
         .iter()
         .map(|(name, value)| {

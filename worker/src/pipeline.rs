@@ -30,7 +30,7 @@ use crate::transport::{DeadLetter, Message, QueueHealth, Transport, TransportErr
 const LIVENESS_SLACK: Duration = Duration::from_secs(60);
 
 /// Batches stored concurrently. Two keep PostgreSQL busy while the loop receives and acks.
-pub const IN_FLIGHT: usize = 2;
+pub const IN_FLIGHT: usize = 3;
 
 /// What the loop does with each batch.
 #[derive(Debug, Clone)]

@@ -73,35 +73,52 @@ fn parse_id(id: &str) -> Option<(u64, u64)> {
     Some((ms.parse().ok()?, seq.parse().ok()?))
 }
 
-fn parse_entries(command: &'static str, value: &Value) -> Result<Vec<RawEntry>, TransportError> {
-    let items = array(value).ok_or_else(|| protocol(command, "entries are not an array"))?;
+fn into_array(value: Value) -> Option<Vec<Value>> {
+    match value {
+        Value::Array(items) => Some(items),
+        _ => None,
+    }
+}
+
+fn into_bytes(value: Value) -> Option<Vec<u8>> {
+    match value {
+        Value::BulkString(bytes) => Some(bytes),
+        Value::SimpleString(text) => Some(text.into_bytes()),
+        _ => None,
+    }
+}
+
+fn into_text(value: Value) -> Option<String> {
+    into_bytes(value).and_then(|bytes| String::from_utf8(bytes).ok())
+}
+
+/// Stream entries, taken out of the reply without copying their bytes.
+fn parse_entries(command: &'static str, value: Value) -> Result<Vec<RawEntry>, TransportError> {
+    let items = into_array(value).ok_or_else(|| protocol(command, "entries are not an array"))?;
     items
-        .iter()
+        .into_iter()
         .map(|entry| {
-            let parts = array(entry).ok_or_else(|| protocol(command, "entry is not an array"))?;
+            let mut parts = into_array(entry)
+                .ok_or_else(|| protocol(command, "entry is not an array"))?
+                .into_iter();
             let id = parts
-                .first()
-                .and_then(text)
+                .next()
+                .and_then(into_text)
                 .ok_or_else(|| protocol(command, "entry has no id"))?;
-            let fields = match parts.get(1) {
+            let fields = match parts.next() {
                 None | Some(Value::Nil) => None,
                 Some(value) => {
-                    let flat =
-                        array(value).ok_or_else(|| protocol(command, "fields are not an array"))?;
-                    let pairs = flat
-                        .chunks_exact(2)
-                        .map(|pair| {
-                            let name =
-                                text(&pair[0]).ok_or_else(|| protocol(command, "field name"))?;
-                            let value = match &pair[1] {
-                                Value::BulkString(bytes) => bytes.clone(),
-                                other => text(other)
-                                    .ok_or_else(|| protocol(command, "field value"))?
-                                    .into_bytes(),
-                            };
-                            Ok((name, value))
-                        })
-                        .collect::<Result<Vec<_>, TransportError>>()?;
+                    let mut flat = into_array(value)
+                        .ok_or_else(|| protocol(command, "fields are not an array"))?
+                        .into_iter();
+                    let mut pairs = Vec::with_capacity(flat.len() / 2);
+                    while let (Some(name), Some(value)) = (flat.next(), flat.next()) {
+                        let name =
+                            into_text(name).ok_or_else(|| protocol(command, "field name"))?;
+                        let value =
+                            into_bytes(value).ok_or_else(|| protocol(command, "field value"))?;
+                        pairs.push((name, value));
+                    }
                     Some(pairs)
                 }
             };
@@ -111,16 +128,15 @@ fn parse_entries(command: &'static str, value: &Value) -> Result<Vec<RawEntry>, 
 }
 
 /// XREADGROUP's reply: nil on timeout, else `[[stream, entries]]`.
-fn parse_read_reply(value: &Value) -> Result<Vec<RawEntry>, TransportError> {
+fn parse_read_reply(value: Value) -> Result<Vec<RawEntry>, TransportError> {
     const COMMAND: &str = "XREADGROUP";
     match value {
         Value::Nil => Ok(Vec::new()),
-        Value::Array(streams) => match streams.first() {
+        Value::Array(streams) => match streams.into_iter().next() {
             None => Ok(Vec::new()),
             Some(stream) => {
-                let parts = array(stream).ok_or_else(|| protocol(COMMAND, "stream reply"))?;
-                let entries = parts
-                    .get(1)
+                let entries = into_array(stream)
+                    .and_then(|parts| parts.into_iter().nth(1))
                     .ok_or_else(|| protocol(COMMAND, "no entries"))?;
                 parse_entries(COMMAND, entries)
             }
@@ -317,7 +333,7 @@ impl RedisStream {
             .arg("STREAMS")
             .arg(&self.settings.stream)
             .arg(&after);
-        let entries = parse_read_reply(&self.control("XREADGROUP", &cmd).await?)?;
+        let entries = parse_read_reply(self.control("XREADGROUP", &cmd).await?)?;
         match entries.last() {
             None => {
                 tracing::info!(consumer = %self.settings.consumer, "own pending entries replayed; reading new entries");
@@ -341,7 +357,7 @@ impl RedisStream {
         }
         cmd.arg("STREAMS").arg(&self.settings.stream).arg(">");
         let reply = self.reader.query("XREADGROUP", &cmd).await?;
-        Ok(parse_read_reply(&reply)?
+        Ok(parse_read_reply(reply)?
             .into_iter()
             .filter_map(|raw| self.to_message(raw))
             .collect())
@@ -361,13 +377,17 @@ impl RedisStream {
                 .arg("COUNT")
                 .arg(self.settings.batch_size);
             let reply = self.control("XAUTOCLAIM", &cmd).await?;
-            let parts =
-                array(&reply).ok_or_else(|| protocol("XAUTOCLAIM", "reply is not an array"))?;
+            let mut parts = into_array(reply)
+                .ok_or_else(|| protocol("XAUTOCLAIM", "reply is not an array"))?
+                .into_iter();
             let next = parts
-                .first()
-                .and_then(text)
+                .next()
+                .and_then(into_text)
                 .ok_or_else(|| protocol("XAUTOCLAIM", "no cursor"))?;
-            let entries = parse_entries("XAUTOCLAIM", parts.get(1).unwrap_or(&Value::Nil))?;
+            let entries = parse_entries(
+                "XAUTOCLAIM",
+                parts.next().unwrap_or(Value::Array(Vec::new())),
+            )?;
             if !entries.is_empty() {
                 let messages = self.with_counts(entries).await?;
                 self.metrics.reclaimed.inc_by(messages.len() as u64);
@@ -586,7 +606,7 @@ mod tests {
                 Value::Array(vec![bulk("2-0"), Value::Nil]),
             ]),
         ])]);
-        let entries = parse_read_reply(&reply).expect("parses");
+        let entries = parse_read_reply(reply).expect("parses");
         assert_eq!(entries.len(), 2);
         assert_eq!(entries[0].id, "1-0");
         assert_eq!(
@@ -598,7 +618,7 @@ mod tests {
 
     #[test]
     fn timeout_reply_is_empty() {
-        assert!(parse_read_reply(&Value::Nil).expect("nil").is_empty());
+        assert!(parse_read_reply(Value::Nil).expect("nil").is_empty());
     }
 
     #[test]
