@@ -17,7 +17,7 @@ demo-k8s: deps build control-plane
 
 ## make test: formatting, lints and every test against real servers
 test: deps lint build helm control-plane
-	$(CARGO) test --workspace
+	$(CARGO) test --workspace --no-fail-fast
 
 deps:
 	scripts/install-deps.sh
