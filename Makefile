@@ -1,8 +1,9 @@
 # The README's commands. Heavy caches live outside the clone, keyed by version.
+SHELL := /bin/bash
 export CARGO_TARGET_DIR ?= $(HOME)/.cache/switchboard/target
 CARGO ?= cargo
 
-.PHONY: demo demo-k8s control-plane test deps build lint unit bench helm kind-up kind-demo kind-down
+.PHONY: demo demo-k8s control-plane test deps build lint bench helm kind-up kind-demo kind-down
 
 ## make demo: the whole pipeline locally (ephemeral PostgreSQL + Redis, 20,000 messages, a kill -9 mid-way),
 ## then the Kubernetes path (make demo-k8s)
@@ -17,7 +18,8 @@ demo-k8s: deps build control-plane
 
 ## make test: formatting, lints and every test against real servers
 test: deps lint build helm control-plane
-	$(CARGO) test --workspace --no-fail-fast
+	@set -o pipefail; $(CARGO) test --workspace --no-fail-fast 2>&1 | tee $(CARGO_TARGET_DIR)/test.log; \
+		status=$$?; scripts/test-summary.sh $(CARGO_TARGET_DIR)/test.log; exit $$status
 
 deps:
 	scripts/install-deps.sh

@@ -18,7 +18,7 @@ use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::{ConfigMap, Container, Namespace, PodSpec, Secret};
 use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, PolicyRule, RoleRef, Subject};
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, ObjectMeta};
 use kube::api::{Patch, PatchParams, PostParams};
 use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::{Api, Client};
@@ -748,3 +748,13 @@ pub fn adapter_manifest(name: &str, spec_extra: &str) -> String {
 
 /// How long the operator gets to react to a change.
 pub const OPERATOR_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// The QueueAdapter's status condition of type `type_`, if it has one.
+pub fn condition<'a>(adapter: &'a QueueAdapter, type_: &str) -> Option<&'a Condition> {
+    adapter
+        .status
+        .as_ref()?
+        .conditions
+        .iter()
+        .find(|c| c.type_ == type_)
+}

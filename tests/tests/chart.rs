@@ -15,7 +15,6 @@ use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{Container, EnvVar};
 use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, PolicyRule};
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 use kube::api::{DynamicObject, Patch, PatchParams, PostParams};
 use kube::config::Kubeconfig;
 use kube::core::GroupVersionKind;
@@ -27,7 +26,7 @@ use switchboard_operator::DEFAULT_WORKER_IMAGE;
 use switchboard_operator::build::{WORKER_COMMAND, WORKER_UID, worker_name};
 use switchboard_tests::control_plane::pod::LocalPod;
 use switchboard_tests::control_plane::{
-    CRD_FILE, ControlPlane, OPERATOR_TIMEOUT, OperatorEnv, wait_object,
+    CRD_FILE, ControlPlane, OPERATOR_TIMEOUT, OperatorEnv, condition, wait_object,
 };
 use switchboard_tests::servers::workspace_path;
 use switchboard_tests::wait::wait_for;
@@ -605,15 +604,6 @@ impl ChartOperator {
         .with_context(|| pod.log_tail())?;
         Ok(Self { env, pod })
     }
-}
-
-fn condition<'a>(adapter: &'a switchboard_api::QueueAdapter, type_: &str) -> Option<&'a Condition> {
-    adapter
-        .status
-        .as_ref()?
-        .conditions
-        .iter()
-        .find(|c| c.type_ == type_)
 }
 
 #[tokio::test]

@@ -15,6 +15,7 @@ use kube::core::ApiResource;
 use switchboard_api::QueueAdapter;
 use switchboard_operator::build::{CONFIG_HASH_ANNOTATION, MANIFEST_KEY};
 use switchboard_operator::controller::FINALIZER;
+use switchboard_tests::control_plane;
 use switchboard_tests::control_plane::{
     OPERATOR_TIMEOUT, OperatorEnv, adapter_manifest, pod_template,
 };
@@ -30,14 +31,9 @@ static ORDERS: LazyLock<String> = LazyLock::new(|| {
     )
 });
 
+/// `(status, reason)` of the adapter's condition of type `type_`.
 fn condition<'a>(adapter: &'a QueueAdapter, type_: &str) -> Option<(&'a str, &'a str)> {
-    adapter
-        .status
-        .as_ref()?
-        .conditions
-        .iter()
-        .find(|c| c.type_ == type_)
-        .map(|c| (c.status.as_str(), c.reason.as_str()))
+    control_plane::condition(adapter, type_).map(|c| (c.status.as_str(), c.reason.as_str()))
 }
 
 fn is_ready(adapter: &QueueAdapter) -> bool {
