@@ -245,15 +245,13 @@ impl RedisList {
         if matches!(self.control.query("SET reaper", &lock).await?, Value::Nil) {
             return Ok(());
         }
-        let mut members = redis::cmd("SMEMBERS");
-        members.arg(&self.consumers);
-        let members: Vec<String> = array(&self.control.query("SMEMBERS", &members).await?)
-            .unwrap_or_default()
-            .iter()
-            .filter_map(text)
+        let others: Vec<String> = self
+            .consumers()
+            .await?
+            .into_iter()
             .filter(|name| *name != self.settings.consumer)
             .collect();
-        for consumer in members {
+        for consumer in others {
             let mut alive = redis::cmd("EXISTS");
             alive.arg(Self::heartbeat_key(&self.settings.list, &consumer));
             if integer(&self.control.query("EXISTS", &alive).await?) != Some(0) {
@@ -273,14 +271,19 @@ impl RedisList {
         Ok(())
     }
 
-    async fn queue_health(&mut self) -> Result<QueueHealth, TransportError> {
+    /// Every consumer that has held items of this list.
+    async fn consumers(&mut self) -> Result<Vec<String>, TransportError> {
         let mut members = redis::cmd("SMEMBERS");
         members.arg(&self.consumers);
-        let members: Vec<String> = array(&self.control.query("SMEMBERS", &members).await?)
+        Ok(array(&self.control.query("SMEMBERS", &members).await?)
             .unwrap_or_default()
             .iter()
             .filter_map(text)
-            .collect();
+            .collect())
+    }
+
+    async fn queue_health(&mut self) -> Result<QueueHealth, TransportError> {
+        let members = self.consumers().await?;
         let mut pipe = redis::pipe();
         pipe.cmd("LLEN").arg(&self.settings.list);
         for consumer in &members {
