@@ -813,3 +813,57 @@ async fn redis_acl_user_in_the_url_is_used() -> Result<()> {
     );
     Ok(())
 }
+
+#[tokio::test]
+async fn poison_is_not_acknowledged_while_its_dead_letter_cannot_be_written() -> Result<()> {
+    let fx = Fixture::start().await?;
+    let manifest = fx.manifest(
+        "wrongdlq.yaml",
+        &stream_manifest(
+            "wrongdlq",
+            "wrongdlq",
+            "batchSize: 10, claimIdleSeconds: 1",
+            "format: json",
+        ),
+    )?;
+    let mut conn = fx.redis.connection()?;
+    // The dead-letter key holds the wrong type: XADD to it fails.
+    redis::cmd("SET")
+        .arg("wrongdlq.dlq")
+        .arg("not a stream")
+        .query::<()>(&mut conn)?;
+    let mut all: Vec<Vec<u8>> = bodies(0..5).collect();
+    all.push(b"{broken".to_vec());
+    fx.produce("wrongdlq", all)?;
+    let worker = fx.worker(&manifest, "w1")?;
+    wait_for(LONG, "the good entries are stored", || async {
+        Ok(fx.todo_count("wrongdlq").await? == 5)
+    })
+    .await?;
+    wait_for(LONG, "the failed dead-letter write is retried", || async {
+        Ok(worker.metric(
+            r#"switchboard_dependency_errors_total{adapter="test/wrongdlq",dependency="broker"}"#,
+        )? >= 1.0)
+    })
+    .await?;
+    let pending = fx.pending("wrongdlq", "switchboard")?;
+    let dlq_type: String = redis::cmd("TYPE").arg("wrongdlq.dlq").query(&mut conn)?;
+    ensure!(
+        pending == 1,
+        "the poison entry stays pending, not acknowledged: {pending} pending, dlq is a {dlq_type}\n{}",
+        worker.log_tail()
+    );
+
+    redis::cmd("DEL")
+        .arg("wrongdlq.dlq")
+        .query::<()>(&mut conn)?;
+    wait_for(
+        LONG,
+        "the poison entry is dead-lettered once the key is fixed",
+        || async {
+            Ok(fx.xlen("wrongdlq.dlq")? >= 1 && fx.pending("wrongdlq", "switchboard")? == 0)
+        },
+    )
+    .await?;
+    assert_exactly_once(&fx, "wrongdlq", 5).await
+}

@@ -111,7 +111,11 @@ fn read_adapter(path: &PathBuf) -> Result<QueueAdapter, WorkerError> {
 }
 
 /// Waits until the database answers and is migrated. `Ok(false)`: cancelled while waiting.
-async fn wait_for_schema(store: &Store, cancel: &CancellationToken) -> Result<bool, WorkerError> {
+async fn wait_for_schema(
+    store: &Store,
+    health: &Health,
+    cancel: &CancellationToken,
+) -> Result<bool, WorkerError> {
     let mut backoff = Backoff::default();
     loop {
         match store.ensure_migrated().await {
@@ -120,9 +124,12 @@ async fn wait_for_schema(store: &Store, cancel: &CancellationToken) -> Result<bo
                 if backoff.attempts() == 0 {
                     tracing::warn!(error = %ErrorChain(&err), "database unavailable at start; retrying with backoff");
                 }
+                let delay = backoff.next_delay();
+                // Waiting for the database is not being stuck.
+                health.beat(delay + Duration::from_secs(60));
                 tokio::select! {
                     () = cancel.cancelled() => return Ok(false),
-                    () = tokio::time::sleep(backoff.next_delay()) => {}
+                    () = tokio::time::sleep(delay) => {}
                 }
             }
             Err(err) => return Err(err.into()),
@@ -249,7 +256,7 @@ pub async fn run(options: RunOptions) -> Result<(), WorkerError> {
             })?;
     tracing::info!(addr = %bound, "serving /healthz, /readyz and /metrics");
 
-    if !wait_for_schema(&store, &cancel).await? {
+    if !wait_for_schema(&store, &health, &cancel).await? {
         return Ok(());
     }
     let settings = PipelineSettings {

@@ -490,7 +490,7 @@ impl<T: Transport> Pipeline<T> {
         }
     }
 
-    /// Waits for a batch's commit, then dead-letters its poison and acknowledges the rest.
+    /// Waits for a batch's commit, then acknowledges what was stored and dead-letters the poison.
     /// Returns early, leaving the batch un-acknowledged, if shutdown interrupted a retry.
     async fn finish(&mut self, in_flight: InFlight) {
         let InFlight {
@@ -524,6 +524,15 @@ impl<T: Transport> Pipeline<T> {
             }
         }
 
+        if !acks.is_empty()
+            && self
+                .broker_op(async |transport| transport.ack(&acks).await)
+                .await
+                .is_some()
+        {
+            self.metrics.acked.inc_by(acks.len() as u64);
+        }
+
         if !poison.is_empty() {
             let letters: Vec<DeadLetter<'_>> = poison
                 .into_iter()
@@ -533,32 +542,22 @@ impl<T: Transport> Pipeline<T> {
                     error: verdict.detail,
                 })
                 .collect();
-            if self
+            let written = self
                 .broker_op(async |transport| transport.dead_letter(&letters).await)
                 .await
-                .is_none()
-            {
-                return;
+                .is_some();
+            if written {
+                for letter in &letters {
+                    self.metrics.dead_lettered(letter.reason);
+                    tracing::warn!(
+                        id = %letter.message.external_id,
+                        reason = letter.reason.as_str(),
+                        delivery_count = letter.message.delivery_count,
+                        error = %letter.error,
+                        "dead-lettered message"
+                    );
+                }
             }
-            for letter in &letters {
-                self.metrics.dead_lettered(letter.reason);
-                tracing::warn!(
-                    id = %letter.message.external_id,
-                    reason = letter.reason.as_str(),
-                    delivery_count = letter.message.delivery_count,
-                    error = %letter.error,
-                    "dead-lettered message"
-                );
-            }
-        }
-
-        if !acks.is_empty()
-            && self
-                .broker_op(async |transport| transport.ack(&acks).await)
-                .await
-                .is_some()
-        {
-            self.metrics.acked.inc_by(acks.len() as u64);
         }
     }
 }

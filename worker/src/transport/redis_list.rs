@@ -129,16 +129,21 @@ impl RedisList {
         let consumer = self.settings.consumer.clone();
         let ttl_ms = millis(ttl);
         let client = self.client.clone();
+        let consumers = self.consumers.clone();
         self.heartbeat = Some(tokio::spawn(async move {
             let mut conn = Connection::new(client, CONTROL_TIMEOUT);
             loop {
                 tokio::time::sleep(ttl / 3).await;
-                let mut cmd = redis::cmd("SET");
-                cmd.arg(Self::heartbeat_key(&list, &consumer))
+                // Re-register too: a reaper that took a slow consumer for dead forgot it.
+                let mut pipe = redis::pipe();
+                pipe.cmd("SET")
+                    .arg(Self::heartbeat_key(&list, &consumer))
                     .arg(now_ms())
                     .arg("PX")
-                    .arg(ttl_ms);
-                if let Err(err) = conn.query("SET heartbeat", &cmd).await {
+                    .arg(ttl_ms)
+                    .ignore();
+                pipe.cmd("SADD").arg(&consumers).arg(&consumer).ignore();
+                if let Err(err) = conn.pipeline::<()>("SET heartbeat", &pipe).await {
                     tracing::debug!(error = %err, "heartbeat refresh failed");
                 }
             }
@@ -307,30 +312,12 @@ impl RedisList {
             )),
         })
     }
-}
-
-impl Transport for RedisList {
-    fn source(&self) -> &str {
-        &self.source
-    }
-
-    fn dedup(&self) -> Dedup {
-        Dedup::BodyHash
-    }
-
-    async fn prepare(&mut self) -> Result<(), TransportError> {
-        let mut pipe = redis::pipe();
-        pipe.cmd("SADD")
-            .arg(&self.consumers)
-            .arg(&self.settings.consumer)
-            .ignore();
-        pipe.add_command(self.heartbeat_cmd()).ignore();
-        self.control.pipeline::<()>("SADD+SET", &pipe).await?;
-        self.spawn_heartbeat();
-        Ok(())
-    }
-
-    async fn receive(&mut self, max: usize, block: bool) -> Result<Vec<Message>, TransportError> {
+    /// The own processing list first (after a start or a failure), then new items.
+    async fn take_items(
+        &mut self,
+        max: usize,
+        block: bool,
+    ) -> Result<Vec<Message>, TransportError> {
         if self.replay {
             let mut range = redis::cmd("LRANGE");
             range.arg(&self.processing).arg(0).arg(-1);
@@ -378,6 +365,37 @@ impl Transport for RedisList {
         }
         self.deliver(items).await
     }
+}
+
+impl Transport for RedisList {
+    fn source(&self) -> &str {
+        &self.source
+    }
+
+    fn dedup(&self) -> Dedup {
+        Dedup::BodyHash
+    }
+
+    async fn prepare(&mut self) -> Result<(), TransportError> {
+        let mut pipe = redis::pipe();
+        pipe.cmd("SADD")
+            .arg(&self.consumers)
+            .arg(&self.settings.consumer)
+            .ignore();
+        pipe.add_command(self.heartbeat_cmd()).ignore();
+        self.control.pipeline::<()>("SADD+SET", &pipe).await?;
+        self.spawn_heartbeat();
+        Ok(())
+    }
+
+    async fn receive(&mut self, max: usize, block: bool) -> Result<Vec<Message>, TransportError> {
+        let result = self.take_items(max, block).await;
+        if result.is_err() {
+            // Items may have been moved into the processing list and not handed out: re-read it.
+            self.replay = true;
+        }
+        result
+    }
 
     async fn ack(&mut self, messages: &[&Message]) -> Result<(), TransportError> {
         if messages.is_empty() {
@@ -399,17 +417,20 @@ impl Transport for RedisList {
             adapter: &self.settings.adapter,
             consumer: &self.settings.consumer,
         };
+        // Written first, removed only once written: a failed write (e.g. a wrong key type)
+        // leaves the items for redelivery instead of losing them. MULTI would not: it runs
+        // the removal even when the write fails.
+        let mut write = redis::cmd("LPUSH");
+        write.arg(&self.settings.dead_letter_list);
+        for letter in letters {
+            write.arg(dead_letter_record(letter, origin));
+        }
+        self.control.query("LPUSH", &write).await?;
+        let messages: Vec<&Message> = letters.iter().map(|l| l.message).collect();
         let mut pipe = redis::pipe();
         pipe.atomic();
-        for letter in letters {
-            pipe.cmd("LPUSH")
-                .arg(&self.settings.dead_letter_list)
-                .arg(dead_letter_record(letter, origin))
-                .ignore();
-        }
-        let messages: Vec<&Message> = letters.iter().map(|l| l.message).collect();
         self.settle(&mut pipe, &messages);
-        self.control.pipeline("LPUSH+LREM", &pipe).await
+        self.control.pipeline("LREM", &pipe).await
     }
 
     async fn maintain(&mut self) -> Result<QueueHealth, TransportError> {

@@ -523,7 +523,6 @@ impl Transport for RedisStream {
         let settings = &self.settings;
         let last_seen = now_rfc3339();
         let mut pipe = redis::pipe();
-        pipe.atomic();
         for letter in letters {
             let message = letter.message;
             let first_seen = message.enqueued_at_ms.map(rfc3339_ms).unwrap_or_default();
@@ -556,13 +555,15 @@ impl Transport for RedisStream {
                 .arg(&last_seen)
                 .ignore();
         }
-        let mut ack = pipe.cmd("XACK");
-        ack = ack.arg(&settings.stream).arg(&settings.group);
+        // Written first, acknowledged only once written: a failed XADD (e.g. a wrong key type)
+        // leaves the entries pending instead of losing them. MULTI would not: it runs the XACK
+        // even when an XADD fails.
+        self.control.pipeline::<()>("XADD", &pipe).await?;
+        let mut ack = self.group_cmd("XACK");
         for letter in letters {
-            ack = ack.arg(&letter.message.receipt);
+            ack.arg(&letter.message.receipt);
         }
-        ack.ignore();
-        self.control.pipeline("XADD+XACK", &pipe).await
+        self.control.query("XACK", &ack).await.map(drop)
     }
 
     async fn maintain(&mut self) -> Result<QueueHealth, TransportError> {
