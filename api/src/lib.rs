@@ -84,7 +84,8 @@ pub struct Source {
     validation = Rule::new("self.mode != 'stream' || has(self.stream)").message("spec.source.redis.stream is required when mode is stream"),
     validation = Rule::new("self.mode != 'list' || has(self.list)").message("spec.source.redis.list is required when mode is list"),
     validation = Rule::new("self.mode != 'pubsub' || has(self.channel)").message("spec.source.redis.channel is required when mode is pubsub"),
-    validation = Rule::new("self.mode == oldSelf.mode").message("spec.source.redis.mode is immutable; create a new QueueAdapter instead")
+    validation = Rule::new("self.mode == oldSelf.mode").message("spec.source.redis.mode is immutable; create a new QueueAdapter instead"),
+    validation = Rule::new("!has(oldSelf.stream) || (has(self.stream) && self.stream == oldSelf.stream)").message("spec.source.redis.stream is immutable (entry ids of another stream would be taken for redeliveries); create a new QueueAdapter instead")
 )]
 #[serde(rename_all = "camelCase")]
 pub struct RedisSource {

@@ -222,8 +222,20 @@ async fn api_server_rejects_invalid_manifests_naming_the_field() -> Result<()> {
             .contains("spec.source.redis.mode is immutable"),
         "{err}"
     );
+    // …nor the stream: entry ids of another stream would be taken for redeliveries.
+    let renamed = ORDERS.replace("stream: orders,", "stream: orders-v2,");
+    let err = env
+        .apply_adapter(&renamed)
+        .await
+        .err()
+        .context("changing the stream must be rejected")?;
+    ensure!(
+        err.to_string()
+            .contains("spec.source.redis.stream is immutable"),
+        "{err}"
+    );
     println!(
-        "{} invalid manifests + 1 invalid update rejected",
+        "{} invalid manifests + 2 invalid updates rejected",
         cases.len()
     );
     Ok(())
