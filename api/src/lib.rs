@@ -94,7 +94,8 @@ pub struct RedisSource {
     /// subscribed are lost). Cannot be changed after creation.
     #[serde(default)]
     pub mode: RedisMode,
-    /// The stream key to read (mode `stream`). Created if missing.
+    /// The stream key to read (mode `stream`). Created if missing. Cannot be changed after
+    /// creation: create a new QueueAdapter for another stream.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(min = 1, max = 512))]
     pub stream: Option<String>,
