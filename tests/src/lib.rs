@@ -65,6 +65,34 @@ impl Fixture {
         Ok(path)
     }
 
+    /// Writes `{name}.yaml`: adapter `test/{name}` reading stream `name` into queue `name`.
+    pub fn stream_adapter(&self, name: &str, delivery: &str, payload: &str) -> Result<PathBuf> {
+        self.manifest(
+            &format!("{name}.yaml"),
+            &stream_manifest(name, name, delivery, payload),
+        )
+    }
+
+    /// Writes `{name}.yaml`: adapter `test/{name}` reading list `name` into queue `name`.
+    pub fn list_adapter(&self, name: &str, delivery: &str, payload: &str) -> Result<PathBuf> {
+        let redis = format!("mode: list, list: {name}");
+        self.manifest(
+            &format!("{name}.yaml"),
+            &adapter_manifest(name, &redis, delivery, payload),
+        )
+    }
+
+    /// Fails unless `queue` holds exactly `expected` todos, all with distinct keys.
+    pub async fn assert_exactly_once(&self, queue: &str, expected: i64) -> Result<()> {
+        let todos = self.todo_count(queue).await?;
+        let distinct = self.distinct_keys(queue).await?;
+        anyhow::ensure!(
+            todos == expected && distinct == expected,
+            "expected {expected} todos with distinct keys, found {todos} todos / {distinct} keys"
+        );
+        Ok(())
+    }
+
     pub fn worker(&self, manifest: &std::path::Path, consumer: &str) -> Result<WorkerProcess> {
         WorkerProcess::start(&self.env, manifest, consumer, &[])
     }

@@ -4,20 +4,11 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, ensure};
 use nix::sys::signal::Signal;
+use switchboard_tests::Fixture;
 use switchboard_tests::wait::wait_for;
 use switchboard_tests::worker::{WorkerProcess, killed_by};
-use switchboard_tests::{Fixture, adapter_manifest};
 
 const LONG: Duration = Duration::from_secs(120);
-
-fn list_manifest(name: &str, delivery: &str, payload: &str) -> String {
-    adapter_manifest(
-        name,
-        &format!("mode: list, list: {name}"),
-        delivery,
-        payload,
-    )
-}
 
 fn bodies(range: std::ops::Range<usize>) -> impl Iterator<Item = Vec<u8>> {
     range.map(|i| format!(r#"{{"job":{i}}}"#).into_bytes())
@@ -37,28 +28,15 @@ async fn wait_drained(fx: &Fixture, list: &str, expected: i64) -> Result<()> {
     .await
 }
 
-async fn assert_exactly_once(fx: &Fixture, queue: &str, expected: i64) -> Result<()> {
-    let todos = fx.todo_count(queue).await?;
-    let distinct = fx.distinct_keys(queue).await?;
-    ensure!(
-        todos == expected && distinct == expected,
-        "expected {expected} todos with distinct keys, got {todos} / {distinct}"
-    );
-    Ok(())
-}
-
 #[tokio::test]
 async fn list_chaos_sigkill_under_new_consumer_names_stores_every_body_exactly_once() -> Result<()>
 {
     const TOTAL: i64 = 20_000;
     let fx = Fixture::start().await?;
-    let manifest = fx.manifest(
-        "jobs.yaml",
-        &list_manifest(
-            "jobs",
-            "batchSize: 200, maxDeliveries: 10, claimIdleSeconds: 1",
-            "",
-        ),
+    let manifest = fx.list_adapter(
+        "jobs",
+        "batchSize: 200, maxDeliveries: 10, claimIdleSeconds: 1",
+        "",
     )?;
     fx.push("jobs", bodies(0..20_000))?;
     let mut rng = fastrand::Rng::new();
@@ -73,7 +51,7 @@ async fn list_chaos_sigkill_under_new_consumer_names_stores_every_body_exactly_o
     }
     let _last = fx.worker(&manifest, "jobs-final")?;
     wait_drained(&fx, "jobs", TOTAL).await?;
-    assert_exactly_once(&fx, "jobs", TOTAL).await?;
+    fx.assert_exactly_once("jobs", TOTAL).await?;
     ensure!(fx.llen("jobs.dlq")? == 0, "nothing may be dead-lettered");
     Ok(())
 }
@@ -82,10 +60,7 @@ async fn list_chaos_sigkill_under_new_consumer_names_stores_every_body_exactly_o
 async fn consumer_killed_holding_a_batch_is_reaped_by_another_within_two_heartbeat_ttls()
 -> Result<()> {
     let fx = Fixture::start().await?;
-    let manifest = fx.manifest(
-        "reap.yaml",
-        &list_manifest("reap", "batchSize: 100, claimIdleSeconds: 2", ""),
-    )?;
+    let manifest = fx.list_adapter("reap", "batchSize: 100, claimIdleSeconds: 2", "")?;
     fx.push("reap", bodies(0..100))?;
     // The first consumer takes the whole list as one batch, commits, and dies before LREM.
     let mut holder = WorkerProcess::start(
@@ -115,14 +90,14 @@ async fn consumer_killed_holding_a_batch_is_reaped_by_another_within_two_heartbe
         "reaped after {took:?}, more than 2 × the 2 s heartbeat TTL"
     );
     wait_drained(&fx, "reap", 100).await?;
-    assert_exactly_once(&fx, "reap", 100).await
+    fx.assert_exactly_once("reap", 100).await
 }
 
 #[tokio::test]
 async fn identical_bodies_collapse_while_the_todo_is_live_and_make_a_new_todo_after_done()
 -> Result<()> {
     let fx = Fixture::start().await?;
-    let manifest = fx.manifest("same.yaml", &list_manifest("same", "", ""))?;
+    let manifest = fx.list_adapter("same", "", "")?;
     let _worker = fx.worker(&manifest, "w1")?;
     let body = br#"{"same":true}"#.to_vec();
     fx.push("same", [body.clone(), body.clone()])?;
@@ -162,13 +137,10 @@ async fn identical_bodies_collapse_while_the_todo_is_live_and_make_a_new_todo_af
 #[tokio::test]
 async fn list_poison_and_items_moved_too_often_are_dead_lettered_with_context() -> Result<()> {
     let fx = Fixture::start().await?;
-    let manifest = fx.manifest(
-        "bad.yaml",
-        &list_manifest(
-            "bad",
-            "batchSize: 20, maxDeliveries: 3, claimIdleSeconds: 1",
-            "format: json",
-        ),
+    let manifest = fx.list_adapter(
+        "bad",
+        "batchSize: 20, maxDeliveries: 3, claimIdleSeconds: 1",
+        "format: json",
     )?;
     let invalid = b"{not json".to_vec();
     let mut all: Vec<Vec<u8>> = bodies(0..30).collect();
@@ -201,7 +173,7 @@ async fn list_poison_and_items_moved_too_often_are_dead_lettered_with_context() 
             && fx.processing_items("bad")? == 0)
     })
     .await?;
-    assert_exactly_once(&fx, "bad", 30).await?;
+    fx.assert_exactly_once("bad", 30).await?;
     let records: Vec<String> = redis::cmd("LRANGE")
         .arg("bad.dlq")
         .arg(0)
@@ -241,7 +213,7 @@ async fn list_poison_and_items_moved_too_often_are_dead_lettered_with_context() 
 #[tokio::test]
 async fn list_sigterm_exits_zero_and_strands_nothing_in_the_processing_list() -> Result<()> {
     let fx = Fixture::start().await?;
-    let manifest = fx.manifest("stop.yaml", &list_manifest("stop", "batchSize: 100", ""))?;
+    let manifest = fx.list_adapter("stop", "batchSize: 100", "")?;
     let mut worker = fx.worker(&manifest, "w1")?;
     let mut pushed = 0;
     while fx.todo_count("stop").await? < 1_000 {
@@ -261,5 +233,5 @@ async fn list_sigterm_exits_zero_and_strands_nothing_in_the_processing_list() ->
     let _next = fx.worker(&manifest, "w2")?;
     let total = i64::try_from(pushed)?;
     wait_drained(&fx, "stop", total).await?;
-    assert_exactly_once(&fx, "stop", total).await
+    fx.assert_exactly_once("stop", total).await
 }

@@ -5,9 +5,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, ensure};
 use nix::sys::signal::Signal;
+use switchboard_tests::Fixture;
 use switchboard_tests::wait::wait_for;
 use switchboard_tests::worker::{WorkerProcess, killed_by, migrate};
-use switchboard_tests::{Fixture, stream_manifest};
 
 const ISSUE_MANIFEST: &str = "\
 apiVersion: switchboard.dev/v1alpha1
@@ -41,20 +41,6 @@ async fn wait_stored(
     .await
 }
 
-async fn assert_exactly_once(fx: &Fixture, queue: &str, expected: i64) -> Result<()> {
-    let todos = fx.todo_count(queue).await?;
-    let distinct = fx.distinct_keys(queue).await?;
-    ensure!(
-        todos == expected,
-        "expected {expected} todos, found {todos}"
-    );
-    ensure!(
-        distinct == expected,
-        "expected {expected} distinct keys, found {distinct}"
-    );
-    Ok(())
-}
-
 #[tokio::test]
 async fn issue_manifest_runs_unchanged_and_stores_every_entry() -> Result<()> {
     let fx = Fixture::start().await?;
@@ -62,7 +48,7 @@ async fn issue_manifest_runs_unchanged_and_stores_every_entry() -> Result<()> {
     let ids = fx.produce("orders", bodies(0..1000))?;
     let worker = fx.worker(&manifest, "worker-a")?;
     wait_stored(&fx, "orders", "orders", "switchboard", 1000).await?;
-    assert_exactly_once(&fx, "orders", 1000).await?;
+    fx.assert_exactly_once("orders", 1000).await?;
 
     let (key, payload, event_source): (String, serde_json::Value, String) = sqlx::query_as(
         "SELECT t.idempotency_key, t.payload, e.source FROM todos t JOIN events e ON e.id = t.event_id \
@@ -144,10 +130,7 @@ async fn run_refuses_an_unmigrated_database_and_migrate_is_concurrency_safe() ->
 #[tokio::test]
 async fn crash_between_commit_and_ack_leaves_exactly_one_todo_per_entry() -> Result<()> {
     let fx = Fixture::start().await?;
-    let manifest = fx.manifest(
-        "crash.yaml",
-        &stream_manifest("crash", "crash", "batchSize: 100", ""),
-    )?;
+    let manifest = fx.stream_adapter("crash", "batchSize: 100", "")?;
     fx.produce("crash", bodies(0..500))?;
 
     let mut crashing = WorkerProcess::start(
@@ -175,7 +158,7 @@ async fn crash_between_commit_and_ack_leaves_exactly_one_todo_per_entry() -> Res
     );
     let worker = fx.worker(&manifest, "w1")?;
     wait_stored(&fx, "crash", "crash", "switchboard", 500).await?;
-    assert_exactly_once(&fx, "crash", 500).await?;
+    fx.assert_exactly_once("crash", 500).await?;
     wait_for(LONG, "the replayed batches count as duplicates", || async {
         Ok(
             worker.metric(r#"switchboard_messages_duplicate_total{adapter="test/crash"}"#)?
@@ -189,10 +172,7 @@ async fn crash_between_commit_and_ack_leaves_exactly_one_todo_per_entry() -> Res
 #[tokio::test]
 async fn redelivered_entry_whose_todo_is_done_creates_no_second_todo() -> Result<()> {
     let fx = Fixture::start().await?;
-    let manifest = fx.manifest(
-        "done.yaml",
-        &stream_manifest("done", "done", "batchSize: 10", ""),
-    )?;
+    let manifest = fx.stream_adapter("done", "batchSize: 10", "")?;
     let ids = fx.produce("done", bodies(0..1))?;
     let mut crashing = WorkerProcess::start(
         &fx.env,
@@ -216,7 +196,7 @@ async fn redelivered_entry_whose_todo_is_done_creates_no_second_todo() -> Result
         Ok(fx.pending("done", "switchboard")? == 0)
     })
     .await?;
-    assert_exactly_once(&fx, "done", 1).await?;
+    fx.assert_exactly_once("done", 1).await?;
     let status: String = sqlx::query_scalar("SELECT status FROM todos WHERE idempotency_key = $1")
         .bind(format!("redis:test/done:{}", ids[0]))
         .fetch_one(fx.pool())
@@ -233,14 +213,10 @@ async fn redelivered_entry_whose_todo_is_done_creates_no_second_todo() -> Result
 async fn chaos_sigkill_at_random_moments_stores_every_entry_exactly_once() -> Result<()> {
     const TOTAL: i64 = 20_000;
     let fx = Fixture::start().await?;
-    let manifest = fx.manifest(
-        "chaos.yaml",
-        &stream_manifest(
-            "chaos",
-            "chaos",
-            "batchSize: 200, maxDeliveries: 10, claimIdleSeconds: 2",
-            "",
-        ),
+    let manifest = fx.stream_adapter(
+        "chaos",
+        "batchSize: 200, maxDeliveries: 10, claimIdleSeconds: 2",
+        "",
     )?;
     fx.produce("chaos", bodies(0..20_000))?;
     let mut rng = fastrand::Rng::new();
@@ -265,7 +241,7 @@ async fn chaos_sigkill_at_random_moments_stores_every_entry_exactly_once() -> Re
     }
     let _last = fx.worker(&manifest, &format!("chaos-final-{generation}"))?;
     wait_stored(&fx, "chaos", "chaos", "switchboard", TOTAL).await?;
-    assert_exactly_once(&fx, "chaos", TOTAL).await?;
+    fx.assert_exactly_once("chaos", TOTAL).await?;
     ensure!(fx.xlen("chaos.dlq")? == 0, "nothing may be dead-lettered");
     ensure!(kills >= 5);
     Ok(())
@@ -275,7 +251,7 @@ async fn chaos_sigkill_at_random_moments_stores_every_entry_exactly_once() -> Re
 async fn redis_restart_without_persistence_is_recovered_without_skipping_new_entries() -> Result<()>
 {
     let mut fx = Fixture::start().await?;
-    let manifest = fx.manifest("rr.yaml", &stream_manifest("rr", "rr", "batchSize: 50", ""))?;
+    let manifest = fx.stream_adapter("rr", "batchSize: 50", "")?;
     fx.produce("rr", bodies(0..300))?;
     let worker = fx.worker(&manifest, "w1")?;
     wait_stored(&fx, "rr", "rr", "switchboard", 300).await?;
@@ -283,7 +259,7 @@ async fn redis_restart_without_persistence_is_recovered_without_skipping_new_ent
     fx.redis.restart_empty()?;
     fx.produce("rr", bodies(300..600))?;
     wait_stored(&fx, "rr", "rr", "switchboard", 600).await?;
-    assert_exactly_once(&fx, "rr", 600).await?;
+    fx.assert_exactly_once("rr", 600).await?;
     ensure!(
         worker.metric(r#"switchboard_consumer_group_recreated_total{adapter="test/rr"}"#)? >= 1.0,
         "the recreation must be counted"
@@ -299,10 +275,7 @@ async fn redis_restart_without_persistence_is_recovered_without_skipping_new_ent
 #[tokio::test]
 async fn postgres_outage_loses_nothing_duplicates_nothing_and_flips_readiness() -> Result<()> {
     let mut fx = Fixture::start().await?;
-    let manifest = fx.manifest(
-        "pg.yaml",
-        &stream_manifest("pg", "pg", "batchSize: 100", ""),
-    )?;
+    let manifest = fx.stream_adapter("pg", "batchSize: 100", "")?;
     let worker = fx.worker(&manifest, "w1")?;
     fx.produce("pg", bodies(0..500))?;
     wait_stored(&fx, "pg", "pg", "switchboard", 500).await?;
@@ -333,7 +306,7 @@ async fn postgres_outage_loses_nothing_duplicates_nothing_and_flips_readiness() 
     fx.postgres.restart()?;
     let total = i64::try_from(next)?;
     wait_stored(&fx, "pg", "pg", "switchboard", total).await?;
-    assert_exactly_once(&fx, "pg", total).await?;
+    fx.assert_exactly_once("pg", total).await?;
     wait_for(LONG, "readiness returns", || async {
         Ok(worker.http_get("/readyz")?.0 == 200)
     })
@@ -388,10 +361,7 @@ fn field(entry: &std::collections::HashMap<String, Vec<u8>>, name: &str) -> Resu
 #[tokio::test]
 async fn poison_entries_are_dead_lettered_with_context_while_their_batch_is_stored() -> Result<()> {
     let fx = Fixture::start().await?;
-    let manifest = fx.manifest(
-        "poison.yaml",
-        &stream_manifest("poison", "poison", "batchSize: 50", "format: json"),
-    )?;
+    let manifest = fx.stream_adapter("poison", "batchSize: 50", "format: json")?;
     let mut all: Vec<Vec<u8>> = bodies(0..60).collect();
     let invalid = b"{this is not json".to_vec();
     let nul = br#"{"text": "nul \u0000 inside"}"#.to_vec();
@@ -404,7 +374,7 @@ async fn poison_entries_are_dead_lettered_with_context_while_their_batch_is_stor
         Ok(fx.xlen("poison.dlq")? == 2)
     })
     .await?;
-    assert_exactly_once(&fx, "poison", 60).await?;
+    fx.assert_exactly_once("poison", 60).await?;
     ensure!(fx.pending("poison", "switchboard")? == 0);
 
     let letters = stream_fields(&fx, "poison.dlq")?;
@@ -444,14 +414,10 @@ async fn poison_entries_are_dead_lettered_with_context_while_their_batch_is_stor
 #[tokio::test]
 async fn entry_delivered_max_times_to_dead_consumers_is_dead_lettered_not_stored() -> Result<()> {
     let fx = Fixture::start().await?;
-    let manifest = fx.manifest(
-        "md.yaml",
-        &stream_manifest(
-            "md",
-            "md",
-            "batchSize: 10, maxDeliveries: 3, claimIdleSeconds: 1",
-            "",
-        ),
+    let manifest = fx.stream_adapter(
+        "md",
+        "batchSize: 10, maxDeliveries: 3, claimIdleSeconds: 1",
+        "",
     )?;
     let mut conn = fx.redis.connection()?;
     redis::cmd("XGROUP")
@@ -504,10 +470,7 @@ async fn entry_delivered_max_times_to_dead_consumers_is_dead_lettered_not_stored
 #[tokio::test]
 async fn idle_consumer_without_pending_entries_is_removed() -> Result<()> {
     let fx = Fixture::start().await?;
-    let manifest = fx.manifest(
-        "idle.yaml",
-        &stream_manifest("idle", "idle", "claimIdleSeconds: 1", ""),
-    )?;
+    let manifest = fx.stream_adapter("idle", "claimIdleSeconds: 1", "")?;
     let mut conn = fx.redis.connection()?;
     redis::cmd("XGROUP")
         .arg("CREATE")
@@ -539,10 +502,7 @@ async fn idle_consumer_without_pending_entries_is_removed() -> Result<()> {
 #[tokio::test]
 async fn sigterm_during_steady_flow_exits_zero_and_acks_only_stored_entries() -> Result<()> {
     let fx = Fixture::start().await?;
-    let manifest = fx.manifest(
-        "term.yaml",
-        &stream_manifest("term", "term", "batchSize: 100", ""),
-    )?;
+    let manifest = fx.stream_adapter("term", "batchSize: 100", "")?;
     let mut worker = fx.worker(&manifest, "w1")?;
     let mut produced = 0;
     // A steady flow: keep adding while the worker stores.
@@ -575,7 +535,7 @@ async fn sigterm_during_steady_flow_exits_zero_and_acks_only_stored_entries() ->
     let _restarted = fx.worker(&manifest, "w1")?;
     let total = i64::try_from(produced)?;
     wait_stored(&fx, "term", "term", "switchboard", total).await?;
-    assert_exactly_once(&fx, "term", total).await?;
+    fx.assert_exactly_once("term", total).await?;
     Ok(())
 }
 
@@ -635,7 +595,7 @@ async fn acked_without_a_todo(fx: &Fixture, stream: &str, source: &str) -> Resul
 #[tokio::test]
 async fn sigterm_while_blocked_on_an_empty_stream_exits_within_a_second() -> Result<()> {
     let fx = Fixture::start().await?;
-    let manifest = fx.manifest("quiet.yaml", &stream_manifest("quiet", "quiet", "", ""))?;
+    let manifest = fx.stream_adapter("quiet", "", "")?;
     let mut worker = fx.worker(&manifest, "w1")?;
     wait_for(LONG, "worker ready", || async {
         Ok(worker.http_get("/readyz")?.0 == 200)
@@ -657,7 +617,7 @@ async fn sigterm_while_blocked_on_an_empty_stream_exits_within_a_second() -> Res
 async fn sigterm_with_a_hung_database_exits_zero_within_the_timeout_leaving_the_batch_unacked()
 -> Result<()> {
     let fx = Fixture::start().await?;
-    let manifest = fx.manifest("hung.yaml", &stream_manifest("hung", "hung", "", ""))?;
+    let manifest = fx.stream_adapter("hung", "", "")?;
     let received = r#"switchboard_messages_received_total{adapter="test/hung"}"#;
     let mut worker = fx.worker(&manifest, "w1")?;
     wait_for(LONG, "worker ready", || async {
@@ -697,23 +657,20 @@ async fn sigterm_with_a_hung_database_exits_zero_within_the_timeout_leaving_the_
     );
     let _restarted = fx.worker(&manifest, "w1")?;
     wait_stored(&fx, "hung", "hung", "switchboard", 10).await?;
-    assert_exactly_once(&fx, "hung", 10).await
+    fx.assert_exactly_once("hung", 10).await
 }
 
 #[tokio::test]
 async fn two_workers_share_one_group_without_duplicate_todos() -> Result<()> {
     let fx = Fixture::start().await?;
-    let manifest = fx.manifest(
-        "pair.yaml",
-        &stream_manifest("pair", "pair", "batchSize: 50", ""),
-    )?;
+    let manifest = fx.stream_adapter("pair", "batchSize: 50", "")?;
     let a = fx.worker(&manifest, "a")?;
     let b = fx.worker(&manifest, "b")?;
     for chunk in 0..20 {
         fx.produce("pair", bodies(chunk * 500..(chunk + 1) * 500))?;
     }
     wait_stored(&fx, "pair", "pair", "switchboard", 10_000).await?;
-    assert_exactly_once(&fx, "pair", 10_000).await?;
+    fx.assert_exactly_once("pair", 10_000).await?;
     let stored_a = a.metric(r#"switchboard_messages_stored_total{adapter="test/pair"}"#)?;
     let stored_b = b.metric(r#"switchboard_messages_stored_total{adapter="test/pair"}"#)?;
     ensure!(
@@ -730,7 +687,7 @@ async fn two_workers_share_one_group_without_duplicate_todos() -> Result<()> {
 #[tokio::test]
 async fn other_fields_become_headers_and_an_entry_without_a_body_is_stored_whole() -> Result<()> {
     let fx = Fixture::start().await?;
-    let manifest = fx.manifest("hdr.yaml", &stream_manifest("hdr", "hdr", "", ""))?;
+    let manifest = fx.stream_adapter("hdr", "", "")?;
     let mut conn = fx.redis.connection()?;
     let with_body: String = redis::cmd("XADD")
         .arg("hdr")
@@ -794,7 +751,7 @@ async fn redis_acl_user_in_the_url_is_used() -> Result<()> {
         .env
         .redis_url
         .replace("redis://", "redis://ingest:s3cret@");
-    let manifest = fx.manifest("acl.yaml", &stream_manifest("acl", "acl", "", ""))?;
+    let manifest = fx.stream_adapter("acl", "", "")?;
     let worker = WorkerProcess::start(&env, &manifest, "w1", &[])?;
     let mut user = redis::Client::open(env.redis_url.as_str())?.get_connection()?;
     redis::cmd("XADD")
@@ -817,14 +774,10 @@ async fn redis_acl_user_in_the_url_is_used() -> Result<()> {
 #[tokio::test]
 async fn poison_is_not_acknowledged_while_its_dead_letter_cannot_be_written() -> Result<()> {
     let fx = Fixture::start().await?;
-    let manifest = fx.manifest(
-        "wrongdlq.yaml",
-        &stream_manifest(
-            "wrongdlq",
-            "wrongdlq",
-            "batchSize: 10, claimIdleSeconds: 1",
-            "format: json",
-        ),
+    let manifest = fx.stream_adapter(
+        "wrongdlq",
+        "batchSize: 10, claimIdleSeconds: 1",
+        "format: json",
     )?;
     let mut conn = fx.redis.connection()?;
     // The dead-letter key holds the wrong type: XADD to it fails.
@@ -865,5 +818,5 @@ async fn poison_is_not_acknowledged_while_its_dead_letter_cannot_be_written() ->
         },
     )
     .await?;
-    assert_exactly_once(&fx, "wrongdlq", 5).await
+    fx.assert_exactly_once("wrongdlq", 5).await
 }
