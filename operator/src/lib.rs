@@ -107,7 +107,7 @@ pub async fn run(options: RunOptions) -> Result<(), OperatorError> {
             })?;
     tracing::info!(addr = %bound, "serving /healthz, /readyz and /metrics");
 
-    let store = Store::connect(&options.database_url, 4)
+    let store = Store::connect(&options.database_url, 4, "switchboard-operator")
         .await
         .map_err(OperatorError::Migrate)?;
     store.migrate().await.map_err(OperatorError::Migrate)?;

@@ -182,14 +182,19 @@ ORDER BY input.ord
 "#;
 
 impl Store {
-    /// Connects a pool of at most `max_connections` to `url`.
-    pub async fn connect(url: &str, max_connections: u32) -> Result<Self, StoreError> {
+    /// Connects a pool of at most `max_connections` to `url`. `application_name` is what
+    /// `pg_stat_activity` shows for its connections (PostgreSQL keeps the first 63 bytes).
+    pub async fn connect(
+        url: &str,
+        max_connections: u32,
+        application_name: &str,
+    ) -> Result<Self, StoreError> {
         let options: PgConnectOptions = url.parse().map_err(StoreError::InvalidUrl)?;
         let pool = PgPoolOptions::new()
             .max_connections(max_connections)
             .min_connections(0)
             .acquire_timeout(Duration::from_secs(5))
-            .connect_lazy_with(options.application_name("switchboard"));
+            .connect_lazy_with(options.application_name(application_name));
         Ok(Self { pool })
     }
 

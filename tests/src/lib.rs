@@ -7,6 +7,7 @@ pub mod wait;
 pub mod worker;
 
 use std::path::PathBuf;
+use std::time::Duration;
 
 use anyhow::Result;
 use sqlx::PgPool;
@@ -14,6 +15,7 @@ use switchboard_store::Store;
 use tempfile::TempDir;
 
 use crate::servers::{Postgres, Redis};
+use crate::wait::wait_for;
 use crate::worker::{WorkerEnv, WorkerProcess};
 
 /// PostgreSQL (migrated) + Redis + a scratch directory, for one test.
@@ -38,7 +40,7 @@ impl Fixture {
         let dir = tempfile::Builder::new()
             .prefix("switchboard-test-")
             .tempdir()?;
-        let store = Store::connect(&postgres.url(), 4).await?;
+        let store = Store::connect(&postgres.url(), 4, "switchboard-tests").await?;
         store.migrate().await?;
         let env = WorkerEnv {
             database_url: postgres.url(),
@@ -91,6 +93,28 @@ impl Fixture {
             "expected {expected} todos with distinct keys, found {todos} todos / {distinct} keys"
         );
         Ok(())
+    }
+
+    /// Database connections that worker `consumer` holds.
+    pub async fn connections_of(&self, consumer: &str) -> Result<i64> {
+        Ok(
+            sqlx::query_scalar("SELECT count(*) FROM pg_stat_activity WHERE application_name = $1")
+                .bind(switchboard_worker::database_application_name(consumer))
+                .fetch_one(self.pool())
+                .await?,
+        )
+    }
+
+    /// Waits until worker `consumer` has no database connection left. After the worker was
+    /// killed, every transaction it had begun is then committed or rolled back: a COMMIT it sent
+    /// just before it died may still be completing when the process is already gone.
+    pub async fn wait_disconnected(&self, consumer: &str) -> Result<()> {
+        wait_for(
+            Duration::from_secs(30),
+            &format!("worker {consumer} holds no database connection"),
+            || async { Ok(self.connections_of(consumer).await? == 0) },
+        )
+        .await
     }
 
     pub fn worker(&self, manifest: &std::path::Path, consumer: &str) -> Result<WorkerProcess> {

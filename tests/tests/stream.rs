@@ -144,8 +144,9 @@ async fn crash_between_commit_and_ack_leaves_exactly_one_todo_per_entry() -> Res
         killed_by(status, Signal::SIGABRT),
         "expected the abort hook, got {status:?}"
     );
-    // Whole batches were committed (the first, and possibly the one committing beside it), and
+    // Whole batches were committed (the first, and possibly those committing beside it), and
     // none was acknowledged: everything delivered is still pending.
+    fx.wait_disconnected("w1").await?;
     let committed = fx.todo_count("crash").await?;
     let pending = fx.pending("crash", "switchboard")?;
     ensure!(
@@ -159,6 +160,10 @@ async fn crash_between_commit_and_ack_leaves_exactly_one_todo_per_entry() -> Res
     let worker = fx.worker(&manifest, "w1")?;
     wait_stored(&fx, "crash", "crash", "switchboard", 500).await?;
     fx.assert_exactly_once("crash", 500).await?;
+    ensure!(
+        fx.connections_of("w1").await? > 0,
+        "the connections waited for above are named as a live worker's are"
+    );
     wait_for(LONG, "the replayed batches count as duplicates", || async {
         Ok(
             worker.metric(r#"switchboard_messages_duplicate_total{adapter="test/crash"}"#)?

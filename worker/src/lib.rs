@@ -31,6 +31,12 @@ use crate::transport::{Transport, TransportError};
 /// Environment variable for the testing hook that aborts between commit and ack.
 pub const ABORT_AFTER_COMMITS_ENV: &str = "SWITCHBOARD_TEST_ABORT_AFTER_COMMITS";
 
+/// The `application_name` of a worker's database connections, so `pg_stat_activity` shows which
+/// consumer (pod) holds each one.
+pub fn database_application_name(consumer: &str) -> String {
+    format!("switchboard-worker/{consumer}")
+}
+
 /// Why the worker could not start or run.
 #[derive(Debug, thiserror::Error)]
 pub enum WorkerError {
@@ -84,7 +90,7 @@ fn env(name: &'static str) -> Result<String, WorkerError> {
 
 /// `switchboard-worker migrate`: applies the migrations to `DATABASE_URL`.
 pub async fn migrate() -> Result<(), WorkerError> {
-    let store = Store::connect(&env("DATABASE_URL")?, 1).await?;
+    let store = Store::connect(&env("DATABASE_URL")?, 1, "switchboard-worker/migrate").await?;
     store.migrate().await?;
     tracing::info!("migrations applied");
     Ok(())
@@ -237,9 +243,14 @@ pub async fn run(options: RunOptions) -> Result<(), WorkerError> {
     let guarantee = redis.mode.guarantee();
     tracing::info!(adapter = %name, mode = redis.mode.as_str(), guarantee = guarantee.as_str(), "starting");
 
-    let store = Store::connect(&env("DATABASE_URL")?, 4).await?;
-    let redis_url = env("REDIS_URL")?;
     let consumer = consumer_name(options.consumer)?;
+    let store = Store::connect(
+        &env("DATABASE_URL")?,
+        4,
+        &database_application_name(&consumer),
+    )
+    .await?;
+    let redis_url = env("REDIS_URL")?;
     let metrics = Arc::new(Metrics::new(&name, guarantee));
     let health = Arc::new(Health::new());
     let stop_server = CancellationToken::new();

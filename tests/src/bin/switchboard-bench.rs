@@ -285,7 +285,7 @@ impl Bench {
             .execute(self.fx.pool())
             .await?;
         let url = self.fx.postgres.url_for(&name);
-        let store = Store::connect(&url, connections).await?;
+        let store = Store::connect(&url, connections, "switchboard-bench").await?;
         store.migrate().await?;
         sqlx::query("CHECKPOINT").execute(self.fx.pool()).await?;
         Ok(PhaseDatabase { name, url, store })
