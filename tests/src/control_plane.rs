@@ -440,6 +440,7 @@ pub fn operator_binary() -> Result<PathBuf> {
         "{} is missing: build it first with `cargo build --workspace --bins` (make test does)",
         binary.display()
     );
+    crate::worker::ensure_built_from_current_sources(&binary)?;
     Ok(binary)
 }
 

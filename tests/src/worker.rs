@@ -4,7 +4,7 @@ use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
 use anyhow::{Context, Result, bail};
 use nix::sys::signal::{Signal, kill};
@@ -21,7 +21,7 @@ pub fn worker_binary() -> Result<PathBuf> {
     let exe = std::env::current_exe()?;
     let dir = exe.parent().context("executable has no directory")?;
     let candidates = [Some(dir), dir.parent()];
-    candidates
+    let binary = candidates
         .into_iter()
         .flatten()
         .map(|dir| dir.join("switchboard-worker"))
@@ -31,7 +31,57 @@ pub fn worker_binary() -> Result<PathBuf> {
                 "switchboard-worker is not built next to {}: build it first with `cargo build --workspace --bins` (make test does)",
                 exe.display()
             )
-        })
+        })?;
+    ensure_built_from_current_sources(&binary)?;
+    Ok(binary)
+}
+
+/// The folders the worker and operator binaries are built from.
+const BINARY_SOURCES: [&str; 6] = [
+    "api/src",
+    "store/src",
+    "telemetry/src",
+    "worker/src",
+    "operator/src",
+    "migrations",
+];
+
+/// Fails when `binary` is older than a source file it is built from: `cargo test` does not
+/// rebuild other packages' binaries, and a test must not pass or fail on yesterday's code.
+pub fn ensure_built_from_current_sources(binary: &Path) -> Result<()> {
+    fn newest(dir: &Path, found: &mut Option<(SystemTime, PathBuf)>) -> Result<()> {
+        for entry in std::fs::read_dir(dir)? {
+            let entry = entry?;
+            let path = entry.path();
+            if entry.file_type()?.is_dir() {
+                newest(&path, found)?;
+            } else {
+                let modified = entry.metadata()?.modified()?;
+                if found.as_ref().is_none_or(|(time, _)| modified > *time) {
+                    *found = Some((modified, path));
+                }
+            }
+        }
+        Ok(())
+    }
+    let built = binary.metadata()?.modified()?;
+    let workspace = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .context("the tests crate lives in the workspace")?;
+    let mut latest = None;
+    for dir in BINARY_SOURCES {
+        newest(&workspace.join(dir), &mut latest)?;
+    }
+    if let Some((modified, path)) = latest
+        && modified > built
+    {
+        bail!(
+            "{} is older than {}: rebuild it with `cargo build --workspace --bins` (make test does)",
+            binary.display(),
+            path.display()
+        );
+    }
+    Ok(())
 }
 
 /// Connection settings every worker process gets.
