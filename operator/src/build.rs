@@ -126,11 +126,21 @@ pub fn referenced_secrets<'a>(
         .chain(std::iter::once(database_secret(spec, settings)))
 }
 
-/// The values behind the adapter's secret references (only hashed, never copied).
-#[derive(Debug, Clone, Copy)]
+/// One value behind a secret reference, as the config hash takes it (never copied).
+/// Not `Debug`, so it cannot end up in a log line.
+#[derive(Clone, Copy)]
+pub struct SecretValue<'a> {
+    /// The Secret's uid. It keys the hash: whoever can read the Deployment but not the Secret
+    /// cannot test guesses of the value against the annotation.
+    pub uid: &'a str,
+    pub value: &'a [u8],
+}
+
+/// The values behind the adapter's secret references.
+#[derive(Clone, Copy)]
 pub struct SecretValues<'a> {
-    pub redis_url: &'a [u8],
-    pub database_url: &'a [u8],
+    pub redis_url: SecretValue<'a>,
+    pub database_url: SecretValue<'a>,
 }
 
 /// Everything the worker needs, ready for server-side apply.
@@ -211,10 +221,20 @@ pub fn worker_manifest(valid: &ValidAdapter<'_>) -> Result<String, BuildError> {
     ))
 }
 
-/// sha256 over the manifest and the secret values, each length-prefixed.
+/// sha256 over the manifest and each secret's uid and value, each part length-prefixed.
 pub fn config_hash(manifest: &str, secrets: SecretValues<'_>) -> String {
     let mut hasher = Sha256::new();
-    for part in [manifest.as_bytes(), secrets.redis_url, secrets.database_url] {
+    let SecretValues {
+        redis_url: redis,
+        database_url: database,
+    } = secrets;
+    for part in [
+        manifest.as_bytes(),
+        redis.uid.as_bytes(),
+        redis.value,
+        database.uid.as_bytes(),
+        database.value,
+    ] {
         hasher.update((part.len() as u64).to_be_bytes());
         hasher.update(part);
     }
@@ -426,8 +446,14 @@ mod tests {
     const DISABLED_WITH_DATABASE: &str = include_str!("../fixtures/disabled-with-database.yaml");
     const NO_REDIS_SECRET: &str = include_str!("../fixtures/no-redis-secret.yaml");
 
-    const REDIS_URL: &[u8] = b"redis://:hunter2@redis:6379/0";
-    const DATABASE_URL: &[u8] = b"postgres://app:s3cret@db/app";
+    const REDIS_URL: SecretValue<'static> = SecretValue {
+        uid: "5f0c7a1e-redis",
+        value: b"redis://:hunter2@redis:6379/0",
+    };
+    const DATABASE_URL: SecretValue<'static> = SecretValue {
+        uid: "9b3d2c4f-db",
+        value: b"postgres://app:s3cret@db/app",
+    };
 
     fn settings() -> WorkerSettings {
         WorkerSettings {
@@ -629,7 +655,7 @@ mod tests {
     }
 
     #[test]
-    fn hash_changes_with_the_spec_and_with_each_secret_but_holds_no_secret() {
+    fn hash_changes_with_the_spec_and_with_each_secret_and_its_uid_but_holds_no_secret() {
         let base = build_fixture(ORDERS);
         let hash = hash_of(&base);
         let changed_spec = build_fixture(&ORDERS.replace("batchSize: 200", "batchSize: 300"));
@@ -637,14 +663,31 @@ mod tests {
         let adapter = fixture(ORDERS);
         let settings = settings();
         let valid = validate(&adapter, &settings).expect("valid");
+        let other = |value: SecretValue<'static>, text: &'static [u8]| SecretValue {
+            value: text,
+            ..value
+        };
+        let recreated = |value: SecretValue<'static>| SecretValue {
+            uid: "0000-recreated",
+            ..value
+        };
         for secrets in [
             SecretValues {
-                redis_url: b"redis://:other@redis:6379/0",
+                redis_url: other(REDIS_URL, b"redis://:other@redis:6379/0"),
                 database_url: DATABASE_URL,
             },
             SecretValues {
                 redis_url: REDIS_URL,
-                database_url: b"postgres://app:other@db/app",
+                database_url: other(DATABASE_URL, b"postgres://app:other@db/app"),
+            },
+            // Same values, other uids: the uid keys the hash.
+            SecretValues {
+                redis_url: recreated(REDIS_URL),
+                database_url: DATABASE_URL,
+            },
+            SecretValues {
+                redis_url: REDIS_URL,
+                database_url: recreated(DATABASE_URL),
             },
         ] {
             let rebuilt = build(&valid, &settings, secrets).expect("builds");

@@ -23,8 +23,8 @@ use tokio_util::sync::CancellationToken;
 
 use crate::ErrorChain;
 use crate::build::{
-    BuildError, FIELD_MANAGER, SecretValues, ValidAdapter, WorkerSettings, adapter_config, build,
-    managed_selector, referenced_secrets, validate, worker_name,
+    BuildError, FIELD_MANAGER, SecretValue, SecretValues, ValidAdapter, WorkerSettings,
+    adapter_config, build, managed_selector, referenced_secrets, validate, worker_name,
 };
 use crate::metrics::{ErrorCategory, Metrics, ReconcileOutcome};
 use crate::status::{Outcome, desired_status};
@@ -180,32 +180,58 @@ fn namespace(adapter: &QueueAdapter) -> String {
     adapter.namespace().unwrap_or_else(|| "default".to_owned())
 }
 
-/// The value of `reference` in the adapter's namespace; `Ok(Err(message))` when it is missing.
+/// A Secret's uid and the value behind one of its keys.
+#[derive(Default)]
+struct FetchedSecret {
+    uid: String,
+    value: Vec<u8>,
+}
+
+impl FetchedSecret {
+    fn as_value(&self) -> SecretValue<'_> {
+        SecretValue {
+            uid: &self.uid,
+            value: &self.value,
+        }
+    }
+}
+
+/// The Secret behind `reference` in the adapter's namespace; `Ok(Err(message))` when it is
+/// missing and `required`. A disabled adapter does not require its Secrets: it is scaled to zero
+/// whether or not they exist, and a missing one is hashed as empty.
 async fn secret_value(
     secrets: &Api<Secret>,
     namespace: &str,
     reference: &SecretKeyRef,
-) -> Result<Result<Vec<u8>, String>, ReconcileError> {
-    let Some(secret) = secrets
+    required: bool,
+) -> Result<Result<FetchedSecret, String>, ReconcileError> {
+    let secret = secrets
         .get_opt(&reference.name)
         .await
-        .map_err(kubernetes("get Secret"))?
-    else {
-        return Ok(Err(format!(
-            "Secret {namespace}/{} not found",
-            reference.name
-        )));
+        .map_err(kubernetes("get Secret"))?;
+    let fetched = match secret {
+        None => Err(format!("Secret {namespace}/{} not found", reference.name)),
+        Some(secret) => {
+            let uid = secret.metadata.uid.unwrap_or_default();
+            secret
+                .data
+                .and_then(|mut data| data.remove(&reference.key))
+                .map(|value| FetchedSecret {
+                    uid,
+                    value: value.0,
+                })
+                .ok_or_else(|| {
+                    format!(
+                        "Secret {namespace}/{} has no key {:?}",
+                        reference.name, reference.key
+                    )
+                })
+        }
     };
-    Ok(secret
-        .data
-        .and_then(|mut data| data.remove(&reference.key))
-        .map(|value| value.0)
-        .ok_or_else(|| {
-            format!(
-                "Secret {namespace}/{} has no key {:?}",
-                reference.name, reference.key
-            )
-        }))
+    Ok(match fetched {
+        Err(_) if !required => Ok(FetchedSecret::default()),
+        fetched => fetched,
+    })
 }
 
 /// Mirrors the row and applies the ConfigMap and Deployment; returns the Deployment as applied.
@@ -287,17 +313,19 @@ async fn apply(adapter: &QueueAdapter, ctx: &Context) -> Result<Action, Reconcil
         Err(invalid) => return block(adapter, ctx, "InvalidSpec", &invalid.to_string()).await,
     };
     let secrets = Api::<Secret>::namespaced(ctx.client.clone(), valid.namespace);
-    let redis_url = match secret_value(&secrets, valid.namespace, valid.redis_secret).await? {
-        Ok(value) => value,
+    let required = adapter.spec.enabled;
+    let redis = match secret_value(&secrets, valid.namespace, valid.redis_secret, required).await? {
+        Ok(fetched) => fetched,
         Err(message) => return block(adapter, ctx, "SecretNotFound", &message).await,
     };
-    let database_url = match secret_value(&secrets, valid.namespace, valid.database_secret).await? {
-        Ok(value) => value,
-        Err(message) => return block(adapter, ctx, "SecretNotFound", &message).await,
-    };
+    let database =
+        match secret_value(&secrets, valid.namespace, valid.database_secret, required).await? {
+            Ok(fetched) => fetched,
+            Err(message) => return block(adapter, ctx, "SecretNotFound", &message).await,
+        };
     let values = SecretValues {
-        redis_url: &redis_url,
-        database_url: &database_url,
+        redis_url: redis.as_value(),
+        database_url: database.as_value(),
     };
     match converge(adapter, &valid, values, ctx).await {
         Ok(deployment) => {

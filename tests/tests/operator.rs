@@ -7,6 +7,7 @@ use std::sync::LazyLock;
 
 use anyhow::{Context, Result, ensure};
 use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::core::v1::Secret;
 use k8s_openapi::api::events::v1::Event;
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use kube::Api;
@@ -554,6 +555,49 @@ async fn disabling_scales_to_zero_and_disables_the_row_and_enabling_restores_bot
         "adapters.enabled is true again",
         || async { Ok(env.adapter_row("orders").await?.is_some_and(|r| r.enabled)) },
     )
+    .await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn disabling_an_adapter_whose_secret_is_gone_still_scales_it_to_zero() -> Result<()> {
+    let env = OperatorEnv::start().await?;
+    let _operator = env.start_operator("operator-a", &[])?;
+    env.apply_adapter(&ORDERS).await?;
+    env.wait_deployment("orders-worker", "2 replicas", |d| replicas(d) == Some(2))
+        .await?;
+
+    // The Redis Secret is deleted: the running adapter is blocked on it…
+    Api::<Secret>::namespaced(env.admin.clone(), OperatorEnv::NAMESPACE)
+        .delete("redis", &DeleteParams::default())
+        .await?;
+    env.wait_adapter("orders", "Reconciled=False SecretNotFound", |a| {
+        condition(a, "Reconciled") == Some(("False", "SecretNotFound"))
+    })
+    .await?;
+    ensure!(
+        env.deployments()
+            .get("orders-worker")
+            .await
+            .map(|d| replicas(&d))?
+            == Some(2),
+        "a blocked adapter keeps its last Deployment"
+    );
+
+    // …and disabling it is what the user does next: that needs no Secret.
+    let disabled = ORDERS.replace("spec:\n", "spec:\n  enabled: false\n");
+    env.apply_adapter(&disabled).await?;
+    env.wait_deployment("orders-worker", "0 replicas", |d| replicas(d) == Some(0))
+        .await?;
+    wait_for(OPERATOR_TIMEOUT, "adapters.enabled is false", || async {
+        Ok(env.adapter_row("orders").await?.is_some_and(|r| !r.enabled))
+    })
+    .await?;
+    env.wait_adapter("orders", "Reconciled=True, Ready=False Disabled", |a| {
+        condition(a, "Reconciled") == Some(("True", "Applied"))
+            && condition(a, "Ready") == Some(("False", "Disabled"))
+            && a.status.as_ref().and_then(|s| s.observed_generation) == a.metadata.generation
+    })
     .await?;
     Ok(())
 }
