@@ -269,7 +269,9 @@ pub struct Workload {
     /// CPU and memory requests and limits of the worker container.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub resources: Option<ResourceRequirements>,
-    /// The worker image. Default: the operator's configured worker image.
+    /// The worker image. Default: the operator's configured worker image. Another image runs
+    /// only when the operator allows it (its allowed-worker-images setting); otherwise the
+    /// adapter reports ImageNotAllowed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub image: Option<String>,
 }

@@ -41,6 +41,8 @@ pub struct WorkerSettings {
     /// Image used when the spec names none.
     pub image: String,
     pub image_pull_policy: String,
+    /// Prefixes of the other images a spec may name (`spec.workload.image`); empty: none.
+    pub allowed_images: Vec<String>,
     /// Database Secret used when the spec has no `database`.
     pub default_database_secret: SecretKeyRef,
 }
@@ -56,6 +58,38 @@ pub enum InvalidAdapter {
     MissingRedisSecret,
     #[error("metadata.name and metadata.namespace are required")]
     MissingMetadata,
+    #[error(
+        "spec.workload.image {image:?} is not allowed: the operator runs {default:?} and, besides it, only images starting with one of {allowed:?} (its --allowed-worker-images setting, Helm value worker.allowedImages)"
+    )]
+    ImageNotAllowed {
+        image: String,
+        default: String,
+        allowed: Vec<String>,
+    },
+}
+
+impl InvalidAdapter {
+    /// The reason of the status condition and the Event.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            Self::ImageNotAllowed { .. } => "ImageNotAllowed",
+            Self::Spec(_) | Self::MissingRedisSecret | Self::MissingMetadata => "InvalidSpec",
+        }
+    }
+}
+
+/// Whether `image` is the default or starts with an allowed prefix at a name boundary: the
+/// prefix ends with `/`, `:` or `@`, or the image continues with one of them
+/// (`registry.example/switchboard` allows `registry.example/switchboard:1.2`, not
+/// `registry.example/switchboard-evil`).
+pub fn image_allowed(image: &str, settings: &WorkerSettings) -> bool {
+    const BOUNDARY: [char; 3] = ['/', ':', '@'];
+    image == settings.image
+        || settings.allowed_images.iter().any(|prefix| {
+            image.strip_prefix(prefix.as_str()).is_some_and(|rest| {
+                rest.is_empty() || prefix.ends_with(BOUNDARY) || rest.starts_with(BOUNDARY)
+            })
+        })
 }
 
 /// A QueueAdapter that passed validation, with its defaults resolved.
@@ -91,6 +125,15 @@ pub fn validate<'a>(
         .url_secret_ref
         .as_ref()
         .ok_or(InvalidAdapter::MissingRedisSecret)?;
+    if let Some(image) = spec_image(&adapter.spec)
+        && !image_allowed(image, settings)
+    {
+        return Err(InvalidAdapter::ImageNotAllowed {
+            image: image.to_owned(),
+            default: settings.image.clone(),
+            allowed: settings.allowed_images.clone(),
+        });
+    }
     Ok(ValidAdapter {
         adapter,
         name,
@@ -99,6 +142,14 @@ pub fn validate<'a>(
         redis_secret,
         database_secret: database_secret(&adapter.spec, settings),
     })
+}
+
+/// The image `spec` names, if any (an empty string names none).
+fn spec_image(spec: &QueueAdapterSpec) -> Option<&str> {
+    spec.workload
+        .image
+        .as_deref()
+        .filter(|image| !image.is_empty())
 }
 
 /// The database Secret of `spec`: its own, else the operator's default.
@@ -290,11 +341,9 @@ fn worker_container(valid: &ValidAdapter<'_>, settings: &WorkerSettings) -> Cont
     Container {
         name: "worker".to_owned(),
         image: Some(
-            workload
-                .image
-                .clone()
-                .filter(|image| !image.is_empty())
-                .unwrap_or_else(|| settings.image.clone()),
+            spec_image(&valid.adapter.spec)
+                .unwrap_or(&settings.image)
+                .to_owned(),
         ),
         image_pull_policy: Some(settings.image_pull_policy.clone()),
         command: Some(vec![WORKER_COMMAND.to_owned()]),
@@ -459,6 +508,7 @@ mod tests {
         WorkerSettings {
             image: "registry.example/switchboard:9.9.9".to_owned(),
             image_pull_policy: "IfNotPresent".to_owned(),
+            allowed_images: vec!["example/worker".to_owned(), "mirror.example/".to_owned()],
             default_database_secret: SecretKeyRef {
                 name: "switchboard-db".to_owned(),
                 key: "url".to_owned(),
@@ -696,6 +746,43 @@ mod tests {
         assert_eq!(hash_of(&build_fixture(ORDERS)), hash, "deterministic");
         let everything = format!("{base:?}");
         assert!(!everything.contains("hunter2") && !everything.contains("s3cret"));
+    }
+
+    #[test]
+    fn only_the_default_image_and_allowed_prefixes_run() {
+        let settings = settings();
+        for (image, allowed) in [
+            ("registry.example/switchboard:9.9.9", true),
+            ("example/worker", true),
+            ("example/worker:dev", true),
+            ("example/worker@sha256:0123", true),
+            ("example/worker/nightly:1", true),
+            ("mirror.example/anything:1", true),
+            ("example/worker-evil:dev", false),
+            ("example/workers:1", false),
+            ("mirror.example", false),
+            ("registry.example/switchboard:9.9.8", false),
+            ("evil.example/steal:1", false),
+        ] {
+            assert_eq!(image_allowed(image, &settings), allowed, "{image}");
+        }
+        let strict = WorkerSettings {
+            allowed_images: Vec::new(),
+            ..settings.clone()
+        };
+        assert!(!image_allowed("example/worker:dev", &strict));
+        assert!(image_allowed("registry.example/switchboard:9.9.9", &strict));
+
+        let adapter =
+            fixture(&DISABLED_WITH_DATABASE.replace("example/worker:dev", "evil.example/steal:1"));
+        let refused = validate(&adapter, &settings).expect_err("the image is refused");
+        assert_eq!(refused.reason(), "ImageNotAllowed");
+        let message = refused.to_string();
+        assert!(
+            message.contains(r#"spec.workload.image "evil.example/steal:1""#)
+                && message.contains("--allowed-worker-images"),
+            "{message}"
+        );
     }
 
     #[test]

@@ -310,7 +310,7 @@ async fn block(
 async fn apply(adapter: &QueueAdapter, ctx: &Context) -> Result<Action, ReconcileError> {
     let valid = match validate(adapter, &ctx.settings) {
         Ok(valid) => valid,
-        Err(invalid) => return block(adapter, ctx, "InvalidSpec", &invalid.to_string()).await,
+        Err(invalid) => return block(adapter, ctx, invalid.reason(), &invalid.to_string()).await,
     };
     let secrets = Api::<Secret>::namespaced(ctx.client.clone(), valid.namespace);
     let required = adapter.spec.enabled;

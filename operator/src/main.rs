@@ -36,6 +36,17 @@ struct RunArgs {
     /// Image of the worker pods (a QueueAdapter's spec.workload.image overrides it).
     #[arg(long, env = "SWITCHBOARD_WORKER_IMAGE", default_value = DEFAULT_WORKER_IMAGE)]
     worker_image: String,
+    /// Comma-separated prefixes of the other images a QueueAdapter's spec.workload.image may
+    /// name, e.g. `registry.example/switchboard,mirror.example/` [default: none, only
+    /// --worker-image]. A worker pod gets the Secrets its adapter names: allow only images you
+    /// trust with them.
+    #[arg(
+        long,
+        env = "SWITCHBOARD_ALLOWED_WORKER_IMAGES",
+        value_delimiter = ',',
+        default_value = ""
+    )]
+    allowed_worker_images: Vec<String>,
     /// imagePullPolicy of the worker pods.
     #[arg(long, env = "SWITCHBOARD_WORKER_IMAGE_PULL_POLICY", default_value = "IfNotPresent",
           value_parser = ["Always", "IfNotPresent", "Never"])]
@@ -95,6 +106,12 @@ impl RunArgs {
             worker: WorkerSettings {
                 image: self.worker_image,
                 image_pull_policy: self.worker_image_pull_policy,
+                allowed_images: self
+                    .allowed_worker_images
+                    .into_iter()
+                    .map(|prefix| prefix.trim().to_owned())
+                    .filter(|prefix| !prefix.is_empty())
+                    .collect(),
                 default_database_secret: SecretKeyRef {
                     name: self.default_database_secret_name,
                     key: self.default_database_secret_key,

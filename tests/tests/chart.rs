@@ -654,6 +654,47 @@ async fn operator_with_the_charts_service_account_reconciles_an_adapter_end_to_e
         holder.is_some_and(|h| !h.is_empty()),
         "the operator holds the Lease"
     );
+
+    // The chart's worker.allowedImages (ci/ha-values.yaml) reach the operator: an allowed
+    // custom image runs, any other is refused before a pod could receive the Secrets.
+    let with_image = |name: &str, image: &str| {
+        ADAPTER
+            .replace("name: orders,", &format!("name: {name},"))
+            .replace(
+                "  target:",
+                &format!("  workload: {{image: {image}}}\n  target:"),
+            )
+    };
+    let allowed = "mirror.example/switchboard:0.1.0";
+    env.apply_adapter(&with_image("mirrored", allowed)).await?;
+    let mirrored = env
+        .wait_deployment(
+            &worker_name("mirrored"),
+            "the allowed image's Deployment",
+            |_| true,
+        )
+        .await
+        .with_context(|| chart.pod.log_tail())?;
+    let image = operator_container(&mirrored)?.image.clone();
+    ensure!(image.as_deref() == Some(allowed), "worker image {image:?}");
+    env.apply_adapter(&with_image(
+        "foreign",
+        "elsewhere.example/switchboard:0.1.0",
+    ))
+    .await?;
+    env.wait_adapter("foreign", "Reconciled=False ImageNotAllowed", |adapter| {
+        condition(adapter, "Reconciled")
+            .is_some_and(|c| c.status == "False" && c.reason == "ImageNotAllowed")
+    })
+    .await
+    .with_context(|| chart.pod.log_tail())?;
+    ensure!(
+        env.deployments()
+            .get_opt(&worker_name("foreign"))
+            .await?
+            .is_none(),
+        "a refused image gets no Deployment"
+    );
     println!(
         "reconciled with the chart's ServiceAccount: {:?}",
         condition(&adapter, "Reconciled")

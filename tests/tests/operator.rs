@@ -37,6 +37,22 @@ fn condition<'a>(adapter: &'a QueueAdapter, type_: &str) -> Option<(&'a str, &'a
     control_plane::condition(adapter, type_).map(|c| (c.status.as_str(), c.reason.as_str()))
 }
 
+/// Waits until adapter `name` reports that it cannot run for `reason`: Reconciled=False and
+/// Degraded=True with that reason.
+async fn wait_blocked(env: &OperatorEnv, name: &str, reason: &str) -> Result<QueueAdapter> {
+    let adapter = env
+        .wait_adapter(name, &format!("Reconciled=False {reason}"), |a| {
+            condition(a, "Reconciled") == Some(("False", reason))
+        })
+        .await?;
+    ensure!(
+        condition(&adapter, "Degraded") == Some(("True", reason)),
+        "Degraded=True {reason}: {:?}",
+        adapter.status
+    );
+    Ok(adapter)
+}
+
 fn is_ready(adapter: &QueueAdapter) -> bool {
     condition(adapter, "Ready").is_some_and(|(status, _)| status == "True")
         && adapter.status.as_ref().and_then(|s| s.observed_generation)
@@ -571,10 +587,7 @@ async fn disabling_an_adapter_whose_secret_is_gone_still_scales_it_to_zero() -> 
     Api::<Secret>::namespaced(env.admin.clone(), OperatorEnv::NAMESPACE)
         .delete("redis", &DeleteParams::default())
         .await?;
-    env.wait_adapter("orders", "Reconciled=False SecretNotFound", |a| {
-        condition(a, "Reconciled") == Some(("False", "SecretNotFound"))
-    })
-    .await?;
+    wait_blocked(&env, "orders", "SecretNotFound").await?;
     ensure!(
         env.deployments()
             .get("orders-worker")
@@ -666,21 +679,13 @@ async fn invalid_adapter_and_missing_secret_are_reported_and_resolved_by_a_chang
     // Valid for the API server, not for a worker in Kubernetes: no Redis Secret.
     env.apply_adapter(&ORDERS.replace(", urlSecretRef: {name: redis, key: url}", ""))
         .await?;
-    let adapter = env
-        .wait_adapter("orders", "Reconciled=False InvalidSpec", |a| {
-            condition(a, "Reconciled") == Some(("False", "InvalidSpec"))
-        })
-        .await?;
-    ensure!(condition(&adapter, "Degraded") == Some(("True", "InvalidSpec")));
+    wait_blocked(&env, "orders", "InvalidSpec").await?;
     ensure!(env.deployments().get_opt("orders-worker").await?.is_none());
 
     // Fixed spec, but its Secret does not exist yet.
     env.apply_adapter(&ORDERS.replace("name: redis, key: url", "name: redis-later, key: url"))
         .await?;
-    env.wait_adapter("orders", "Reconciled=False SecretNotFound", |a| {
-        condition(a, "Reconciled") == Some(("False", "SecretNotFound"))
-    })
-    .await?;
+    wait_blocked(&env, "orders", "SecretNotFound").await?;
     env.plane
         .put_secret(
             OperatorEnv::NAMESPACE,
@@ -695,6 +700,51 @@ async fn invalid_adapter_and_missing_secret_are_reported_and_resolved_by_a_chang
         |_| true,
     )
     .await?;
+    env.wait_adapter("orders", "Reconciled=True", |a| {
+        condition(a, "Reconciled") == Some(("True", "Applied"))
+    })
+    .await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn worker_image_outside_the_allow_list_is_refused_until_an_allowed_one_is_named() -> Result<()>
+{
+    let env = OperatorEnv::start().await?;
+    let _operator = env.start_operator(
+        "operator-a",
+        &["--allowed-worker-images", "registry.example/custom/"],
+    )?;
+    let with_image = |image: &str| {
+        ORDERS.replace(
+            "  workload:\n",
+            &format!("  workload:\n    image: {image}\n"),
+        )
+    };
+    // A pod of this image would receive the adapter's Secrets: the operator refuses it.
+    env.apply_adapter(&with_image("evil.example/steal:1"))
+        .await?;
+    let adapter = wait_blocked(&env, "orders", "ImageNotAllowed").await?;
+    let message = &control_plane::condition(&adapter, "Reconciled")
+        .context("Reconciled")?
+        .message;
+    ensure!(
+        message.contains("spec.workload.image") && message.contains("registry.example/custom/"),
+        "the message names the field and the allowed prefixes: {message}"
+    );
+    ensure!(env.deployments().get_opt("orders-worker").await?.is_none());
+
+    let allowed = "registry.example/custom/worker:2";
+    env.apply_adapter(&with_image(allowed)).await?;
+    let deployment = env
+        .wait_deployment("orders-worker", "the allowed image's Deployment", |_| true)
+        .await?;
+    let (_, container) = pod_template(&deployment)?;
+    ensure!(
+        container.image.as_deref() == Some(allowed),
+        "worker image {:?}",
+        container.image
+    );
     env.wait_adapter("orders", "Reconciled=True", |a| {
         condition(a, "Reconciled") == Some(("True", "Applied"))
     })
