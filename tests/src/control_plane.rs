@@ -29,7 +29,6 @@ use tempfile::TempDir;
 use crate::Fixture;
 use crate::servers::{free_port, workspace_path};
 use crate::wait::wait_for;
-use crate::worker::worker_binary;
 
 /// The user the operator's token authenticates as.
 pub const OPERATOR_USER: &str = "switchboard-operator";
@@ -434,14 +433,7 @@ pub async fn http_get(addr: SocketAddr, path: &str) -> Result<(u16, String)> {
 
 /// `target/<profile>/switchboard-operator`, built by `cargo build --workspace --bins`.
 pub fn operator_binary() -> Result<PathBuf> {
-    let binary = worker_binary()?.with_file_name("switchboard-operator");
-    ensure!(
-        binary.is_file(),
-        "{} is missing: build it first with `cargo build --workspace --bins` (make test does)",
-        binary.display()
-    );
-    crate::worker::ensure_built_from_current_sources(&binary)?;
-    Ok(binary)
+    crate::worker::workspace_binary("switchboard-operator")
 }
 
 /// A running `switchboard-operator run`.

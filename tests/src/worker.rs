@@ -12,74 +12,76 @@ use nix::unistd::Pid;
 
 use crate::servers::free_port;
 
-/// The worker binary: `$SWITCHBOARD_WORKER_BIN`, else `switchboard-worker` in the target
-/// directory this executable was built into (`target/<profile>/` or its `deps/` folder).
+/// The worker binary: `$SWITCHBOARD_WORKER_BIN`, else [`workspace_binary`]`("switchboard-worker")`.
 pub fn worker_binary() -> Result<PathBuf> {
     if let Some(path) = std::env::var_os("SWITCHBOARD_WORKER_BIN") {
         return Ok(PathBuf::from(path));
     }
+    workspace_binary("switchboard-worker")
+}
+
+/// A binary of this workspace in the target directory this executable was built into
+/// (`target/<profile>/` or its `deps/` folder), checked to be newer than every source it is
+/// built from: `cargo test` does not rebuild other packages' binaries, and a test must not pass
+/// or fail on yesterday's code.
+pub fn workspace_binary(name: &str) -> Result<PathBuf> {
+    let own_crate = match name {
+        "switchboard-worker" => "worker/src",
+        "switchboard-operator" => "operator/src",
+        other => bail!("{other} is not a binary of this workspace"),
+    };
     let exe = std::env::current_exe()?;
     let dir = exe.parent().context("executable has no directory")?;
     let candidates = [Some(dir), dir.parent()];
     let binary = candidates
         .into_iter()
         .flatten()
-        .map(|dir| dir.join("switchboard-worker"))
+        .map(|dir| dir.join(name))
         .find(|path| path.is_file())
         .with_context(|| {
             format!(
-                "switchboard-worker is not built next to {}: build it first with `cargo build --workspace --bins` (make test does)",
+                "{name} is not built next to {}: build it first with `cargo build --workspace --bins` (make test does)",
                 exe.display()
             )
         })?;
-    ensure_built_from_current_sources(&binary)?;
-    Ok(binary)
-}
-
-/// The folders the worker and operator binaries are built from.
-const BINARY_SOURCES: [&str; 6] = [
-    "api/src",
-    "store/src",
-    "telemetry/src",
-    "worker/src",
-    "operator/src",
-    "migrations",
-];
-
-/// Fails when `binary` is older than a source file it is built from: `cargo test` does not
-/// rebuild other packages' binaries, and a test must not pass or fail on yesterday's code.
-pub fn ensure_built_from_current_sources(binary: &Path) -> Result<()> {
-    fn newest(dir: &Path, found: &mut Option<(SystemTime, PathBuf)>) -> Result<()> {
-        for entry in std::fs::read_dir(dir)? {
-            let entry = entry?;
-            let path = entry.path();
-            if entry.file_type()?.is_dir() {
-                newest(&path, found)?;
-            } else {
-                let modified = entry.metadata()?.modified()?;
-                if found.as_ref().is_none_or(|(time, _)| modified > *time) {
-                    *found = Some((modified, path));
-                }
-            }
-        }
-        Ok(())
-    }
-    let built = binary.metadata()?.modified()?;
     let workspace = Path::new(env!("CARGO_MANIFEST_DIR"))
         .parent()
         .context("the tests crate lives in the workspace")?;
     let mut latest = None;
-    for dir in BINARY_SOURCES {
-        newest(&workspace.join(dir), &mut latest)?;
+    for dir in [
+        "api/src",
+        "store/src",
+        "telemetry/src",
+        "migrations",
+        own_crate,
+    ] {
+        newest_file(&workspace.join(dir), &mut latest)?;
     }
     if let Some((modified, path)) = latest
-        && modified > built
+        && modified > binary.metadata()?.modified()?
     {
         bail!(
             "{} is older than {}: rebuild it with `cargo build --workspace --bins` (make test does)",
             binary.display(),
             path.display()
         );
+    }
+    Ok(binary)
+}
+
+/// Updates `found` with the most recently modified file below `dir`.
+fn newest_file(dir: &Path, found: &mut Option<(SystemTime, PathBuf)>) -> Result<()> {
+    for entry in std::fs::read_dir(dir)? {
+        let entry = entry?;
+        let path = entry.path();
+        if entry.file_type()?.is_dir() {
+            newest_file(&path, found)?;
+        } else {
+            let modified = entry.metadata()?.modified()?;
+            if found.as_ref().is_none_or(|(time, _)| modified > *time) {
+                *found = Some((modified, path));
+            }
+        }
     }
     Ok(())
 }

@@ -20,7 +20,7 @@ use tempfile::TempDir;
 
 use super::{http_get, log_tail, pod_template, spawn_logged};
 use crate::servers::free_port;
-use crate::worker::worker_binary;
+use crate::worker::workspace_binary;
 
 /// The pod's one container, running.
 #[derive(Debug)]
@@ -139,7 +139,7 @@ impl LocalPod {
             .tempdir()?;
         let mounts = mount_volumes(client, namespace, pod, container, volumes.path()).await?;
         let program = match container.command.as_deref() {
-            Some([program]) => worker_binary()?.with_file_name(program),
+            Some([program]) => workspace_binary(program)?,
             other => bail!("expected a one-word command, found {other:?}"),
         };
         let mut args: Vec<String> = container
