@@ -10,7 +10,7 @@ use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::{ConfigMap, Secret};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
-use kube::api::{Patch, PatchParams};
+use kube::api::{PartialObjectMeta, Patch, PatchParams};
 use kube::runtime::controller::Action;
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::runtime::finalizer::{self, finalizer};
@@ -422,11 +422,11 @@ fn backoff(attempts: u32) -> Duration {
     BACKOFF_INITIAL.saturating_mul(factor).min(BACKOFF_CAP)
 }
 
-/// The adapters in `secret`'s namespace that reference it.
+/// The adapters in `secret`'s namespace that reference it (`secret` may be its metadata only).
 fn adapters_using(
     cache: &Cache<QueueAdapter>,
     settings: &WorkerSettings,
-    secret: &Secret,
+    secret: &impl ResourceExt,
 ) -> Vec<ObjectRef<QueueAdapter>> {
     let name = secret.name_any();
     cache
@@ -451,8 +451,10 @@ pub async fn run_controller(ctx: Arc<Context>, stop: CancellationToken) {
     controller
         .owns(Api::<Deployment>::all(client.clone()), managed.clone())
         .owns(Api::<ConfigMap>::all(client.clone()), managed)
+        // Metadata only: a change of any Secret triggers the adapters that reference it, whose
+        // reconcile then reads just those Secrets. No other Secret's data reaches the operator.
         .watches(
-            Api::<Secret>::all(client),
+            Api::<PartialObjectMeta<Secret>>::all(client),
             watcher::Config::default(),
             move |secret| adapters_using(&cache, &settings, &secret),
         )
