@@ -15,7 +15,7 @@ pub use adapters::{Mirrored, QueueAdapterRow};
 use std::time::Duration;
 
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
-use sqlx::{PgPool, Row};
+use sqlx::{PgConnection, PgPool, Row};
 
 static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../migrations");
 
@@ -27,6 +27,8 @@ pub enum StoreError {
     InvalidUrl(#[source] sqlx::Error),
     #[error("database is unavailable")]
     Unavailable(#[source] sqlx::Error),
+    #[error("database did not answer within {0:?}; the connection was closed")]
+    TimedOut(Duration),
     #[error("database rejected the data")]
     Rejected(#[source] sqlx::Error),
     #[error(
@@ -39,7 +41,7 @@ pub enum StoreError {
 
 impl StoreError {
     pub fn is_retryable(&self) -> bool {
-        matches!(self, StoreError::Unavailable(_))
+        matches!(self, StoreError::Unavailable(_) | StoreError::TimedOut(_))
     }
 
     fn classify(err: sqlx::Error) -> Self {
@@ -104,10 +106,15 @@ pub enum Stored {
     Duplicate,
 }
 
+/// How long one of the worker's operations (a batch, a ping, a checkpoint read) may take by
+/// default before the store gives up on the connection.
+pub const DEFAULT_OPERATION_TIMEOUT: Duration = Duration::from_secs(30);
+
 /// Connection pool and queries.
 #[derive(Debug, Clone)]
 pub struct Store {
     pool: PgPool,
+    operation_timeout: Duration,
 }
 
 const INGEST_SQL: &str = r#"
@@ -195,7 +202,36 @@ impl Store {
             .min_connections(0)
             .acquire_timeout(Duration::from_secs(5))
             .connect_lazy_with(options.application_name(application_name));
-        Ok(Self { pool })
+        Ok(Self {
+            pool,
+            operation_timeout: DEFAULT_OPERATION_TIMEOUT,
+        })
+    }
+
+    /// Bounds each of [`Store::ingest_batch`], [`Store::ping`] and [`Store::checkpoint`] by
+    /// `timeout`: a database that accepts connections but does not answer (a hung server, a
+    /// network that drops packets) fails them with [`StoreError::TimedOut`], which is retryable.
+    #[must_use]
+    pub fn with_operation_timeout(mut self, timeout: Duration) -> Self {
+        self.operation_timeout = timeout;
+        self
+    }
+
+    /// Runs `op` on a connection of the pool within the operation timeout. A connection that
+    /// does not answer in time is closed, not returned to the pool: a dropped query leaves it
+    /// mid-protocol, and the pool's check on return would wait on it as long as it hangs.
+    async fn bounded<T>(
+        &self,
+        op: impl AsyncFnOnce(&mut PgConnection) -> Result<T, sqlx::Error>,
+    ) -> Result<T, StoreError> {
+        let mut conn = self.pool.acquire().await.map_err(StoreError::classify)?;
+        match tokio::time::timeout(self.operation_timeout, op(&mut conn)).await {
+            Ok(result) => result.map_err(StoreError::classify),
+            Err(_elapsed) => {
+                conn.close_on_drop();
+                Err(StoreError::TimedOut(self.operation_timeout))
+            }
+        }
     }
 
     /// Applies pending migrations. Safe when several processes run it at once (advisory lock).
@@ -232,11 +268,8 @@ impl Store {
 
     /// Cheap liveness probe of the database.
     pub async fn ping(&self) -> Result<(), StoreError> {
-        sqlx::query("SELECT 1")
-            .execute(&self.pool)
+        self.bounded(async |conn| sqlx::query("SELECT 1").execute(conn).await.map(drop))
             .await
-            .map(drop)
-            .map_err(StoreError::classify)
     }
 
     /// Stores a batch in one transaction (one statement). Returns one outcome per event.
@@ -263,10 +296,9 @@ impl Store {
         if batch.dedup == Dedup::NativeId {
             query = query.bind(ms).bind(seq);
         }
-        let rows = query
-            .fetch_all(&self.pool)
-            .await
-            .map_err(StoreError::classify)?;
+        let rows = self
+            .bounded(async |conn| query.fetch_all(conn).await)
+            .await?;
         rows.iter()
             .map(|row| {
                 let new_event: bool = row.try_get("new_event").map_err(StoreError::classify)?;
@@ -282,13 +314,16 @@ impl Store {
 
     /// The highest native position stored for `source`, if any.
     pub async fn checkpoint(&self, source: &str) -> Result<Option<(u64, u64)>, StoreError> {
-        let row: Option<(i64, i64)> = sqlx::query_as(
-            "SELECT position_ms, position_seq FROM source_checkpoints WHERE source = $1",
-        )
-        .bind(source)
-        .fetch_optional(&self.pool)
-        .await
-        .map_err(StoreError::classify)?;
+        let row: Option<(i64, i64)> = self
+            .bounded(async |conn| {
+                sqlx::query_as(
+                    "SELECT position_ms, position_seq FROM source_checkpoints WHERE source = $1",
+                )
+                .bind(source)
+                .fetch_optional(conn)
+                .await
+            })
+            .await?;
         Ok(row.map(|(ms, seq)| (ms.max(0).unsigned_abs(), seq.max(0).unsigned_abs())))
     }
 

@@ -309,9 +309,25 @@ async fn postgres_outage_loses_nothing_duplicates_nothing_and_flips_readiness() 
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
     fx.postgres.restart()?;
-    let total = i64::try_from(next)?;
-    wait_stored(&fx, "pg", "pg", "switchboard", total).await?;
-    fx.assert_exactly_once("pg", total).await?;
+    let log = recovered_after_one_outage(&fx, &worker, "pg", i64::try_from(next)?).await?;
+    ensure!(
+        log.contains("dependency recovered"),
+        "{}",
+        worker.log_tail()
+    );
+    Ok(())
+}
+
+/// After a database outage: every entry of stream `name` stored exactly once, readiness back,
+/// and the outage logged once. Returns the worker's log.
+async fn recovered_after_one_outage(
+    fx: &Fixture,
+    worker: &WorkerProcess,
+    name: &str,
+    total: i64,
+) -> Result<String> {
+    wait_stored(fx, name, name, "switchboard", total).await?;
+    fx.assert_exactly_once(name, total).await?;
     wait_for(LONG, "readiness returns", || async {
         Ok(worker.http_get("/readyz")?.0 == 200)
     })
@@ -322,11 +338,92 @@ async fn postgres_outage_loses_nothing_duplicates_nothing_and_flips_readiness() 
         outage_lines == 1,
         "one log line per outage, found {outage_lines}:\n{log}"
     );
+    Ok(log)
+}
+
+/// Worker `w1` on stream `name` with a 2 s `--database-timeout`, once it has stored `stored`
+/// entries.
+async fn worker_with_a_short_database_timeout(
+    fx: &Fixture,
+    name: &str,
+    stored: usize,
+) -> Result<WorkerProcess> {
+    let manifest = fx.stream_adapter(name, "batchSize: 100", "")?;
+    let worker = WorkerProcess::start(
+        &fx.env,
+        &manifest,
+        "w1",
+        &[("SWITCHBOARD_DATABASE_TIMEOUT", "2s")],
+    )?;
+    fx.produce(name, bodies(0..stored))?;
+    wait_stored(fx, name, name, "switchboard", i64::try_from(stored)?).await?;
+    Ok(worker)
+}
+
+#[tokio::test]
+async fn hung_database_flips_readiness_and_recovers_without_loss_or_duplicates() -> Result<()> {
+    let fx = Fixture::start().await?;
+    let worker = worker_with_a_short_database_timeout(&fx, "stall", 500).await?;
     ensure!(
-        log.contains("dependency recovered"),
-        "{}",
-        worker.log_tail()
+        worker.http_get("/readyz")?.0 == 200,
+        "ready before the hang"
     );
+
+    // A database that accepts connections and answers nothing (as an address left behind by a
+    // failover does): no error ever arrives, only the timeout can tell.
+    fx.postgres.set_running(false)?;
+    fx.produce("stall", bodies(500..1000))?;
+    wait_for(
+        Duration::from_secs(30),
+        "readiness turns false while the database hangs (timeout 2 s)",
+        || async { Ok(worker.http_get("/readyz")?.0 == 503) },
+    )
+    .await
+    .with_context(|| worker.log_tail())?;
+    ensure!(
+        worker.http_get("/healthz")?.0 == 200,
+        "a loop that backs off is alive"
+    );
+    ensure!(
+        fx.pending("stall", "switchboard")? >= 1,
+        "the batch in hand stays un-acknowledged"
+    );
+
+    fx.postgres.set_running(true)?;
+    recovered_after_one_outage(&fx, &worker, "stall", 1000).await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn statement_stuck_in_the_database_times_out_and_is_retried_without_loss_or_duplicates()
+-> Result<()> {
+    let fx = Fixture::start().await?;
+    let worker = worker_with_a_short_database_timeout(&fx, "stuck", 300).await?;
+
+    // The database answers pings, but the batch's INSERT waits behind a lock: without a
+    // client-side deadline the batch would wait as long as the lock is held.
+    let mut lock = fx.pool().begin().await?;
+    sqlx::query("LOCK TABLE events IN ACCESS EXCLUSIVE MODE")
+        .execute(&mut *lock)
+        .await?;
+    fx.produce("stuck", bodies(300..600))?;
+    wait_for(
+        Duration::from_secs(30),
+        "the stuck batch times out while the lock is still held",
+        || async { Ok(worker.log().contains("did not answer within 2s")) },
+    )
+    .await
+    .with_context(|| worker.log_tail())?;
+    ensure!(
+        fx.pending("stuck", "switchboard")? >= 1,
+        "the batch that timed out stays un-acknowledged"
+    );
+    lock.rollback().await?;
+
+    // The abandoned statements run once the lock is gone, and so do the retries: the
+    // deduplication keeps one todo per entry.
+    wait_stored(&fx, "stuck", "stuck", "switchboard", 600).await?;
+    fx.assert_exactly_once("stuck", 600).await?;
     Ok(())
 }
 

@@ -79,6 +79,8 @@ pub struct RunOptions {
     pub consumer: Option<String>,
     pub metrics_addr: SocketAddr,
     pub shutdown_timeout: Duration,
+    /// Bound on each batch, probe and checkpoint read against PostgreSQL.
+    pub database_timeout: Duration,
 }
 
 fn env(name: &'static str) -> Result<String, WorkerError> {
@@ -249,7 +251,8 @@ pub async fn run(options: RunOptions) -> Result<(), WorkerError> {
         4,
         &database_application_name(&consumer),
     )
-    .await?;
+    .await?
+    .with_operation_timeout(options.database_timeout);
     let redis_url = env("REDIS_URL")?;
     let metrics = Arc::new(Metrics::new(&name, guarantee));
     let health = Arc::new(Health::new());

@@ -38,6 +38,11 @@ enum Command {
         /// After SIGTERM, how long to finish the batch in hand before exiting anyway.
         #[arg(long, default_value = "25s", value_parser = humantime::parse_duration)]
         shutdown_timeout: Duration,
+        /// How long one batch (or probe) may wait on PostgreSQL before the connection is given
+        /// up, the database counted as down and the batch retried (it stays un-acknowledged).
+        #[arg(long, env = "SWITCHBOARD_DATABASE_TIMEOUT", default_value = "30s",
+              value_parser = humantime::parse_duration)]
+        database_timeout: Duration,
     },
 }
 
@@ -53,12 +58,14 @@ async fn main() -> ExitCode {
             consumer,
             metrics_addr,
             shutdown_timeout,
+            database_timeout,
         } => {
             run(RunOptions {
                 file,
                 consumer,
                 metrics_addr,
                 shutdown_timeout,
+                database_timeout,
             })
             .await
         }
