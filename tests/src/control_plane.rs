@@ -1,8 +1,9 @@
 //! A real Kubernetes control plane for tests: etcd + kube-apiserver as child processes on random
 //! loopback ports (no kubelet, no controllers), in a temporary directory, killed on drop. Two
 //! tokens: an admin (`system:masters`) and the operator's user, bound only by the ClusterRole
-//! built from `charts/switchboard/files/operator-rules.yaml`. Also the operator binary as a child
-//! process, and a kubelet stand-in that runs a rendered pod template locally.
+//! built from `charts/switchboard/files/operator-rules.yaml` (and, in the namespaces
+//! [`OperatorEnv`] creates, the Role from `leader-election-rules.yaml`). Also the operator binary
+//! as a child process, and a kubelet stand-in that runs a rendered pod template locally.
 
 pub mod pod;
 
@@ -16,10 +17,10 @@ use anyhow::{Context, Result, bail, ensure};
 use k8s_openapi::ByteString;
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::{ConfigMap, Container, Namespace, PodSpec, Secret};
-use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, PolicyRule, RoleRef, Subject};
+use k8s_openapi::api::rbac::v1::PolicyRule;
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, ObjectMeta};
-use kube::api::{Patch, PatchParams, PostParams};
+use kube::api::{ApiResource, DynamicObject, GroupVersionKind, Patch, PatchParams, PostParams};
 use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::{Api, Client};
 use serde::de::DeserializeOwned;
@@ -32,12 +33,23 @@ use crate::wait::wait_for;
 
 /// The user the operator's token authenticates as.
 pub const OPERATOR_USER: &str = "switchboard-operator";
-/// The operator's RBAC rules, shared with the Helm chart.
+/// The operator's cluster-wide RBAC rules, shared with the Helm chart.
 pub const OPERATOR_RULES: &str = "charts/switchboard/files/operator-rules.yaml";
+/// The operator's rules in its own namespace (leader election), shared with the Helm chart.
+pub const LEADER_ELECTION_RULES: &str = "charts/switchboard/files/leader-election-rules.yaml";
 /// The committed CRD.
 pub const CRD_FILE: &str = "crds/queueadapters.switchboard.dev.yaml";
 
 const START_TIMEOUT: Duration = Duration::from_secs(90);
+const RBAC_GROUP: &str = "rbac.authorization.k8s.io";
+
+/// A list of PolicyRules from a YAML file of the repository.
+fn rules_file(path: &str) -> Result<Vec<PolicyRule>> {
+    let path = workspace_path(path);
+    let text =
+        std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
+    Ok(serde_yaml_ng::from_str(&text)?)
+}
 
 /// The folder holding `etcd`, `kube-apiserver` and `kubectl`: `scripts/control-plane.sh bin-dir`
 /// (which honours `KUBEBUILDER_ASSETS` and otherwise builds them once into a cache).
@@ -253,7 +265,7 @@ impl ControlPlane {
         .await
         .with_context(|| log_tail(&apiserver_log, 30))?;
         plane.started_in = started.elapsed();
-        plane.bind_operator_rules().await?;
+        plane.grant_operator(None, Self::operator_rules()?).await?;
         Ok(plane)
     }
 
@@ -267,49 +279,52 @@ impl ControlPlane {
         client(&self.operator_kubeconfig).await
     }
 
-    /// The operator's rules from the chart's file.
+    /// The operator's cluster-wide rules from the chart's file.
     pub fn operator_rules() -> Result<Vec<PolicyRule>> {
-        let path = workspace_path(OPERATOR_RULES);
-        let text = std::fs::read_to_string(&path)
-            .with_context(|| format!("reading {}", path.display()))?;
-        Ok(serde_yaml_ng::from_str(&text)?)
+        rules_file(OPERATOR_RULES)
     }
 
-    async fn bind_operator_rules(&self) -> Result<()> {
+    /// The operator's leader-election rules from the chart's file.
+    pub fn leader_election_rules() -> Result<Vec<PolicyRule>> {
+        rules_file(LEADER_ELECTION_RULES)
+    }
+
+    /// Grants the operator's user `rules`: cluster-wide (ClusterRole + ClusterRoleBinding) when
+    /// `namespace` is `None`, else in that namespace (Role + RoleBinding).
+    pub async fn grant_operator(
+        &self,
+        namespace: Option<&str>,
+        rules: Vec<PolicyRule>,
+    ) -> Result<()> {
         let admin = self.admin().await?;
-        let meta = ObjectMeta {
-            name: Some(OPERATOR_USER.to_owned()),
-            ..ObjectMeta::default()
+        let (role, binding) = match namespace {
+            None => ("ClusterRole", "ClusterRoleBinding"),
+            Some(_) => ("Role", "RoleBinding"),
         };
-        Api::<ClusterRole>::all(admin.clone())
-            .create(
-                &PostParams::default(),
-                &ClusterRole {
-                    metadata: meta.clone(),
-                    rules: Some(Self::operator_rules()?),
-                    aggregation_rule: None,
-                },
-            )
-            .await?;
-        Api::<ClusterRoleBinding>::all(admin)
-            .create(
-                &PostParams::default(),
-                &ClusterRoleBinding {
-                    metadata: meta,
-                    role_ref: RoleRef {
-                        api_group: "rbac.authorization.k8s.io".to_owned(),
-                        kind: "ClusterRole".to_owned(),
-                        name: OPERATOR_USER.to_owned(),
-                    },
-                    subjects: Some(vec![Subject {
-                        api_group: Some("rbac.authorization.k8s.io".to_owned()),
-                        kind: "User".to_owned(),
-                        name: OPERATOR_USER.to_owned(),
-                        namespace: None,
-                    }]),
-                },
-            )
-            .await?;
+        let metadata = serde_json::json!({"name": OPERATOR_USER, "namespace": namespace});
+        let objects = [
+            (role, serde_json::json!({"rules": rules})),
+            (
+                binding,
+                serde_json::json!({
+                    "roleRef": {"apiGroup": RBAC_GROUP, "kind": role, "name": OPERATOR_USER},
+                    "subjects": [{"apiGroup": RBAC_GROUP, "kind": "User", "name": OPERATOR_USER}],
+                }),
+            ),
+        ];
+        for (kind, mut object) in objects {
+            object["apiVersion"] = format!("{RBAC_GROUP}/v1").into();
+            object["kind"] = kind.into();
+            object["metadata"] = metadata.clone();
+            let resource = ApiResource::from_gvk(&GroupVersionKind::gvk(RBAC_GROUP, "v1", kind));
+            let api: Api<DynamicObject> = match namespace {
+                Some(namespace) => Api::namespaced_with(admin.clone(), namespace, &resource),
+                None => Api::all_with(admin.clone(), &resource),
+            };
+            api.create(&PostParams::default(), &serde_json::from_value(object)?)
+                .await
+                .with_context(|| format!("creating the operator's {kind}"))?;
+        }
         Ok(())
     }
 
@@ -558,6 +573,10 @@ impl OperatorEnv {
         if namespace != "default" {
             plane.create_namespace(namespace).await?;
         }
+        // The operators started here keep their leader Lease in this namespace.
+        plane
+            .grant_operator(Some(namespace), ControlPlane::leader_election_rules()?)
+            .await?;
         let fixture = Fixture::start().await?;
         plane
             .put_secret(namespace, "redis", "url", &fixture.redis.url())

@@ -13,7 +13,7 @@ use anyhow::{Context, Result, bail, ensure};
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{Container, EnvVar};
-use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, PolicyRule};
+use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, PolicyRule, Role, RoleBinding};
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::api::{DynamicObject, Patch, PatchParams, PostParams};
 use kube::config::Kubeconfig;
@@ -266,7 +266,7 @@ fn schema_rejects_values_of_the_wrong_type_and_unknown_keys() -> Result<()> {
 // What the templates render (no API server)
 
 #[test]
-fn cluster_role_renders_exactly_the_operator_rules_file() -> Result<()> {
+fn roles_render_exactly_the_operator_rules_files() -> Result<()> {
     for values in VALUE_SETS {
         let objects = render(values, &[])?;
         let role: ClusterRole = the(&objects, "ClusterRole")?;
@@ -290,6 +290,21 @@ fn cluster_role_renders_exactly_the_operator_rules_file() -> Result<()> {
                 && Some(&subject[0].name) == pod.service_account_name.as_ref()
                 && binding.role_ref.name == role.metadata.name.unwrap_or_default(),
             "the binding must bind the ClusterRole to the pods' ServiceAccount: {subject:?}"
+        );
+        // Leader election: a Role in the release namespace, bound to the same ServiceAccount.
+        let lease_role: Role = the(&objects, "Role")?;
+        ensure!(
+            lease_role.rules.unwrap_or_default() == ControlPlane::leader_election_rules()?
+                && lease_role.metadata.namespace.as_deref() == Some(NAMESPACE),
+            "the Role must be files/leader-election-rules.yaml in {NAMESPACE}"
+        );
+        let lease_binding: RoleBinding = the(&objects, "RoleBinding")?;
+        ensure!(
+            lease_binding.subjects.unwrap_or_default() == subject
+                && lease_binding.role_ref.kind == "Role"
+                && lease_binding.role_ref.name == lease_role.metadata.name.unwrap_or_default()
+                && lease_binding.metadata.namespace.as_deref() == Some(NAMESPACE),
+            "the RoleBinding must bind the Role to the pods' ServiceAccount"
         );
     }
     Ok(())
@@ -531,7 +546,7 @@ struct ChartOperator {
 
 impl ChartOperator {
     /// `values`: helm arguments (the database URL must come from Secret `operator-db`, key
-    /// `dsn`). `drop_rule`: leave out the rendered ClusterRole's rules matching it.
+    /// `dsn`). `drop_rule`: leave out the rendered ClusterRole's and Role's rules matching it.
     async fn start(values: &[&str], drop_rule: impl Fn(&PolicyRule) -> bool) -> Result<Self> {
         let env = OperatorEnv::start().await?;
         let plane = &env.plane;
@@ -541,7 +556,7 @@ impl ChartOperator {
             .put_secret(NAMESPACE, "operator-db", "dsn", &env.fixture.postgres.url())
             .await?;
         for mut object in render(None, values)? {
-            if kind_of(&object) == "ClusterRole" {
+            if matches!(kind_of(&object), "ClusterRole" | "Role") {
                 let rules: Vec<PolicyRule> = serde_json::from_value(object["rules"].clone())?;
                 let kept: Vec<PolicyRule> = rules.into_iter().filter(|r| !drop_rule(r)).collect();
                 object["rules"] = serde_json::to_value(kept)?;

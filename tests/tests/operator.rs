@@ -757,9 +757,18 @@ async fn operator_token_holds_only_the_rules_it_needs() -> Result<()> {
     use k8s_openapi::api::authorization::v1::{
         ResourceAttributes, SelfSubjectAccessReview, SelfSubjectAccessReviewSpec,
     };
-    let plane = switchboard_tests::control_plane::ControlPlane::start().await?;
-    let rules = switchboard_tests::control_plane::ControlPlane::operator_rules()?;
-    for rule in &rules {
+    use switchboard_tests::control_plane::ControlPlane;
+    let plane = ControlPlane::start().await?;
+    // As OperatorEnv does: the leader-election Role in the operator's own namespace.
+    plane.create_namespace("shop").await?;
+    plane
+        .grant_operator(Some("shop"), ControlPlane::leader_election_rules()?)
+        .await?;
+    let rules = [
+        ControlPlane::operator_rules()?,
+        ControlPlane::leader_election_rules()?,
+    ];
+    for rule in rules.iter().flatten() {
         let all = [
             rule.api_groups.clone().unwrap_or_default(),
             rule.resources.clone().unwrap_or_default(),
@@ -771,14 +780,14 @@ async fn operator_token_holds_only_the_rules_it_needs() -> Result<()> {
         );
     }
     let reviews = Api::<SelfSubjectAccessReview>::all(plane.operator_client().await?);
-    let can = |group: &str, resource: &str, verb: &str| {
+    let can_in = |namespace: &str, group: &str, resource: &str, verb: &str| {
         let review = SelfSubjectAccessReview {
             spec: SelfSubjectAccessReviewSpec {
                 resource_attributes: Some(ResourceAttributes {
                     group: Some(group.to_owned()),
                     resource: Some(resource.to_owned()),
                     verb: Some(verb.to_owned()),
-                    namespace: Some("shop".to_owned()),
+                    namespace: Some(namespace.to_owned()),
                     ..ResourceAttributes::default()
                 }),
                 ..SelfSubjectAccessReviewSpec::default()
@@ -791,6 +800,7 @@ async fn operator_token_holds_only_the_rules_it_needs() -> Result<()> {
             anyhow::Ok(answer.status.is_some_and(|s| s.allowed))
         }
     };
+    let can = |group, resource, verb| can_in("shop", group, resource, verb);
     for (group, resource, verb) in [
         ("apps", "deployments", "patch"),
         ("", "secrets", "get"),
@@ -822,6 +832,14 @@ async fn operator_token_holds_only_the_rules_it_needs() -> Result<()> {
         ensure!(
             !can(group, resource, verb).await?,
             "operator may {verb} {resource}"
+        );
+    }
+    // Leader election is confined to the operator's namespace: node heartbeats and the control
+    // plane's own leader Leases are out of reach.
+    for namespace in ["kube-node-lease", "kube-system", "default"] {
+        ensure!(
+            !can_in(namespace, "coordination.k8s.io", "leases", "update").await?,
+            "operator may update Leases in {namespace}"
         );
     }
     Ok(())
