@@ -210,7 +210,8 @@ pub struct Delivery {
     #[schemars(range(min = 1, max = 10000))]
     pub batch_size: u32,
     /// A message delivered more often than this (its consumers kept dying before storing it) is
-    /// dead-lettered instead of stored.
+    /// dead-lettered instead of stored. In stream mode a message stored already (its ack was
+    /// lost) is acknowledged instead.
     #[serde(default = "default_max_deliveries")]
     #[schemars(range(min = 1, max = 1000000))]
     pub max_deliveries: u32,

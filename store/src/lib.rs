@@ -208,9 +208,10 @@ impl Store {
         })
     }
 
-    /// Bounds each of [`Store::ingest_batch`], [`Store::ping`] and [`Store::checkpoint`] by
-    /// `timeout`: a database that accepts connections but does not answer (a hung server, a
-    /// network that drops packets) fails them with [`StoreError::TimedOut`], which is retryable.
+    /// Bounds each of [`Store::ingest_batch`], [`Store::ping`], [`Store::checkpoint`] and
+    /// [`Store::events_exist`] by `timeout`: a database that accepts connections but does not
+    /// answer (a hung server, a network that drops packets) fails them with
+    /// [`StoreError::TimedOut`], which is retryable.
     #[must_use]
     pub fn with_operation_timeout(mut self, timeout: Duration) -> Self {
         self.operation_timeout = timeout;
@@ -310,6 +311,26 @@ impl Store {
                 })
             })
             .collect()
+    }
+
+    /// Which of `external_ids` already have an event from `source`, in input order.
+    pub async fn events_exist(
+        &self,
+        source: &str,
+        external_ids: &[&str],
+    ) -> Result<Vec<bool>, StoreError> {
+        self.bounded(async |conn| {
+            sqlx::query_scalar(
+                "SELECT EXISTS (SELECT 1 FROM events e \
+                 WHERE e.source = $1 AND e.external_id = input.wanted) \
+                 FROM unnest($2::text[]) WITH ORDINALITY AS input(wanted, ord) ORDER BY input.ord",
+            )
+            .bind(source)
+            .bind(external_ids)
+            .fetch_all(conn)
+            .await
+        })
+        .await
     }
 
     /// The highest native position stored for `source`, if any.

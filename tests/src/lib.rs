@@ -10,13 +10,14 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::Result;
+use nix::sys::signal::Signal;
 use sqlx::PgPool;
 use switchboard_store::Store;
 use tempfile::TempDir;
 
 use crate::servers::{Postgres, Redis};
 use crate::wait::wait_for;
-use crate::worker::{WorkerEnv, WorkerProcess};
+use crate::worker::{WorkerEnv, WorkerProcess, killed_by};
 
 /// PostgreSQL (migrated) + Redis + a scratch directory, for one test.
 #[derive(Debug)]
@@ -115,6 +116,29 @@ impl Fixture {
             || async { Ok(self.connections_of(consumer).await? == 0) },
         )
         .await
+    }
+
+    /// Runs worker `consumer` until the fault-injection hook aborts it right after its first
+    /// commit, before it acknowledges anything, and until PostgreSQL has settled that worker's
+    /// transactions ([`Fixture::wait_disconnected`]).
+    pub async fn crash_after_first_commit(
+        &self,
+        manifest: &std::path::Path,
+        consumer: &str,
+    ) -> Result<()> {
+        let mut crashing = WorkerProcess::start(
+            &self.env,
+            manifest,
+            consumer,
+            &[(switchboard_worker::ABORT_AFTER_COMMITS_ENV, "1")],
+        )?;
+        let status = crashing.wait_exit(Duration::from_secs(120))?;
+        anyhow::ensure!(
+            killed_by(status, Signal::SIGABRT),
+            "expected the abort hook, got {status:?}\n{}",
+            crashing.log_tail()
+        );
+        self.wait_disconnected(consumer).await
     }
 
     pub fn worker(&self, manifest: &std::path::Path, consumer: &str) -> Result<WorkerProcess> {

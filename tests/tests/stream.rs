@@ -7,7 +7,7 @@ use anyhow::{Context, Result, ensure};
 use nix::sys::signal::Signal;
 use switchboard_tests::Fixture;
 use switchboard_tests::wait::wait_for;
-use switchboard_tests::worker::{WorkerProcess, killed_by, migrate};
+use switchboard_tests::worker::{WorkerProcess, migrate};
 
 const ISSUE_MANIFEST: &str = "\
 apiVersion: switchboard.dev/v1alpha1
@@ -133,20 +133,9 @@ async fn crash_between_commit_and_ack_leaves_exactly_one_todo_per_entry() -> Res
     let manifest = fx.stream_adapter("crash", "batchSize: 100", "")?;
     fx.produce("crash", bodies(0..500))?;
 
-    let mut crashing = WorkerProcess::start(
-        &fx.env,
-        &manifest,
-        "w1",
-        &[(switchboard_worker::ABORT_AFTER_COMMITS_ENV, "1")],
-    )?;
-    let status = crashing.wait_exit(LONG)?;
-    ensure!(
-        killed_by(status, Signal::SIGABRT),
-        "expected the abort hook, got {status:?}"
-    );
+    fx.crash_after_first_commit(&manifest, "w1").await?;
     // Whole batches were committed (the first, and possibly those committing beside it), and
     // none was acknowledged: everything delivered is still pending.
-    fx.wait_disconnected("w1").await?;
     let committed = fx.todo_count("crash").await?;
     let pending = fx.pending("crash", "switchboard")?;
     ensure!(
@@ -179,13 +168,7 @@ async fn redelivered_entry_whose_todo_is_done_creates_no_second_todo() -> Result
     let fx = Fixture::start().await?;
     let manifest = fx.stream_adapter("done", "batchSize: 10", "")?;
     let ids = fx.produce("done", bodies(0..1))?;
-    let mut crashing = WorkerProcess::start(
-        &fx.env,
-        &manifest,
-        "w1",
-        &[(switchboard_worker::ABORT_AFTER_COMMITS_ENV, "1")],
-    )?;
-    crashing.wait_exit(LONG)?;
+    fx.crash_after_first_commit(&manifest, "w1").await?;
     let updated = sqlx::query("UPDATE todos SET status = 'done' WHERE queue = 'done'")
         .execute(fx.pool())
         .await?
@@ -565,6 +548,39 @@ async fn entry_delivered_max_times_to_dead_consumers_is_dead_lettered_not_stored
     ensure!(
         fx.todo_count("md").await? == 0,
         "a dead-lettered entry is not stored"
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn entry_past_max_deliveries_that_was_stored_is_acknowledged_not_dead_lettered() -> Result<()>
+{
+    let fx = Fixture::start().await?;
+    let manifest = fx.stream_adapter("lost", "batchSize: 10, maxDeliveries: 1", "")?;
+    fx.produce("lost", bodies(0..5))?;
+    // The first delivery is committed, its ack is lost: the worker dies in between.
+    fx.crash_after_first_commit(&manifest, "w1").await?;
+    ensure!(fx.todo_count("lost").await? == 5, "the batch was committed");
+    ensure!(
+        fx.pending("lost", "switchboard")? == 5,
+        "and not acknowledged"
+    );
+
+    // Redelivered once more than maxDeliveries allows, but stored: acknowledged as duplicates.
+    let worker = fx.worker(&manifest, "w1")?;
+    wait_for(LONG, "the redelivered entries are acknowledged", || async {
+        Ok(fx.pending("lost", "switchboard")? == 0)
+    })
+    .await
+    .with_context(|| worker.log_tail())?;
+    fx.assert_exactly_once("lost", 5).await?;
+    ensure!(
+        fx.xlen("lost.dlq")? == 0,
+        "a stored entry must not be dead-lettered"
+    );
+    ensure!(
+        worker.metric(r#"switchboard_messages_duplicate_total{adapter="test/lost"}"#)? == 5.0,
+        "counted as duplicates"
     );
     Ok(())
 }

@@ -206,6 +206,32 @@ impl StoreContext {
         Some(outcomes)
     }
 
+    /// Which of `messages` already have an event (native ids only): stored by an earlier
+    /// delivery whose acknowledgement was lost. Retries while the database is unavailable;
+    /// `None`: shutdown interrupted a retry.
+    async fn stored_before(&self, messages: &[&Message]) -> Option<Vec<bool>> {
+        let ids: Vec<&str> = messages.iter().map(|m| m.external_id.as_str()).collect();
+        loop {
+            let started = Instant::now();
+            match self.store.events_exist(&self.source, &ids).await {
+                Ok(found) => {
+                    self.database.up();
+                    return Some(found);
+                }
+                Err(err) if err.is_retryable() => {
+                    if !self.database.back_off(&err, started, &self.cancel).await {
+                        return None;
+                    }
+                }
+                // Cannot tell: dead-letter them, as if they had never been stored.
+                Err(err) => {
+                    tracing::warn!(error = %ErrorChain(&err), "cannot check whether messages past maxDeliveries were stored");
+                    return Some(vec![false; messages.len()]);
+                }
+            }
+        }
+    }
+
     fn record(&self, outcomes: &Outcomes, origins: &[Origin]) {
         let now = now_ms();
         for (outcome, origin) in outcomes.iter().zip(origins) {
@@ -522,6 +548,33 @@ impl<T: Transport> Pipeline<T> {
                 );
                 std::process::abort();
             }
+        }
+
+        // Past maxDeliveries but stored already (a crash between an earlier commit and its
+        // ack): acknowledge it as the duplicate it is, rather than dead-letter a stored message.
+        let overdue: Vec<usize> = poison
+            .iter()
+            .filter(|(_, verdict)| verdict.reason == PoisonReason::MaxDeliveries)
+            .map(|(index, _)| *index)
+            .collect();
+        if !overdue.is_empty() && self.context.dedup == Dedup::NativeId {
+            let messages: Vec<&Message> = overdue.iter().map(|&index| &batch[index]).collect();
+            // Shutdown interrupted the check: leave them un-acknowledged, for redelivery.
+            let found = self.context.stored_before(&messages).await;
+            let (stored, unknown): (Vec<usize>, Vec<usize>) = match found {
+                Some(found) => (
+                    overdue
+                        .into_iter()
+                        .zip(found)
+                        .filter_map(|(index, exists)| exists.then_some(index))
+                        .collect(),
+                    Vec::new(),
+                ),
+                None => (Vec::new(), overdue),
+            };
+            poison.retain(|(index, _)| !stored.contains(index) && !unknown.contains(index));
+            self.metrics.duplicates.inc_by(stored.len() as u64);
+            acks.extend(stored.into_iter().map(|index| &batch[index]));
         }
 
         if !acks.is_empty()
