@@ -78,16 +78,21 @@ impl InvalidAdapter {
     }
 }
 
-/// Whether `image` is the default or starts with an allowed prefix at a name boundary: the
-/// prefix ends with `/`, `:` or `@`, or the image continues with one of them
-/// (`registry.example/switchboard` allows `registry.example/switchboard:1.2`, not
-/// `registry.example/switchboard-evil`).
+/// Whether `image` is the default or starts with an allowed prefix at a name boundary:
+/// `registry.example/switchboard` allows `registry.example/switchboard:1.2`, `…@sha256:…` and
+/// `…/nightly:1`, not `registry.example/switchboard-evil`; a prefix ending with `/` allows
+/// everything below it. A `:` or `@` after the prefix starts a tag or digest only if no `/`
+/// follows (`registry.example:5000/x` is another registry, not a tag of `registry.example`).
 pub fn image_allowed(image: &str, settings: &WorkerSettings) -> bool {
-    const BOUNDARY: [char; 3] = ['/', ':', '@'];
+    const TAG_OR_DIGEST: [char; 2] = [':', '@'];
     image == settings.image
         || settings.allowed_images.iter().any(|prefix| {
             image.strip_prefix(prefix.as_str()).is_some_and(|rest| {
-                rest.is_empty() || prefix.ends_with(BOUNDARY) || rest.starts_with(BOUNDARY)
+                rest.is_empty()
+                    || prefix.ends_with('/')
+                    || rest.starts_with('/')
+                    || ((prefix.ends_with(TAG_OR_DIGEST) || rest.starts_with(TAG_OR_DIGEST))
+                        && !rest.contains('/'))
             })
         })
 }
@@ -508,7 +513,12 @@ mod tests {
         WorkerSettings {
             image: "registry.example/switchboard:9.9.9".to_owned(),
             image_pull_policy: "IfNotPresent".to_owned(),
-            allowed_images: vec!["example/worker".to_owned(), "mirror.example/".to_owned()],
+            allowed_images: vec![
+                "example/worker".to_owned(),
+                "mirror.example/".to_owned(),
+                "other.example".to_owned(),
+                "tags.example/only:".to_owned(),
+            ],
             default_database_secret: SecretKeyRef {
                 name: "switchboard-db".to_owned(),
                 key: "url".to_owned(),
@@ -759,8 +769,13 @@ mod tests {
             ("example/worker/nightly:1", true),
             ("mirror.example/anything:1", true),
             ("example/worker-evil:dev", false),
+            ("example/worker:5000/evil", false),
             ("example/workers:1", false),
             ("mirror.example", false),
+            ("other.example:5000/anything:1", false),
+            ("other.example/anything:1", true),
+            ("tags.example/only:1.2", true),
+            ("tags.example/only:1.2/evil", false),
             ("registry.example/switchboard:9.9.8", false),
             ("evil.example/steal:1", false),
         ] {

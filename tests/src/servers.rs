@@ -252,11 +252,12 @@ impl Postgres {
         } else {
             Signal::SIGSTOP
         };
-        // Backends are their own session leaders: signal the postmaster and each child.
+        // Backends are their own session leaders: signal the postmaster, then each child. The
+        // postmaster first: once it is stopped it forks no backend that the list would miss.
         let postmaster = i32::try_from(child.id())?;
-        let mut pids = vec![postmaster];
-        pids.extend(children_of(postmaster));
-        for pid in pids {
+        kill(Pid::from_raw(postmaster), signal)
+            .with_context(|| format!("sending {signal} to the postmaster {postmaster}"))?;
+        for pid in children_of(postmaster) {
             kill(Pid::from_raw(pid), signal)
                 .with_context(|| format!("sending {signal} to {pid}"))?;
         }

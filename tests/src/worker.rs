@@ -12,11 +12,8 @@ use nix::unistd::Pid;
 
 use crate::servers::free_port;
 
-/// The worker binary: `$SWITCHBOARD_WORKER_BIN`, else [`workspace_binary`]`("switchboard-worker")`.
+/// The worker binary: [`workspace_binary`]`("switchboard-worker")`.
 pub fn worker_binary() -> Result<PathBuf> {
-    if let Some(path) = std::env::var_os("SWITCHBOARD_WORKER_BIN") {
-        return Ok(PathBuf::from(path));
-    }
     workspace_binary("switchboard-worker")
 }
 
@@ -24,7 +21,13 @@ pub fn worker_binary() -> Result<PathBuf> {
 /// (`target/<profile>/` or its `deps/` folder), checked to be newer than every source it is
 /// built from: `cargo test` does not rebuild other packages' binaries, and a test must not pass
 /// or fail on yesterday's code.
+/// `$SWITCHBOARD_WORKER_BIN`, when set, is taken as the worker binary as it is.
 pub fn workspace_binary(name: &str) -> Result<PathBuf> {
+    if name == "switchboard-worker"
+        && let Some(path) = std::env::var_os("SWITCHBOARD_WORKER_BIN")
+    {
+        return Ok(PathBuf::from(path));
+    }
     let own_crate = match name {
         "switchboard-worker" => "worker/src",
         "switchboard-operator" => "operator/src",
@@ -69,14 +72,18 @@ pub fn workspace_binary(name: &str) -> Result<PathBuf> {
     Ok(binary)
 }
 
-/// Updates `found` with the most recently modified file below `dir`.
+/// Updates `found` with the most recently modified source (`.rs`, `.sql`) below `dir`; other
+/// files (an editor's swap file) do not make cargo relink, so they must not count.
 fn newest_file(dir: &Path, found: &mut Option<(SystemTime, PathBuf)>) -> Result<()> {
     for entry in std::fs::read_dir(dir)? {
         let entry = entry?;
         let path = entry.path();
         if entry.file_type()?.is_dir() {
             newest_file(&path, found)?;
-        } else {
+        } else if path
+            .extension()
+            .is_some_and(|extension| extension == "rs" || extension == "sql")
+        {
             let modified = entry.metadata()?.modified()?;
             if found.as_ref().is_none_or(|(time, _)| modified > *time) {
                 *found = Some((modified, path));

@@ -32,9 +32,21 @@ use crate::transport::{Transport, TransportError};
 pub const ABORT_AFTER_COMMITS_ENV: &str = "SWITCHBOARD_TEST_ABORT_AFTER_COMMITS";
 
 /// The `application_name` of a worker's database connections, so `pg_stat_activity` shows which
-/// consumer (pod) holds each one.
+/// consumer (pod) holds each one. PostgreSQL keeps 63 bytes; pod names differ at their end, so a
+/// longer name keeps the consumer's tail (`switchboard-worker/~…`).
 pub fn database_application_name(consumer: &str) -> String {
-    format!("switchboard-worker/{consumer}")
+    const PREFIX: &str = "switchboard-worker/";
+    const KEPT: usize = 63;
+    let name = format!("{PREFIX}{consumer}");
+    if name.len() <= KEPT {
+        return name;
+    }
+    let room = KEPT - PREFIX.len() - 1;
+    let mut start = consumer.len() - room;
+    while !consumer.is_char_boundary(start) {
+        start += 1;
+    }
+    format!("{PREFIX}~{}", &consumer[start..])
 }
 
 /// Why the worker could not start or run.
@@ -363,4 +375,19 @@ pub async fn run(options: RunOptions) -> Result<(), WorkerError> {
     let _ = server.await;
     tracing::info!("exiting");
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::database_application_name;
+
+    #[test]
+    fn long_consumer_names_keep_their_distinguishing_tail_within_63_bytes() {
+        assert_eq!(database_application_name("w1"), "switchboard-worker/w1");
+        let pod = format!("{}-worker-6b7f9c5d4-x2k4q", "a".repeat(50));
+        let name = database_application_name(&pod);
+        assert_eq!(name.len(), 63, "{name}");
+        assert!(name.starts_with("switchboard-worker/~"), "{name}");
+        assert!(name.ends_with("-worker-6b7f9c5d4-x2k4q"), "{name}");
+    }
 }

@@ -41,9 +41,18 @@ enum Command {
         /// How long one batch (or probe) may wait on PostgreSQL before the connection is given
         /// up, the database counted as down and the batch retried (it stays un-acknowledged).
         #[arg(long, env = "SWITCHBOARD_DATABASE_TIMEOUT", default_value = "30s",
-              value_parser = humantime::parse_duration)]
+              value_parser = positive_duration)]
         database_timeout: Duration,
     },
+}
+
+/// A duration above zero, e.g. `30s`.
+fn positive_duration(text: &str) -> Result<Duration, String> {
+    match humantime::parse_duration(text) {
+        Ok(duration) if duration.is_zero() => Err("must be more than 0s".to_owned()),
+        Ok(duration) => Ok(duration),
+        Err(err) => Err(err.to_string()),
+    }
 }
 
 // One thread: the worker waits on I/O; the CPU is better left to PostgreSQL and Redis.
