@@ -130,7 +130,9 @@ pub fn validate<'a>(
         .url_secret_ref
         .as_ref()
         .ok_or(InvalidAdapter::MissingRedisSecret)?;
-    if let Some(image) = spec_image(&adapter.spec)
+    // A disabled adapter runs nothing, so its image does not matter until it is enabled.
+    if adapter.spec.enabled
+        && let Some(image) = spec_image(&adapter.spec)
         && !image_allowed(image, settings)
     {
         return Err(InvalidAdapter::ImageNotAllowed {
@@ -788,8 +790,11 @@ mod tests {
         assert!(!image_allowed("example/worker:dev", &strict));
         assert!(image_allowed("registry.example/switchboard:9.9.9", &strict));
 
-        let adapter =
-            fixture(&DISABLED_WITH_DATABASE.replace("example/worker:dev", "evil.example/steal:1"));
+        let evil = DISABLED_WITH_DATABASE.replace("example/worker:dev", "evil.example/steal:1");
+        // Disabled, it runs nothing: its image does not matter until it is enabled.
+        let disabled = fixture(&evil);
+        assert!(validate(&disabled, &settings).is_ok());
+        let adapter = fixture(&evil.replace("enabled: false", "enabled: true"));
         let refused = validate(&adapter, &settings).expect_err("the image is refused");
         assert_eq!(refused.reason(), "ImageNotAllowed");
         let message = refused.to_string();

@@ -23,8 +23,9 @@ use tokio_util::sync::CancellationToken;
 
 use crate::ErrorChain;
 use crate::build::{
-    BuildError, FIELD_MANAGER, SecretValue, SecretValues, ValidAdapter, WorkerSettings,
-    adapter_config, build, managed_selector, referenced_secrets, validate, worker_name,
+    BuildError, FIELD_MANAGER, InvalidAdapter, SecretValue, SecretValues, ValidAdapter,
+    WorkerSettings, adapter_config, build, managed_selector, referenced_secrets, validate,
+    worker_name,
 };
 use crate::metrics::{ErrorCategory, Metrics, ReconcileOutcome};
 use crate::status::{Outcome, desired_status};
@@ -288,6 +289,29 @@ async fn converge(
     Ok(applied)
 }
 
+/// Scales the adapter's worker Deployment to zero, if there is one.
+async fn stop_worker(adapter: &QueueAdapter, ctx: &Context) -> Result<(), ReconcileError> {
+    let (Some(name), Some(namespace)) = (
+        adapter.metadata.name.as_deref(),
+        adapter.metadata.namespace.as_deref(),
+    ) else {
+        return Ok(());
+    };
+    let zero = serde_json::json!({"spec": {"replicas": 0}});
+    match Api::<Deployment>::namespaced(ctx.client.clone(), namespace)
+        .patch(
+            &worker_name(name),
+            &PatchParams::default(),
+            &Patch::Merge(&zero),
+        )
+        .await
+    {
+        Ok(_) => Ok(()),
+        Err(kube::Error::Api(status)) if status.is_not_found() => Ok(()),
+        Err(err) => Err(kubernetes("scale the worker Deployment to zero")(err)),
+    }
+}
+
 /// Reports that the adapter cannot run as it is, and waits for a change to it or its Secrets.
 async fn block(
     adapter: &QueueAdapter,
@@ -310,7 +334,14 @@ async fn block(
 async fn apply(adapter: &QueueAdapter, ctx: &Context) -> Result<Action, ReconcileError> {
     let valid = match validate(adapter, &ctx.settings) {
         Ok(valid) => valid,
-        Err(invalid) => return block(adapter, ctx, invalid.reason(), &invalid.to_string()).await,
+        Err(invalid) => {
+            if matches!(invalid, InvalidAdapter::ImageNotAllowed { .. }) {
+                // What runs already (an image allowed before, an operator upgraded since) must
+                // not go on with the adapter's Secrets.
+                stop_worker(adapter, ctx).await?;
+            }
+            return block(adapter, ctx, invalid.reason(), &invalid.to_string()).await;
+        }
     };
     let secrets = Api::<Secret>::namespaced(ctx.client.clone(), valid.namespace);
     let required = adapter.spec.enabled;

@@ -749,6 +749,21 @@ async fn worker_image_outside_the_allow_list_is_refused_until_an_allowed_one_is_
         condition(a, "Reconciled") == Some(("True", "Applied"))
     })
     .await?;
+    ensure!(
+        replicas(&deployment) == Some(2),
+        "{:?}",
+        replicas(&deployment)
+    );
+
+    // An image refused later (or by a narrower allow-list after an upgrade) stops the workers
+    // that run: they would keep the adapter's Secrets otherwise.
+    env.apply_adapter(&with_image("evil.example/steal:2"))
+        .await?;
+    wait_blocked(&env, "orders", "ImageNotAllowed").await?;
+    env.wait_deployment("orders-worker", "the running workers stopped", |d| {
+        replicas(d) == Some(0)
+    })
+    .await?;
     Ok(())
 }
 
