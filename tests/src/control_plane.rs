@@ -31,6 +31,8 @@ use crate::Fixture;
 use crate::servers::{free_port, workspace_path};
 use crate::wait::wait_for;
 
+/// The operator's default `--lease-name`.
+pub const OPERATOR_LEASE: &str = "switchboard-operator";
 /// The user the operator's token authenticates as.
 pub const OPERATOR_USER: &str = "switchboard-operator";
 /// The operator's cluster-wide RBAC rules, shared with the Helm chart.
@@ -284,9 +286,18 @@ impl ControlPlane {
         rules_file(OPERATOR_RULES)
     }
 
-    /// The operator's leader-election rules from the chart's file.
-    pub fn leader_election_rules() -> Result<Vec<PolicyRule>> {
-        rules_file(LEADER_ELECTION_RULES)
+    /// The operator's leader-election rules from the chart's file, for the Lease `lease`.
+    pub fn leader_election_rules(lease: &str) -> Result<Vec<PolicyRule>> {
+        let mut rules = rules_file(LEADER_ELECTION_RULES)?;
+        for name in rules
+            .iter_mut()
+            .flat_map(|rule| rule.resource_names.iter_mut().flatten())
+        {
+            if name == "LEASE_NAME" {
+                lease.clone_into(name);
+            }
+        }
+        Ok(rules)
     }
 
     /// Grants the operator's user `rules`: cluster-wide (ClusterRole + ClusterRoleBinding) when
@@ -575,7 +586,10 @@ impl OperatorEnv {
         }
         // The operators started here keep their leader Lease in this namespace.
         plane
-            .grant_operator(Some(namespace), ControlPlane::leader_election_rules()?)
+            .grant_operator(
+                Some(namespace),
+                ControlPlane::leader_election_rules(OPERATOR_LEASE)?,
+            )
             .await?;
         let fixture = Fixture::start().await?;
         plane

@@ -293,10 +293,14 @@ fn roles_render_exactly_the_operator_rules_files() -> Result<()> {
         );
         // Leader election: a Role in the release namespace, bound to the same ServiceAccount.
         let lease_role: Role = the(&objects, "Role")?;
+        let operator = operator_container(&deployment)?;
+        let lease = env(operator, "SWITCHBOARD_LEASE_NAME")
+            .and_then(|var| var.value.clone())
+            .context("the operator's Lease name")?;
         ensure!(
-            lease_role.rules.unwrap_or_default() == ControlPlane::leader_election_rules()?
+            lease_role.rules.unwrap_or_default() == ControlPlane::leader_election_rules(&lease)?
                 && lease_role.metadata.namespace.as_deref() == Some(NAMESPACE),
-            "the Role must be files/leader-election-rules.yaml in {NAMESPACE}"
+            "the Role must be files/leader-election-rules.yaml for Lease {lease} in {NAMESPACE}"
         );
         let lease_binding: RoleBinding = the(&objects, "RoleBinding")?;
         ensure!(

@@ -776,12 +776,13 @@ async fn operator_token_holds_only_the_rules_it_needs() -> Result<()> {
     let plane = ControlPlane::start().await?;
     // As OperatorEnv does: the leader-election Role in the operator's own namespace.
     plane.create_namespace("shop").await?;
+    let lease = control_plane::OPERATOR_LEASE;
     plane
-        .grant_operator(Some("shop"), ControlPlane::leader_election_rules()?)
+        .grant_operator(Some("shop"), ControlPlane::leader_election_rules(lease)?)
         .await?;
     let rules = [
         ControlPlane::operator_rules()?,
-        ControlPlane::leader_election_rules()?,
+        ControlPlane::leader_election_rules(lease)?,
     ];
     for rule in rules.iter().flatten() {
         let all = [
@@ -795,7 +796,7 @@ async fn operator_token_holds_only_the_rules_it_needs() -> Result<()> {
         );
     }
     let reviews = Api::<SelfSubjectAccessReview>::all(plane.operator_client().await?);
-    let can_in = |namespace: &str, group: &str, resource: &str, verb: &str| {
+    let can_in = |namespace: &str, name: &str, group: &str, resource: &str, verb: &str| {
         let review = SelfSubjectAccessReview {
             spec: SelfSubjectAccessReviewSpec {
                 resource_attributes: Some(ResourceAttributes {
@@ -803,6 +804,7 @@ async fn operator_token_holds_only_the_rules_it_needs() -> Result<()> {
                     resource: Some(resource.to_owned()),
                     verb: Some(verb.to_owned()),
                     namespace: Some(namespace.to_owned()),
+                    name: (!name.is_empty()).then(|| name.to_owned()),
                     ..ResourceAttributes::default()
                 }),
                 ..SelfSubjectAccessReviewSpec::default()
@@ -815,13 +817,13 @@ async fn operator_token_holds_only_the_rules_it_needs() -> Result<()> {
             anyhow::Ok(answer.status.is_some_and(|s| s.allowed))
         }
     };
-    let can = |group, resource, verb| can_in("shop", group, resource, verb);
+    let can = |group, resource, verb| can_in("shop", "", group, resource, verb);
     for (group, resource, verb) in [
         ("apps", "deployments", "patch"),
         ("", "secrets", "get"),
         ("switchboard.dev", "queueadapters", "watch"),
         ("switchboard.dev", "queueadapters/status", "patch"),
-        ("coordination.k8s.io", "leases", "update"),
+        ("coordination.k8s.io", "leases", "create"),
         ("events.k8s.io", "events", "create"),
     ] {
         ensure!(
@@ -849,12 +851,23 @@ async fn operator_token_holds_only_the_rules_it_needs() -> Result<()> {
             "operator may {verb} {resource}"
         );
     }
-    // Leader election is confined to the operator's namespace: node heartbeats and the control
-    // plane's own leader Leases are out of reach.
-    for namespace in ["kube-node-lease", "kube-system", "default"] {
+    // Leader election is confined to the operator's own Lease in its namespace: other Leases
+    // there, node heartbeats and the control plane's own leader Leases are out of reach.
+    for verb in ["get", "update"] {
         ensure!(
-            !can_in(namespace, "coordination.k8s.io", "leases", "update").await?,
-            "operator may update Leases in {namespace}"
+            can_in("shop", lease, "coordination.k8s.io", "leases", verb).await?,
+            "operator cannot {verb} its Lease"
+        );
+    }
+    for (namespace, name) in [
+        ("shop", "another-lease"),
+        ("kube-node-lease", lease),
+        ("kube-system", "kube-controller-manager"),
+        ("default", lease),
+    ] {
+        ensure!(
+            !can_in(namespace, name, "coordination.k8s.io", "leases", "update").await?,
+            "operator may update Lease {namespace}/{name}"
         );
     }
     Ok(())
