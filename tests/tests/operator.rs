@@ -53,6 +53,15 @@ async fn wait_blocked(env: &OperatorEnv, name: &str, reason: &str) -> Result<Que
     Ok(adapter)
 }
 
+/// Starts an operator and applies ORDERS; returns once its worker Deployment has 2 replicas.
+async fn running_orders(env: &OperatorEnv) -> Result<control_plane::OperatorProcess> {
+    let operator = env.start_operator("operator-a", &[])?;
+    env.apply_adapter(&ORDERS).await?;
+    env.wait_deployment("orders-worker", "2 replicas", |d| replicas(d) == Some(2))
+        .await?;
+    Ok(operator)
+}
+
 fn is_ready(adapter: &QueueAdapter) -> bool {
     condition(adapter, "Ready").is_some_and(|(status, _)| status == "True")
         && adapter.status.as_ref().and_then(|s| s.observed_generation)
@@ -543,10 +552,7 @@ async fn spec_and_secret_changes_roll_the_hash_and_an_unchanged_adapter_writes_n
 #[tokio::test]
 async fn disabling_scales_to_zero_and_disables_the_row_and_enabling_restores_both() -> Result<()> {
     let env = OperatorEnv::start().await?;
-    let _operator = env.start_operator("operator-a", &[])?;
-    env.apply_adapter(&ORDERS).await?;
-    env.wait_deployment("orders-worker", "2 replicas", |d| replicas(d) == Some(2))
-        .await?;
+    let _operator = running_orders(&env).await?;
 
     let disabled = ORDERS.replace("spec:\n", "spec:\n  enabled: false\n");
     env.apply_adapter(&disabled).await?;
@@ -578,10 +584,7 @@ async fn disabling_scales_to_zero_and_disables_the_row_and_enabling_restores_bot
 #[tokio::test]
 async fn disabling_an_adapter_whose_secret_is_gone_still_scales_it_to_zero() -> Result<()> {
     let env = OperatorEnv::start().await?;
-    let _operator = env.start_operator("operator-a", &[])?;
-    env.apply_adapter(&ORDERS).await?;
-    env.wait_deployment("orders-worker", "2 replicas", |d| replicas(d) == Some(2))
-        .await?;
+    let _operator = running_orders(&env).await?;
 
     // The Redis Secret is deleted: the running adapter is blocked on it…
     Api::<Secret>::namespaced(env.admin.clone(), OperatorEnv::NAMESPACE)

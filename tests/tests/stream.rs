@@ -180,10 +180,7 @@ async fn redelivered_entry_whose_todo_is_done_creates_no_second_todo() -> Result
     );
 
     let worker = fx.worker(&manifest, "w1")?;
-    wait_for(LONG, "the redelivered entry is acknowledged", || async {
-        Ok(fx.pending("done", "switchboard")? == 0)
-    })
-    .await?;
+    wait_stored(&fx, "done", "done", "switchboard", 1).await?;
     fx.assert_exactly_once("done", 1).await?;
     let status: String = sqlx::query_scalar("SELECT status FROM todos WHERE idempotency_key = $1")
         .bind(format!("redis:test/done:{}", ids[0]))
@@ -586,11 +583,9 @@ async fn entry_past_max_deliveries_that_was_stored_is_acknowledged_not_dead_lett
 
     // Redelivered once more than maxDeliveries allows, but stored: acknowledged as duplicates.
     let worker = fx.worker(&manifest, "w1")?;
-    wait_for(LONG, "the redelivered entries are acknowledged", || async {
-        Ok(fx.pending("lost", "switchboard")? == 0)
-    })
-    .await
-    .with_context(|| worker.log_tail())?;
+    wait_stored(&fx, "lost", "lost", "switchboard", 5)
+        .await
+        .with_context(|| worker.log_tail())?;
     fx.assert_exactly_once("lost", 5).await?;
     ensure!(
         fx.xlen("lost.dlq")? == 0,
