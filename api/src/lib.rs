@@ -5,9 +5,13 @@
 //! comments on spec fields are what `kubectl explain queueadapter.spec` shows.
 
 mod manifest;
+pub mod source;
 mod validate;
 
 pub use manifest::{ManifestError, load_manifest};
+pub use source::redis::{RedisMode, RedisSource, StartFrom};
+pub use source::sqs::SqsSource;
+pub use source::{Broker, MissingSecret, SecretEnv, Source};
 pub use validate::{FieldError, InvalidSpec};
 
 use k8s_openapi::api::core::v1::ResourceRequirements;
@@ -46,8 +50,8 @@ pub struct QueueAdapterSpec {
     /// disabled in the database; messages stay in the broker until it is enabled again.
     #[serde(default = "default_true")]
     pub enabled: bool,
-    /// The broker to pull from. Exactly one broker key must be set (currently `redis`). The kind of
-    /// source cannot be changed after creation: create a new QueueAdapter instead.
+    /// The broker to pull from. Exactly one broker key must be set (`redis` or `sqs`). The kind
+    /// of source cannot be changed after creation: create a new QueueAdapter instead.
     pub source: Source,
     /// Where the messages land.
     pub target: Target,
@@ -63,91 +67,6 @@ pub struct QueueAdapterSpec {
     /// The worker Deployment's shape.
     #[serde(default)]
     pub workload: Workload,
-}
-
-/// The broker to pull from: exactly one key.
-#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
-#[x_kube(
-    validation = Rule::new("[has(self.redis)].filter(x, x).size() == 1").message("spec.source: exactly one broker must be set (redis)"),
-    validation = Rule::new("has(self.redis) == has(oldSelf.redis)").message("spec.source: the kind of source is immutable; create a new QueueAdapter instead")
-)]
-#[serde(rename_all = "camelCase")]
-pub struct Source {
-    /// A Redis stream (consumer group), reliable list, or pub/sub channel.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub redis: Option<RedisSource>,
-}
-
-/// How the worker reads from Redis.
-#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
-#[x_kube(
-    validation = Rule::new("self.mode != 'stream' || has(self.stream)").message("spec.source.redis.stream is required when mode is stream"),
-    validation = Rule::new("self.mode != 'list' || has(self.list)").message("spec.source.redis.list is required when mode is list"),
-    validation = Rule::new("self.mode != 'pubsub' || has(self.channel)").message("spec.source.redis.channel is required when mode is pubsub"),
-    validation = Rule::new("self.mode == oldSelf.mode").message("spec.source.redis.mode is immutable; create a new QueueAdapter instead"),
-    validation = Rule::new("!has(oldSelf.stream) || (has(self.stream) && self.stream == oldSelf.stream)").message("spec.source.redis.stream is immutable (entry ids of another stream would be taken for redeliveries); create a new QueueAdapter instead")
-)]
-#[serde(rename_all = "camelCase")]
-pub struct RedisSource {
-    /// `stream` (consumer group, at-least-once, recommended), `list` (reliable list,
-    /// at-least-once) or `pubsub` (at-most-once: messages published while no worker is
-    /// subscribed are lost). Cannot be changed after creation.
-    #[serde(default)]
-    pub mode: RedisMode,
-    /// The stream key to read (mode `stream`). Created if missing. Cannot be changed after
-    /// creation: create a new QueueAdapter for another stream.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(length(min = 1, max = 512))]
-    pub stream: Option<String>,
-    /// The consumer group (mode `stream`). Created if missing.
-    #[serde(default = "default_group")]
-    #[schemars(length(min = 1, max = 256))]
-    pub group: String,
-    /// Where a newly created consumer group starts (mode `stream`): `earliest` takes every entry
-    /// already in the stream, `latest` only entries added afterwards.
-    #[serde(default)]
-    pub start_from: StartFrom,
-    /// The list key producers LPUSH to (mode `list`).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(length(min = 1, max = 512))]
-    pub list: Option<String>,
-    /// The channel to subscribe to (mode `pubsub`).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(length(min = 1, max = 512))]
-    pub channel: Option<String>,
-    /// Treat `channel` as a glob pattern (PSUBSCRIBE) (mode `pubsub`).
-    #[serde(default)]
-    pub pattern: bool,
-    /// The stream entry field that holds the message body (mode `stream`). The entry's other
-    /// fields become the event's headers; an entry without this field is stored whole, as a JSON
-    /// object of all its fields.
-    #[serde(default = "default_body_field")]
-    #[schemars(length(min = 1, max = 256))]
-    pub body_field: String,
-    /// The Secret key holding the Redis URL (`redis://user:password@host:6379/0`, or
-    /// `rediss://` for TLS, which verifies the server certificate). Passed to the worker as the
-    /// `REDIS_URL` environment variable; never copied into the spec, status or database.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub url_secret_ref: Option<SecretKeyRef>,
-}
-
-/// Redis consumption mode.
-#[derive(JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Default)]
-#[serde(rename_all = "lowercase")]
-pub enum RedisMode {
-    #[default]
-    Stream,
-    List,
-    Pubsub,
-}
-
-/// Where a newly created consumer group starts reading.
-#[derive(JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Default)]
-#[serde(rename_all = "lowercase")]
-pub enum StartFrom {
-    #[default]
-    Earliest,
-    Latest,
 }
 
 /// A key in a Secret in the QueueAdapter's namespace.
@@ -248,6 +167,11 @@ pub struct DeadLetter {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(min = 1, max = 512))]
     pub list: Option<String>,
+    /// The SQS queue dead letters are sent to (source `sqs`). Default: the source queue's URL
+    /// with `-dlq` appended to its name (`-dlq.fifo` for a FIFO queue). It must exist.
+    #[serde(default, rename = "queueUrl", skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 2048))]
+    pub queue_url: Option<String>,
 }
 
 /// The database holding the todos.
@@ -300,13 +224,13 @@ pub struct QueueAdapterStatus {
     /// Worker pods that are ready.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ready_replicas: Option<i32>,
-    /// `at-least-once` (stream, list) or `at-most-once` (pubsub).
+    /// `at-least-once` (Redis stream and list, SQS) or `at-most-once` (Redis pubsub).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub delivery_guarantee: Option<String>,
-    /// The broker kind, e.g. `redis`.
+    /// The broker kind: `redis` or `sqs`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub source: Option<String>,
-    /// The broker-specific mode, e.g. `stream`.
+    /// The broker-specific mode: `stream`, `list`, `pubsub` (Redis), `standard` or `fifo` (SQS).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mode: Option<String>,
 }
@@ -327,23 +251,6 @@ impl DeliveryGuarantee {
     }
 }
 
-impl RedisMode {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            RedisMode::Stream => "stream",
-            RedisMode::List => "list",
-            RedisMode::Pubsub => "pubsub",
-        }
-    }
-
-    pub fn guarantee(self) -> DeliveryGuarantee {
-        match self {
-            RedisMode::Stream | RedisMode::List => DeliveryGuarantee::AtLeastOnce,
-            RedisMode::Pubsub => DeliveryGuarantee::AtMostOnce,
-        }
-    }
-}
-
 impl QueueAdapter {
     /// `namespace/name`: unique across a cluster, used in keys, the `adapters` row and metrics.
     pub fn adapter_name(&self) -> String {
@@ -355,12 +262,6 @@ impl QueueAdapter {
 
 fn default_true() -> bool {
     true
-}
-fn default_group() -> String {
-    "switchboard".into()
-}
-fn default_body_field() -> String {
-    "body".into()
 }
 fn default_max_bytes() -> u32 {
     1024 * 1024

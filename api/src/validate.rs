@@ -3,7 +3,7 @@
 
 use std::fmt;
 
-use crate::{QueueAdapterSpec, RedisMode};
+use crate::QueueAdapterSpec;
 
 /// One violated rule, naming the field.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -30,33 +30,18 @@ impl fmt::Display for InvalidSpec {
 impl QueueAdapterSpec {
     /// Checks the rules of the CRD schema and its CEL validations.
     pub fn validate(&self) -> Result<(), InvalidSpec> {
+        let mut errors_of_broker = Vec::new();
         let mut errors = Vec::new();
         let mut fail = |field: &'static str, message: String| {
             errors.push(FieldError { field, message });
         };
-        match &self.source.redis {
+        match self.source.broker() {
             None => fail(
                 "spec.source",
-                "exactly one broker must be set (redis)".into(),
+                "exactly one broker must be set (redis or sqs)".into(),
             ),
-            Some(redis) => {
-                let required = match redis.mode {
-                    RedisMode::Stream => ("spec.source.redis.stream", &redis.stream),
-                    RedisMode::List => ("spec.source.redis.list", &redis.list),
-                    RedisMode::Pubsub => ("spec.source.redis.channel", &redis.channel),
-                };
-                if required.1.as_deref().is_none_or(str::is_empty) {
-                    fail(
-                        required.0,
-                        format!("required when mode is {}", redis.mode.as_str()),
-                    );
-                }
-                if redis.group.is_empty() {
-                    fail("spec.source.redis.group", "must not be empty".into());
-                }
-                if redis.body_field.is_empty() {
-                    fail("spec.source.redis.bodyField", "must not be empty".into());
-                }
+            Some(broker) => {
+                broker.validate(&self.delivery, &mut |error| errors_of_broker.push(error))
             }
         }
         let queue_len = self.target.queue.chars().count();
@@ -91,6 +76,7 @@ impl QueueAdapterSpec {
                 format!("must be 0 to 100, got {}", self.workload.replicas),
             );
         }
+        errors.splice(0..0, errors_of_broker);
         if errors.is_empty() {
             Ok(())
         } else {

@@ -13,7 +13,9 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta, 
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use kube::Resource;
 use sha2::{Digest, Sha256};
-use switchboard_api::{InvalidSpec, QueueAdapter, QueueAdapterSpec, RedisSource, SecretKeyRef};
+use switchboard_api::{
+    Broker, InvalidSpec, MissingSecret, QueueAdapter, QueueAdapterSpec, SecretEnv, SecretKeyRef,
+};
 
 /// The one field manager every write of the operator uses.
 pub const FIELD_MANAGER: &str = "switchboard-operator";
@@ -52,10 +54,8 @@ pub struct WorkerSettings {
 pub enum InvalidAdapter {
     #[error(transparent)]
     Spec(#[from] InvalidSpec),
-    #[error(
-        "spec.source.redis.urlSecretRef is required in Kubernetes: the worker reads REDIS_URL from that Secret"
-    )]
-    MissingRedisSecret,
+    #[error(transparent)]
+    MissingSecret(#[from] MissingSecret),
     #[error("metadata.name and metadata.namespace are required")]
     MissingMetadata,
     #[error(
@@ -73,7 +73,7 @@ impl InvalidAdapter {
     pub fn reason(&self) -> &'static str {
         match self {
             Self::ImageNotAllowed { .. } => "ImageNotAllowed",
-            Self::Spec(_) | Self::MissingRedisSecret | Self::MissingMetadata => "InvalidSpec",
+            Self::Spec(_) | Self::MissingSecret(_) | Self::MissingMetadata => "InvalidSpec",
         }
     }
 }
@@ -103,8 +103,9 @@ pub struct ValidAdapter<'a> {
     pub adapter: &'a QueueAdapter,
     pub name: &'a str,
     pub namespace: &'a str,
-    pub redis: &'a RedisSource,
-    pub redis_secret: &'a SecretKeyRef,
+    pub broker: &'a dyn Broker,
+    /// The broker's Secret keys, each with the environment variable it becomes.
+    pub broker_secrets: Vec<SecretEnv<'a>>,
     pub database_secret: &'a SecretKeyRef,
 }
 
@@ -120,16 +121,13 @@ pub fn validate<'a>(
         return Err(InvalidAdapter::MissingMetadata);
     };
     adapter.spec.validate()?;
-    let redis = adapter
+    // A valid spec has exactly one broker.
+    let broker = adapter
         .spec
         .source
-        .redis
-        .as_ref()
-        .ok_or(InvalidAdapter::MissingRedisSecret)?;
-    let redis_secret = redis
-        .url_secret_ref
-        .as_ref()
-        .ok_or(InvalidAdapter::MissingRedisSecret)?;
+        .broker()
+        .ok_or(InvalidAdapter::MissingMetadata)?;
+    let broker_secrets = broker.secret_env()?;
     // A disabled adapter runs nothing, so its image does not matter until it is enabled.
     if adapter.spec.enabled
         && let Some(image) = spec_image(&adapter.spec)
@@ -145,8 +143,8 @@ pub fn validate<'a>(
         adapter,
         name,
         namespace,
-        redis,
-        redis_secret,
+        broker,
+        broker_secrets,
         database_secret: database_secret(&adapter.spec, settings),
     })
 }
@@ -174,13 +172,14 @@ pub fn referenced_secrets<'a>(
     spec: &'a QueueAdapterSpec,
     settings: &'a WorkerSettings,
 ) -> impl Iterator<Item = &'a SecretKeyRef> {
-    let redis = spec
+    let broker = spec
         .source
-        .redis
-        .as_ref()
-        .and_then(|redis| redis.url_secret_ref.as_ref());
-    redis
+        .broker()
+        .and_then(|broker| broker.secret_env().ok())
+        .unwrap_or_default();
+    broker
         .into_iter()
+        .map(|secret| secret.secret)
         .chain(std::iter::once(database_secret(spec, settings)))
 }
 
@@ -195,9 +194,10 @@ pub struct SecretValue<'a> {
 }
 
 /// The values behind the adapter's secret references.
-#[derive(Clone, Copy)]
+#[derive(Clone)]
 pub struct SecretValues<'a> {
-    pub redis_url: SecretValue<'a>,
+    /// One per [`ValidAdapter::broker_secrets`], in that order.
+    pub broker: Vec<SecretValue<'a>>,
     pub database_url: SecretValue<'a>,
 }
 
@@ -280,19 +280,11 @@ pub fn worker_manifest(valid: &ValidAdapter<'_>) -> Result<String, BuildError> {
 }
 
 /// sha256 over the manifest and each secret's uid and value, each part length-prefixed.
-pub fn config_hash(manifest: &str, secrets: SecretValues<'_>) -> String {
+pub fn config_hash(manifest: &str, secrets: &SecretValues<'_>) -> String {
     let mut hasher = Sha256::new();
-    let SecretValues {
-        redis_url: redis,
-        database_url: database,
-    } = secrets;
-    for part in [
-        manifest.as_bytes(),
-        redis.uid.as_bytes(),
-        redis.value,
-        database.uid.as_bytes(),
-        database.value,
-    ] {
+    let values = secrets.broker.iter().chain([&secrets.database_url]);
+    let parts = values.flat_map(|secret| [secret.uid.as_bytes(), secret.value]);
+    for part in std::iter::once(manifest.as_bytes()).chain(parts) {
         hasher.update((part.len() as u64).to_be_bytes());
         hasher.update(part);
     }
@@ -303,8 +295,8 @@ pub fn config_hash(manifest: &str, secrets: SecretValues<'_>) -> String {
 /// parts (database, workload) and without secret references.
 pub fn adapter_config(spec: &QueueAdapterSpec) -> serde_json::Value {
     let mut source = spec.source.clone();
-    if let Some(redis) = source.redis.as_mut() {
-        redis.url_secret_ref = None;
+    if let Some(broker) = source.broker_mut() {
+        broker.strip_secrets();
     }
     serde_json::json!({
         "source": source,
@@ -345,6 +337,32 @@ fn http_probe(path: &str, period_seconds: i32) -> Probe {
 
 fn worker_container(valid: &ValidAdapter<'_>, settings: &WorkerSettings) -> Container {
     let workload = &valid.adapter.spec.workload;
+    let hostname = EnvVar {
+        name: "HOSTNAME".to_owned(),
+        value_from: Some(EnvVarSource {
+            field_ref: Some(ObjectFieldSelector {
+                field_path: "metadata.name".to_owned(),
+                api_version: Some("v1".to_owned()),
+            }),
+            ..EnvVarSource::default()
+        }),
+        ..EnvVar::default()
+    };
+    let broker_env = valid
+        .broker_secrets
+        .iter()
+        .map(|secret| secret_env(secret.env, secret.secret));
+    let env = std::iter::once(hostname)
+        .chain(broker_env)
+        .chain([
+            secret_env("DATABASE_URL", valid.database_secret),
+            EnvVar {
+                name: "LOG_JSON".to_owned(),
+                value: Some("true".to_owned()),
+                ..EnvVar::default()
+            },
+        ])
+        .collect();
     Container {
         name: "worker".to_owned(),
         image: Some(
@@ -359,26 +377,7 @@ fn worker_container(valid: &ValidAdapter<'_>, settings: &WorkerSettings) -> Cont
             "--file".to_owned(),
             format!("{MANIFEST_DIR}/{MANIFEST_KEY}"),
         ]),
-        env: Some(vec![
-            EnvVar {
-                name: "HOSTNAME".to_owned(),
-                value_from: Some(EnvVarSource {
-                    field_ref: Some(ObjectFieldSelector {
-                        field_path: "metadata.name".to_owned(),
-                        api_version: Some("v1".to_owned()),
-                    }),
-                    ..EnvVarSource::default()
-                }),
-                ..EnvVar::default()
-            },
-            secret_env("REDIS_URL", valid.redis_secret),
-            secret_env("DATABASE_URL", valid.database_secret),
-            EnvVar {
-                name: "LOG_JSON".to_owned(),
-                value: Some("true".to_owned()),
-                ..EnvVar::default()
-            },
-        ]),
+        env: Some(env),
         ports: Some(vec![ContainerPort {
             name: Some("metrics".to_owned()),
             container_port: METRICS_PORT,
@@ -429,7 +428,7 @@ pub fn build(
         .controller_owner_ref(&())
         .ok_or(BuildError::NoUid)?;
     let manifest = worker_manifest(valid)?;
-    let hash = config_hash(&manifest, secrets);
+    let hash = config_hash(&manifest, &secrets);
     let name = worker_name(valid.name);
     let spec = &valid.adapter.spec;
     let config_map = ConfigMap {
@@ -534,7 +533,7 @@ mod tests {
 
     fn secrets() -> SecretValues<'static> {
         SecretValues {
-            redis_url: REDIS_URL,
+            broker: vec![REDIS_URL],
             database_url: DATABASE_URL,
         }
     }
@@ -735,20 +734,20 @@ mod tests {
         };
         for secrets in [
             SecretValues {
-                redis_url: other(REDIS_URL, b"redis://:other@redis:6379/0"),
+                broker: vec![other(REDIS_URL, b"redis://:other@redis:6379/0")],
                 database_url: DATABASE_URL,
             },
             SecretValues {
-                redis_url: REDIS_URL,
+                broker: vec![REDIS_URL],
                 database_url: other(DATABASE_URL, b"postgres://app:other@db/app"),
             },
             // Same values, other uids: the uid keys the hash.
             SecretValues {
-                redis_url: recreated(REDIS_URL),
+                broker: vec![recreated(REDIS_URL)],
                 database_url: DATABASE_URL,
             },
             SecretValues {
-                redis_url: REDIS_URL,
+                broker: vec![REDIS_URL],
                 database_url: recreated(DATABASE_URL),
             },
         ] {

@@ -335,9 +335,10 @@ async fn apply(adapter: &QueueAdapter, ctx: &Context) -> Result<Action, Reconcil
     let valid = match validate(adapter, &ctx.settings) {
         Ok(valid) => valid,
         Err(invalid) => {
-            if matches!(invalid, InvalidAdapter::ImageNotAllowed { .. }) {
+            if matches!(invalid, InvalidAdapter::ImageNotAllowed { .. }) || !adapter.spec.enabled {
                 // What runs already (an image allowed before, an operator upgraded since) must
-                // not go on with the adapter's Secrets.
+                // not go on with the adapter's Secrets; a disabled adapter stops even when its
+                // spec is invalid.
                 stop_worker(adapter, ctx).await?;
             }
             return block(adapter, ctx, invalid.reason(), &invalid.to_string()).await;
@@ -345,17 +346,20 @@ async fn apply(adapter: &QueueAdapter, ctx: &Context) -> Result<Action, Reconcil
     };
     let secrets = Api::<Secret>::namespaced(ctx.client.clone(), valid.namespace);
     let required = adapter.spec.enabled;
-    let redis = match secret_value(&secrets, valid.namespace, valid.redis_secret, required).await? {
-        Ok(fetched) => fetched,
-        Err(message) => return block(adapter, ctx, "SecretNotFound", &message).await,
-    };
+    let mut broker = Vec::with_capacity(valid.broker_secrets.len());
+    for secret in &valid.broker_secrets {
+        match secret_value(&secrets, valid.namespace, secret.secret, required).await? {
+            Ok(fetched) => broker.push(fetched),
+            Err(message) => return block(adapter, ctx, "SecretNotFound", &message).await,
+        }
+    }
     let database =
         match secret_value(&secrets, valid.namespace, valid.database_secret, required).await? {
             Ok(fetched) => fetched,
             Err(message) => return block(adapter, ctx, "SecretNotFound", &message).await,
         };
     let values = SecretValues {
-        redis_url: redis.as_value(),
+        broker: broker.iter().map(FetchedSecret::as_value).collect(),
         database_url: database.as_value(),
     };
     match converge(adapter, &valid, values, ctx).await {

@@ -120,7 +120,7 @@ pub fn desired_status(
 ) -> QueueAdapterStatus {
     let previous = adapter.status.as_ref();
     let generation = adapter.metadata.generation;
-    let redis = adapter.spec.source.redis.as_ref();
+    let broker = adapter.spec.source.broker();
     let mut ready_replicas = previous.and_then(|s| s.ready_replicas);
     let (ready, reconciled, degraded) = match outcome {
         Outcome::Applied(deployment) => {
@@ -174,9 +174,9 @@ pub fn desired_status(
             condition(previous, DEGRADED, degraded, generation, now),
         ],
         ready_replicas,
-        delivery_guarantee: redis.map(|r| r.mode.guarantee().as_str().to_owned()),
-        source: redis.map(|_| "redis".to_owned()),
-        mode: redis.map(|r| r.mode.as_str().to_owned()),
+        delivery_guarantee: broker.map(|b| b.guarantee().as_str().to_owned()),
+        source: broker.map(|b| b.kind().to_owned()),
+        mode: broker.map(|b| b.mode().to_owned()),
     }
 }
 

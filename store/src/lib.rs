@@ -31,6 +31,11 @@ pub enum StoreError {
     TimedOut(Duration),
     #[error("database rejected the data")]
     Rejected(#[source] sqlx::Error),
+    /// Classes 42 (syntax error or access rule violation: a missing table or column, a denied
+    /// privilege) and 0A (feature not supported): the statement can never succeed against
+    /// this database, whatever the data.
+    #[error("database refused the statement (schema, privilege or version mismatch)")]
+    Statement(#[source] sqlx::Error),
     #[error(
         "database is not migrated (missing: {missing}); run `switchboard-worker migrate` first"
     )]
@@ -44,20 +49,29 @@ impl StoreError {
         matches!(self, StoreError::Unavailable(_) | StoreError::TimedOut(_))
     }
 
+    /// Retrying cannot help and the data is not at fault: the worker must stop and say why.
+    pub fn is_fatal(&self) -> bool {
+        matches!(
+            self,
+            StoreError::Statement(_)
+                | StoreError::InvalidUrl(_)
+                | StoreError::NotMigrated { .. }
+                | StoreError::Migrate(_)
+        )
+    }
+
     fn classify(err: sqlx::Error) -> Self {
-        let rejected = match &err {
+        let code = match &err {
+            sqlx::Error::Database(db) => db.code().map(|code| code.into_owned()),
+            sqlx::Error::Encode(_) => return StoreError::Rejected(err),
+            _ => None,
+        };
+        match code.as_deref().and_then(|code| code.get(..2)) {
             // Class 22: data exception (bad JSON text, NUL in jsonb, …); class 23: integrity
             // violations other than the conflicts the statements handle.
-            sqlx::Error::Database(db) => db
-                .code()
-                .is_some_and(|code| code.starts_with("22") || code.starts_with("23")),
-            sqlx::Error::Encode(_) => true,
-            _ => false,
-        };
-        if rejected {
-            StoreError::Rejected(err)
-        } else {
-            StoreError::Unavailable(err)
+            Some("22" | "23") => StoreError::Rejected(err),
+            Some("42" | "0A") => StoreError::Statement(err),
+            _ => StoreError::Unavailable(err),
         }
     }
 }
@@ -84,14 +98,25 @@ pub enum Dedup {
     BodyHash,
 }
 
+/// A native position within a source, opaque to the store: the highest per partition is kept.
+/// Positions of one partition compare element by element (a Redis entry id is `[ms, seq]`, a
+/// Kafka offset `[offset]`), in Rust as in PostgreSQL's `bigint[]`.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Position {
+    /// The partition within the source (`""` for a source with a single sequence).
+    pub partition: String,
+    /// The position within the partition.
+    pub value: Vec<i64>,
+}
+
 /// A batch of messages from one source into one queue.
 #[derive(Debug, Clone)]
 pub struct IngestBatch<'a> {
     pub source: &'a str,
     pub queue: &'a str,
     pub dedup: Dedup,
-    /// The highest native stream position in the batch (`ms`, `seq`), if the source has one.
-    pub checkpoint: Option<(u64, u64)>,
+    /// The highest native position in the batch per partition, where the source has positions.
+    pub positions: &'a [Position],
     pub events: &'a [NewEvent],
 }
 
@@ -135,13 +160,13 @@ WITH input AS (
     ON CONFLICT (queue, idempotency_key) WHERE status IN ('pending', 'claimed') DO NOTHING
     RETURNING event_id
 ), checkpoint AS (
-    INSERT INTO source_checkpoints (source, position_ms, position_seq)
-    SELECT $1, $7, $8 WHERE $7::bigint IS NOT NULL AND EXISTS (SELECT 1 FROM new_events)
-    ON CONFLICT (source) DO UPDATE
-        SET position_ms = EXCLUDED.position_ms, position_seq = EXCLUDED.position_seq,
-            updated_at = now()
-        WHERE (source_checkpoints.position_ms, source_checkpoints.position_seq)
-            < (EXCLUDED.position_ms, EXCLUDED.position_seq)
+    INSERT INTO source_positions (source, partition, position)
+    SELECT $1, p.partition, p.position::bigint[]
+    FROM unnest($7::text[], $8::text[]) AS p(partition, position)
+    WHERE EXISTS (SELECT 1 FROM new_events)
+    ON CONFLICT (source, partition) DO UPDATE
+        SET position = EXCLUDED.position, updated_at = now()
+        WHERE source_positions.position < EXCLUDED.position
 )
 SELECT input.ord, new_events.id IS NOT NULL AS new_event, new_todos.event_id IS NOT NULL AS new_todo
 FROM input
@@ -208,7 +233,7 @@ impl Store {
         })
     }
 
-    /// Bounds each of [`Store::ingest_batch`], [`Store::ping`], [`Store::checkpoint`] and
+    /// Bounds each of [`Store::ingest_batch`], [`Store::ping`], [`Store::position`] and
     /// [`Store::events_exist`] by `timeout`: a database that accepts connections but does not
     /// answer (a hung server, a network that drops packets) fails them with
     /// [`StoreError::TimedOut`], which is retryable.
@@ -287,10 +312,20 @@ impl Store {
     /// Stores a batch in one transaction (one statement). Returns one outcome per event.
     pub async fn ingest_batch(&self, batch: &IngestBatch<'_>) -> Result<Vec<Stored>, StoreError> {
         let column = |f: fn(&NewEvent) -> &str| batch.events.iter().map(f).collect::<Vec<&str>>();
-        let (ms, seq) = match batch.checkpoint {
-            Some((ms, seq)) => (Some(to_i64(ms)), Some(to_i64(seq))),
-            None => (None, None),
-        };
+        let partitions: Vec<&str> = batch
+            .positions
+            .iter()
+            .map(|p| p.partition.as_str())
+            .collect();
+        // `bigint[]` literals: `{1700000000000,7}`.
+        let positions: Vec<String> = batch
+            .positions
+            .iter()
+            .map(|p| {
+                let parts: Vec<String> = p.value.iter().map(i64::to_string).collect();
+                format!("{{{}}}", parts.join(","))
+            })
+            .collect();
         let sql = match batch.dedup {
             Dedup::NativeId => INGEST_SQL,
             Dedup::BodyHash => INGEST_BY_BODY_SQL,
@@ -306,7 +341,7 @@ impl Store {
             .bind(column(|e| &e.payload))
             .bind(column(|e| &e.headers));
         if batch.dedup == Dedup::NativeId {
-            query = query.bind(ms).bind(seq);
+            query = query.bind(partitions).bind(positions);
         }
         let rows = self
             .bounded(async |conn| query.fetch_all(conn).await)
@@ -344,27 +379,26 @@ impl Store {
         .await
     }
 
-    /// The highest native position stored for `source`, if any.
-    pub async fn checkpoint(&self, source: &str) -> Result<Option<(u64, u64)>, StoreError> {
-        let row: Option<(i64, i64)> = self
-            .bounded(async |conn| {
-                sqlx::query_as(
-                    "SELECT position_ms, position_seq FROM source_checkpoints WHERE source = $1",
-                )
-                .bind(source)
-                .fetch_optional(conn)
-                .await
-            })
-            .await?;
-        Ok(row.map(|(ms, seq)| (ms.max(0).unsigned_abs(), seq.max(0).unsigned_abs())))
+    /// The highest native position stored for `partition` of `source`, if any.
+    pub async fn position(
+        &self,
+        source: &str,
+        partition: &str,
+    ) -> Result<Option<Vec<i64>>, StoreError> {
+        self.bounded(async |conn| {
+            sqlx::query_scalar(
+                "SELECT position FROM source_positions WHERE source = $1 AND partition = $2",
+            )
+            .bind(source)
+            .bind(partition)
+            .fetch_optional(conn)
+            .await
+        })
+        .await
     }
 
     /// The pool, for callers that need ad-hoc queries (tests, tools).
     pub fn pool(&self) -> &PgPool {
         &self.pool
     }
-}
-
-fn to_i64(value: u64) -> i64 {
-    i64::try_from(value).unwrap_or(i64::MAX)
 }

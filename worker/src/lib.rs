@@ -13,7 +13,10 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use switchboard_api::{ManifestError, QueueAdapter, RedisMode, load_manifest};
+use prometheus_client::registry::Registry;
+use switchboard_api::{
+    Broker, ManifestError, QueueAdapter, QueueAdapterSpec, RedisMode, load_manifest,
+};
 use switchboard_store::{Store, StoreError};
 use switchboard_telemetry::{ErrorChain, Probes};
 use tokio::signal::unix::{Signal, SignalKind, signal};
@@ -22,10 +25,10 @@ use tokio_util::sync::CancellationToken;
 use crate::backoff::Backoff;
 use crate::health::Health;
 use crate::metrics::Metrics;
-use crate::pipeline::{Pipeline, PipelineSettings};
-use crate::transport::redis_list::{ListSettings, RedisList};
-use crate::transport::redis_pubsub::{PubSubSettings, RedisPubSub};
-use crate::transport::redis_stream::{RedisStream, StreamSettings};
+use crate::pipeline::{Pipeline, PipelineError, PipelineSettings};
+use crate::transport::redis::list::{ListSettings, RedisList};
+use crate::transport::redis::pubsub::{PubSubSettings, RedisPubSub};
+use crate::transport::redis::stream::{RedisStream, StreamSettings};
 use crate::transport::{Transport, TransportError};
 
 /// Environment variable for the testing hook that aborts between commit and ack.
@@ -68,12 +71,14 @@ pub enum WorkerError {
     MissingEnv(&'static str),
     #[error("no consumer name: pass --consumer or set HOSTNAME")]
     NoConsumer,
-    #[error("the manifest has no supported source (spec.source.redis)")]
+    #[error("the manifest has no supported source (spec.source.redis or spec.source.sqs)")]
     NoSource,
     #[error(transparent)]
     Store(#[from] StoreError),
     #[error(transparent)]
     Transport(#[from] TransportError),
+    #[error(transparent)]
+    Pipeline(#[from] PipelineError),
     #[error("cannot serve metrics on {addr}")]
     Serve {
         addr: SocketAddr,
@@ -190,10 +195,66 @@ impl Signals {
     }
 }
 
-/// `/healthz`: the loop makes progress; `/readyz`: started and every dependency answers.
+/// What every pipeline shares.
+struct Deps {
+    /// `namespace/name`.
+    adapter: String,
+    store: Store,
+    health: Arc<Health>,
+    cancel: CancellationToken,
+    shutdown_timeout: Duration,
+    settings: PipelineSettings,
+}
+
+/// Runs the loop until it stops, or until the shutdown timeout after cancellation: dropping the
+/// loop there leaves its batch un-acknowledged, never half-acknowledged. The common metrics
+/// join the transport's own in `registry` and are served from then on.
+async fn drive<T: Transport>(
+    transport: T,
+    registry: Registry,
+    broker: &dyn Broker,
+    deps: Deps,
+    probes: &WorkerProbes,
+) -> Result<(), WorkerError> {
+    let Deps {
+        adapter,
+        store,
+        health,
+        cancel,
+        shutdown_timeout,
+        settings,
+    } = deps;
+    let metrics = Arc::new(Metrics::new(&adapter, broker.guarantee(), registry));
+    let _ = probes.metrics.set(metrics.clone());
+    let pipeline = Pipeline::new(transport, store, settings, metrics, health, cancel.clone());
+    tokio::select! {
+        result = pipeline.run() => result?,
+        () = async { cancel.cancelled().await; tokio::time::sleep(shutdown_timeout).await } => {
+            tracing::warn!(timeout = ?shutdown_timeout, "shutdown timeout reached; leaving the batch in hand un-acknowledged");
+        }
+    }
+    Ok(())
+}
+
+/// The pipeline settings of `spec`.
+fn pipeline_settings(spec: &QueueAdapterSpec) -> PipelineSettings {
+    PipelineSettings {
+        queue: spec.target.queue.clone(),
+        batch_size: spec.delivery.batch_size as usize,
+        max_deliveries: u64::from(spec.delivery.max_deliveries),
+        format: spec.payload.format,
+        max_bytes: spec.payload.max_bytes as usize,
+        abort_after_commits: std::env::var(ABORT_AFTER_COMMITS_ENV)
+            .ok()
+            .and_then(|v| v.parse().ok()),
+    }
+}
+
+/// `/healthz`: the loop makes progress; `/readyz`: started and every dependency answers;
+/// `/metrics`: the loop's metrics, once its transport has registered its own.
 struct WorkerProbes {
     health: Arc<Health>,
-    metrics: Arc<Metrics>,
+    metrics: std::sync::OnceLock<Arc<Metrics>>,
 }
 
 impl Probes for WorkerProbes {
@@ -206,35 +267,10 @@ impl Probes for WorkerProbes {
     }
 
     fn metrics(&self) -> String {
-        self.metrics.encode()
-    }
-}
-
-/// What every pipeline shares.
-struct Deps {
-    store: Store,
-    metrics: Arc<Metrics>,
-    health: Arc<Health>,
-    cancel: CancellationToken,
-    shutdown_timeout: Duration,
-}
-
-/// Runs the loop until it stops, or until the shutdown timeout after cancellation: dropping the
-/// loop there leaves its batch un-acknowledged, never half-acknowledged.
-async fn drive<T: Transport>(transport: T, settings: PipelineSettings, deps: Deps) {
-    let Deps {
-        store,
-        metrics,
-        health,
-        cancel,
-        shutdown_timeout,
-    } = deps;
-    let pipeline = Pipeline::new(transport, store, settings, metrics, health, cancel.clone());
-    tokio::select! {
-        () = pipeline.run() => {}
-        () = async { cancel.cancelled().await; tokio::time::sleep(shutdown_timeout).await } => {
-            tracing::warn!(timeout = ?shutdown_timeout, "shutdown timeout reached; leaving the batch in hand un-acknowledged");
-        }
+        self.metrics
+            .get()
+            .map(|metrics| metrics.encode())
+            .unwrap_or_default()
     }
 }
 
@@ -247,15 +283,14 @@ pub async fn run(options: RunOptions) -> Result<(), WorkerError> {
     let adapter = read_adapter(&options.file)?;
     let name = adapter.adapter_name();
     let spec = &adapter.spec;
-    let Some(redis) = spec.source.redis.as_ref() else {
+    let Some(broker) = spec.source.broker() else {
         return Err(WorkerError::NoSource);
     };
     if !spec.enabled {
         tracing::warn!(adapter = %name, "adapter is disabled (spec.enabled: false); nothing to do");
         return Ok(());
     }
-    let guarantee = redis.mode.guarantee();
-    tracing::info!(adapter = %name, mode = redis.mode.as_str(), guarantee = guarantee.as_str(), "starting");
+    tracing::info!(adapter = %name, source = broker.kind(), mode = broker.mode(), guarantee = broker.guarantee().as_str(), "starting");
 
     let consumer = consumer_name(options.consumer)?;
     let store = Store::connect(
@@ -265,16 +300,14 @@ pub async fn run(options: RunOptions) -> Result<(), WorkerError> {
     )
     .await?
     .with_operation_timeout(options.database_timeout);
-    let redis_url = env("REDIS_URL")?;
-    let metrics = Arc::new(Metrics::new(&name, guarantee));
     let health = Arc::new(Health::new());
     let stop_server = CancellationToken::new();
     let probes = Arc::new(WorkerProbes {
         health: health.clone(),
-        metrics: metrics.clone(),
+        metrics: std::sync::OnceLock::new(),
     });
     let (bound, server) =
-        switchboard_telemetry::serve(options.metrics_addr, probes, stop_server.clone())
+        switchboard_telemetry::serve(options.metrics_addr, probes.clone(), stop_server.clone())
             .await
             .map_err(|source| WorkerError::Serve {
                 addr: options.metrics_addr,
@@ -285,96 +318,99 @@ pub async fn run(options: RunOptions) -> Result<(), WorkerError> {
     if !wait_for_schema(&store, &health, &cancel).await? {
         return Ok(());
     }
-    let settings = PipelineSettings {
-        queue: spec.target.queue.clone(),
-        batch_size: spec.delivery.batch_size as usize,
-        max_deliveries: u64::from(spec.delivery.max_deliveries),
-        format: spec.payload.format,
-        max_bytes: spec.payload.max_bytes as usize,
-        abort_after_commits: std::env::var(ABORT_AFTER_COMMITS_ENV)
-            .ok()
-            .and_then(|v| v.parse().ok()),
-    };
+    tracing::info!(consumer = %consumer, "consumer name");
     let deps = Deps {
+        adapter: name,
         store,
-        metrics,
         health,
         cancel,
         shutdown_timeout: options.shutdown_timeout,
+        settings: pipeline_settings(spec),
     };
-    let claim_idle = Duration::from_secs(u64::from(spec.delivery.claim_idle_seconds));
-    let dead_letter = &spec.delivery.dead_letter;
-    tracing::info!(consumer = %consumer, "consumer name");
-    match redis.mode {
-        RedisMode::Stream => {
-            let stream = redis.stream.clone().unwrap_or_default();
-            let transport = RedisStream::new(
-                StreamSettings {
-                    adapter: name.clone(),
-                    dead_letter_stream: dead_letter
-                        .stream
-                        .clone()
-                        .unwrap_or_else(|| format!("{stream}.dlq")),
-                    stream,
-                    group: redis.group.clone(),
-                    consumer,
-                    body_field: redis.body_field.clone(),
-                    start_from: redis.start_from,
-                    claim_idle,
-                    batch_size: settings.batch_size,
-                },
-                &redis_url,
-                deps.store.clone(),
-                deps.metrics.clone(),
-            )?;
-            drive(transport, settings, deps).await;
-        }
-        RedisMode::List => {
-            let list = redis.list.clone().unwrap_or_default();
-            let transport = RedisList::new(
-                ListSettings {
-                    adapter: name.clone(),
-                    dead_letter_list: dead_letter
-                        .list
-                        .clone()
-                        .unwrap_or_else(|| format!("{list}.dlq")),
-                    list,
-                    consumer,
-                    heartbeat_ttl: claim_idle,
-                    batch_size: settings.batch_size,
-                },
-                &redis_url,
-                deps.metrics.clone(),
-            )?;
-            drive(transport, settings, deps).await;
-        }
-        RedisMode::Pubsub => {
-            tracing::warn!(
-                "pub/sub mode is AT-MOST-ONCE: messages published while no worker is subscribed, \
-                 or in memory when the worker dies, are lost; use stream or list mode for durable work"
-            );
-            let channel = redis.channel.clone().unwrap_or_default();
-            let transport = RedisPubSub::new(
-                PubSubSettings {
-                    adapter: name.clone(),
-                    dead_letter_list: dead_letter
-                        .list
-                        .clone()
-                        .unwrap_or_else(|| format!("{channel}.dlq")),
-                    channel,
-                    pattern: redis.pattern,
-                    consumer,
-                },
-                &redis_url,
-                deps.metrics.clone(),
-            )?;
-            drive(transport, settings, deps).await;
-        }
-    }
+    let result = run_source(&adapter, consumer, deps, &probes).await;
     stop_server.cancel();
     let _ = server.await;
+    result?;
     tracing::info!("exiting");
     Ok(())
+}
+
+/// The one place that turns a source spec into its transport, and runs it.
+async fn run_source(
+    adapter: &QueueAdapter,
+    consumer: String,
+    deps: Deps,
+    probes: &WorkerProbes,
+) -> Result<(), WorkerError> {
+    let spec = &adapter.spec;
+    let name = deps.adapter.clone();
+    let mut registry = Metrics::registry();
+    let batch_size = deps.settings.batch_size;
+    let claim_idle = Duration::from_secs(u64::from(spec.delivery.claim_idle_seconds));
+    let dead_letter = &spec.delivery.dead_letter;
+    match (&spec.source.redis, &spec.source.sqs) {
+        (Some(redis), None) => {
+            let url = env("REDIS_URL")?;
+            match redis.mode {
+                RedisMode::Stream => {
+                    let stream = redis.stream.clone().unwrap_or_default();
+                    let settings = StreamSettings {
+                        adapter: name,
+                        dead_letter_stream: dead_letter
+                            .stream
+                            .clone()
+                            .unwrap_or_else(|| format!("{stream}.dlq")),
+                        stream,
+                        group: redis.group.clone(),
+                        consumer,
+                        body_field: redis.body_field.clone(),
+                        start_from: redis.start_from,
+                        claim_idle,
+                        batch_size,
+                    };
+                    let store = deps.store.clone();
+                    let transport = RedisStream::new(settings, &url, store, &mut registry)?;
+                    drive(transport, registry, redis, deps, probes).await
+                }
+                RedisMode::List => {
+                    let list = redis.list.clone().unwrap_or_default();
+                    let settings = ListSettings {
+                        adapter: name,
+                        dead_letter_list: dead_letter
+                            .list
+                            .clone()
+                            .unwrap_or_else(|| format!("{list}.dlq")),
+                        list,
+                        consumer,
+                        heartbeat_ttl: claim_idle,
+                        batch_size,
+                    };
+                    let transport = RedisList::new(settings, &url, &mut registry)?;
+                    drive(transport, registry, redis, deps, probes).await
+                }
+                RedisMode::Pubsub => {
+                    tracing::warn!(
+                        "pub/sub mode is AT-MOST-ONCE: messages published while no worker is subscribed, \
+                         or in memory when the worker dies, are lost; use stream or list mode for durable work"
+                    );
+                    let channel = redis.channel.clone().unwrap_or_default();
+                    let settings = PubSubSettings {
+                        adapter: name,
+                        dead_letter_list: dead_letter
+                            .list
+                            .clone()
+                            .unwrap_or_else(|| format!("{channel}.dlq")),
+                        channel,
+                        pattern: redis.pattern,
+                        consumer,
+                    };
+                    let transport = RedisPubSub::new(settings, &url, &mut registry)?;
+                    drive(transport, registry, redis, deps, probes).await
+                }
+            }
+        }
+        _ => Err(WorkerError::NoSource),
+    }
 }
 
 #[cfg(test)]

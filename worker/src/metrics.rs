@@ -46,11 +46,8 @@ pub struct Metrics {
     pub duplicates: Counter,
     pub acked: Counter,
     pub redelivered: Counter,
-    pub reclaimed: Counter,
-    pub group_recreated: Counter,
-    pub consumers_removed: Counter,
-    pub reaped: Counter,
-    pub reconnects: Counter,
+    pub stale_receipts: Counter,
+    pub leases_extended: Counter,
     dead_lettered: Family<ReasonLabels, Counter>,
     errors: Family<DependencyLabels, Counter>,
     dependency_up: Family<DependencyLabels, Gauge>,
@@ -62,7 +59,8 @@ pub struct Metrics {
     pub oldest_pending_age_seconds: Gauge<f64, AtomicU64>,
 }
 
-fn adapter_counter(registry: &mut Registry, name: &str, help: &str, adapter: &str) -> Counter {
+/// A counter labelled with the adapter, registered in `registry` (transports register their own).
+pub fn adapter_counter(registry: &mut Registry, name: &str, help: &str, adapter: &str) -> Counter {
     let family = Family::<AdapterLabels, Counter>::default();
     registry.register(name, help, family.clone());
     family
@@ -110,8 +108,13 @@ fn adapter_histogram(
 }
 
 impl Metrics {
-    pub fn new(adapter: &str, guarantee: DeliveryGuarantee) -> Self {
-        let mut registry = Registry::with_prefix("switchboard");
+    /// A registry with the `switchboard` prefix, for the transport to register its own metrics in
+    /// before [`Metrics::new`] adds the common ones.
+    pub fn registry() -> Registry {
+        Registry::with_prefix("switchboard")
+    }
+
+    pub fn new(adapter: &str, guarantee: DeliveryGuarantee, mut registry: Registry) -> Self {
         let r = &mut registry;
         let received = adapter_counter(
             r,
@@ -143,34 +146,16 @@ impl Metrics {
             "Messages received with a delivery count above one",
             adapter,
         );
-        let reclaimed = adapter_counter(
+        let stale_receipts = adapter_counter(
             r,
-            "messages_reclaimed",
-            "Messages taken over from consumers that stopped acknowledging them",
+            "stale_receipts",
+            "Acknowledgements the broker refused as no longer valid (the message is redelivered and deduplicated)",
             adapter,
         );
-        let group_recreated = adapter_counter(
+        let leases_extended = adapter_counter(
             r,
-            "consumer_group_recreated",
-            "Times the consumer group was missing (NOGROUP) and recreated at the stored checkpoint",
-            adapter,
-        );
-        let consumers_removed = adapter_counter(
-            r,
-            "consumers_removed",
-            "Idle consumers with no pending entries removed from the group",
-            adapter,
-        );
-        let reaped = adapter_counter(
-            r,
-            "messages_reaped",
-            "Items moved back to the list from processing lists of consumers whose heartbeat expired",
-            adapter,
-        );
-        let reconnects = adapter_counter(
-            r,
-            "broker_reconnects",
-            "Times the subscription was re-established after the connection was lost",
+            "leases_extended",
+            "Message leases (visibility timeouts) extended while their batch was still being stored",
             adapter,
         );
         let dead_lettered = Family::<ReasonLabels, Counter>::default();
@@ -254,11 +239,8 @@ impl Metrics {
             duplicates,
             acked,
             redelivered,
-            reclaimed,
-            group_recreated,
-            consumers_removed,
-            reaped,
-            reconnects,
+            stale_receipts,
+            leases_extended,
             dead_lettered,
             errors,
             dependency_up,

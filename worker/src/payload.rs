@@ -20,16 +20,19 @@ pub enum PoisonReason {
     Rejected,
     /// Delivered more than `delivery.maxDeliveries` times without being stored.
     MaxDeliveries,
+    /// The transport could not decode the message the broker delivered.
+    Undecodable,
 }
 
 impl PoisonReason {
-    pub const ALL: [PoisonReason; 6] = [
+    pub const ALL: [PoisonReason; 7] = [
         PoisonReason::InvalidJson,
         PoisonReason::Oversize,
         PoisonReason::NotUtf8,
         PoisonReason::NulCharacter,
         PoisonReason::Rejected,
         PoisonReason::MaxDeliveries,
+        PoisonReason::Undecodable,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -40,6 +43,7 @@ impl PoisonReason {
             PoisonReason::NulCharacter => "nul_character",
             PoisonReason::Rejected => "rejected",
             PoisonReason::MaxDeliveries => "max_deliveries",
+            PoisonReason::Undecodable => "undecodable",
         }
     }
 }

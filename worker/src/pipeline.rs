@@ -1,7 +1,9 @@
 //! The store-then-ack loop: receive a batch → store it in one transaction → acknowledge it.
 //!
-//! Nothing is acknowledged before its todo is committed. Poison is dead-lettered (and only then
-//! acknowledged) without holding up the rest of its batch. A failing dependency is retried
+//! Nothing is acknowledged before its todo is committed. The settle order lives here only:
+//! store the batch → write its dead letters (confirmed by the broker) → acknowledge everything
+//! settled once, in receive order; so a cumulative acknowledgement can never pass an unwritten
+//! dead letter. Poison is dead-lettered without holding up the rest of its batch. A failing dependency is retried
 //! with backoff, logged once per outage, and reported through readiness; shutdown is checked
 //! between batches, and a batch in hand is finished or left un-acknowledged.
 //!
@@ -24,7 +26,9 @@ use crate::backoff::Backoff;
 use crate::health::{Dependency, Health, now_ms};
 use crate::metrics::Metrics;
 use crate::payload::{Poison, PoisonReason, fields_json, payload_json};
-use crate::transport::{DeadLetter, Message, QueueHealth, Transport, TransportError};
+use crate::transport::{
+    DeadLetter, ErrorKind, Message, Position, QueueHealth, QueueProbe, Transport, TransportError,
+};
 
 /// How long past its own next deadline the loop may be silent before `/healthz` fails.
 const LIVENESS_SLACK: Duration = Duration::from_secs(60);
@@ -124,6 +128,15 @@ impl Monitor {
     }
 }
 
+/// Why the loop stopped for good: retrying cannot fix it, the worker exits non-zero.
+#[derive(Debug, thiserror::Error)]
+pub enum PipelineError {
+    #[error(transparent)]
+    Broker(TransportError),
+    #[error("the worker cannot store messages")]
+    Database(#[source] StoreError),
+}
+
 /// What a store task needs; shared by every task of the loop.
 #[derive(Debug)]
 struct StoreContext {
@@ -139,19 +152,36 @@ struct StoreContext {
 /// What the store task made of each event: stored (or a duplicate), or poison PostgreSQL refused.
 type Outcomes = Vec<Result<Stored, Poison>>;
 
+/// The highest position per partition among `positions`.
+fn highest_positions<'a>(positions: impl Iterator<Item = &'a Position>) -> Vec<Position> {
+    let mut highest: Vec<Position> = Vec::new();
+    for position in positions {
+        match highest
+            .iter_mut()
+            .find(|p| p.partition == position.partition)
+        {
+            Some(known) if *known >= *position => {}
+            Some(known) => *known = position.clone(),
+            None => highest.push(position.clone()),
+        }
+    }
+    highest
+}
+
 impl StoreContext {
     /// Stores a batch in one transaction, retrying while the database is unavailable.
-    /// `Ok(None)`: shutdown interrupted a retry. `Err`: PostgreSQL refused the data.
+    /// `Ok(None)`: shutdown interrupted a retry. `Err`: PostgreSQL refused the data, or the
+    /// statement.
     async fn ingest(
         &self,
         events: &[NewEvent],
-        checkpoint: Option<(u64, u64)>,
+        positions: &[Position],
     ) -> Result<Option<Vec<Stored>>, StoreError> {
         let batch = IngestBatch {
             source: &self.source,
             queue: &self.queue,
             dedup: self.dedup,
-            checkpoint,
+            positions,
             events,
         };
         loop {
@@ -175,11 +205,18 @@ impl StoreContext {
     }
 
     /// Stores the events in one transaction. If PostgreSQL rejects the batch's data, stores them
-    /// one by one to find the rows it refuses. `None`: shutdown interrupted a retry.
-    async fn store_events(&self, events: Vec<NewEvent>, origins: Vec<Origin>) -> Option<Outcomes> {
-        let checkpoint = origins.iter().filter_map(|o| o.position).max();
-        let outcomes = match self.ingest(&events, checkpoint).await {
-            Ok(stored) => stored?.into_iter().map(Ok).collect(),
+    /// one by one to find the rows it refuses. `Ok(None)`: shutdown interrupted a retry; `Err`:
+    /// a statement PostgreSQL can never run (fatal).
+    async fn store_events(
+        &self,
+        events: Vec<NewEvent>,
+        origins: Vec<Origin>,
+    ) -> Result<Option<Outcomes>, StoreError> {
+        let positions = highest_positions(origins.iter().filter_map(|o| o.position.as_ref()));
+        let outcomes = match self.ingest(&events, &positions).await {
+            Ok(None) => return Ok(None),
+            Ok(Some(stored)) => stored.into_iter().map(Ok).collect(),
+            Err(err) if err.is_fatal() => return Err(err),
             Err(err) => {
                 tracing::warn!(
                     error = %ErrorChain(&err),
@@ -188,11 +225,11 @@ impl StoreContext {
                 );
                 let mut outcomes = Vec::with_capacity(events.len());
                 for (event, origin) in events.iter().zip(&origins) {
-                    match self
-                        .ingest(std::slice::from_ref(event), origin.position)
-                        .await
-                    {
-                        Ok(stored) => outcomes.extend(stored?.into_iter().map(Ok)),
+                    let positions: Vec<Position> = origin.position.iter().cloned().collect();
+                    match self.ingest(std::slice::from_ref(event), &positions).await {
+                        Ok(None) => return Ok(None),
+                        Ok(Some(stored)) => outcomes.extend(stored.into_iter().map(Ok)),
+                        Err(err) if err.is_fatal() => return Err(err),
                         Err(err) => outcomes.push(Err(Poison {
                             reason: PoisonReason::Rejected,
                             detail: ErrorChain(&err).to_string(),
@@ -203,17 +240,16 @@ impl StoreContext {
             }
         };
         self.record(&outcomes, &origins);
-        Some(outcomes)
+        Ok(Some(outcomes))
     }
 
-    /// Which of `messages` already have an event (native ids only): stored by an earlier
-    /// delivery whose acknowledgement was lost. Retries while the database is unavailable;
-    /// `None`: shutdown interrupted a retry.
-    async fn stored_before(&self, messages: &[&Message]) -> Option<Vec<bool>> {
-        let ids: Vec<&str> = messages.iter().map(|m| m.external_id.as_str()).collect();
+    /// Which of `ids` already have an event (native ids only): stored by an earlier delivery
+    /// whose acknowledgement was lost. Retries while the database is unavailable; `None`:
+    /// shutdown interrupted a retry.
+    async fn stored_before(&self, ids: &[&str]) -> Option<Vec<bool>> {
         loop {
             let started = Instant::now();
-            match self.store.events_exist(&self.source, &ids).await {
+            match self.store.events_exist(&self.source, ids).await {
                 Ok(found) => {
                     self.database.up();
                     return Some(found);
@@ -226,7 +262,7 @@ impl StoreContext {
                 // Cannot tell: dead-letter them, as if they had never been stored.
                 Err(err) => {
                     tracing::warn!(error = %ErrorChain(&err), "cannot check whether messages past maxDeliveries were stored");
-                    return Some(vec![false; messages.len()]);
+                    return Some(vec![false; ids.len()]);
                 }
             }
         }
@@ -255,25 +291,38 @@ impl StoreContext {
 }
 
 /// The broker facts a store task needs about each event.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 struct Origin {
-    position: Option<(u64, u64)>,
+    position: Option<Position>,
     enqueued_at_ms: Option<u64>,
 }
 
+/// The store task of one batch.
+type StoreTask = JoinHandle<Result<Option<Outcomes>, StoreError>>;
+
 /// A received batch whose events are being stored.
-struct InFlight {
-    batch: Vec<Message>,
+struct InFlight<R> {
+    batch: Vec<Message<R>>,
     /// Indexes into `batch` of the messages handed to the store task, in its order.
     stored: Vec<usize>,
     /// Messages found poison before storing: (index into `batch`, reason, detail).
     poison: Vec<(usize, Poison)>,
-    task: Option<JoinHandle<Option<Outcomes>>>,
+    task: Option<StoreTask>,
+    /// When the broker's lease on the batch should next be extended (brokers with a lease).
+    extend_at: Option<Instant>,
+}
+
+/// How one message of a batch was settled.
+enum Settled {
+    /// Stored, or a duplicate of a stored message: acknowledge it.
+    Done,
+    /// Poison: write its dead letter, then acknowledge it.
+    Poison(Poison),
 }
 
 /// The loop for one adapter and one transport.
 #[derive(Debug)]
-pub struct Pipeline<T> {
+pub struct Pipeline<T: Transport> {
     transport: T,
     settings: PipelineSettings,
     context: Arc<StoreContext>,
@@ -282,6 +331,19 @@ pub struct Pipeline<T> {
     health: Arc<Health>,
     cancel: CancellationToken,
     commits: u64,
+    /// Whether the pipeline counts deliveries against `maxDeliveries` (not when the broker
+    /// dead-letters by count itself).
+    count_deliveries: bool,
+}
+
+/// What became of a broker operation that did not succeed.
+enum Stopped {
+    /// Shutdown interrupted a retry.
+    Cancelled,
+    /// The receipts can never be acknowledged.
+    Stale(TransportError),
+    /// Misconfiguration: the worker must exit.
+    Fatal(TransportError),
 }
 
 impl<T: Transport> Pipeline<T> {
@@ -311,6 +373,7 @@ impl<T: Transport> Pipeline<T> {
             health,
             cancel,
             commits: 0,
+            count_deliveries: true,
         }
     }
 
@@ -321,12 +384,11 @@ impl<T: Transport> Pipeline<T> {
         }
     }
 
-    /// Runs a broker operation until it succeeds, backing off on failures. `None`: shutdown
-    /// interrupted a retry.
+    /// Runs a broker operation until it succeeds, backing off on transient failures.
     async fn broker_op<R>(
         &mut self,
         mut op: impl AsyncFnMut(&mut T) -> Result<R, TransportError>,
-    ) -> Option<R> {
+    ) -> Result<R, Stopped> {
         let mut failed = Vec::new();
         loop {
             let attempted = Instant::now();
@@ -336,45 +398,87 @@ impl<T: Transport> Pipeline<T> {
                     for dependency in failed {
                         self.monitor(dependency).up();
                     }
-                    return Some(value);
+                    return Ok(value);
                 }
-                Err(err) => {
-                    let dependency = err.dependency();
-                    if !failed.contains(&dependency) {
-                        failed.push(dependency);
+                Err(err) => match err.kind() {
+                    ErrorKind::Fatal { .. } => return Err(Stopped::Fatal(err)),
+                    ErrorKind::StaleReceipt => return Err(Stopped::Stale(err)),
+                    ErrorKind::Transient => {
+                        let dependency = err.dependency();
+                        if !failed.contains(&dependency) {
+                            failed.push(dependency);
+                        }
+                        if !self
+                            .monitor(dependency)
+                            .back_off(&err, attempted, &self.cancel)
+                            .await
+                        {
+                            return Err(Stopped::Cancelled);
+                        }
                     }
-                    if !self
-                        .monitor(dependency)
-                        .back_off(&err, attempted, &self.cancel)
-                        .await
-                    {
-                        return None;
-                    }
-                }
+                },
             }
         }
     }
 
     /// Runs until cancelled; then finishes (or abandons, un-acknowledged) the batches in hand.
-    pub async fn run(mut self) {
-        if self
+    /// Returns an error when the configuration cannot work (the worker exits non-zero).
+    pub async fn run(mut self) -> Result<(), PipelineError> {
+        match self
             .broker_op(async |transport| transport.prepare().await)
             .await
-            .is_none()
         {
-            return;
+            Ok(()) => {}
+            Err(Stopped::Fatal(err) | Stopped::Stale(err)) => {
+                return Err(PipelineError::Broker(err));
+            }
+            Err(Stopped::Cancelled) => return Ok(()),
         }
+        self.count_deliveries = !self.transport.broker_dead_letters();
         self.health.set_started();
         tracing::info!(source = %self.context.source, queue = %self.settings.queue, "worker started");
+        let probe = self.spawn_probe();
+        let result = self.receive_until_cancelled().await;
+        probe.abort();
+        result
+    }
+
+    /// Reads the queue's health on its own task, so the gauges move while the loop waits on
+    /// the database (or anything else).
+    fn spawn_probe(&self) -> JoinHandle<()> {
+        let mut probe = self.transport.probe();
+        let interval = self.transport.maintenance_interval();
+        let metrics = self.metrics.clone();
+        tokio::spawn(async move {
+            loop {
+                match probe.queue_health().await {
+                    Ok(queue) => record_queue_health(&metrics, queue),
+                    // The loop reports broker outages; the gauges keep their last value.
+                    Err(err) => {
+                        tracing::debug!(error = %ErrorChain(&err), "queue health unavailable")
+                    }
+                }
+                tokio::time::sleep(interval).await;
+            }
+        })
+    }
+
+    async fn receive_until_cancelled(&mut self) -> Result<(), PipelineError> {
         let cancel = self.cancel.clone();
         let interval = self.transport.maintenance_interval();
         let mut next_maintenance = Instant::now();
-        let mut in_flight: VecDeque<InFlight> = VecDeque::new();
+        let mut in_flight: VecDeque<InFlight<T::Receipt>> = VecDeque::new();
+        let mut result = Ok(());
         while !cancel.is_cancelled() {
             self.health.beat(Duration::from_secs(1) + LIVENESS_SLACK);
             if Instant::now() >= next_maintenance {
-                if !self.maintain().await {
-                    break;
+                match self.maintain().await {
+                    Ok(true) => {}
+                    Ok(false) => break,
+                    Err(err) => {
+                        result = Err(err);
+                        break;
+                    }
                 }
                 next_maintenance = Instant::now() + interval;
             }
@@ -385,57 +489,74 @@ impl<T: Transport> Pipeline<T> {
                 () = cancel.cancelled() => break,
                 received = self.transport.receive(batch_size, block) => received,
             };
-            match received {
+            let oldest = match received {
                 Ok(batch) if batch.is_empty() => {
                     self.broker.up();
-                    if let Some(oldest) = in_flight.pop_front() {
-                        self.finish(oldest).await;
-                    }
+                    in_flight.pop_front()
                 }
                 Ok(batch) => {
                     self.broker.up();
-                    in_flight.push_back(self.start(batch));
-                    if in_flight.len() >= IN_FLIGHT
-                        && let Some(oldest) = in_flight.pop_front()
-                    {
-                        self.finish(oldest).await;
+                    let started = self.start(batch);
+                    in_flight.push_back(started);
+                    if in_flight.len() >= IN_FLIGHT {
+                        in_flight.pop_front()
+                    } else {
+                        None
                     }
+                }
+                Err(err) if err.is_fatal() => {
+                    result = Err(PipelineError::Broker(err));
+                    break;
                 }
                 Err(err) => {
                     let monitor = self.monitor(err.dependency());
                     if !monitor.back_off(&err, attempted, &cancel).await {
                         break;
                     }
+                    None
                 }
+            };
+            if let Some(oldest) = oldest
+                && let Err(err) = self.finish(oldest, &mut in_flight).await
+            {
+                result = Err(err);
+                break;
             }
         }
+        // On an error, the rest is left un-acknowledged: the broker redelivers it to the next
+        // worker.
+        result?;
         // Batches in hand are committed and acknowledged, or (shutdown interrupted a retry)
         // left un-acknowledged for redelivery.
         while let Some(oldest) = in_flight.pop_front() {
-            self.finish(oldest).await;
+            self.finish(oldest, &mut in_flight).await?;
         }
         if cancel.is_cancelled() {
             self.transport.shutdown().await;
         }
         tracing::info!("worker stopped");
+        Ok(())
     }
 
-    /// Upkeep and gauges. Returns `false` if shutdown interrupted it.
-    async fn maintain(&mut self) -> bool {
-        let Some(queue) = self
+    /// Upkeep and a database probe. `Ok(false)`: shutdown interrupted it.
+    async fn maintain(&mut self) -> Result<bool, PipelineError> {
+        match self
             .broker_op(async |transport| transport.maintain().await)
             .await
-        else {
-            return false;
-        };
-        self.record_queue_health(queue);
+        {
+            Ok(()) => {}
+            Err(Stopped::Cancelled) => return Ok(false),
+            Err(Stopped::Fatal(err) | Stopped::Stale(err)) => {
+                return Err(PipelineError::Broker(err));
+            }
+        }
         let context = self.context.clone();
         loop {
             let attempted = Instant::now();
             match context.store.ping().await {
                 Ok(()) => {
                     context.database.up();
-                    return true;
+                    return Ok(true);
                 }
                 Err(err) => {
                     if !context
@@ -443,24 +564,15 @@ impl<T: Transport> Pipeline<T> {
                         .back_off(&err, attempted, &self.cancel)
                         .await
                     {
-                        return false;
+                        return Ok(false);
                     }
                 }
             }
         }
     }
 
-    fn record_queue_health(&self, queue: QueueHealth) {
-        let gauge = |value: Option<u64>| i64::try_from(value.unwrap_or(0)).unwrap_or(i64::MAX);
-        self.metrics.backlog.set(gauge(queue.backlog));
-        self.metrics.pending.set(gauge(queue.pending));
-        self.metrics
-            .oldest_pending_age_seconds
-            .set(queue.oldest_pending_age.unwrap_or_default().as_secs_f64());
-    }
-
     /// Classifies a received batch and starts storing what can be stored.
-    fn start(&self, batch: Vec<Message>) -> InFlight {
+    fn start(&self, batch: Vec<Message<T::Receipt>>) -> InFlight<T::Receipt> {
         let settings = &self.settings;
         let count = batch.len() as u64;
         self.metrics.received.inc_by(count);
@@ -473,7 +585,17 @@ impl<T: Transport> Pipeline<T> {
         let mut events = Vec::with_capacity(batch.len());
         let mut origins = Vec::with_capacity(batch.len());
         for (index, message) in batch.iter().enumerate() {
-            if message.delivery_count > settings.max_deliveries {
+            if let Some(detail) = &message.undecodable {
+                poison.push((
+                    index,
+                    Poison {
+                        reason: PoisonReason::Undecodable,
+                        detail: detail.clone(),
+                    },
+                ));
+                continue;
+            }
+            if self.count_deliveries && message.delivery_count > settings.max_deliveries {
                 let detail = format!(
                     "delivered {} times without being stored; delivery.maxDeliveries is {}",
                     message.delivery_count, settings.max_deliveries
@@ -496,7 +618,7 @@ impl<T: Transport> Pipeline<T> {
                         headers: fields_json(&message.headers),
                     });
                     origins.push(Origin {
-                        position: message.position,
+                        position: message.position.clone(),
                         enqueued_at_ms: message.enqueued_at_ms,
                     });
                     stored.push(index);
@@ -513,33 +635,127 @@ impl<T: Transport> Pipeline<T> {
             stored,
             poison,
             task,
+            extend_at: self
+                .transport
+                .lease()
+                .map(|lease| Instant::now() + lease / 2),
         }
     }
 
-    /// Waits for a batch's commit, then acknowledges what was stored and dead-letters the poison.
-    /// Returns early, leaving the batch un-acknowledged, if shutdown interrupted a retry.
-    async fn finish(&mut self, in_flight: InFlight) {
+    /// Waits for a store task. Meanwhile, where the broker has a lease, extends it for this
+    /// batch and the others in flight each time half of it has passed.
+    async fn await_stored(
+        &mut self,
+        task: &mut StoreTask,
+        extend_at: &mut Option<Instant>,
+        batch: &[Message<T::Receipt>],
+        others: &mut VecDeque<InFlight<T::Receipt>>,
+    ) -> Result<Option<Outcomes>, PipelineError> {
+        loop {
+            let due = others
+                .iter()
+                .filter_map(|other| other.extend_at)
+                .chain(*extend_at)
+                .min();
+            let joined = match due {
+                None => task.await,
+                Some(due) => tokio::select! {
+                    joined = &mut *task => joined,
+                    () = tokio::time::sleep_until(due.into()) => {
+                        self.extend_leases(extend_at, batch, others).await?;
+                        continue;
+                    }
+                },
+            };
+            return match joined {
+                Ok(Ok(outcomes)) => Ok(outcomes),
+                Ok(Err(err)) => Err(PipelineError::Database(err)),
+                Err(err) => {
+                    tracing::error!(error = %err, "store task failed; the batch stays un-acknowledged");
+                    Ok(None)
+                }
+            };
+        }
+    }
+
+    /// Extends the lease of every batch whose extension is due.
+    async fn extend_leases(
+        &mut self,
+        extend_at: &mut Option<Instant>,
+        batch: &[Message<T::Receipt>],
+        others: &mut VecDeque<InFlight<T::Receipt>>,
+    ) -> Result<(), PipelineError> {
+        let Some(lease) = self.transport.lease() else {
+            return Ok(());
+        };
+        let now = Instant::now();
+        let next = Some(now + lease / 2);
+        let due = |at: &Option<Instant>| at.is_some_and(|at| at <= now);
+        let mut messages: Vec<&Message<T::Receipt>> = Vec::new();
+        if due(extend_at) {
+            messages.extend(batch);
+            *extend_at = next;
+        }
+        for other in others.iter_mut() {
+            if due(&other.extend_at) {
+                other.extend_at = next;
+                let other: &InFlight<T::Receipt> = other;
+                messages.extend(&other.batch);
+            }
+        }
+        if messages.is_empty() {
+            return Ok(());
+        }
+        let extended = messages.len();
+        match self
+            .broker_op(async |transport| transport.extend_lease(&messages).await)
+            .await
+        {
+            Ok(()) => {
+                self.metrics.leases_extended.inc_by(extended as u64);
+                Ok(())
+            }
+            // The messages went back to the broker; their acknowledgements will be stale.
+            Err(Stopped::Stale(err)) => {
+                tracing::warn!(error = %ErrorChain(&err), "could not extend the lease of messages being stored");
+                Ok(())
+            }
+            Err(Stopped::Cancelled) => Ok(()),
+            Err(Stopped::Fatal(err)) => Err(PipelineError::Broker(err)),
+        }
+    }
+
+    /// Waits for a batch's commit, then settles it: dead letters are written first (and
+    /// confirmed), then everything settled is acknowledged once, in receive order. Returns
+    /// early, leaving the batch un-acknowledged, if shutdown interrupted a retry.
+    async fn finish(
+        &mut self,
+        in_flight: InFlight<T::Receipt>,
+        others: &mut VecDeque<InFlight<T::Receipt>>,
+    ) -> Result<(), PipelineError> {
         let InFlight {
             batch,
             stored,
-            mut poison,
+            poison,
             task,
+            mut extend_at,
         } = in_flight;
-        let mut acks = Vec::with_capacity(batch.len());
-        if let Some(task) = task {
-            let outcomes = match task.await {
-                Ok(Some(outcomes)) => outcomes,
-                Ok(None) => return,
-                Err(err) => {
-                    tracing::error!(error = %err, "store task failed; the batch stays un-acknowledged");
-                    return;
-                }
+        let mut settled: Vec<Option<Settled>> = (0..batch.len()).map(|_| None).collect();
+        for (index, verdict) in poison {
+            settled[index] = Some(Settled::Poison(verdict));
+        }
+        if let Some(mut task) = task {
+            let Some(outcomes) = self
+                .await_stored(&mut task, &mut extend_at, &batch, others)
+                .await?
+            else {
+                return Ok(());
             };
             for (index, outcome) in stored.into_iter().zip(outcomes) {
-                match outcome {
-                    Ok(_) => acks.push(&batch[index]),
-                    Err(verdict) => poison.push((index, verdict)),
-                }
+                settled[index] = Some(match outcome {
+                    Ok(_) => Settled::Done,
+                    Err(verdict) => Settled::Poison(verdict),
+                });
             }
             self.commits += 1;
             if self.settings.abort_after_commits == Some(self.commits) {
@@ -549,68 +765,159 @@ impl<T: Transport> Pipeline<T> {
                 std::process::abort();
             }
         }
-
-        // Past maxDeliveries but stored already (a crash between an earlier commit and its
-        // ack): acknowledge it as the duplicate it is, rather than dead-letter a stored message.
-        let overdue: Vec<usize> = poison
-            .iter()
-            .filter(|(_, verdict)| verdict.reason == PoisonReason::MaxDeliveries)
-            .map(|(index, _)| *index)
-            .collect();
-        if !overdue.is_empty() && self.context.dedup == Dedup::NativeId {
-            let messages: Vec<&Message> = overdue.iter().map(|&index| &batch[index]).collect();
-            // Shutdown interrupted the check: leave them un-acknowledged, for redelivery.
-            let found = self.context.stored_before(&messages).await;
-            let (stored, unknown): (Vec<usize>, Vec<usize>) = match found {
-                Some(found) => (
-                    overdue
-                        .into_iter()
-                        .zip(found)
-                        .filter_map(|(index, exists)| exists.then_some(index))
-                        .collect(),
-                    Vec::new(),
-                ),
-                None => (Vec::new(), overdue),
-            };
-            poison.retain(|(index, _)| !stored.contains(index) && !unknown.contains(index));
-            self.metrics.duplicates.inc_by(stored.len() as u64);
-            acks.extend(stored.into_iter().map(|index| &batch[index]));
-        }
-
-        if !acks.is_empty()
-            && self
-                .broker_op(async |transport| transport.ack(&acks).await)
-                .await
-                .is_some()
+        if !self
+            .acknowledge_overdue_duplicates(&batch, &mut settled)
+            .await
         {
-            self.metrics.acked.inc_by(acks.len() as u64);
+            return Ok(());
         }
 
-        if !poison.is_empty() {
-            let letters: Vec<DeadLetter<'_>> = poison
-                .into_iter()
-                .map(|(index, verdict)| DeadLetter {
-                    message: &batch[index],
+        let letters: Vec<DeadLetter<'_, T::Receipt>> = settled
+            .iter()
+            .zip(&batch)
+            .filter_map(|(settled, message)| match settled {
+                Some(Settled::Poison(verdict)) => Some(DeadLetter {
+                    message,
                     reason: verdict.reason,
-                    error: verdict.detail,
-                })
-                .collect();
-            let written = self
-                .broker_op(async |transport| transport.dead_letter(&letters).await)
+                    error: verdict.detail.clone(),
+                }),
+                _ => None,
+            })
+            .collect();
+        if !letters.is_empty() {
+            match self
+                .broker_op(async |transport| transport.write_dead_letters(&letters).await)
                 .await
-                .is_some();
-            if written {
-                for letter in &letters {
-                    self.metrics.dead_lettered(letter.reason);
-                    tracing::warn!(
-                        id = %letter.message.external_id,
-                        reason = letter.reason.as_str(),
-                        delivery_count = letter.message.delivery_count,
-                        error = %letter.error,
-                        "dead-lettered message"
-                    );
+            {
+                Ok(()) => {}
+                // Not written: nothing of the batch is acknowledged (a cumulative
+                // acknowledgement would pass the unwritten dead letter).
+                Err(Stopped::Cancelled) => return Ok(()),
+                Err(Stopped::Stale(err)) => {
+                    tracing::warn!(error = %ErrorChain(&err), "dead letters were not written; the batch is left for redelivery");
+                    return Ok(());
                 }
+                Err(Stopped::Fatal(err)) => return Err(PipelineError::Broker(err)),
+            }
+            for letter in &letters {
+                self.metrics.dead_lettered(letter.reason);
+                tracing::warn!(
+                    id = %letter.message.external_id,
+                    reason = letter.reason.as_str(),
+                    delivery_count = letter.message.delivery_count,
+                    error = %letter.error,
+                    "dead-lettered message"
+                );
             }
         }
+
+        let acks: Vec<&Message<T::Receipt>> = settled
+            .iter()
+            .zip(&batch)
+            .filter_map(|(settled, message)| settled.is_some().then_some(message))
+            .collect();
+        self.acknowledge(acks).await
     }
+
+    /// Past maxDeliveries but stored already (a crash between an earlier commit and its ack):
+    /// settled as the duplicate it is, rather than dead-letter a stored message. Returns
+    /// `false` when shutdown interrupted the check (the batch is left un-acknowledged).
+    async fn acknowledge_overdue_duplicates(
+        &self,
+        batch: &[Message<T::Receipt>],
+        settled: &mut [Option<Settled>],
+    ) -> bool {
+        if self.context.dedup != Dedup::NativeId {
+            return true;
+        }
+        let overdue: Vec<usize> = settled
+            .iter()
+            .enumerate()
+            .filter_map(|(index, settled)| match settled {
+                Some(Settled::Poison(verdict)) if verdict.reason == PoisonReason::MaxDeliveries => {
+                    Some(index)
+                }
+                _ => None,
+            })
+            .collect();
+        if overdue.is_empty() {
+            return true;
+        }
+        let ids: Vec<&str> = overdue
+            .iter()
+            .map(|&index| batch[index].external_id.as_str())
+            .collect();
+        let Some(found) = self.context.stored_before(&ids).await else {
+            return false;
+        };
+        for (index, exists) in overdue.into_iter().zip(found) {
+            if exists {
+                settled[index] = Some(Settled::Done);
+                self.metrics.duplicates.inc();
+            }
+        }
+        true
+    }
+
+    /// Acknowledges `acks` (in receive order); retries what the broker failed to take, counts
+    /// and drops what it calls stale.
+    async fn acknowledge(
+        &mut self,
+        mut acks: Vec<&Message<T::Receipt>>,
+    ) -> Result<(), PipelineError> {
+        while !acks.is_empty() {
+            let attempted = Instant::now();
+            let report = match self
+                .broker_op(async |transport| transport.ack(&acks).await)
+                .await
+            {
+                Ok(report) => report,
+                Err(Stopped::Cancelled) => return Ok(()),
+                Err(Stopped::Stale(err)) => {
+                    self.stale(acks.len(), &err);
+                    return Ok(());
+                }
+                Err(Stopped::Fatal(err)) => return Err(PipelineError::Broker(err)),
+            };
+            let taken = acks.len() - report.stale.len() - report.retry.len();
+            self.metrics.acked.inc_by(taken as u64);
+            if !report.stale.is_empty() {
+                let err =
+                    TransportError::stale("the broker refused receipts as no longer valid", None);
+                self.stale(report.stale.len(), &err);
+            }
+            if report.retry.is_empty() {
+                return Ok(());
+            }
+            acks = report.retry.iter().map(|&index| acks[index]).collect();
+            let err = TransportError::protocol(format!(
+                "the broker did not take {} acknowledgements",
+                acks.len()
+            ));
+            if !self.broker.back_off(&err, attempted, &self.cancel).await {
+                return Ok(());
+            }
+        }
+        Ok(())
+    }
+
+    /// Receipts that can never be acknowledged: counted and dropped (the broker redelivers the
+    /// messages and their keys deduplicate them). Logged once per call, not per receipt.
+    fn stale(&self, count: usize, err: &TransportError) {
+        self.metrics.stale_receipts.inc_by(count as u64);
+        tracing::warn!(
+            count,
+            error = %ErrorChain(err),
+            "acknowledgements refused as stale; the broker redelivers and deduplication collapses them"
+        );
+    }
+}
+
+fn record_queue_health(metrics: &Metrics, queue: QueueHealth) {
+    let gauge = |value: Option<u64>| i64::try_from(value.unwrap_or(0)).unwrap_or(i64::MAX);
+    metrics.backlog.set(gauge(queue.backlog));
+    metrics.pending.set(gauge(queue.pending));
+    metrics
+        .oldest_pending_age_seconds
+        .set(queue.oldest_pending_age.unwrap_or_default().as_secs_f64());
 }

@@ -14,7 +14,7 @@ use anyhow::{Context, Result, ensure};
 use clap::{Parser, ValueEnum};
 use nix::sys::signal::Signal;
 use sqlx::{Connection, PgConnection};
-use switchboard_store::{Dedup, IngestBatch, NewEvent, Store, Stored};
+use switchboard_store::{Dedup, IngestBatch, NewEvent, Position, Store, Stored};
 use switchboard_tests::servers::{Postgres, children_of};
 use switchboard_tests::wait::wait_for;
 use switchboard_tests::worker::{WorkerEnv, WorkerProcess};
@@ -496,7 +496,11 @@ impl Bench {
                 .iter()
                 .map(|entry| stream_event(&name, entry))
                 .collect::<Result<Vec<_>>>()?;
-            let checkpoint = batch.last().and_then(|entry| entry_position(&entry.id));
+            let positions: Vec<Position> = batch
+                .last()
+                .and_then(|entry| entry_position(&entry.id))
+                .into_iter()
+                .collect();
             let (store, source) = (database.store.clone(), format!("redis:test/{name}"));
             let queue = name.clone();
             in_flight.push_back(tokio::spawn(async move {
@@ -505,7 +509,7 @@ impl Bench {
                         source: &source,
                         queue: &queue,
                         dedup: Dedup::NativeId,
-                        checkpoint,
+                        positions: &positions,
                         events: &events,
                     })
                     .await?;
@@ -614,10 +618,17 @@ fn stream_event(name: &str, entry: &redis::streams::StreamId) -> Result<NewEvent
     })
 }
 
-/// The stream position (`ms`, `seq`) of an entry id.
-fn entry_position(id: &str) -> Option<(u64, u64)> {
+/// The stream position (`[ms, seq]`) of an entry id.
+fn entry_position(id: &str) -> Option<Position> {
     let (ms, seq) = id.split_once('-')?;
-    Some((ms.parse().ok()?, seq.parse().ok()?))
+    Some(stream_position(ms.parse().ok()?, seq.parse().ok()?))
+}
+
+fn stream_position(ms: i64, seq: i64) -> Position {
+    Position {
+        partition: String::new(),
+        value: vec![ms, seq],
+    }
 }
 
 /// Waits until the worker has acknowledged `expected` messages of adapter `test/{name}`.
@@ -761,8 +772,11 @@ impl RawRows {
     }
 
     /// The stream position (`ms`, `seq`) of the last row in `batch`.
-    fn checkpoint(&self, batch: &Range<usize>) -> (u64, u64) {
-        (self.first_ms, batch.end as u64 - 1)
+    fn checkpoint(&self, batch: &Range<usize>) -> (i64, i64) {
+        (
+            i64::try_from(self.first_ms).unwrap_or(i64::MAX),
+            i64::try_from(batch.end).unwrap_or(i64::MAX) - 1,
+        )
     }
 }
 
@@ -773,7 +787,10 @@ async fn ingest_loop(store: &Store, rows: &RawRows) -> Result<()> {
                 source: RAW_SOURCE,
                 queue: RAW_QUEUE,
                 dedup: Dedup::NativeId,
-                checkpoint: Some(rows.checkpoint(&batch)),
+                positions: &[{
+                    let (ms, seq) = rows.checkpoint(&batch);
+                    stream_position(ms, seq)
+                }],
                 events: &rows.events[batch],
             })
             .await?;
@@ -800,13 +817,11 @@ WITH new_events AS (
     ORDER BY staging.ord
     ON CONFLICT (queue, idempotency_key) WHERE status IN ('pending', 'claimed') DO NOTHING
 )
-INSERT INTO source_checkpoints (source, position_ms, position_seq)
-SELECT $1, $3, $4 WHERE EXISTS (SELECT 1 FROM new_events)
-ON CONFLICT (source) DO UPDATE
-    SET position_ms = EXCLUDED.position_ms, position_seq = EXCLUDED.position_seq,
-        updated_at = now()
-    WHERE (source_checkpoints.position_ms, source_checkpoints.position_seq)
-        < (EXCLUDED.position_ms, EXCLUDED.position_seq)
+INSERT INTO source_positions (source, partition, position)
+SELECT $1, '', ARRAY[$3::bigint, $4::bigint] WHERE EXISTS (SELECT 1 FROM new_events)
+ON CONFLICT (source, partition) DO UPDATE
+    SET position = EXCLUDED.position, updated_at = now()
+    WHERE source_positions.position < EXCLUDED.position
 "#;
 
 async fn copy_loop(url: &str, rows: &RawRows) -> Result<()> {
@@ -850,8 +865,8 @@ async fn copy_loop(url: &str, rows: &RawRows) -> Result<()> {
         sqlx::query(STAGED_INGEST_SQL)
             .bind(RAW_SOURCE)
             .bind(RAW_QUEUE)
-            .bind(i64::try_from(ms)?)
-            .bind(i64::try_from(seq)?)
+            .bind(ms)
+            .bind(seq)
             .execute(&mut *tx)
             .await?;
         tx.commit().await?;

@@ -1,47 +1,63 @@
-//! The front half of the pipeline: one module per broker behind one trait.
+//! The front half of the pipeline: the transport contract every broker implements, and one
+//! folder per broker behind it.
 //!
-//! The trait is shaped for every broker the project plans: an opaque `receipt` carries what the
-//! broker needs to acknowledge (a stream entry id, an SQS receipt handle, a NATS reply subject,
-//! an AMQP delivery tag), `delivery_count` carries the broker's redelivery counter, and
-//! `dead_letter` moves poison aside and acknowledges it in one step.
+//! - **Typed receipts**: each transport names its own [`Transport::Receipt`] (a stream entry id,
+//!   an SQS receipt handle, …), carried by every [`Message`] it delivers.
+//! - **Errors say what to do** ([`ErrorKind`]): transient (back off, readiness false), a stale
+//!   receipt (the acknowledgement can never succeed: count it, drop it; the broker redelivers and
+//!   the idempotency key deduplicates), fatal (misconfiguration: the worker exits non-zero with
+//!   a line naming the setting). A message the transport cannot decode is delivered with
+//!   [`Message::undecodable`] set: it is that message's poison, never an outage.
+//! - **Settle order lives in the pipeline only**: it stores a batch, then has the transport
+//!   *write* the batch's dead letters ([`Transport::write_dead_letters`], confirmed by the
+//!   broker), then acknowledges everything settled once, in receive order ([`Transport::ack`]).
+//!   A transport never acknowledges on its own.
+//! - **Slow batches keep their lease**: a transport whose broker hides delivered messages for a
+//!   while ([`Transport::lease`]) is asked to extend it ([`Transport::extend_lease`]) while a
+//!   batch is still being stored past half of it.
+//! - **Queue health is read on its own schedule** by a [`QueueProbe`] on its own task and
+//!   connection, so the gauges keep moving while the database is down.
 
-mod redis_conn;
-pub mod redis_list;
-pub mod redis_pubsub;
-pub mod redis_stream;
+pub mod redis;
+// pub mod sqs;
 
+use std::future::Future;
 use std::time::Duration;
 
 use switchboard_store::Dedup;
+pub use switchboard_store::Position;
 
 use crate::health::Dependency;
 use crate::payload::PoisonReason;
 
 /// One message received from a broker and not yet acknowledged.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Message {
-    /// What the broker needs to acknowledge this delivery.
-    pub receipt: String,
+pub struct Message<R> {
+    /// What the broker needs to acknowledge (or extend) this delivery.
+    pub receipt: R,
     /// The message's id, unique within the source: the native id, else a body hash.
     pub external_id: String,
-    /// The todo idempotency key (`redis:{adapter}:{id}`).
+    /// The todo idempotency key (`{kind}:{adapter}:{id}`).
     pub idempotency_key: String,
     /// The body, byte-for-byte.
     pub body: Vec<u8>,
-    /// Other fields or headers of the message, byte-for-byte.
+    /// Other fields, attributes or headers of the message, byte-for-byte.
     pub headers: Vec<(String, Vec<u8>)>,
     /// How many times the broker has delivered this message, this delivery included.
     pub delivery_count: u64,
     /// When the broker accepted the message (Unix ms), if it says.
     pub enqueued_at_ms: Option<u64>,
-    /// The native position (`ms`, `seq`) for the source checkpoint, if the broker has one.
-    pub position: Option<(u64, u64)>,
+    /// The message's native position, for the source's checkpoint, if the broker has one.
+    pub position: Option<Position>,
+    /// Why the transport could not decode this message, if it could not: the message is
+    /// dead-lettered (with what could be read of it) instead of stored.
+    pub undecodable: Option<String>,
 }
 
 /// A message to move to the dead-letter destination, with why.
 #[derive(Debug, Clone)]
-pub struct DeadLetter<'a> {
-    pub message: &'a Message,
+pub struct DeadLetter<'a, R> {
+    pub message: &'a Message<R>,
     pub reason: PoisonReason,
     pub error: String,
 }
@@ -57,62 +73,209 @@ pub struct QueueHealth {
     pub oldest_pending_age: Option<Duration>,
 }
 
-/// A broker failure. All of them are treated as transient: back off and retry.
+/// What to do about a failure.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ErrorKind {
+    /// The dependency is unavailable: back off and retry; readiness is false meanwhile.
+    Transient,
+    /// The receipts of the call can never be acknowledged (the broker already gave the messages
+    /// to someone else, or the channel they came on is gone): count them, drop them. The broker
+    /// redelivers and the idempotency key deduplicates.
+    StaleReceipt,
+    /// Misconfiguration that retrying cannot fix (a missing queue, denied credentials, a wrong
+    /// region): the worker exits non-zero. `setting` names what to fix.
+    Fatal { setting: String },
+}
+
+/// A failure of a broker (or of the database, while the transport reads its checkpoint).
 #[derive(Debug, thiserror::Error)]
-pub enum TransportError {
-    #[error("redis command {command} failed")]
-    Redis {
-        command: &'static str,
-        #[source]
-        source: redis::RedisError,
-    },
-    #[error("redis reply to {command} was not understood: {detail}")]
-    Protocol {
-        command: &'static str,
-        detail: String,
-    },
-    #[error("could not read the stored checkpoint")]
-    Checkpoint(#[source] switchboard_store::StoreError),
+#[error("{context}")]
+pub struct TransportError {
+    kind: ErrorKind,
+    dependency: Dependency,
+    context: String,
+    #[source]
+    source: Option<Box<dyn std::error::Error + Send + Sync>>,
 }
 
 impl TransportError {
+    fn new(
+        kind: ErrorKind,
+        dependency: Dependency,
+        context: impl Into<String>,
+        source: Option<Box<dyn std::error::Error + Send + Sync>>,
+    ) -> Self {
+        Self {
+            kind,
+            dependency,
+            context: context.into(),
+            source,
+        }
+    }
+
+    /// The broker is unavailable; `context` says what was attempted.
+    pub fn transient(
+        context: impl Into<String>,
+        source: impl std::error::Error + Send + Sync + 'static,
+    ) -> Self {
+        Self::new(
+            ErrorKind::Transient,
+            Dependency::Broker,
+            context,
+            Some(Box::new(source)),
+        )
+    }
+
+    /// The broker answered something the transport does not understand (retried: a server in
+    /// the middle of a restart, a proxy).
+    pub fn protocol(context: impl Into<String>) -> Self {
+        Self::new(ErrorKind::Transient, Dependency::Broker, context, None)
+    }
+
+    /// The receipts of the call can never be acknowledged.
+    pub fn stale(
+        context: impl Into<String>,
+        source: Option<Box<dyn std::error::Error + Send + Sync>>,
+    ) -> Self {
+        Self::new(ErrorKind::StaleReceipt, Dependency::Broker, context, source)
+    }
+
+    /// Misconfiguration: `setting` names what to fix (`spec.source.sqs.queueUrl`,
+    /// `AWS_ACCESS_KEY_ID`, …); `context` says what went wrong.
+    pub fn fatal(
+        setting: impl Into<String>,
+        context: impl Into<String>,
+        source: Option<Box<dyn std::error::Error + Send + Sync>>,
+    ) -> Self {
+        let setting = setting.into();
+        let context = format!("{setting}: {}", context.into());
+        Self::new(
+            ErrorKind::Fatal { setting },
+            Dependency::Broker,
+            context,
+            source,
+        )
+    }
+
+    /// The database failed while the transport read its checkpoint.
+    pub fn checkpoint(source: switchboard_store::StoreError) -> Self {
+        let kind = if source.is_retryable() {
+            ErrorKind::Transient
+        } else {
+            ErrorKind::Fatal {
+                setting: "DATABASE_URL".to_owned(),
+            }
+        };
+        Self::new(
+            kind,
+            Dependency::Database,
+            "could not read the stored checkpoint",
+            Some(Box::new(source)),
+        )
+    }
+
+    pub fn kind(&self) -> &ErrorKind {
+        &self.kind
+    }
+
     /// The dependency whose failure this is.
     pub fn dependency(&self) -> Dependency {
-        match self {
-            TransportError::Checkpoint(_) => Dependency::Database,
-            TransportError::Redis { .. } | TransportError::Protocol { .. } => Dependency::Broker,
-        }
+        self.dependency
+    }
+
+    pub fn is_fatal(&self) -> bool {
+        matches!(self.kind, ErrorKind::Fatal { .. })
     }
 }
 
-/// A broker connection that delivers batches and takes acknowledgements.
+/// The outcome of one acknowledgement call, by index into the messages it was given.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Acked {
+    /// Receipts the broker refused as no longer valid (see [`ErrorKind::StaleReceipt`]).
+    pub stale: Vec<usize>,
+    /// Receipts the broker failed to take this time; the pipeline retries them with backoff.
+    pub retry: Vec<usize>,
+}
+
+impl Acked {
+    /// Every receipt was taken.
+    pub fn all() -> Self {
+        Self::default()
+    }
+}
+
+/// Reads a queue's health on its own task and connection, on its own schedule.
+pub trait QueueProbe: Send + 'static {
+    fn queue_health(&mut self) -> impl Future<Output = Result<QueueHealth, TransportError>> + Send;
+}
+
+/// A broker connection that delivers batches, writes dead letters and takes acknowledgements.
 #[allow(async_fn_in_trait)]
 pub trait Transport {
-    /// The event source name (`redis:{adapter}`).
+    /// What the broker needs to acknowledge one delivery.
+    type Receipt: std::fmt::Debug + Clone + Send + Sync + 'static;
+    /// This transport's queue-health reader.
+    type Probe: QueueProbe;
+
+    /// The event source name (`{kind}:{adapter}`).
     fn source(&self) -> &str;
 
     /// How the store deduplicates this transport's messages.
     fn dedup(&self) -> Dedup;
 
-    /// Connects and creates what the broker needs (consumer group, …). Idempotent.
+    /// Connects and creates what the broker needs (consumer group, …). Idempotent. Fails
+    /// fatally when the configuration cannot work (a queue that does not exist, …).
     async fn prepare(&mut self) -> Result<(), TransportError>;
 
-    /// Up to `max` messages. With `block`, waits a bounded time (about a second) when there are
-    /// none; without, returns at once. Dropping the future is safe: undelivered entries stay
-    /// with the broker.
-    async fn receive(&mut self, max: usize, block: bool) -> Result<Vec<Message>, TransportError>;
+    /// Up to `max` messages. With `block`, waits a bounded time (at most a few seconds) when
+    /// there are none; without, returns at once. Dropping the future is safe: undelivered
+    /// messages stay with the broker.
+    async fn receive(
+        &mut self,
+        max: usize,
+        block: bool,
+    ) -> Result<Vec<Message<Self::Receipt>>, TransportError>;
 
-    /// Acknowledges messages whose todos are committed.
-    async fn ack(&mut self, messages: &[&Message]) -> Result<(), TransportError>;
+    /// Writes dead letters with their context, waiting for the broker's confirmation. Does
+    /// **not** acknowledge the originals: the pipeline does, once they are written.
+    async fn write_dead_letters(
+        &mut self,
+        letters: &[DeadLetter<'_, Self::Receipt>],
+    ) -> Result<(), TransportError>;
 
-    /// Writes dead letters with their context, then acknowledges the originals.
-    async fn dead_letter(&mut self, letters: &[DeadLetter<'_>]) -> Result<(), TransportError>;
+    /// Acknowledges settled messages (stored, duplicate or dead-lettered), given in receive
+    /// order. An error applies to the whole call (retried if transient, dropped if stale).
+    async fn ack(&mut self, messages: &[&Message<Self::Receipt>]) -> Result<Acked, TransportError>;
 
-    /// Periodic upkeep: take over messages of dead consumers, tidy up, and report queue health.
-    async fn maintain(&mut self) -> Result<QueueHealth, TransportError>;
+    /// How long the broker keeps a delivered message from others without an acknowledgement,
+    /// where it has such a lease (SQS visibility timeout, NATS AckWait).
+    fn lease(&self) -> Option<Duration> {
+        None
+    }
 
-    /// How often `maintain` should run.
+    /// Extends the lease of messages still being stored by another [`Transport::lease`].
+    async fn extend_lease(
+        &mut self,
+        _messages: &[&Message<Self::Receipt>],
+    ) -> Result<(), TransportError> {
+        Ok(())
+    }
+
+    /// Whether the broker itself moves a message delivered too often to its own dead-letter
+    /// queue (an SQS `RedrivePolicy`): the pipeline then leaves counting deliveries to it.
+    /// Asked once, after [`Transport::prepare`].
+    fn broker_dead_letters(&self) -> bool {
+        false
+    }
+
+    /// Periodic upkeep: take over messages of dead consumers, tidy up.
+    async fn maintain(&mut self) -> Result<(), TransportError>;
+
+    /// How often `maintain` runs, and the queue-health probe with it.
     fn maintenance_interval(&self) -> Duration;
+
+    /// A queue-health reader with its own connection.
+    fn probe(&self) -> Self::Probe;
 
     /// After the loop stopped gracefully: hand back what was received and not acknowledged,
     /// where the broker needs that (a list's processing list). Best effort.

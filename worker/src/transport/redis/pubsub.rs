@@ -3,20 +3,27 @@
 //! acknowledgement, so a message published while no worker is subscribed, or held in memory when
 //! the worker dies, is lost. After a lost connection the worker re-subscribes with backoff.
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use futures::StreamExt;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::registry::Registry;
 use redis::aio::PubSub;
 use switchboard_store::Dedup;
 use tokio::time::{Instant, timeout, timeout_at};
 
-use super::redis_conn::{
-    BLOCK, CONTROL_TIMEOUT, Connection, Origin, body_hash, dead_letter_record, open, redis_error,
+use super::{
+    BLOCK, CONTROL_TIMEOUT, Connection, Origin, body_hash, dead_letter_record, open, protocol,
+    redis_error,
 };
-use super::{DeadLetter, Message, QueueHealth, Transport, TransportError};
 use crate::health::now_ms;
-use crate::metrics::Metrics;
+use crate::metrics::adapter_counter;
+use crate::transport::{
+    Acked, DeadLetter, Message, QueueHealth, QueueProbe, Transport, TransportError,
+};
+
+/// Published messages have nothing to acknowledge.
+type Published = Message<()>;
 
 /// How long a batch waits for more messages once the first has arrived.
 const LINGER: Duration = Duration::from_millis(50);
@@ -42,7 +49,8 @@ pub struct RedisPubSub {
     /// Whether a subscription existed before: the next one is a reconnect.
     subscribed_before: bool,
     control: Connection,
-    metrics: Arc<Metrics>,
+    /// Subscriptions re-established after the connection was lost.
+    reconnects: Counter,
 }
 
 impl std::fmt::Debug for RedisPubSub {
@@ -58,17 +66,22 @@ impl RedisPubSub {
     pub fn new(
         settings: PubSubSettings,
         redis_url: &str,
-        metrics: Arc<Metrics>,
+        registry: &mut Registry,
     ) -> Result<Self, TransportError> {
         let client = open(redis_url)?;
         Ok(Self {
+            reconnects: adapter_counter(
+                registry,
+                "broker_reconnects",
+                "Times the subscription was re-established after the connection was lost",
+                &settings.adapter,
+            ),
             source: format!("redis:{}", settings.adapter),
             control: Connection::new(client.clone(), CONTROL_TIMEOUT),
             client,
             settings,
             subscription: None,
             subscribed_before: false,
-            metrics,
         })
     }
 
@@ -78,7 +91,7 @@ impl RedisPubSub {
         }
         let mut pubsub = timeout(CONTROL_TIMEOUT, self.client.get_async_pubsub())
             .await
-            .map_err(|_| super::redis_conn::protocol("SUBSCRIBE", "timed out connecting"))?
+            .map_err(|_| protocol("SUBSCRIBE", "timed out connecting"))?
             .map_err(redis_error("SUBSCRIBE"))?;
         let channel = self.settings.channel.clone();
         let subscribed = if self.settings.pattern {
@@ -88,7 +101,7 @@ impl RedisPubSub {
         };
         subscribed.map_err(redis_error("SUBSCRIBE"))?;
         if self.subscribed_before {
-            self.metrics.reconnects.inc();
+            self.reconnects.inc();
             tracing::info!(channel = %channel, "re-subscribed after the connection was lost");
         } else {
             tracing::info!(channel = %channel, pattern = self.settings.pattern, "subscribed");
@@ -98,7 +111,7 @@ impl RedisPubSub {
         Ok(())
     }
 
-    fn to_message(&self, msg: &redis::Msg) -> Message {
+    fn to_message(&self, msg: &redis::Msg) -> Published {
         let body = msg.get_payload_bytes().to_vec();
         let hash = body_hash(&body);
         let mut headers = vec![(
@@ -109,7 +122,7 @@ impl RedisPubSub {
             headers.push(("pattern".to_owned(), pattern.into_bytes()));
         }
         Message {
-            receipt: hash.clone(),
+            receipt: (),
             external_id: format!("sha256:{hash}"),
             idempotency_key: format!("{}:sha256:{hash}", self.source),
             body,
@@ -117,16 +130,30 @@ impl RedisPubSub {
             delivery_count: 1,
             enqueued_at_ms: Some(now_ms()),
             position: None,
+            undecodable: None,
         }
     }
 
     fn lost(&mut self) -> TransportError {
         self.subscription = None;
-        super::redis_conn::protocol("SUBSCRIBE", "connection lost")
+        protocol("SUBSCRIBE", "connection lost")
+    }
+}
+
+/// A channel has no queue to report on.
+#[derive(Debug)]
+pub struct NoQueue;
+
+impl QueueProbe for NoQueue {
+    async fn queue_health(&mut self) -> Result<QueueHealth, TransportError> {
+        Ok(QueueHealth::default())
     }
 }
 
 impl Transport for RedisPubSub {
+    type Receipt = ();
+    type Probe = NoQueue;
+
     fn source(&self) -> &str {
         &self.source
     }
@@ -139,7 +166,7 @@ impl Transport for RedisPubSub {
         self.subscribe().await
     }
 
-    async fn receive(&mut self, max: usize, block: bool) -> Result<Vec<Message>, TransportError> {
+    async fn receive(&mut self, max: usize, block: bool) -> Result<Vec<Published>, TransportError> {
         self.subscribe().await?;
         let Some(subscription) = self.subscription.as_mut() else {
             return Ok(Vec::new());
@@ -175,11 +202,14 @@ impl Transport for RedisPubSub {
         Ok(received.iter().map(|msg| self.to_message(msg)).collect())
     }
 
-    async fn ack(&mut self, _messages: &[&Message]) -> Result<(), TransportError> {
-        Ok(())
+    async fn ack(&mut self, _messages: &[&Published]) -> Result<Acked, TransportError> {
+        Ok(Acked::all())
     }
 
-    async fn dead_letter(&mut self, letters: &[DeadLetter<'_>]) -> Result<(), TransportError> {
+    async fn write_dead_letters(
+        &mut self,
+        letters: &[DeadLetter<'_, ()>],
+    ) -> Result<(), TransportError> {
         if letters.is_empty() {
             return Ok(());
         }
@@ -197,11 +227,15 @@ impl Transport for RedisPubSub {
         self.control.query("LPUSH", &cmd).await.map(drop)
     }
 
-    async fn maintain(&mut self) -> Result<QueueHealth, TransportError> {
-        Ok(QueueHealth::default())
+    async fn maintain(&mut self) -> Result<(), TransportError> {
+        Ok(())
     }
 
     fn maintenance_interval(&self) -> Duration {
         Duration::from_secs(30)
+    }
+
+    fn probe(&self) -> NoQueue {
+        NoQueue
     }
 }

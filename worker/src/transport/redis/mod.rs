@@ -1,5 +1,10 @@
-//! Redis plumbing shared by the stream, list and pub/sub transports: connections that reconnect
-//! after failures, error mapping, reply helpers, body-hash keys and the dead-letter record.
+//! Redis: streams with a consumer group, reliable lists and pub/sub, and the plumbing they share:
+//! connections that reconnect after failures, error mapping, reply helpers, body-hash keys and
+//! the dead-letter record.
+
+pub mod list;
+pub mod pubsub;
+pub mod stream;
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -17,14 +22,21 @@ pub const CONTROL_TIMEOUT: Duration = Duration::from_secs(10);
 pub const BLOCK: Duration = Duration::from_secs(1);
 
 pub fn redis_error(command: &'static str) -> impl FnOnce(redis::RedisError) -> TransportError {
-    move |source| TransportError::Redis { command, source }
+    move |source| TransportError::transient(format!("redis command {command} failed"), source)
 }
 
 pub fn protocol(command: &'static str, detail: impl Into<String>) -> TransportError {
-    TransportError::Protocol {
-        command,
-        detail: detail.into(),
-    }
+    TransportError::protocol(format!(
+        "redis reply to {command} was not understood: {}",
+        detail.into()
+    ))
+}
+
+/// The error code of the Redis reply behind `err` (`NOGROUP`, `BUSYGROUP`, …), if it is one.
+pub fn error_code(err: &TransportError) -> Option<&str> {
+    std::error::Error::source(err)?
+        .downcast_ref::<redis::RedisError>()?
+        .code()
 }
 
 /// Opens a client for `url`.
@@ -151,7 +163,7 @@ pub struct Origin<'a> {
 
 /// A dead letter as one JSON document (list and pub/sub modes): the body byte-for-byte (as
 /// `body` when UTF-8, else `body_base64`) and its context.
-pub fn dead_letter_record(letter: &DeadLetter<'_>, origin: Origin<'_>) -> String {
+pub fn dead_letter_record<R>(letter: &DeadLetter<'_, R>, origin: Origin<'_>) -> String {
     let message = letter.message;
     let mut record = serde_json::json!({
         "reason": letter.reason.as_str(),
@@ -182,9 +194,9 @@ mod tests {
     use crate::payload::PoisonReason;
     use crate::transport::Message;
 
-    fn message(body: &[u8]) -> Message {
+    fn message(body: &[u8]) -> Message<()> {
         Message {
-            receipt: String::new(),
+            receipt: (),
             external_id: "sha256:x".into(),
             idempotency_key: "redis:a/b:sha256:x".into(),
             body: body.to_vec(),
@@ -192,6 +204,7 @@ mod tests {
             delivery_count: 2,
             enqueued_at_ms: Some(0),
             position: None,
+            undecodable: None,
         }
     }
 

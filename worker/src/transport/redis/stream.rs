@@ -9,21 +9,61 @@
 //! - Blocking reads use their own connection so acknowledgements never queue behind them.
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::Arc;
 use std::time::Duration;
 
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::registry::Registry;
 use redis::Value;
 use switchboard_api::StartFrom;
 use switchboard_store::{Dedup, Store};
 
-use super::redis_conn::{
-    BLOCK, CONTROL_TIMEOUT, Connection, array, integer, now_rfc3339, open, protocol, rfc3339_ms,
-    text,
+use super::{
+    BLOCK, CONTROL_TIMEOUT, Connection, array, error_code, integer, now_rfc3339, open, protocol,
+    rfc3339_ms, text,
 };
-use super::{DeadLetter, Message, QueueHealth, Transport, TransportError};
 use crate::health::now_ms;
-use crate::metrics::Metrics;
+use crate::metrics::adapter_counter;
 use crate::payload::fields_json;
+use crate::transport::{
+    Acked, DeadLetter, Message, Position, QueueHealth, QueueProbe, Transport, TransportError,
+};
+
+/// A stream entry id (`ms-seq`): what XACK takes.
+pub type EntryId = String;
+type Entry = Message<EntryId>;
+
+/// The stream transport's own counters.
+#[derive(Debug, Clone)]
+struct StreamMetrics {
+    reclaimed: Counter,
+    group_recreated: Counter,
+    consumers_removed: Counter,
+}
+
+impl StreamMetrics {
+    fn register(registry: &mut Registry, adapter: &str) -> Self {
+        Self {
+            reclaimed: adapter_counter(
+                registry,
+                "messages_reclaimed",
+                "Messages taken over from consumers that stopped acknowledging them",
+                adapter,
+            ),
+            group_recreated: adapter_counter(
+                registry,
+                "consumer_group_recreated",
+                "Times the consumer group was missing (NOGROUP) and recreated at the stored checkpoint",
+                adapter,
+            ),
+            consumers_removed: adapter_counter(
+                registry,
+                "consumers_removed",
+                "Idle consumers with no pending entries removed from the group",
+                adapter,
+            ),
+        }
+    }
+}
 
 /// Everything the stream transport needs to know.
 #[derive(Debug, Clone)]
@@ -56,21 +96,34 @@ pub struct RedisStream {
     /// Blocking reads only, so acknowledgements never queue behind them.
     reader: Connection,
     control: Connection,
+    client: redis::Client,
     store: Store,
-    metrics: Arc<Metrics>,
+    metrics: StreamMetrics,
     /// While `Some`, the consumer is replaying its own pending entries after this id.
     replay_after: Option<String>,
-    reclaimed: VecDeque<Message>,
+    reclaimed: VecDeque<Entry>,
 }
 
 fn is_nogroup(err: &TransportError) -> bool {
-    matches!(err, TransportError::Redis { source, .. } if source.code() == Some("NOGROUP"))
+    error_code(err) == Some("NOGROUP")
 }
+
+/// The checkpoint partition of a stream: a stream has a single sequence.
+const PARTITION: &str = "";
 
 /// `ms-seq` → (ms, seq).
 fn parse_id(id: &str) -> Option<(u64, u64)> {
     let (ms, seq) = id.split_once('-')?;
     Some((ms.parse().ok()?, seq.parse().ok()?))
+}
+
+/// `ms-seq` → its checkpoint position.
+fn position(id: &str) -> Option<Position> {
+    let (ms, seq) = parse_id(id)?;
+    Some(Position {
+        partition: PARTITION.to_owned(),
+        value: vec![i64::try_from(ms).ok()?, i64::try_from(seq).ok()?],
+    })
 }
 
 fn into_array(value: Value) -> Option<Vec<Value>> {
@@ -159,16 +212,17 @@ impl RedisStream {
         settings: StreamSettings,
         redis_url: &str,
         store: Store,
-        metrics: Arc<Metrics>,
+        registry: &mut Registry,
     ) -> Result<Self, TransportError> {
         let client = open(redis_url)?;
         Ok(Self {
             source: format!("redis:{}", settings.adapter),
+            metrics: StreamMetrics::register(registry, &settings.adapter),
             settings,
             reader: Connection::new(client.clone(), BLOCK + CONTROL_TIMEOUT),
-            control: Connection::new(client, CONTROL_TIMEOUT),
+            control: Connection::new(client.clone(), CONTROL_TIMEOUT),
+            client,
             store,
-            metrics,
             replay_after: Some("0".to_owned()),
             reclaimed: VecDeque::new(),
         })
@@ -193,11 +247,15 @@ impl RedisStream {
     async fn ensure_group(&mut self) -> Result<bool, TransportError> {
         let checkpoint = self
             .store
-            .checkpoint(&self.source)
+            .position(&self.source, PARTITION)
             .await
-            .map_err(TransportError::Checkpoint)?;
-        let start = match (checkpoint, self.settings.start_from) {
-            (Some((ms, seq)), _) => format!("{ms}-{seq}"),
+            .map_err(TransportError::checkpoint)?;
+        let start = match (&checkpoint, self.settings.start_from) {
+            (Some(position), _) => position
+                .iter()
+                .map(i64::to_string)
+                .collect::<Vec<_>>()
+                .join("-"),
             (None, StartFrom::Earliest) => "0".to_owned(),
             (None, StartFrom::Latest) => "$".to_owned(),
         };
@@ -222,9 +280,7 @@ impl RedisStream {
                 }
                 Ok(true)
             }
-            Err(TransportError::Redis { source, .. }) if source.code() == Some("BUSYGROUP") => {
-                Ok(false)
-            }
+            Err(err) if error_code(&err) == Some("BUSYGROUP") => Ok(false),
             Err(err) => Err(err),
         }
     }
@@ -235,9 +291,10 @@ impl RedisStream {
         self.ensure_group().await.map(drop)
     }
 
-    fn to_message(&self, raw: RawEntry) -> Option<Message> {
+    fn to_message(&self, raw: RawEntry) -> Option<Entry> {
         let fields = raw.fields?;
-        let position = parse_id(&raw.id);
+        let enqueued_at_ms = parse_id(&raw.id).map(|(ms, _)| ms);
+        let position = position(&raw.id);
         let (body, headers) = match fields
             .iter()
             .position(|(name, _)| *name == self.settings.body_field)
@@ -256,8 +313,9 @@ impl RedisStream {
             body,
             headers,
             delivery_count: 1,
-            enqueued_at_ms: position.map(|(ms, _)| ms),
+            enqueued_at_ms,
             position,
+            undecodable: None,
         })
     }
 
@@ -286,10 +344,7 @@ impl RedisStream {
 
     /// Turns raw entries into messages with their delivery counts; acknowledges entries that
     /// were deleted from the stream while pending (there is nothing left to store).
-    async fn with_counts(
-        &mut self,
-        entries: Vec<RawEntry>,
-    ) -> Result<Vec<Message>, TransportError> {
+    async fn with_counts(&mut self, entries: Vec<RawEntry>) -> Result<Vec<Entry>, TransportError> {
         let (Some(first), Some(last)) = (entries.first(), entries.last()) else {
             return Ok(Vec::new());
         };
@@ -323,7 +378,7 @@ impl RedisStream {
         &mut self,
         after: String,
         max: usize,
-    ) -> Result<Vec<Message>, TransportError> {
+    ) -> Result<Vec<Entry>, TransportError> {
         let mut cmd = redis::cmd("XREADGROUP");
         cmd.arg("GROUP")
             .arg(&self.settings.group)
@@ -344,7 +399,7 @@ impl RedisStream {
         self.with_counts(entries).await
     }
 
-    async fn read_new(&mut self, max: usize, block: bool) -> Result<Vec<Message>, TransportError> {
+    async fn read_new(&mut self, max: usize, block: bool) -> Result<Vec<Entry>, TransportError> {
         let mut cmd = redis::cmd("XREADGROUP");
         cmd.arg("GROUP")
             .arg(&self.settings.group)
@@ -436,18 +491,27 @@ impl RedisStream {
         }
         Ok(())
     }
+}
 
+/// Reads the group's lag, pending count and oldest pending entry on its own connection.
+#[derive(Debug)]
+pub struct StreamProbe {
+    conn: Connection,
+    stream: String,
+    group: String,
+}
+
+impl QueueProbe for StreamProbe {
     async fn queue_health(&mut self) -> Result<QueueHealth, TransportError> {
         let mut cmd = redis::cmd("XINFO");
-        cmd.arg("GROUPS").arg(&self.settings.stream);
-        let reply = self.control("XINFO GROUPS", &cmd).await?;
+        cmd.arg("GROUPS").arg(&self.stream);
+        let reply = self.conn.query("XINFO GROUPS", &cmd).await?;
         let group = array(&reply)
             .unwrap_or_default()
             .iter()
             .map(flat_map)
             .find(|info| {
-                info.get("name").and_then(|v| text(v)).as_deref()
-                    == Some(self.settings.group.as_str())
+                info.get("name").and_then(|v| text(v)).as_deref() == Some(self.group.as_str())
             });
         let backlog = group
             .as_ref()
@@ -455,9 +519,13 @@ impl RedisStream {
         let pending = group
             .as_ref()
             .and_then(|info| info.get("pending").and_then(|v| integer(v)));
-        let summary = self
-            .control("XPENDING", &self.group_cmd("XPENDING"))
-            .await?;
+        let mut cmd = redis::cmd("XPENDING");
+        cmd.arg(&self.stream).arg(&self.group);
+        let summary = match self.conn.query("XPENDING", &cmd).await {
+            // The group is recreated by the loop; until then nothing is pending.
+            Err(err) if is_nogroup(&err) => return Ok(QueueHealth::default()),
+            other => other?,
+        };
         let oldest_pending_age = array(&summary)
             .and_then(|parts| parts.get(1))
             .and_then(text)
@@ -472,6 +540,9 @@ impl RedisStream {
 }
 
 impl Transport for RedisStream {
+    type Receipt = EntryId;
+    type Probe = StreamProbe;
+
     fn source(&self) -> &str {
         &self.source
     }
@@ -484,7 +555,7 @@ impl Transport for RedisStream {
         self.ensure_group().await.map(drop)
     }
 
-    async fn receive(&mut self, max: usize, block: bool) -> Result<Vec<Message>, TransportError> {
+    async fn receive(&mut self, max: usize, block: bool) -> Result<Vec<Entry>, TransportError> {
         if !self.reclaimed.is_empty() {
             let take = max.min(self.reclaimed.len());
             return Ok(self.reclaimed.drain(..take).collect());
@@ -505,18 +576,22 @@ impl Transport for RedisStream {
         }
     }
 
-    async fn ack(&mut self, messages: &[&Message]) -> Result<(), TransportError> {
+    async fn ack(&mut self, messages: &[&Entry]) -> Result<Acked, TransportError> {
         if messages.is_empty() {
-            return Ok(());
+            return Ok(Acked::all());
         }
         let mut cmd = self.group_cmd("XACK");
         for message in messages {
             cmd.arg(&message.receipt);
         }
-        self.control("XACK", &cmd).await.map(drop)
+        self.control("XACK", &cmd).await?;
+        Ok(Acked::all())
     }
 
-    async fn dead_letter(&mut self, letters: &[DeadLetter<'_>]) -> Result<(), TransportError> {
+    async fn write_dead_letters(
+        &mut self,
+        letters: &[DeadLetter<'_, EntryId>],
+    ) -> Result<(), TransportError> {
         if letters.is_empty() {
             return Ok(());
         }
@@ -555,35 +630,31 @@ impl Transport for RedisStream {
                 .arg(&last_seen)
                 .ignore();
         }
-        // Written first, acknowledged only once written: a failed XADD (e.g. a wrong key type)
-        // leaves the entries pending instead of losing them. MULTI would not: it runs the XACK
-        // even when an XADD fails.
-        self.control.pipeline::<()>("XADD", &pipe).await?;
-        let mut ack = self.group_cmd("XACK");
-        for letter in letters {
-            ack.arg(&letter.message.receipt);
-        }
-        self.control.query("XACK", &ack).await.map(drop)
+        self.control.pipeline::<()>("XADD", &pipe).await
     }
 
-    async fn maintain(&mut self) -> Result<QueueHealth, TransportError> {
+    async fn maintain(&mut self) -> Result<(), TransportError> {
         let result = async {
             self.reclaim_idle_entries().await?;
-            self.remove_idle_consumers().await?;
-            self.queue_health().await
+            self.remove_idle_consumers().await
         }
         .await;
         match result {
-            Err(err) if is_nogroup(&err) => {
-                self.recover_group().await?;
-                Ok(QueueHealth::default())
-            }
+            Err(err) if is_nogroup(&err) => self.recover_group().await,
             other => other,
         }
     }
 
     fn maintenance_interval(&self) -> Duration {
         (self.settings.claim_idle / 2).clamp(Duration::from_secs(1), Duration::from_secs(30))
+    }
+
+    fn probe(&self) -> StreamProbe {
+        StreamProbe {
+            conn: Connection::new(self.client.clone(), CONTROL_TIMEOUT),
+            stream: self.settings.stream.clone(),
+            group: self.settings.group.clone(),
+        }
     }
 }
 

@@ -12,20 +12,27 @@
 //!   heartbeat expired back to `L`.
 
 use std::collections::HashSet;
-use std::sync::Arc;
 use std::time::Duration;
 
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::registry::Registry;
 use redis::Value;
 use switchboard_store::Dedup;
 use tokio::task::JoinHandle;
 
-use super::redis_conn::{
+use super::{
     BLOCK, CONTROL_TIMEOUT, Connection, Origin, array, body_hash, dead_letter_record, integer,
     open, text,
 };
-use super::{DeadLetter, Message, QueueHealth, Transport, TransportError};
 use crate::health::now_ms;
-use crate::metrics::Metrics;
+use crate::metrics::adapter_counter;
+use crate::transport::{
+    Acked, DeadLetter, Message, QueueHealth, QueueProbe, Transport, TransportError,
+};
+
+/// The hex SHA-256 of an item's body: its delivery count and first-seen time are kept under it.
+pub type BodyHash = String;
+type Item = Message<BodyHash>;
 
 /// Everything the list transport needs to know.
 #[derive(Debug, Clone)]
@@ -53,7 +60,8 @@ pub struct RedisList {
     client: redis::Client,
     reader: Connection,
     control: Connection,
-    metrics: Arc<Metrics>,
+    /// Items moved back from processing lists of dead consumers.
+    reaped: Counter,
     /// Re-process the own processing list before taking new items.
     replay: bool,
     heartbeat: Option<JoinHandle<()>>,
@@ -74,7 +82,7 @@ impl RedisList {
     pub fn new(
         settings: ListSettings,
         redis_url: &str,
-        metrics: Arc<Metrics>,
+        registry: &mut Registry,
     ) -> Result<Self, TransportError> {
         let client = open(redis_url)?;
         let list = &settings.list;
@@ -88,8 +96,13 @@ impl RedisList {
             reader: Connection::new(client.clone(), BLOCK + CONTROL_TIMEOUT),
             control: Connection::new(client.clone(), CONTROL_TIMEOUT),
             client,
+            reaped: adapter_counter(
+                registry,
+                "messages_reaped",
+                "Items moved back to the list from processing lists of consumers whose heartbeat expired",
+                &settings.adapter,
+            ),
             settings,
-            metrics,
             replay: true,
             heartbeat: None,
         })
@@ -151,7 +164,7 @@ impl RedisList {
     }
 
     /// Counts a delivery of each distinct body (once per batch) and builds the messages.
-    async fn deliver(&mut self, items: Vec<Vec<u8>>) -> Result<Vec<Message>, TransportError> {
+    async fn deliver(&mut self, items: Vec<Vec<u8>>) -> Result<Vec<Item>, TransportError> {
         if items.is_empty() {
             return Ok(Vec::new());
         }
@@ -194,6 +207,7 @@ impl RedisList {
                     delivery_count,
                     enqueued_at_ms: first_seen,
                     position: None,
+                    undecodable: None,
                 }
             })
             .collect())
@@ -201,7 +215,7 @@ impl RedisList {
 
     /// Adds to `pipe`: remove handled items from the processing list (one occurrence each) and
     /// forget their delivery counts.
-    fn settle(&self, pipe: &mut redis::Pipeline, messages: &[&Message]) {
+    fn settle(&self, pipe: &mut redis::Pipeline, messages: &[&Item]) {
         for message in messages {
             pipe.cmd("LREM")
                 .arg(&self.processing)
@@ -250,8 +264,7 @@ impl RedisList {
         if matches!(self.control.query("SET reaper", &lock).await?, Value::Nil) {
             return Ok(());
         }
-        let others: Vec<String> = self
-            .consumers()
+        let others: Vec<String> = consumers(&mut self.control, &self.consumers)
             .await?
             .into_iter()
             .filter(|name| *name != self.settings.consumer)
@@ -269,55 +282,15 @@ impl RedisList {
             forget.arg(&self.consumers).arg(&consumer);
             self.control.query("SREM", &forget).await?;
             if moved > 0 {
-                self.metrics.reaped.inc_by(moved);
+                self.reaped.inc_by(moved);
                 tracing::info!(consumer = %consumer, items = moved, "moved the items of a dead consumer back to the list");
             }
         }
         Ok(())
     }
 
-    /// Every consumer that has held items of this list.
-    async fn consumers(&mut self) -> Result<Vec<String>, TransportError> {
-        let mut members = redis::cmd("SMEMBERS");
-        members.arg(&self.consumers);
-        Ok(array(&self.control.query("SMEMBERS", &members).await?)
-            .unwrap_or_default()
-            .iter()
-            .filter_map(text)
-            .collect())
-    }
-
-    async fn queue_health(&mut self) -> Result<QueueHealth, TransportError> {
-        let members = self.consumers().await?;
-        let mut pipe = redis::pipe();
-        pipe.cmd("LLEN").arg(&self.settings.list);
-        for consumer in &members {
-            pipe.cmd("LLEN")
-                .arg(Self::processing_key(&self.settings.list, consumer));
-        }
-        let lengths: Vec<u64> = self.control.pipeline("LLEN", &pipe).await?;
-        // First delivery times of every body delivered and not yet stored.
-        let mut first_seen = redis::cmd("HVALS");
-        first_seen.arg(&self.first_seen);
-        let oldest = array(&self.control.query("HVALS", &first_seen).await?)
-            .unwrap_or_default()
-            .iter()
-            .filter_map(integer)
-            .min();
-        Ok(QueueHealth {
-            backlog: lengths.first().copied(),
-            pending: Some(lengths.iter().skip(1).sum()),
-            oldest_pending_age: Some(Duration::from_millis(
-                oldest.map_or(0, |ms| now_ms().saturating_sub(ms)),
-            )),
-        })
-    }
     /// The own processing list first (after a start or a failure), then new items.
-    async fn take_items(
-        &mut self,
-        max: usize,
-        block: bool,
-    ) -> Result<Vec<Message>, TransportError> {
+    async fn take_items(&mut self, max: usize, block: bool) -> Result<Vec<Item>, TransportError> {
         if self.replay {
             let mut range = redis::cmd("LRANGE");
             range.arg(&self.processing).arg(0).arg(-1);
@@ -367,7 +340,59 @@ impl RedisList {
     }
 }
 
+/// Every consumer that has held items of the list whose consumer set is `key`.
+async fn consumers(conn: &mut Connection, key: &str) -> Result<Vec<String>, TransportError> {
+    let mut members = redis::cmd("SMEMBERS");
+    members.arg(key);
+    Ok(array(&conn.query("SMEMBERS", &members).await?)
+        .unwrap_or_default()
+        .iter()
+        .filter_map(text)
+        .collect())
+}
+
+/// Reads the list's length, what its consumers hold and the oldest first delivery, on its own
+/// connection.
+#[derive(Debug)]
+pub struct ListProbe {
+    conn: Connection,
+    list: String,
+    consumers: String,
+    first_seen: String,
+}
+
+impl QueueProbe for ListProbe {
+    async fn queue_health(&mut self) -> Result<QueueHealth, TransportError> {
+        let members = consumers(&mut self.conn, &self.consumers).await?;
+        let mut pipe = redis::pipe();
+        pipe.cmd("LLEN").arg(&self.list);
+        for consumer in &members {
+            pipe.cmd("LLEN")
+                .arg(RedisList::processing_key(&self.list, consumer));
+        }
+        let lengths: Vec<u64> = self.conn.pipeline("LLEN", &pipe).await?;
+        // First delivery times of every body delivered and not yet stored.
+        let mut first_seen = redis::cmd("HVALS");
+        first_seen.arg(&self.first_seen);
+        let oldest = array(&self.conn.query("HVALS", &first_seen).await?)
+            .unwrap_or_default()
+            .iter()
+            .filter_map(integer)
+            .min();
+        Ok(QueueHealth {
+            backlog: lengths.first().copied(),
+            pending: Some(lengths.iter().skip(1).sum()),
+            oldest_pending_age: Some(Duration::from_millis(
+                oldest.map_or(0, |ms| now_ms().saturating_sub(ms)),
+            )),
+        })
+    }
+}
+
 impl Transport for RedisList {
+    type Receipt = BodyHash;
+    type Probe = ListProbe;
+
     fn source(&self) -> &str {
         &self.source
     }
@@ -388,7 +413,7 @@ impl Transport for RedisList {
         Ok(())
     }
 
-    async fn receive(&mut self, max: usize, block: bool) -> Result<Vec<Message>, TransportError> {
+    async fn receive(&mut self, max: usize, block: bool) -> Result<Vec<Item>, TransportError> {
         let result = self.take_items(max, block).await;
         if result.is_err() {
             // Items may have been moved into the processing list and not handed out: re-read it.
@@ -397,17 +422,21 @@ impl Transport for RedisList {
         result
     }
 
-    async fn ack(&mut self, messages: &[&Message]) -> Result<(), TransportError> {
+    async fn ack(&mut self, messages: &[&Item]) -> Result<Acked, TransportError> {
         if messages.is_empty() {
-            return Ok(());
+            return Ok(Acked::all());
         }
         let mut pipe = redis::pipe();
         pipe.atomic();
         self.settle(&mut pipe, messages);
-        self.control.pipeline("LREM", &pipe).await
+        self.control.pipeline::<()>("LREM", &pipe).await?;
+        Ok(Acked::all())
     }
 
-    async fn dead_letter(&mut self, letters: &[DeadLetter<'_>]) -> Result<(), TransportError> {
+    async fn write_dead_letters(
+        &mut self,
+        letters: &[DeadLetter<'_, BodyHash>],
+    ) -> Result<(), TransportError> {
         if letters.is_empty() {
             return Ok(());
         }
@@ -417,29 +446,29 @@ impl Transport for RedisList {
             adapter: &self.settings.adapter,
             consumer: &self.settings.consumer,
         };
-        // Written first, removed only once written: a failed write (e.g. a wrong key type)
-        // leaves the items for redelivery instead of losing them. MULTI would not: it runs
-        // the removal even when the write fails.
         let mut write = redis::cmd("LPUSH");
         write.arg(&self.settings.dead_letter_list);
         for letter in letters {
             write.arg(dead_letter_record(letter, origin));
         }
-        self.control.query("LPUSH", &write).await?;
-        let messages: Vec<&Message> = letters.iter().map(|l| l.message).collect();
-        let mut pipe = redis::pipe();
-        pipe.atomic();
-        self.settle(&mut pipe, &messages);
-        self.control.pipeline("LREM", &pipe).await
+        self.control.query("LPUSH", &write).await.map(drop)
     }
 
-    async fn maintain(&mut self) -> Result<QueueHealth, TransportError> {
-        self.reap_dead_consumers().await?;
-        self.queue_health().await
+    async fn maintain(&mut self) -> Result<(), TransportError> {
+        self.reap_dead_consumers().await
     }
 
     fn maintenance_interval(&self) -> Duration {
         (self.settings.heartbeat_ttl / 2).clamp(Duration::from_secs(1), Duration::from_secs(30))
+    }
+
+    fn probe(&self) -> ListProbe {
+        ListProbe {
+            conn: Connection::new(self.client.clone(), CONTROL_TIMEOUT),
+            list: self.settings.list.clone(),
+            consumers: self.consumers.clone(),
+            first_seen: self.first_seen.clone(),
+        }
     }
 
     async fn shutdown(&mut self) {

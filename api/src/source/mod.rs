@@ -1,0 +1,83 @@
+//! The brokers a QueueAdapter can pull from: one file per broker, each with its spec, defaults,
+//! CEL rules, the Secret keys it turns into environment variables, its delivery guarantee and
+//! its dead-letter target. [`Source::broker`] is the one place that knows which brokers exist.
+
+pub mod redis;
+pub mod sqs;
+
+use kube::KubeSchema;
+use serde::{Deserialize, Serialize};
+
+use crate::{Delivery, DeliveryGuarantee, FieldError, SecretKeyRef};
+use redis::RedisSource;
+use sqs::SqsSource;
+
+/// The broker to pull from: exactly one key.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
+#[x_kube(
+    validation = Rule::new("[has(self.redis), has(self.sqs)].filter(x, x).size() == 1").message("spec.source: exactly one broker must be set (redis or sqs)"),
+    validation = Rule::new("has(self.redis) == has(oldSelf.redis) && has(self.sqs) == has(oldSelf.sqs)").message("spec.source: the kind of source is immutable; create a new QueueAdapter instead")
+)]
+#[serde(rename_all = "camelCase")]
+pub struct Source {
+    /// A Redis stream (consumer group), reliable list, or pub/sub channel.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub redis: Option<RedisSource>,
+    /// An Amazon SQS queue (standard or FIFO), or a queue of an SQS-compatible server.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sqs: Option<SqsSource>,
+}
+
+/// A Secret key the worker reads from its environment.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SecretEnv<'a> {
+    /// The environment variable the worker reads (`REDIS_URL`, `AWS_ACCESS_KEY_ID`, …).
+    pub env: &'static str,
+    pub secret: &'a SecretKeyRef,
+}
+
+/// A Secret reference the worker needs in Kubernetes and the spec lacks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("{field} is required in Kubernetes: the worker reads {env} from that Secret")]
+pub struct MissingSecret {
+    pub field: &'static str,
+    pub env: &'static str,
+}
+
+/// What every broker's spec tells the operator and the worker.
+pub trait Broker: std::fmt::Debug + Send + Sync {
+    /// The key under `spec.source` (`redis`, `sqs`): the status's `source` and the prefix of
+    /// event sources and idempotency keys.
+    fn kind(&self) -> &'static str;
+    /// The broker-specific mode the status shows (`stream`, `fifo`, …).
+    fn mode(&self) -> &'static str;
+    fn guarantee(&self) -> DeliveryGuarantee;
+    /// The Secret keys the worker reads, each with the environment variable it becomes.
+    /// Fails when a reference the worker needs in Kubernetes is missing.
+    fn secret_env(&self) -> Result<Vec<SecretEnv<'_>>, MissingSecret>;
+    /// Removes every Secret reference (for copies kept outside Kubernetes, such as the
+    /// `adapters.config` row).
+    fn strip_secrets(&mut self);
+    /// The rules of the CRD schema and CEL for this broker, checked in Rust.
+    fn validate(&self, delivery: &Delivery, fail: &mut dyn FnMut(FieldError));
+}
+
+impl Source {
+    /// The one broker that is set, if exactly one is.
+    pub fn broker(&self) -> Option<&dyn Broker> {
+        match (&self.redis, &self.sqs) {
+            (Some(redis), None) => Some(redis),
+            (None, Some(sqs)) => Some(sqs),
+            _ => None,
+        }
+    }
+
+    /// [`Source::broker`], mutable.
+    pub fn broker_mut(&mut self) -> Option<&mut dyn Broker> {
+        match (&mut self.redis, &mut self.sqs) {
+            (Some(redis), None) => Some(redis),
+            (None, Some(sqs)) => Some(sqs),
+            _ => None,
+        }
+    }
+}

@@ -1,0 +1,157 @@
+//! `spec.source.redis`: a Redis stream (consumer group), reliable list, or pub/sub channel.
+
+use kube::KubeSchema;
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+use super::{Broker, MissingSecret, SecretEnv};
+use crate::{Delivery, DeliveryGuarantee, FieldError, SecretKeyRef};
+
+/// How the worker reads from Redis.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[x_kube(
+    validation = Rule::new("self.mode != 'stream' || has(self.stream)").message("spec.source.redis.stream is required when mode is stream"),
+    validation = Rule::new("self.mode != 'list' || has(self.list)").message("spec.source.redis.list is required when mode is list"),
+    validation = Rule::new("self.mode != 'pubsub' || has(self.channel)").message("spec.source.redis.channel is required when mode is pubsub"),
+    validation = Rule::new("self.mode == oldSelf.mode").message("spec.source.redis.mode is immutable; create a new QueueAdapter instead"),
+    validation = Rule::new("!has(oldSelf.stream) || (has(self.stream) && self.stream == oldSelf.stream)").message("spec.source.redis.stream is immutable (entry ids of another stream would be taken for redeliveries); create a new QueueAdapter instead")
+)]
+#[serde(rename_all = "camelCase")]
+pub struct RedisSource {
+    /// `stream` (consumer group, at-least-once, recommended), `list` (reliable list,
+    /// at-least-once) or `pubsub` (at-most-once: messages published while no worker is
+    /// subscribed are lost). Cannot be changed after creation.
+    #[serde(default)]
+    pub mode: RedisMode,
+    /// The stream key to read (mode `stream`). Created if missing. Cannot be changed after
+    /// creation: create a new QueueAdapter for another stream.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 512))]
+    pub stream: Option<String>,
+    /// The consumer group (mode `stream`). Created if missing.
+    #[serde(default = "default_group")]
+    #[schemars(length(min = 1, max = 256))]
+    pub group: String,
+    /// Where a newly created consumer group starts (mode `stream`): `earliest` takes every entry
+    /// already in the stream, `latest` only entries added afterwards.
+    #[serde(default)]
+    pub start_from: StartFrom,
+    /// The list key producers LPUSH to (mode `list`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 512))]
+    pub list: Option<String>,
+    /// The channel to subscribe to (mode `pubsub`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 512))]
+    pub channel: Option<String>,
+    /// Treat `channel` as a glob pattern (PSUBSCRIBE) (mode `pubsub`).
+    #[serde(default)]
+    pub pattern: bool,
+    /// The stream entry field that holds the message body (mode `stream`). The entry's other
+    /// fields become the event's headers; an entry without this field is stored whole, as a JSON
+    /// object of all its fields.
+    #[serde(default = "default_body_field")]
+    #[schemars(length(min = 1, max = 256))]
+    pub body_field: String,
+    /// The Secret key holding the Redis URL (`redis://user:password@host:6379/0`, or
+    /// `rediss://` for TLS, which verifies the server certificate). Passed to the worker as the
+    /// `REDIS_URL` environment variable; never copied into the spec, status or database.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub url_secret_ref: Option<SecretKeyRef>,
+}
+
+/// Redis consumption mode.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum RedisMode {
+    #[default]
+    Stream,
+    List,
+    Pubsub,
+}
+
+/// Where a newly created consumer group starts reading.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum StartFrom {
+    #[default]
+    Earliest,
+    Latest,
+}
+
+impl RedisMode {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RedisMode::Stream => "stream",
+            RedisMode::List => "list",
+            RedisMode::Pubsub => "pubsub",
+        }
+    }
+}
+
+impl Broker for RedisSource {
+    fn kind(&self) -> &'static str {
+        "redis"
+    }
+
+    fn mode(&self) -> &'static str {
+        self.mode.as_str()
+    }
+
+    fn guarantee(&self) -> DeliveryGuarantee {
+        match self.mode {
+            RedisMode::Stream | RedisMode::List => DeliveryGuarantee::AtLeastOnce,
+            RedisMode::Pubsub => DeliveryGuarantee::AtMostOnce,
+        }
+    }
+
+    fn secret_env(&self) -> Result<Vec<SecretEnv<'_>>, MissingSecret> {
+        let secret = self.url_secret_ref.as_ref().ok_or(MissingSecret {
+            field: "spec.source.redis.urlSecretRef",
+            env: "REDIS_URL",
+        })?;
+        Ok(vec![SecretEnv {
+            env: "REDIS_URL",
+            secret,
+        }])
+    }
+
+    fn strip_secrets(&mut self) {
+        self.url_secret_ref = None;
+    }
+
+    fn validate(&self, delivery: &Delivery, fail: &mut dyn FnMut(FieldError)) {
+        let mut error = |field: &'static str, message: String| fail(FieldError { field, message });
+        let required = match self.mode {
+            RedisMode::Stream => ("spec.source.redis.stream", &self.stream),
+            RedisMode::List => ("spec.source.redis.list", &self.list),
+            RedisMode::Pubsub => ("spec.source.redis.channel", &self.channel),
+        };
+        if required.1.as_deref().is_none_or(str::is_empty) {
+            error(
+                required.0,
+                format!("required when mode is {}", self.mode.as_str()),
+            );
+        }
+        if self.group.is_empty() {
+            error("spec.source.redis.group", "must not be empty".into());
+        }
+        if self.body_field.is_empty() {
+            error("spec.source.redis.bodyField", "must not be empty".into());
+        }
+        if delivery.dead_letter.queue_url.is_some() {
+            error(
+                "spec.delivery.deadLetter.queueUrl",
+                "is for source sqs; Redis dead letters go to deadLetter.stream or deadLetter.list"
+                    .into(),
+            );
+        }
+    }
+}
+
+fn default_group() -> String {
+    "switchboard".into()
+}
+fn default_body_field() -> String {
+    "body".into()
+}
