@@ -3,11 +3,11 @@ SHELL := /bin/bash
 export CARGO_TARGET_DIR ?= $(HOME)/.cache/switchboard/target
 CARGO ?= cargo
 
-.PHONY: demo demo-k8s control-plane test deps build lint bench helm kind-up kind-demo kind-down
+.PHONY: demo demo-k8s control-plane test deps build lint bench helm sqs-server kind-up kind-demo kind-down
 
 ## make demo: the whole pipeline locally (ephemeral PostgreSQL + Redis, 20,000 messages, a kill -9 mid-way),
 ## then the Kubernetes path (make demo-k8s)
-demo: deps build control-plane
+demo: deps build control-plane sqs-server
 	$(CARGO) run --quiet -p switchboard-tests --bin switchboard-demo
 	$(CARGO) run --quiet -p switchboard-tests --bin switchboard-demo-k8s
 
@@ -17,7 +17,7 @@ demo-k8s: deps build control-plane
 	$(CARGO) run --quiet -p switchboard-tests --bin switchboard-demo-k8s
 
 ## make test: formatting, lints and every test against real servers
-test: deps lint build helm control-plane
+test: deps lint build helm control-plane sqs-server
 	@set -o pipefail; $(CARGO) test --workspace --no-fail-fast 2>&1 | tee $(CARGO_TARGET_DIR)/test.log; \
 		status=$$?; scripts/test-summary.sh $(CARGO_TARGET_DIR)/test.log; exit $$status
 
@@ -33,6 +33,11 @@ control-plane:
 helm:
 	scripts/helm.sh >/dev/null
 
+## make sqs-server: ElasticMQ (an SQS-compatible server) for the SQS tests, its jars fetched once from
+## Maven Central into ~/.cache/switchboard/elasticmq-<version> (or taken from ELASTICMQ_LIB); docs/brokers.md
+sqs-server:
+	scripts/elasticmq.sh >/dev/null
+
 ## make kind-up / kind-demo / kind-down: the kind path for people with Docker (docs/kubernetes.md)
 kind-up:
 	scripts/kind-up.sh
@@ -45,7 +50,7 @@ kind-down:
 
 ## make bench: worker throughput, CPU, latency and memory vs the raw PostgreSQL and Redis limits,
 ## in release, against real servers (docs/PERFORMANCE.md); fails if any entry is not stored exactly once
-bench: deps
+bench: deps sqs-server
 	$(CARGO) build --release --workspace --bins
 	$(CARGO) run --quiet --release -p switchboard-tests --bin switchboard-bench -- \
 		--worker $(CARGO_TARGET_DIR)/release/switchboard-worker $(BENCH_ARGS)

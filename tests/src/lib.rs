@@ -1,6 +1,7 @@
 //! Test harness for Switchboard: real PostgreSQL and Redis servers, the real worker binary, and
 //! helpers to produce messages and inspect what landed.
 
+pub mod brokers;
 pub mod control_plane;
 pub mod servers;
 pub mod wait;

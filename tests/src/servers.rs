@@ -28,7 +28,7 @@ fn signal_child(child: &Child, signal: Signal) {
 }
 
 /// Sends `signal` and waits for the process to exit, up to `timeout`; then SIGKILL.
-fn stop_child(child: &mut Child, signal: Signal, timeout: Duration) {
+pub(crate) fn stop_child(child: &mut Child, signal: Signal, timeout: Duration) {
     signal_child(child, signal);
     let deadline = std::time::Instant::now() + timeout;
     while std::time::Instant::now() < deadline {
