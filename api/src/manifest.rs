@@ -549,6 +549,17 @@ spec:
     }
 
     #[test]
+    fn unknown_field_inside_a_list_item_is_found_on_its_line() {
+        let yaml = format!(
+            "{BLOCK_MANIFEST}  workload:\n    resources:\n      claims:\n        - name: gpu\n        - name: fpga\n          nmae: typo\n"
+        );
+        assert_eq!(
+            unknown_fields(&yaml),
+            [unknown("spec.workload.resources.claims.1.nmae", 26)]
+        );
+    }
+
+    #[test]
     fn negative_batch_size_names_the_field_type_and_line() {
         let yaml = ISSUE_MANIFEST.replace("batchSize: 200", "batchSize: -5");
         let err = load_manifest(&yaml).expect_err("must be rejected");
