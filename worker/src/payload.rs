@@ -2,7 +2,6 @@
 
 use std::fmt;
 
-use serde::de::{self, Deserialize, Deserializer, MapAccess, SeqAccess, Visitor};
 use switchboard_api::PayloadFormat;
 
 /// Why a message can never be stored. Poison is dead-lettered at once, never retried.
@@ -76,10 +75,10 @@ pub fn payload_json(
             ),
         });
     }
-    let json_error = match serde_json::from_slice::<NulFreeJson>(body) {
+    let json_error = match check_json(body) {
         // Valid JSON is valid UTF-8.
-        Ok(NulFreeJson) => return Ok(String::from_utf8_lossy(body).into_owned()),
-        Err(err) if err.to_string().starts_with(NUL_MARKER) => return Err(nul_poison()),
+        Ok(()) => return Ok(String::from_utf8_lossy(body).into_owned()),
+        Err(JsonError::Nul) => return Err(nul_poison()),
         Err(err) => err,
     };
     if format == PayloadFormat::Json {
@@ -98,8 +97,6 @@ pub fn payload_json(
     Ok(serde_json::Value::String(text.to_owned()).to_string())
 }
 
-const NUL_MARKER: &str = "NUL character";
-
 fn nul_poison() -> Poison {
     Poison {
         reason: PoisonReason::NulCharacter,
@@ -108,58 +105,262 @@ fn nul_poison() -> Poison {
     }
 }
 
-/// Validates JSON without building a tree, rejecting strings that contain NUL.
-struct NulFreeJson;
-
-impl<'de> Deserialize<'de> for NulFreeJson {
-    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        deserializer.deserialize_any(NulFreeVisitor)
-    }
+/// Why a body is not JSON that PostgreSQL's jsonb reads.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum JsonError {
+    /// A `\u0000` escape: valid JSON, but jsonb refuses it.
+    Nul,
+    NotUtf8(std::str::Utf8Error),
+    Syntax {
+        problem: &'static str,
+        line: usize,
+        column: usize,
+    },
 }
 
-struct NulFreeVisitor;
-
-impl NulFreeVisitor {
-    fn check<E: de::Error>(text: &str) -> Result<NulFreeJson, E> {
-        if text.contains('\0') {
-            Err(E::custom(NUL_MARKER))
-        } else {
-            Ok(NulFreeJson)
+impl fmt::Display for JsonError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            JsonError::Nul => f.write_str("a string holds \\u0000"),
+            JsonError::NotUtf8(err) => write!(f, "not UTF-8: {err}"),
+            JsonError::Syntax {
+                problem,
+                line,
+                column,
+            } => write!(f, "{problem} at line {line} column {column}"),
         }
     }
 }
 
-impl<'de> Visitor<'de> for NulFreeVisitor {
-    type Value = NulFreeJson;
+/// Checks that `body` is one JSON text (RFC 8259, the grammar PostgreSQL's json parser reads)
+/// without building values: numbers of any size and magnitude are accepted (jsonb stores them
+/// as `numeric`, which decides what is too large), and nesting is followed on a heap stack, not
+/// by recursion, so depth costs one byte per level.
+fn check_json(body: &[u8]) -> Result<(), JsonError> {
+    let text = std::str::from_utf8(body).map_err(JsonError::NotUtf8)?;
+    let mut scanner = Scanner {
+        bytes: text.as_bytes(),
+        pos: 0,
+    };
+    // The open containers, innermost last: b'[' or b'{'.
+    let mut open: Vec<u8> = Vec::new();
+    'value: loop {
+        scanner.skip_whitespace();
+        match scanner.peek() {
+            Some(b'{') => {
+                scanner.pos += 1;
+                scanner.skip_whitespace();
+                if scanner.peek() == Some(b'}') {
+                    scanner.pos += 1;
+                } else {
+                    open.push(b'{');
+                    scanner.member_key()?;
+                    continue 'value;
+                }
+            }
+            Some(b'[') => {
+                scanner.pos += 1;
+                scanner.skip_whitespace();
+                if scanner.peek() == Some(b']') {
+                    scanner.pos += 1;
+                } else {
+                    open.push(b'[');
+                    continue 'value;
+                }
+            }
+            Some(b'"') => scanner.string()?,
+            Some(b'-' | b'0'..=b'9') => scanner.number()?,
+            Some(b't') => scanner.literal("true")?,
+            Some(b'f') => scanner.literal("false")?,
+            Some(b'n') => scanner.literal("null")?,
+            Some(_) => return Err(scanner.error("expected a JSON value")),
+            None => return Err(scanner.error("expected a JSON value, found the end")),
+        }
+        // A value is complete: close every container it completes.
+        loop {
+            scanner.skip_whitespace();
+            let Some(&container) = open.last() else {
+                return match scanner.peek() {
+                    None => Ok(()),
+                    Some(_) => Err(scanner.error("trailing characters after the JSON value")),
+                };
+            };
+            let close = if container == b'[' { b']' } else { b'}' };
+            match scanner.peek() {
+                Some(b',') => {
+                    scanner.pos += 1;
+                    if container == b'{' {
+                        scanner.skip_whitespace();
+                        scanner.member_key()?;
+                    }
+                    continue 'value;
+                }
+                Some(byte) if byte == close => {
+                    scanner.pos += 1;
+                    open.pop();
+                }
+                _ if container == b'[' => return Err(scanner.error("expected ',' or ']'")),
+                _ => return Err(scanner.error("expected ',' or '}'")),
+            }
+        }
+    }
+}
 
-    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("any JSON value")
+struct Scanner<'a> {
+    bytes: &'a [u8],
+    pos: usize,
+}
+
+impl Scanner<'_> {
+    fn peek(&self) -> Option<u8> {
+        self.bytes.get(self.pos).copied()
     }
-    fn visit_bool<E: de::Error>(self, _: bool) -> Result<NulFreeJson, E> {
-        Ok(NulFreeJson)
+
+    fn error(&self, problem: &'static str) -> JsonError {
+        let before = &self.bytes[..self.pos.min(self.bytes.len())];
+        let line = 1 + before.iter().filter(|&&b| b == b'\n').count();
+        let line_start = before
+            .iter()
+            .rposition(|&b| b == b'\n')
+            .map_or(0, |i| i + 1);
+        // Columns count characters, not bytes (the text is UTF-8).
+        let column = 1 + before[line_start..]
+            .iter()
+            .filter(|&&b| b & 0xc0 != 0x80)
+            .count();
+        JsonError::Syntax {
+            problem,
+            line,
+            column,
+        }
     }
-    fn visit_i64<E: de::Error>(self, _: i64) -> Result<NulFreeJson, E> {
-        Ok(NulFreeJson)
+
+    fn skip_whitespace(&mut self) {
+        while let Some(b' ' | b'\t' | b'\n' | b'\r') = self.peek() {
+            self.pos += 1;
+        }
     }
-    fn visit_u64<E: de::Error>(self, _: u64) -> Result<NulFreeJson, E> {
-        Ok(NulFreeJson)
+
+    /// An object member's key and its colon.
+    fn member_key(&mut self) -> Result<(), JsonError> {
+        if self.peek() != Some(b'"') {
+            return Err(self.error("expected a string as object key"));
+        }
+        self.string()?;
+        self.skip_whitespace();
+        if self.peek() != Some(b':') {
+            return Err(self.error("expected ':' after object key"));
+        }
+        self.pos += 1;
+        Ok(())
     }
-    fn visit_f64<E: de::Error>(self, _: f64) -> Result<NulFreeJson, E> {
-        Ok(NulFreeJson)
+
+    fn literal(&mut self, word: &'static str) -> Result<(), JsonError> {
+        if self.bytes[self.pos..].starts_with(word.as_bytes()) {
+            self.pos += word.len();
+            Ok(())
+        } else {
+            Err(self.error("expected a JSON value"))
+        }
     }
-    fn visit_unit<E: de::Error>(self) -> Result<NulFreeJson, E> {
-        Ok(NulFreeJson)
+
+    fn digits(&mut self) -> usize {
+        let start = self.pos;
+        while let Some(b'0'..=b'9') = self.peek() {
+            self.pos += 1;
+        }
+        self.pos - start
     }
-    fn visit_str<E: de::Error>(self, text: &str) -> Result<NulFreeJson, E> {
-        Self::check(text)
+
+    /// `-? (0 | [1-9][0-9]*) (. [0-9]+)? ([eE] [+-]? [0-9]+)?`
+    fn number(&mut self) -> Result<(), JsonError> {
+        if self.peek() == Some(b'-') {
+            self.pos += 1;
+        }
+        match self.peek() {
+            Some(b'0') => self.pos += 1,
+            Some(b'1'..=b'9') => {
+                self.digits();
+            }
+            _ => return Err(self.error("expected a digit")),
+        }
+        if self.peek() == Some(b'.') {
+            self.pos += 1;
+            if self.digits() == 0 {
+                return Err(self.error("expected a digit after the decimal point"));
+            }
+        }
+        if let Some(b'e' | b'E') = self.peek() {
+            self.pos += 1;
+            if let Some(b'+' | b'-') = self.peek() {
+                self.pos += 1;
+            }
+            if self.digits() == 0 {
+                return Err(self.error("expected a digit in the exponent"));
+            }
+        }
+        Ok(())
     }
-    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<NulFreeJson, A::Error> {
-        while seq.next_element::<NulFreeJson>()?.is_some() {}
-        Ok(NulFreeJson)
+
+    /// A string from its opening quote: escapes must be valid, control characters escaped,
+    /// surrogate escapes paired; `\u0000` is [`JsonError::Nul`].
+    fn string(&mut self) -> Result<(), JsonError> {
+        self.pos += 1;
+        loop {
+            match self.peek() {
+                None => return Err(self.error("unterminated string")),
+                Some(b'"') => {
+                    self.pos += 1;
+                    return Ok(());
+                }
+                Some(b'\\') => {
+                    self.pos += 1;
+                    match self.peek() {
+                        Some(b'"' | b'\\' | b'/' | b'b' | b'f' | b'n' | b'r' | b't') => {
+                            self.pos += 1;
+                        }
+                        Some(b'u') => self.unicode_escape()?,
+                        _ => return Err(self.error("invalid escape in string")),
+                    }
+                }
+                Some(0x00..=0x1f) => {
+                    return Err(self.error("control character in string must be escaped"));
+                }
+                Some(_) => self.pos += 1,
+            }
+        }
     }
-    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<NulFreeJson, A::Error> {
-        while map.next_entry::<NulFreeJson, NulFreeJson>()?.is_some() {}
-        Ok(NulFreeJson)
+
+    /// `uXXXX` after a backslash; a high surrogate must be followed by `\uXXXX` with a low one.
+    fn unicode_escape(&mut self) -> Result<(), JsonError> {
+        let unit = self.hex4()?;
+        match unit {
+            0 => Err(JsonError::Nul),
+            0xd800..=0xdbff => {
+                if self.bytes[self.pos..].starts_with(b"\\u") {
+                    self.pos += 1;
+                    if let 0xdc00..=0xdfff = self.hex4()? {
+                        return Ok(());
+                    }
+                }
+                Err(self.error("unpaired high surrogate in \\u escape"))
+            }
+            0xdc00..=0xdfff => Err(self.error("unpaired low surrogate in \\u escape")),
+            _ => Ok(()),
+        }
+    }
+
+    /// `u` and four hex digits: the UTF-16 code unit.
+    fn hex4(&mut self) -> Result<u16, JsonError> {
+        let digits = self
+            .bytes
+            .get(self.pos + 1..self.pos + 5)
+            .and_then(|hex| std::str::from_utf8(hex).ok())
+            .filter(|hex| hex.bytes().all(|b| b.is_ascii_hexdigit()))
+            .and_then(|hex| u16::from_str_radix(hex, 16).ok())
+            .ok_or_else(|| self.error("expected four hex digits after \\u"))?;
+        self.pos += 5;
+        Ok(digits)
     }
 }
 
@@ -214,6 +415,151 @@ mod tests {
     fn oversize_is_poison() {
         let poison = payload_json(b"12345", PayloadFormat::Auto, 4).expect_err("poison");
         assert_eq!(poison.reason, PoisonReason::Oversize);
+    }
+
+    #[test]
+    fn numbers_beyond_f64_are_stored_as_json_in_both_formats() {
+        let long_integer = format!("[{}]", "9".repeat(400));
+        for body in [
+            "1e400",
+            "-1.5E+400",
+            "1e-400",
+            "[1e400, 2]",
+            long_integer.as_str(),
+        ] {
+            for format in [PayloadFormat::Auto, PayloadFormat::Json] {
+                let json = payload_json(body.as_bytes(), format, MIB).expect(body);
+                assert_eq!(json, body, "{format:?}: stored verbatim, not as a string");
+            }
+        }
+    }
+
+    fn nested(depth: usize, open: &str, close: &str) -> String {
+        format!("{}{}", open.repeat(depth), close.repeat(depth))
+    }
+
+    #[test]
+    fn deeply_nested_json_is_stored_as_json_in_both_formats() {
+        let arrays = nested(1000, "[", "]");
+        let objects = format!("{}1{}", r#"{"a":"#.repeat(1000), "}".repeat(1000));
+        for body in [&arrays, &objects] {
+            for format in [PayloadFormat::Auto, PayloadFormat::Json] {
+                let json = payload_json(body.as_bytes(), format, MIB).expect("valid");
+                assert_eq!(&json, body, "{format:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn nesting_deeper_than_any_stack_is_checked_without_recursion() {
+        // A recursive checker overflows the test thread's stack long before a million levels.
+        let body = nested(1_000_000, "[", "]");
+        assert!(payload_json(body.as_bytes(), PayloadFormat::Json, 4 * MIB).is_ok());
+        let unclosed = "[".repeat(1_000_000);
+        let poison =
+            payload_json(unclosed.as_bytes(), PayloadFormat::Json, 4 * MIB).expect_err("open");
+        assert_eq!(poison.reason, PoisonReason::InvalidJson);
+    }
+
+    const NOT_JSON: &[&str] = &[
+        "",
+        "  ",
+        "[1,]",
+        "[1 2]",
+        "{\"a\" 1}",
+        "{\"a\":1,}",
+        "{a:1}",
+        "{1:1}",
+        "01",
+        "1.",
+        ".5",
+        "-",
+        "+1",
+        "1e",
+        "1e+",
+        "NaN",
+        "Infinity",
+        "tru",
+        "truex",
+        "nul",
+        "'a'",
+        "\"unterminated",
+        "\"bad \\x escape\"",
+        "\"raw\nnewline\"",
+        "\"tab\tinside\"",
+        "\"\\ud800\"",
+        "\"\\udc00\"",
+        "\"\\ud800\\u0041\"",
+        "\"\\u12\"",
+        "[[]",
+        "[]]",
+        "{}}",
+        "1 2",
+        "\u{feff}1",
+    ];
+
+    #[test]
+    fn malformed_json_is_invalid_under_json_and_a_string_under_auto() {
+        for body in NOT_JSON {
+            let poison = payload_json(body.as_bytes(), PayloadFormat::Json, MIB)
+                .expect_err(&format!("{body:?} is not JSON"));
+            assert_eq!(poison.reason, PoisonReason::InvalidJson, "{body:?}");
+            let json = payload_json(body.as_bytes(), PayloadFormat::Auto, MIB).expect(body);
+            assert_eq!(
+                serde_json::from_str::<String>(&json).expect("a JSON string"),
+                *body
+            );
+        }
+    }
+
+    #[test]
+    fn valid_json_of_every_kind_is_kept_verbatim() {
+        for body in [
+            " {\"a\" : [ 1 , -0.5e-3 , true , false , null ] , \"b\" : { } }\r\n",
+            "\"\\ud83d\\ude00 \\\" \\\\ \\/ \\b \\f \\n \\r \\t \\u00e9\"",
+            "\"raw é ✓ 😀\"",
+            "[]",
+            "0",
+            "-0",
+            "\"\"",
+            "{\"dup\":1,\"dup\":2}",
+        ] {
+            assert_eq!(
+                payload_json(body.as_bytes(), PayloadFormat::Json, MIB).as_deref(),
+                Ok(body)
+            );
+        }
+    }
+
+    #[test]
+    fn checker_agrees_with_serde_json_within_its_limits() {
+        for body in NOT_JSON
+            .iter()
+            .chain(&["[1, {\"a\": [null]}]", "\"\\ud83d\\ude00\""])
+        {
+            assert_eq!(
+                check_json(body.as_bytes()).is_ok(),
+                serde_json::from_str::<serde_json::Value>(body).is_ok(),
+                "{body:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn syntax_error_detail_gives_line_and_column() {
+        let poison = payload_json(b"{\n  \"\xc3\xa9\": tru\n}", PayloadFormat::Json, MIB)
+            .expect_err("poison");
+        assert_eq!(
+            poison.detail,
+            "body is not valid JSON: expected a JSON value at line 2 column 8"
+        );
+    }
+
+    #[test]
+    fn nul_escape_is_poison_even_in_a_deep_array() {
+        let body = format!("{}\"\\u0000\"{}", "[".repeat(500), "]".repeat(500));
+        let poison = payload_json(body.as_bytes(), PayloadFormat::Auto, MIB).expect_err("poison");
+        assert_eq!(poison.reason, PoisonReason::NulCharacter);
     }
 
     #[test]

@@ -1,0 +1,47 @@
+//! The worker refuses a manifest the API server would refuse, before it touches a broker or the
+//! database: the real worker binary against real PostgreSQL and Redis.
+
+use std::time::Duration;
+
+use anyhow::{Result, ensure};
+use switchboard_tests::Fixture;
+
+/// Line 8 holds `bachSize`, a misspelling of `batchSize`.
+const MISSPELLED_MANIFEST: &str = "\
+apiVersion: switchboard.dev/v1alpha1
+kind: QueueAdapter
+metadata: {name: orders, namespace: test}
+spec:
+  source: {redis: {mode: stream, stream: orders}}
+  target: {queue: orders}
+  delivery:
+    bachSize: 1
+";
+
+#[tokio::test]
+async fn misspelled_field_stops_the_worker_naming_the_field_and_its_line() -> Result<()> {
+    let fx = Fixture::start().await?;
+    fx.produce("orders", [br#"{"order":1}"#.to_vec()])?;
+    let manifest = fx.manifest("orders.yaml", MISSPELLED_MANIFEST)?;
+    let mut worker = fx.worker(&manifest, "worker-a")?;
+
+    let status = worker.wait_exit(Duration::from_secs(30))?;
+    let log = worker.log();
+    ensure!(!status.success(), "worker exited {status}:\n{log}");
+    ensure!(
+        log.contains("line 8: spec.delivery.bachSize: unknown field"),
+        "the error names the field and its line:\n{log}"
+    );
+    // It did not run on defaults meanwhile: nothing stored, no consumer group created.
+    ensure!(fx.todo_count("orders").await? == 0, "a todo was stored");
+    let mut conn = fx.redis.connection()?;
+    let groups: Vec<redis::Value> = redis::cmd("XINFO")
+        .arg("GROUPS")
+        .arg("orders")
+        .query(&mut conn)?;
+    ensure!(
+        groups.is_empty(),
+        "a consumer group was created: {groups:?}"
+    );
+    Ok(())
+}
