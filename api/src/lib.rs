@@ -8,7 +8,7 @@ mod manifest;
 pub mod source;
 mod validate;
 
-pub use manifest::{ManifestError, load_manifest};
+pub use manifest::{ManifestError, UnknownField, load_manifest};
 pub use source::redis::{RedisMode, RedisSource, StartFrom};
 pub use source::sqs::SqsSource;
 pub use source::{Broker, MissingSecret, SecretEnv, Source};

@@ -53,8 +53,9 @@ pub struct QueueCounts {
 
 /// An ElasticMQ server of our own, bound to 127.0.0.1, with strict SQS limits.
 ///
-/// ElasticMQ keeps queues and messages in memory only: [`ElasticMq::restart`] (and a start after
-/// [`ElasticMq::kill`]) brings back an empty server on the same port, without any queue.
+/// Queues and messages are persisted in the server's temporary directory: after
+/// [`ElasticMq::restart`] (or a kill and restart) they are back, un-acknowledged messages visible
+/// again with their receive counts kept.
 #[derive(Debug)]
 pub struct ElasticMq {
     dir: TempDir,
@@ -113,7 +114,7 @@ impl ElasticMq {
     }
 
     /// Stops the server (if running) and starts it again on the same port, waiting until it
-    /// accepts requests. The new server is empty: every queue and message is gone.
+    /// accepts requests. Queues and messages survive (they are persisted).
     pub fn restart(&mut self) -> Result<()> {
         self.stop();
         let (child, port) = spawn(self.dir.path(), &self.lib, self.port)?;
@@ -372,14 +373,19 @@ fn has_server_jar(dir: &Path) -> bool {
         })
 }
 
-/// The configuration BROKERS.md settled on; `port` 0 lets the server pick a free one.
-fn config(port: u16) -> String {
+/// The configuration BROKERS.md settled on; `port` 0 lets the server pick a free one. Queues
+/// and messages are persisted in `dir` (queue definitions in a file, messages in an H2
+/// database), so a restart keeps them like a real broker's restart does.
+fn config(dir: &Path, port: u16) -> String {
+    let dir = dir.display();
     format!(
         "include classpath(\"application.conf\")\n\
          node-address {{ protocol = http, host = 127.0.0.1, port = {port}, context-path = \"\" }}\n\
          rest-sqs {{ enabled = true, bind-port = {port}, bind-hostname = \"127.0.0.1\", sqs-limits = strict }}\n\
          rest-stats {{ enabled = false }}\n\
-         generate-node-address = true\n"
+         generate-node-address = true\n\
+         queues-storage {{ enabled = true, path = \"{dir}/queues.conf\" }}\n\
+         messages-storage {{ enabled = true, uri = \"jdbc:h2:{dir}/messages\" }}\n"
     )
 }
 
@@ -388,7 +394,7 @@ fn config(port: u16) -> String {
 /// previous run's lines.
 fn spawn(dir: &Path, lib: &Path, port: u16) -> Result<(Child, u16)> {
     let config_file = dir.join("elasticmq.conf");
-    std::fs::write(&config_file, config(port))?;
+    std::fs::write(&config_file, config(dir, port))?;
     let log_path = dir.join(LOG_FILE);
     let log = OpenOptions::new()
         .create(true)
