@@ -28,6 +28,8 @@ pub struct Fixture {
     pub dir: TempDir,
     pub store: Store,
     pub env: WorkerEnv,
+    /// More environment for every worker this fixture starts (a broker's credentials).
+    pub extra_env: Vec<(String, String)>,
 }
 
 impl Fixture {
@@ -55,6 +57,7 @@ impl Fixture {
             dir,
             store,
             env,
+            extra_env: Vec::new(),
         })
     }
 
@@ -127,8 +130,7 @@ impl Fixture {
         manifest: &std::path::Path,
         consumer: &str,
     ) -> Result<()> {
-        let mut crashing = WorkerProcess::start(
-            &self.env,
+        let mut crashing = self.worker_with(
             manifest,
             consumer,
             &[(switchboard_worker::ABORT_AFTER_COMMITS_ENV, "1")],
@@ -143,7 +145,23 @@ impl Fixture {
     }
 
     pub fn worker(&self, manifest: &std::path::Path, consumer: &str) -> Result<WorkerProcess> {
-        WorkerProcess::start(&self.env, manifest, consumer, &[])
+        self.worker_with(manifest, consumer, &[])
+    }
+
+    /// [`Fixture::worker`] with more environment variables.
+    pub fn worker_with(
+        &self,
+        manifest: &std::path::Path,
+        consumer: &str,
+        env: &[(&str, &str)],
+    ) -> Result<WorkerProcess> {
+        let extra: Vec<(&str, &str)> = self
+            .extra_env
+            .iter()
+            .map(|(name, value)| (name.as_str(), value.as_str()))
+            .chain(env.iter().copied())
+            .collect();
+        WorkerProcess::start(&self.env, manifest, consumer, &extra)
     }
 
     /// XADDs one entry per body (field `body`), pipelined; returns the entry ids.

@@ -29,6 +29,7 @@ use crate::pipeline::{Pipeline, PipelineError, PipelineSettings};
 use crate::transport::redis::list::{ListSettings, RedisList};
 use crate::transport::redis::pubsub::{PubSubSettings, RedisPubSub};
 use crate::transport::redis::stream::{RedisStream, StreamSettings};
+use crate::transport::sqs::{Sqs, SqsSettings};
 use crate::transport::{Transport, TransportError};
 
 /// Environment variable for the testing hook that aborts between commit and ack.
@@ -408,6 +409,17 @@ async fn run_source(
                     drive(transport, registry, redis, deps, probes).await
                 }
             }
+        }
+        (None, Some(sqs)) => {
+            let settings = SqsSettings {
+                adapter: name,
+                consumer,
+                spec: sqs.clone(),
+                dead_letter_queue_url: dead_letter.queue_url.clone(),
+                batch_size,
+            };
+            let transport = Sqs::new(settings, &mut registry).await?;
+            drive(transport, registry, sqs, deps, probes).await
         }
         _ => Err(WorkerError::NoSource),
     }

@@ -1,3 +1,285 @@
-//! Real message brokers other than Redis, as child processes, with clients to produce and inspect.
+//! Every broker behind one trait, so that one contract suite (tests/tests/contract.rs) runs the
+//! same behaviours against each: start the real server, create a queue, produce, count what is
+//! not acknowledged yet, read the dead letters, restart. The servers are real child processes;
+//! PostgreSQL (and the Redis the harness always has) come from the [`Fixture`].
 
 pub mod sqs;
+
+use anyhow::{Context, Result};
+use base64::Engine as _;
+
+use crate::Fixture;
+use sqs::ElasticMq;
+
+/// One broker (and mode) as the contract suite drives it.
+#[allow(async_fn_in_trait)]
+pub trait BrokerFixture: Sized {
+    /// Starts the broker's server, if it is not the fixture's Redis, and returns the
+    /// environment every worker needs to reach it.
+    async fn start(fx: &Fixture) -> Result<(Self, Vec<(String, String)>)>;
+
+    /// Creates queue `name` and its dead-letter destination; returns the body of
+    /// `spec.source` (a YAML flow mapping such as `redis: {mode: stream, stream: orders}`).
+    async fn create(&self, fx: &Fixture, name: &str) -> Result<String>;
+
+    /// `spec.delivery` settings the broker needs in tests (short reclaim times, …), as the start
+    /// of a YAML flow mapping body.
+    fn delivery(&self) -> &'static str;
+
+    /// Adds one message per body.
+    async fn produce(&self, fx: &Fixture, name: &str, bodies: Vec<Vec<u8>>) -> Result<()>;
+
+    /// Messages of `name` not acknowledged yet: waiting, or delivered and un-acknowledged.
+    async fn unacknowledged(&self, fx: &Fixture, name: &str) -> Result<u64>;
+
+    /// The bodies of the dead letters of `name`, byte-for-byte, with each one's reason. Reading
+    /// leaves them in place.
+    async fn dead_letters(&self, fx: &Fixture, name: &str) -> Result<Vec<(Vec<u8>, String)>>;
+
+    /// Restarts the broker's server: what it persists survives, connections are cut.
+    async fn restart(&mut self, fx: &mut Fixture) -> Result<()>;
+}
+
+/// A Redis stream read by a consumer group (the fixture's Redis).
+#[derive(Debug)]
+pub struct RedisStreamBroker;
+
+/// A Redis reliable list (the fixture's Redis).
+#[derive(Debug)]
+pub struct RedisListBroker;
+
+/// A standard SQS queue of a real ElasticMQ server.
+#[derive(Debug)]
+pub struct SqsBroker {
+    pub server: ElasticMq,
+}
+
+const GROUP: &str = "switchboard";
+
+/// A stream entry: its id and its fields.
+type StreamEntry = (String, Vec<(String, Vec<u8>)>);
+
+impl BrokerFixture for RedisStreamBroker {
+    async fn start(_fx: &Fixture) -> Result<(Self, Vec<(String, String)>)> {
+        Ok((Self, Vec::new()))
+    }
+
+    async fn create(&self, _fx: &Fixture, name: &str) -> Result<String> {
+        Ok(format!("redis: {{mode: stream, stream: {name}}}"))
+    }
+
+    fn delivery(&self) -> &'static str {
+        "claimIdleSeconds: 2"
+    }
+
+    async fn produce(&self, fx: &Fixture, name: &str, bodies: Vec<Vec<u8>>) -> Result<()> {
+        fx.produce(name, bodies).map(drop)
+    }
+
+    async fn unacknowledged(&self, fx: &Fixture, name: &str) -> Result<u64> {
+        let mut conn = fx.redis.connection()?;
+        let groups: redis::Value =
+            match redis::cmd("XINFO").arg("GROUPS").arg(name).query(&mut conn) {
+                Ok(groups) => groups,
+                // No stream yet: nothing produced.
+                Err(err) if err.code() == Some("ERR") => return Ok(0),
+                Err(err) => return Err(err.into()),
+            };
+        let lag = group_field(&groups, "lag");
+        match lag {
+            Some(lag) => Ok(lag + fx.pending(name, GROUP)?),
+            // No group yet: every entry is waiting.
+            None => fx.xlen(name),
+        }
+    }
+
+    async fn dead_letters(&self, fx: &Fixture, name: &str) -> Result<Vec<(Vec<u8>, String)>> {
+        let mut conn = fx.redis.connection()?;
+        let entries: Vec<StreamEntry> = redis::cmd("XRANGE")
+            .arg(format!("{name}.dlq"))
+            .arg("-")
+            .arg("+")
+            .query(&mut conn)?;
+        entries
+            .into_iter()
+            .map(|(id, fields)| {
+                let field = |wanted: &str| {
+                    fields
+                        .iter()
+                        .find(|(field, _)| field == wanted)
+                        .map(|(_, value)| value.clone())
+                        .with_context(|| format!("dead letter {id} has no {wanted}"))
+                };
+                Ok((field("body")?, String::from_utf8(field("reason")?)?))
+            })
+            .collect()
+    }
+
+    async fn restart(&mut self, fx: &mut Fixture) -> Result<()> {
+        fx.redis.restart_empty()
+    }
+}
+
+/// `field` of the consumer group [`GROUP`] in an XINFO GROUPS reply.
+fn group_field(groups: &redis::Value, field: &str) -> Option<u64> {
+    let redis::Value::Array(groups) = groups else {
+        return None;
+    };
+    groups.iter().find_map(|group| {
+        let redis::Value::Array(pairs) = group else {
+            return None;
+        };
+        let text = |value: &redis::Value| match value {
+            redis::Value::BulkString(bytes) => String::from_utf8(bytes.clone()).ok(),
+            redis::Value::SimpleString(text) => Some(text.clone()),
+            _ => None,
+        };
+        let named = pairs.chunks_exact(2).any(|pair| {
+            text(&pair[0]).as_deref() == Some("name") && text(&pair[1]).as_deref() == Some(GROUP)
+        });
+        if !named {
+            return None;
+        }
+        pairs.chunks_exact(2).find_map(|pair| {
+            (text(&pair[0]).as_deref() == Some(field)).then_some(())?;
+            match &pair[1] {
+                redis::Value::Int(n) => u64::try_from(*n).ok(),
+                _ => None,
+            }
+        })
+    })
+}
+
+impl BrokerFixture for RedisListBroker {
+    async fn start(_fx: &Fixture) -> Result<(Self, Vec<(String, String)>)> {
+        Ok((Self, Vec::new()))
+    }
+
+    async fn create(&self, _fx: &Fixture, name: &str) -> Result<String> {
+        Ok(format!("redis: {{mode: list, list: {name}}}"))
+    }
+
+    fn delivery(&self) -> &'static str {
+        "claimIdleSeconds: 2"
+    }
+
+    async fn produce(&self, fx: &Fixture, name: &str, bodies: Vec<Vec<u8>>) -> Result<()> {
+        fx.push(name, bodies)
+    }
+
+    async fn unacknowledged(&self, fx: &Fixture, name: &str) -> Result<u64> {
+        Ok(fx.llen(name)? + fx.processing_items(name)?)
+    }
+
+    async fn dead_letters(&self, fx: &Fixture, name: &str) -> Result<Vec<(Vec<u8>, String)>> {
+        let mut conn = fx.redis.connection()?;
+        let records: Vec<String> = redis::cmd("LRANGE")
+            .arg(format!("{name}.dlq"))
+            .arg(0)
+            .arg(-1)
+            .query(&mut conn)?;
+        records
+            .iter()
+            .map(|record| {
+                let record: serde_json::Value = serde_json::from_str(record)?;
+                let body = match (record["body"].as_str(), record["body_base64"].as_str()) {
+                    (Some(body), _) => body.as_bytes().to_vec(),
+                    (None, Some(encoded)) => {
+                        base64::engine::general_purpose::STANDARD.decode(encoded)?
+                    }
+                    (None, None) => anyhow::bail!("dead letter without a body: {record}"),
+                };
+                let reason = record["reason"].as_str().unwrap_or_default().to_owned();
+                Ok((body, reason))
+            })
+            .collect()
+    }
+
+    async fn restart(&mut self, fx: &mut Fixture) -> Result<()> {
+        fx.redis.restart_empty()
+    }
+}
+
+impl BrokerFixture for SqsBroker {
+    async fn start(_fx: &Fixture) -> Result<(Self, Vec<(String, String)>)> {
+        let server = ElasticMq::start()?;
+        let env = [
+            ("AWS_ACCESS_KEY_ID", "test"),
+            ("AWS_SECRET_ACCESS_KEY", "test"),
+            ("AWS_REGION", "us-east-1"),
+        ]
+        .map(|(name, value)| (name.to_owned(), value.to_owned()))
+        .to_vec();
+        Ok((Self { server }, env))
+    }
+
+    async fn create(&self, _fx: &Fixture, name: &str) -> Result<String> {
+        use aws_sdk_sqs::types::QueueAttributeName;
+        // Short visibility: a killed worker's messages come back quickly.
+        let visibility = [(QueueAttributeName::VisibilityTimeout, "2")];
+        let url = self.server.create_queue(name, &visibility).await?;
+        self.server
+            .create_queue(&format!("{name}-dlq"), &[])
+            .await?;
+        Ok(format!(
+            "sqs: {{queueUrl: \"{url}\", endpoint: \"{}\", waitTimeSeconds: 1}}",
+            self.server.endpoint()
+        ))
+    }
+
+    fn delivery(&self) -> &'static str {
+        "claimIdleSeconds: 2"
+    }
+
+    async fn produce(&self, _fx: &Fixture, name: &str, bodies: Vec<Vec<u8>>) -> Result<()> {
+        let url = self.url(name);
+        self.server.send_bodies(&url, bodies).await.map(drop)
+    }
+
+    async fn unacknowledged(&self, _fx: &Fixture, name: &str) -> Result<u64> {
+        let counts = self.server.count(&self.url(name)).await?;
+        Ok(counts.visible + counts.in_flight + counts.delayed)
+    }
+
+    async fn dead_letters(&self, _fx: &Fixture, name: &str) -> Result<Vec<(Vec<u8>, String)>> {
+        let url = self.url(&format!("{name}-dlq"));
+        let letters = self.server.receive_all(&url).await?;
+        // Visible again at once: reading dead letters must not hide them from the next read.
+        for letter in &letters {
+            if let Some(receipt) = letter.receipt_handle() {
+                self.server
+                    .client()
+                    .change_message_visibility()
+                    .queue_url(&url)
+                    .receipt_handle(receipt)
+                    .visibility_timeout(0)
+                    .send()
+                    .await?;
+            }
+        }
+        letters
+            .into_iter()
+            .map(|letter| {
+                let reason = letter
+                    .message_attributes()
+                    .and_then(|attributes| attributes.get("x-dlq-reason"))
+                    .and_then(|value| value.string_value())
+                    .unwrap_or_default()
+                    .to_owned();
+                let body = letter.body().context("dead letter without a body")?;
+                Ok((body.as_bytes().to_vec(), reason))
+            })
+            .collect()
+    }
+
+    async fn restart(&mut self, _fx: &mut Fixture) -> Result<()> {
+        self.server.restart()
+    }
+}
+
+impl SqsBroker {
+    /// The URL of queue `name` (ElasticMQ's account is `000000000000`).
+    pub fn url(&self, name: &str) -> String {
+        format!("{}/000000000000/{name}", self.server.endpoint())
+    }
+}

@@ -19,7 +19,7 @@
 //!   connection, so the gauges keep moving while the database is down.
 
 pub mod redis;
-// pub mod sqs;
+pub mod sqs;
 
 use std::future::Future;
 use std::time::Duration;

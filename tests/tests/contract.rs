@@ -1,0 +1,385 @@
+//! The transport contract, one suite for every broker: the same behaviours, against each real
+//! server, with the real worker binary and a real PostgreSQL. A broker joins by implementing
+//! `BrokerFixture` (tests/src/brokers) and one line in the `contract_suite!` list at the end.
+
+use std::time::{Duration, Instant};
+
+use anyhow::{Result, ensure};
+use nix::sys::signal::Signal;
+use switchboard_tests::Fixture;
+use switchboard_tests::brokers::{BrokerFixture, RedisListBroker, RedisStreamBroker, SqsBroker};
+use switchboard_tests::wait::wait_for;
+use switchboard_tests::worker::WorkerProcess;
+
+const LONG: Duration = Duration::from_secs(180);
+
+fn bodies(range: std::ops::Range<usize>) -> Vec<Vec<u8>> {
+    range
+        .map(|i| format!(r#"{{"order":{i}}}"#).into_bytes())
+        .collect()
+}
+
+/// PostgreSQL + the broker + one queue `name`, and its manifest.
+struct Contract<B> {
+    fx: Fixture,
+    broker: B,
+    name: &'static str,
+    source: String,
+}
+
+impl<B: BrokerFixture> Contract<B> {
+    async fn start(name: &'static str) -> Result<Self> {
+        let mut fx = Fixture::start().await?;
+        let (broker, env) = B::start(&fx).await?;
+        fx.extra_env = env;
+        let source = broker.create(&fx, name).await?;
+        Ok(Self {
+            fx,
+            broker,
+            name,
+            source,
+        })
+    }
+
+    /// The adapter's manifest with `delivery` and `payload` settings (YAML flow bodies).
+    fn manifest(&self, delivery: &str, payload: &str) -> Result<std::path::PathBuf> {
+        let name = self.name;
+        let delivery = format!("{}, {delivery}", self.broker.delivery());
+        self.fx.manifest(
+            &format!("{name}.yaml"),
+            &format!(
+                "apiVersion: switchboard.dev/v1alpha1\n\
+                 kind: QueueAdapter\n\
+                 metadata: {{name: {name}, namespace: test}}\n\
+                 spec:\n\
+                 \x20 source: {{{}}}\n\
+                 \x20 target: {{queue: {name}}}\n\
+                 \x20 delivery: {{{delivery}}}\n\
+                 \x20 payload: {{{payload}}}\n",
+                self.source
+            ),
+        )
+    }
+
+    async fn produce(&self, bodies: Vec<Vec<u8>>) -> Result<()> {
+        self.broker.produce(&self.fx, self.name, bodies).await
+    }
+
+    async fn todos(&self) -> Result<i64> {
+        self.fx.todo_count(self.name).await
+    }
+
+    async fn unacknowledged(&self) -> Result<u64> {
+        self.broker.unacknowledged(&self.fx, self.name).await
+    }
+
+    /// Waits until `expected` todos exist and the broker holds nothing un-acknowledged.
+    async fn wait_settled(&self, expected: i64, worker: &WorkerProcess) -> Result<()> {
+        wait_for(
+            LONG,
+            &format!("{expected} todos and nothing un-acknowledged"),
+            || async { Ok(self.todos().await? >= expected && self.unacknowledged().await? == 0) },
+        )
+        .await
+        .map_err(|err| err.context(worker.log_tail()))
+    }
+
+    /// Exactly `expected` todos, distinct keys, nothing un-acknowledged, no dead letter.
+    async fn assert_exactly_once(&self, expected: i64) -> Result<()> {
+        self.fx.assert_exactly_once(self.name, expected).await?;
+        let letters = self.broker.dead_letters(&self.fx, self.name).await?;
+        ensure!(
+            letters.is_empty(),
+            "nothing may be dead-lettered: {letters:?}"
+        );
+        ensure!(self.unacknowledged().await? == 0);
+        Ok(())
+    }
+
+    fn metric(&self, worker: &WorkerProcess, family: &str) -> Result<f64> {
+        worker.metric(&format!(r#"{family}{{adapter="test/{}"}}"#, self.name))
+    }
+}
+
+/// ≥ 5 SIGKILLs at random moments, some under new consumer names: every message exactly once.
+async fn chaos_sigkills<B: BrokerFixture>() -> Result<()> {
+    const TOTAL: usize = 3_000;
+    let contract = Contract::<B>::start("chaos").await?;
+    let manifest = contract.manifest("batchSize: 100, maxDeliveries: 20", "")?;
+    contract.produce(bodies(0..TOTAL)).await?;
+    let mut rng = fastrand::Rng::new();
+    let mut consumer = "chaos-0".to_owned();
+    for kill in 1..=6 {
+        let worker = contract.fx.worker(&manifest, &consumer)?;
+        let target = (contract.todos().await? + rng.i64(50..400)).min(TOTAL as i64 - 1);
+        wait_for(LONG, "progress before the kill", || async {
+            Ok(contract.todos().await? >= target)
+        })
+        .await?;
+        worker.kill()?;
+        if rng.bool() {
+            consumer = format!("chaos-{kill}");
+        }
+    }
+    let last = contract.fx.worker(&manifest, "chaos-final")?;
+    contract.wait_settled(TOTAL as i64, &last).await?;
+    contract.assert_exactly_once(TOTAL as i64).await
+}
+
+/// A crash after the commit and before the acknowledgement: the redelivery is a duplicate.
+async fn crash_between_commit_and_ack<B: BrokerFixture>() -> Result<()> {
+    const TOTAL: usize = 300;
+    let contract = Contract::<B>::start("crash").await?;
+    let manifest = contract.manifest("batchSize: 50", "")?;
+    contract.produce(bodies(0..TOTAL)).await?;
+    contract
+        .fx
+        .crash_after_first_commit(&manifest, "crashing")
+        .await?;
+    let committed = contract.todos().await?;
+    ensure!(committed > 0, "the crashed worker committed a batch");
+    let worker = contract.fx.worker(&manifest, "survivor")?;
+    contract.wait_settled(TOTAL as i64, &worker).await?;
+    contract.assert_exactly_once(TOTAL as i64).await?;
+    wait_for(
+        LONG,
+        "the committed batch comes back as duplicates",
+        || async {
+            Ok(
+                contract.metric(&worker, "switchboard_messages_duplicate_total")?
+                    >= committed as f64,
+            )
+        },
+    )
+    .await
+}
+
+/// Poison is dead-lettered at once, byte-identical, while the rest of its batch is stored.
+async fn poison_is_dead_lettered_at_once<B: BrokerFixture>() -> Result<()> {
+    let contract = Contract::<B>::start("poison").await?;
+    let manifest = contract.manifest("batchSize: 20, maxDeliveries: 5", "format: json")?;
+    let poison = b"{\"order\": broken\n  trailing \xe2\x9c\x93".to_vec();
+    let mut all = bodies(0..10);
+    all.push(poison.clone());
+    all.extend(bodies(10..20));
+    contract.produce(all).await?;
+    let worker = contract.fx.worker(&manifest, "w1")?;
+    contract.wait_settled(20, &worker).await?;
+    contract.fx.assert_exactly_once(contract.name, 20).await?;
+    let letters = contract
+        .broker
+        .dead_letters(&contract.fx, contract.name)
+        .await?;
+    ensure!(
+        letters == vec![(poison, "invalid_json".to_owned())],
+        "one dead letter, the body byte-identical: {letters:?}"
+    );
+    ensure!(
+        contract.metric(&worker, "switchboard_messages_redelivered_total")? == 0.0,
+        "poison is dead-lettered on its first delivery"
+    );
+    Ok(())
+}
+
+/// A message whose workers keep dying before they store it is dead-lettered once it was
+/// delivered more than maxDeliveries times: the workers are real processes killed while their
+/// batch waits on a lock of the todos table.
+async fn max_deliveries_dead_letters<B: BrokerFixture>() -> Result<()> {
+    const MAX: u32 = 2;
+    let contract = Contract::<B>::start("maxdel").await?;
+    let manifest = contract.manifest(&format!("batchSize: 10, maxDeliveries: {MAX}"), "")?;
+    contract.produce(bodies(0..3)).await?;
+    let mut lock = sqlx::PgConnection::connect(&contract.fx.postgres.url()).await?;
+    use sqlx::Connection as _;
+    sqlx::query("BEGIN").execute(&mut lock).await?;
+    sqlx::query("LOCK TABLE todos IN ACCESS EXCLUSIVE MODE")
+        .execute(&mut lock)
+        .await?;
+    for delivery in 1..=MAX {
+        let worker = contract
+            .fx
+            .worker(&manifest, &format!("dying-{delivery}"))?;
+        wait_for(LONG, "the worker received the messages", || async {
+            Ok(contract.metric(&worker, "switchboard_messages_received_total")? >= 3.0)
+        })
+        .await
+        .map_err(|err| err.context(worker.log_tail()))?;
+        worker.kill()?;
+        // Its statement waits on the lock and would run once the lock is released: end it, as
+        // PostgreSQL would once it noticed the client is gone.
+        sqlx::query(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = $1",
+        )
+        .bind(switchboard_worker::database_application_name(&format!(
+            "dying-{delivery}"
+        )))
+        .execute(contract.fx.pool())
+        .await?;
+        contract
+            .fx
+            .wait_disconnected(&format!("dying-{delivery}"))
+            .await?;
+    }
+    sqlx::query("ROLLBACK").execute(&mut lock).await?;
+    let worker = contract.fx.worker(&manifest, "last")?;
+    wait_for(
+        LONG,
+        "three dead letters and nothing un-acknowledged",
+        || async {
+            Ok(contract
+                .broker
+                .dead_letters(&contract.fx, contract.name)
+                .await?
+                .len()
+                == 3
+                && contract.unacknowledged().await? == 0)
+        },
+    )
+    .await
+    .map_err(|err| err.context(worker.log_tail()))?;
+    let letters = contract
+        .broker
+        .dead_letters(&contract.fx, contract.name)
+        .await?;
+    ensure!(
+        letters.iter().all(|(_, reason)| reason == "max_deliveries"),
+        "{letters:?}"
+    );
+    let mut letter_bodies: Vec<Vec<u8>> = letters.into_iter().map(|(body, _)| body).collect();
+    letter_bodies.sort();
+    ensure!(letter_bodies == bodies(0..3), "byte-identical bodies");
+    ensure!(
+        contract.todos().await? == 0,
+        "nothing past maxDeliveries is stored"
+    );
+    Ok(())
+}
+
+/// SIGTERM mid-flow: exit 0, and nothing acknowledged that was not stored.
+async fn sigterm_acks_only_what_was_stored<B: BrokerFixture>() -> Result<()> {
+    const TOTAL: usize = 3_000;
+    let contract = Contract::<B>::start("term").await?;
+    let manifest = contract.manifest("batchSize: 100", "")?;
+    contract.produce(bodies(0..TOTAL)).await?;
+    let mut worker = contract.fx.worker(&manifest, "w1")?;
+    wait_for(LONG, "some progress", || async {
+        Ok(contract.todos().await? >= 300)
+    })
+    .await?;
+    worker.signal(Signal::SIGTERM)?;
+    let status = worker.wait_exit(Duration::from_secs(30))?;
+    ensure!(
+        status.success(),
+        "exit 0 after SIGTERM, got {status:?}\n{}",
+        worker.log_tail()
+    );
+    // Whatever left the broker is stored: stored + still held = produced.
+    let stored = contract.todos().await?;
+    let held = contract.unacknowledged().await?;
+    ensure!(
+        stored + i64::try_from(held)? >= TOTAL as i64,
+        "acknowledged without being stored: {stored} stored, {held} held of {TOTAL}"
+    );
+    let worker = contract.fx.worker(&manifest, "w2")?;
+    contract.wait_settled(TOTAL as i64, &worker).await?;
+    contract.assert_exactly_once(TOTAL as i64).await
+}
+
+/// The broker restarts under a running worker, which recovers by itself.
+async fn broker_restart_is_recovered<B: BrokerFixture>() -> Result<()> {
+    let mut contract = Contract::<B>::start("restart").await?;
+    let manifest = contract.manifest("batchSize: 50", "")?;
+    let worker = contract.fx.worker(&manifest, "w1")?;
+    contract.produce(bodies(0..300)).await?;
+    contract.wait_settled(300, &worker).await?;
+    let Contract { fx, broker, .. } = &mut contract;
+    broker.restart(fx).await?;
+    contract.produce(bodies(300..600)).await?;
+    contract.wait_settled(600, &worker).await?;
+    contract.assert_exactly_once(600).await?;
+    wait_for(LONG, "readiness returns", || async {
+        Ok(worker.http_get("/readyz")?.0 == 200)
+    })
+    .await
+}
+
+/// PostgreSQL down for 10 s: readiness false meanwhile, then every message exactly once.
+async fn database_outage_is_recovered<B: BrokerFixture>() -> Result<()> {
+    let mut contract = Contract::<B>::start("pgdown").await?;
+    let manifest = contract.manifest("batchSize: 50", "")?;
+    let worker = contract.fx.worker(&manifest, "w1")?;
+    contract.produce(bodies(0..200)).await?;
+    contract.wait_settled(200, &worker).await?;
+    contract.fx.postgres.stop();
+    contract.produce(bodies(200..400)).await?;
+    wait_for(LONG, "readiness turns false during the outage", || async {
+        Ok(worker.http_get("/readyz")?.0 == 503)
+    })
+    .await?;
+    let outage = Instant::now();
+    wait_for(Duration::from_secs(20), "a 10 s outage", || async {
+        ensure!(
+            worker.http_get("/healthz")?.0 == 200,
+            "a backing-off loop is not stuck"
+        );
+        Ok(outage.elapsed() >= Duration::from_secs(10))
+    })
+    .await?;
+    contract.fx.postgres.restart()?;
+    contract.wait_settled(400, &worker).await?;
+    contract.assert_exactly_once(400).await?;
+    wait_for(LONG, "readiness returns", || async {
+        Ok(worker.http_get("/readyz")?.0 == 200)
+    })
+    .await
+}
+
+/// The suite, for one broker.
+macro_rules! contract_suite {
+    ($($module:ident => $broker:ty),* $(,)?) => {$(
+        mod $module {
+            use super::*;
+
+            #[tokio::test]
+            async fn sigkills_at_random_moments_store_every_message_exactly_once() -> Result<()> {
+                chaos_sigkills::<$broker>().await
+            }
+
+            #[tokio::test]
+            async fn crash_between_commit_and_ack_leaves_exactly_one_todo_per_message() -> Result<()> {
+                crash_between_commit_and_ack::<$broker>().await
+            }
+
+            #[tokio::test]
+            async fn poison_is_dead_lettered_at_once_byte_identical_while_its_batch_is_stored() -> Result<()> {
+                poison_is_dead_lettered_at_once::<$broker>().await
+            }
+
+            #[tokio::test]
+            async fn message_delivered_past_max_deliveries_is_dead_lettered_not_stored() -> Result<()> {
+                max_deliveries_dead_letters::<$broker>().await
+            }
+
+            #[tokio::test]
+            async fn sigterm_exits_zero_and_acknowledges_only_stored_messages() -> Result<()> {
+                sigterm_acks_only_what_was_stored::<$broker>().await
+            }
+
+            #[tokio::test]
+            async fn broker_restart_mid_flow_is_recovered_without_loss_or_duplicates() -> Result<()> {
+                broker_restart_is_recovered::<$broker>().await
+            }
+
+            #[tokio::test]
+            async fn database_down_for_10_seconds_loses_nothing_and_flips_readiness() -> Result<()> {
+                database_outage_is_recovered::<$broker>().await
+            }
+        }
+    )*};
+}
+
+contract_suite! {
+    redis_stream => RedisStreamBroker,
+    redis_list => RedisListBroker,
+    sqs_standard => SqsBroker,
+}
