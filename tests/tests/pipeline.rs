@@ -1,0 +1,421 @@
+//! The pipeline's settle order, driven by a fake transport against a real PostgreSQL: dead
+//! letters are written (and confirmed) before anything of their batch is acknowledged, the
+//! acknowledgement covers everything settled once, in receive order; stale receipts are
+//! dropped, fatal errors stop the loop, slow batches get their lease extended.
+
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use anyhow::{Result, ensure};
+use switchboard_api::{DeliveryGuarantee, PayloadFormat};
+use switchboard_store::Dedup;
+use switchboard_tests::Fixture;
+use switchboard_tests::wait::wait_for;
+use switchboard_worker::health::Health;
+use switchboard_worker::metrics::Metrics;
+use switchboard_worker::pipeline::{Pipeline, PipelineError, PipelineSettings};
+use switchboard_worker::transport::{
+    Acked, DeadLetter, Message, QueueHealth, QueueProbe, Transport, TransportError,
+};
+use tokio_util::sync::CancellationToken;
+
+/// What the fake transport was asked to do, in order.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Call {
+    DeadLetters(Vec<u32>),
+    Ack(Vec<u32>),
+    Extend(Vec<u32>),
+}
+
+/// A scripted failure of the next call of a kind.
+#[derive(Debug)]
+enum Failure {
+    Transient,
+    Stale,
+    Fatal,
+}
+
+impl Failure {
+    fn error(&self) -> TransportError {
+        match self {
+            Failure::Transient => TransportError::protocol("scripted outage"),
+            Failure::Stale => TransportError::stale("scripted stale receipts", None),
+            Failure::Fatal => TransportError::fatal("spec.source.fake.queue", "scripted", None),
+        }
+    }
+}
+
+#[derive(Debug, Default)]
+struct Script {
+    batches: VecDeque<Vec<Message<u32>>>,
+    calls: Vec<Call>,
+    fail_dead_letters: VecDeque<Failure>,
+    fail_acks: VecDeque<Failure>,
+    fail_receive: Option<Failure>,
+    /// Receipts the next ack reports as stale.
+    stale_in_ack: Vec<u32>,
+}
+
+#[derive(Debug, Clone)]
+struct FakeTransport {
+    script: Arc<Mutex<Script>>,
+    lease: Option<Duration>,
+}
+
+struct NoProbe;
+
+impl QueueProbe for NoProbe {
+    async fn queue_health(&mut self) -> Result<QueueHealth, TransportError> {
+        Ok(QueueHealth::default())
+    }
+}
+
+fn receipts(messages: &[&Message<u32>]) -> Vec<u32> {
+    messages.iter().map(|m| m.receipt).collect()
+}
+
+impl Transport for FakeTransport {
+    type Receipt = u32;
+    type Probe = NoProbe;
+
+    fn source(&self) -> &str {
+        "fake:test/pipeline"
+    }
+
+    fn dedup(&self) -> Dedup {
+        Dedup::NativeId
+    }
+
+    async fn prepare(&mut self) -> Result<(), TransportError> {
+        Ok(())
+    }
+
+    async fn receive(
+        &mut self,
+        _max: usize,
+        block: bool,
+    ) -> Result<Vec<Message<u32>>, TransportError> {
+        let next = {
+            let mut script = self.script.lock().expect("script");
+            if let Some(failure) = script.fail_receive.take() {
+                return Err(failure.error());
+            }
+            script.batches.pop_front()
+        };
+        match next {
+            Some(batch) => Ok(batch),
+            None => {
+                if block {
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+                Ok(Vec::new())
+            }
+        }
+    }
+
+    async fn write_dead_letters(
+        &mut self,
+        letters: &[DeadLetter<'_, u32>],
+    ) -> Result<(), TransportError> {
+        let mut script = self.script.lock().expect("script");
+        if let Some(failure) = script.fail_dead_letters.pop_front() {
+            return Err(failure.error());
+        }
+        let written = letters.iter().map(|l| l.message.receipt).collect();
+        script.calls.push(Call::DeadLetters(written));
+        Ok(())
+    }
+
+    async fn ack(&mut self, messages: &[&Message<u32>]) -> Result<Acked, TransportError> {
+        let mut script = self.script.lock().expect("script");
+        if let Some(failure) = script.fail_acks.pop_front() {
+            return Err(failure.error());
+        }
+        script.calls.push(Call::Ack(receipts(messages)));
+        let stale = std::mem::take(&mut script.stale_in_ack);
+        Ok(Acked {
+            stale: messages
+                .iter()
+                .enumerate()
+                .filter(|(_, m)| stale.contains(&m.receipt))
+                .map(|(index, _)| index)
+                .collect(),
+            retry: Vec::new(),
+        })
+    }
+
+    fn lease(&self) -> Option<Duration> {
+        self.lease
+    }
+
+    async fn extend_lease(&mut self, messages: &[&Message<u32>]) -> Result<(), TransportError> {
+        let mut script = self.script.lock().expect("script");
+        script.calls.push(Call::Extend(receipts(messages)));
+        Ok(())
+    }
+
+    async fn maintain(&mut self) -> Result<(), TransportError> {
+        Ok(())
+    }
+
+    fn maintenance_interval(&self) -> Duration {
+        Duration::from_secs(30)
+    }
+
+    fn probe(&self) -> NoProbe {
+        NoProbe
+    }
+}
+
+/// Message `receipt` with body `body`.
+fn message(receipt: u32, body: &[u8]) -> Message<u32> {
+    Message {
+        receipt,
+        external_id: format!("m{receipt}"),
+        idempotency_key: format!("fake:test/pipeline:m{receipt}"),
+        body: body.to_vec(),
+        headers: Vec::new(),
+        delivery_count: 1,
+        enqueued_at_ms: None,
+        position: None,
+        undecodable: None,
+    }
+}
+
+/// A batch of `count` good messages starting at `first`.
+fn good(first: u32, count: u32) -> Vec<Message<u32>> {
+    (first..first + count)
+        .map(|i| message(i, format!(r#"{{"n":{i}}}"#).as_bytes()))
+        .collect()
+}
+
+struct Running {
+    script: Arc<Mutex<Script>>,
+    metrics: Arc<Metrics>,
+    cancel: CancellationToken,
+    task: tokio::task::JoinHandle<Result<(), PipelineError>>,
+}
+
+impl Running {
+    fn calls(&self) -> Vec<Call> {
+        self.script.lock().expect("script").calls.clone()
+    }
+
+    fn acked(&self) -> Vec<u32> {
+        self.calls()
+            .into_iter()
+            .flat_map(|call| match call {
+                Call::Ack(receipts) => receipts,
+                _ => Vec::new(),
+            })
+            .collect()
+    }
+
+    async fn stop(self) -> Result<Result<(), PipelineError>> {
+        self.cancel.cancel();
+        Ok(self.task.await?)
+    }
+}
+
+/// Runs the pipeline on this thread (the worker's runtime is single-threaded, and the loop's
+/// future is not `Send`); call inside [`local`].
+fn start(fx: &Fixture, script: Script, lease: Option<Duration>) -> Running {
+    let script = Arc::new(Mutex::new(script));
+    let transport = FakeTransport {
+        script: script.clone(),
+        lease,
+    };
+    let metrics = Arc::new(Metrics::new(
+        "test/pipeline",
+        DeliveryGuarantee::AtLeastOnce,
+        Metrics::registry(),
+    ));
+    let cancel = CancellationToken::new();
+    let settings = PipelineSettings {
+        queue: "pipeline".to_owned(),
+        batch_size: 100,
+        max_deliveries: 3,
+        format: PayloadFormat::Json,
+        max_bytes: 1024,
+        abort_after_commits: None,
+    };
+    let pipeline = Pipeline::new(
+        transport,
+        fx.store.clone(),
+        settings,
+        metrics.clone(),
+        Arc::new(Health::new()),
+        cancel.clone(),
+    );
+    Running {
+        script,
+        metrics,
+        cancel,
+        task: tokio::task::spawn_local(pipeline.run()),
+    }
+}
+
+const DEADLINE: Duration = Duration::from_secs(30);
+
+/// Runs a test body where [`start`] can spawn the pipeline.
+async fn local<F: std::future::Future<Output = Result<()>>>(body: F) -> Result<()> {
+    tokio::task::LocalSet::new().run_until(body).await
+}
+
+#[tokio::test]
+async fn dead_letters_are_written_before_their_batch_is_acknowledged_in_receive_order() -> Result<()>
+{
+    local(async {
+        let fx = Fixture::start().await?;
+        let mut batch = good(1, 3);
+        batch.insert(1, message(100, b"{not json"));
+        let mut overdue = message(101, b"{}");
+        overdue.delivery_count = 4;
+        batch.push(overdue);
+        let mut undecodable = message(102, b"\xff");
+        undecodable.undecodable = Some("field name is not UTF-8".to_owned());
+        batch.push(undecodable);
+        batch.extend(good(4, 2));
+        let script = Script {
+            batches: VecDeque::from([batch]),
+            // The first write fails: nothing may be acknowledged until it is retried and succeeds.
+            fail_dead_letters: VecDeque::from([Failure::Transient]),
+            ..Script::default()
+        };
+        let running = start(&fx, script, None);
+        wait_for(DEADLINE, "the batch is acknowledged", || async {
+            Ok(!running.acked().is_empty())
+        })
+        .await?;
+        let calls = running.calls();
+        ensure!(
+            calls
+                == vec![
+                    Call::DeadLetters(vec![100, 101, 102]),
+                    Call::Ack(vec![1, 100, 2, 3, 101, 102, 4, 5]),
+                ],
+            "one confirmed dead-letter write, then one acknowledgement of everything in receive order: {calls:?}"
+        );
+        ensure!(fx.todo_count("pipeline").await? == 5);
+        running.stop().await??;
+        Ok(())
+    })
+    .await
+}
+
+#[tokio::test]
+async fn batches_are_acknowledged_one_by_one_in_the_order_they_were_received() -> Result<()> {
+    local(async {
+        let fx = Fixture::start().await?;
+        let batches: VecDeque<_> = (0..6).map(|b| good(b * 10, 10)).collect();
+        let running = start(
+            &fx,
+            Script {
+                batches,
+                ..Script::default()
+            },
+            None,
+        );
+        wait_for(DEADLINE, "every batch is acknowledged", || async {
+            Ok(running.acked().len() == 60)
+        })
+        .await?;
+        let acked = running.acked();
+        ensure!(
+            acked == (0..60).collect::<Vec<u32>>(),
+            "acknowledged in receive order: {acked:?}"
+        );
+        running.stop().await??;
+        fx.assert_exactly_once("pipeline", 60).await
+    })
+    .await
+}
+
+#[tokio::test]
+async fn stale_receipts_are_counted_and_dropped_and_the_loop_goes_on() -> Result<()> {
+    local(async {
+        let fx = Fixture::start().await?;
+        let script = Script {
+            batches: VecDeque::from([good(0, 5), good(5, 5), good(10, 5)]),
+            stale_in_ack: vec![7, 8],
+            // A whole acknowledgement call refused as stale: dropped, never retried.
+            fail_acks: VecDeque::from([Failure::Stale]),
+            ..Script::default()
+        };
+        let running = start(&fx, script, None);
+        wait_for(DEADLINE, "the later batches are acknowledged", || async {
+            Ok(running.acked().contains(&14))
+        })
+        .await?;
+        wait_for(DEADLINE, "stale receipts are counted", || async {
+            Ok(running.metrics.stale_receipts.get() == 7)
+        })
+        .await
+        .map_err(|err| err.context(format!("calls: {:?}", running.calls())))?;
+        ensure!(running.metrics.acked.get() == 8, "15 stored, 7 stale");
+        running.stop().await??;
+        fx.assert_exactly_once("pipeline", 15).await
+    })
+    .await
+}
+
+#[tokio::test]
+async fn fatal_transport_error_stops_the_loop_with_the_setting_named() -> Result<()> {
+    local(async {
+        let fx = Fixture::start().await?;
+        let script = Script {
+            fail_receive: Some(Failure::Fatal),
+            ..Script::default()
+        };
+        let running = start(&fx, script, None);
+        let result = tokio::time::timeout(DEADLINE, running.task).await??;
+        let err = result.expect_err("a fatal error ends the loop");
+        ensure!(
+            err.to_string().contains("spec.source.fake.queue"),
+            "the error names the setting: {err}"
+        );
+        Ok(())
+    })
+    .await
+}
+
+#[tokio::test]
+async fn lease_of_a_batch_stuck_in_the_database_is_extended_until_it_is_stored() -> Result<()> {
+    local(async {
+        use sqlx::Connection as _;
+        let fx = Fixture::start().await?;
+        let mut lock = sqlx::PgConnection::connect(&fx.postgres.url()).await?;
+        sqlx::query("BEGIN").execute(&mut lock).await?;
+        sqlx::query("LOCK TABLE todos IN ACCESS EXCLUSIVE MODE")
+            .execute(&mut lock)
+            .await?;
+        let script = Script {
+            batches: VecDeque::from([good(0, 3)]),
+            ..Script::default()
+        };
+        let running = start(&fx, script, Some(Duration::from_millis(400)));
+        wait_for(DEADLINE, "the lease is extended twice", || async {
+            Ok(running
+                .calls()
+                .iter()
+                .filter(|call| **call == Call::Extend(vec![0, 1, 2]))
+                .count()
+                >= 2)
+        })
+        .await?;
+        ensure!(
+            running.acked().is_empty(),
+            "nothing acknowledged before the commit"
+        );
+        sqlx::query("ROLLBACK").execute(&mut lock).await?;
+        wait_for(DEADLINE, "the batch is acknowledged", || async {
+            Ok(running.acked() == vec![0, 1, 2])
+        })
+        .await?;
+        ensure!(running.metrics.leases_extended.get() >= 6);
+        running.stop().await??;
+        fx.assert_exactly_once("pipeline", 3).await
+    })
+    .await
+}
