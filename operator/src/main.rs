@@ -132,6 +132,8 @@ impl RunArgs {
 
 #[tokio::main]
 async fn main() -> ExitCode {
+    // An error only means a provider is installed already.
+    let _ = rustls::crypto::ring::default_provider().install_default();
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Crd => crd_yaml()

@@ -120,6 +120,9 @@ fn write_kubeconfig(path: &Path, server: &str, ca: &Path, user: &str, token: &st
 
 /// A client from a kubeconfig file.
 pub async fn client(kubeconfig: &Path) -> Result<Client> {
+    // This crate links rustls with two providers (kube's ring, the AWS SDK's aws-lc-rs), so
+    // rustls cannot pick one itself; an error only means one is installed already.
+    let _ = rustls::crypto::ring::default_provider().install_default();
     let config = kube::Config::from_custom_kubeconfig(
         Kubeconfig::read_from(kubeconfig)?,
         &KubeConfigOptions::default(),

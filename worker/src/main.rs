@@ -9,7 +9,8 @@ use switchboard_worker::{RunOptions, migrate, run};
 
 /// Pulls broker messages into durable PostgreSQL todos (store-then-ack).
 ///
-/// Secrets come from the environment only: DATABASE_URL, REDIS_URL.
+/// Secrets come from the environment only: DATABASE_URL, REDIS_URL, AWS_ACCESS_KEY_ID,
+/// AWS_SECRET_ACCESS_KEY (or the default AWS credential chain).
 #[derive(Debug, Parser)]
 #[command(name = "switchboard-worker", version)]
 struct Cli {
@@ -60,6 +61,8 @@ fn positive_duration(text: &str) -> Result<Duration, String> {
 async fn main() -> ExitCode {
     let cli = Cli::parse();
     init_tracing(cli.log_json);
+    // Two rustls providers are linked (see Cargo.toml); an error only means one is installed.
+    let _ = rustls::crypto::ring::default_provider().install_default();
     let result = match cli.command {
         Command::Migrate => migrate().await,
         Command::Run {
