@@ -8,6 +8,9 @@ have_postgres() { compgen -G "/usr/lib/postgresql/*/bin/initdb" >/dev/null || [ 
 have_postgres || missing+=(postgresql)
 command -v redis-server >/dev/null 2>&1 || [ -x /usr/bin/redis-server ] || missing+=(redis-server)
 command -v openssl >/dev/null 2>&1 || missing+=(openssl)
+# ElasticMQ (the SQS-compatible server of the tests) runs on Java and is installed with Maven.
+command -v java >/dev/null 2>&1 || missing+=(openjdk-17-jre-headless)
+command -v mvn >/dev/null 2>&1 || missing+=(maven)
 
 if [ ${#missing[@]} -eq 0 ]; then
   exit 0
