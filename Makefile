@@ -34,9 +34,11 @@ helm:
 	scripts/helm.sh >/dev/null
 
 ## make sqs-server: ElasticMQ (an SQS-compatible server) for the SQS tests, its jars fetched once from
-## Maven Central into ~/.cache/switchboard/elasticmq-<version> (or taken from ELASTICMQ_LIB); docs/brokers.md
+## Maven Central into ~/.cache/switchboard/elasticmq-<version> (or taken from ELASTICMQ_LIB), and
+## moto (credential and region checks) from PyPI into ~/.cache/switchboard/moto-<version>; docs/brokers.md
 sqs-server:
 	scripts/elasticmq.sh >/dev/null
+	scripts/moto.sh >/dev/null
 
 ## make kind-up / kind-demo / kind-down: the kind path for people with Docker (docs/kubernetes.md)
 kind-up:
@@ -48,8 +50,9 @@ kind-demo: kind-up
 kind-down:
 	scripts/kind-down.sh
 
-## make bench: worker throughput, CPU, latency and memory vs the raw PostgreSQL and Redis limits,
-## in release, against real servers (docs/PERFORMANCE.md); fails if any entry is not stored exactly once
+## make bench: worker throughput, CPU, latency and memory vs the raw PostgreSQL, Redis and SQS
+## (ElasticMQ) limits, in release, against real servers, every phase 3 times, median and spread
+## (docs/PERFORMANCE.md); fails if any entry is not stored exactly once
 bench: deps sqs-server
 	$(CARGO) build --release --workspace --bins
 	$(CARGO) run --quiet --release -p switchboard-tests --bin switchboard-bench -- \

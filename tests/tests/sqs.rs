@@ -1,0 +1,617 @@
+//! Amazon SQS beyond the contract suite, end to end: the real worker binary against real
+//! PostgreSQL and a real SQS-compatible server (ElasticMQ; moto where credentials and regions
+//! must be checked, which ElasticMQ does not do).
+
+use std::net::TcpStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail, ensure};
+use aws_sdk_sqs::Client;
+use aws_sdk_sqs::types::Message;
+use nix::sys::signal::Signal;
+use sqlx::Connection;
+use switchboard_tests::Fixture;
+use switchboard_tests::brokers::sqs::ElasticMq;
+use switchboard_tests::servers::free_port;
+use switchboard_tests::wait::{wait_for, wait_until};
+use switchboard_tests::worker::WorkerProcess;
+
+const LONG: Duration = Duration::from_secs(120);
+/// Acceptance 4: a misconfigured worker exits within this.
+const FATAL_EXIT: Duration = Duration::from_secs(30);
+/// ElasticMQ and moto accept any credentials unless told otherwise; the region is fixed.
+const AWS_ENV: [(&str, &str); 3] = [
+    ("AWS_ACCESS_KEY_ID", "x"),
+    ("AWS_SECRET_ACCESS_KEY", "x"),
+    ("AWS_REGION", "us-east-1"),
+];
+/// How moto gets installed (`make sqs-server` runs it).
+const MOTO_INSTALL: &str = "scripts/moto.sh (make sqs-server)";
+
+/// `moto_server`: `$MOTO_SERVER`, else the virtualenv scripts/moto.sh installs.
+fn moto_server() -> Result<PathBuf> {
+    if let Some(path) = std::env::var_os("MOTO_SERVER") {
+        return Ok(PathBuf::from(path));
+    }
+    let cache = std::env::var_os("SWITCHBOARD_CACHE")
+        .map(PathBuf::from)
+        .or_else(|| {
+            std::env::var_os("HOME").map(|home| Path::new(&home).join(".cache/switchboard"))
+        })
+        .context("no HOME to find the cache in")?;
+    let path = cache.join("moto-5.2.5/venv/bin/moto_server");
+    anyhow::ensure!(
+        path.is_file(),
+        "{} is missing: install moto with `{MOTO_INSTALL}`",
+        path.display()
+    );
+    Ok(path)
+}
+
+/// Adapter `test/{name}` reading `queue_url` on `endpoint` into todo queue `name`, strict JSON.
+/// `sqs_extra` and `delivery` are extra flow-mapping entries (`visibilityTimeoutSeconds: 4`).
+fn sqs_manifest(
+    name: &str,
+    queue_url: &str,
+    endpoint: &str,
+    sqs_extra: &str,
+    delivery: &str,
+) -> String {
+    format!(
+        "apiVersion: switchboard.dev/v1alpha1\n\
+         kind: QueueAdapter\n\
+         metadata: {{name: {name}, namespace: test}}\n\
+         spec:\n\
+         \x20 source: {{sqs: {{queueUrl: \"{queue_url}\", endpoint: \"{endpoint}\", waitTimeSeconds: 1{sqs_extra}}}}}\n\
+         \x20 target: {{queue: {name}}}\n\
+         \x20 delivery: {{batchSize: 10, maxDeliveries: 3{delivery}}}\n\
+         \x20 payload: {{format: json}}\n"
+    )
+}
+
+fn start_worker(fx: &Fixture, manifest: &Path, consumer: &str) -> Result<WorkerProcess> {
+    WorkerProcess::start(&fx.env, manifest, consumer, &AWS_ENV)
+}
+
+/// Creates `{name}` and its default dead-letter queue `{name}-dlq`; returns both URLs.
+async fn queue_pair(mq: &ElasticMq, name: &str) -> Result<(String, String)> {
+    let queue = mq.create_queue(name, &[]).await?;
+    let dlq = mq.create_queue(&format!("{name}-dlq"), &[]).await?;
+    Ok((queue, dlq))
+}
+
+fn bodies(name: &str, count: usize) -> impl Iterator<Item = Vec<u8>> + use<> {
+    let name = name.to_owned();
+    (0..count).map(move |i| format!(r#"{{"{name}":{i}}}"#).into_bytes())
+}
+
+async fn wait_ready(worker: &WorkerProcess) -> Result<()> {
+    wait_for(LONG, "the worker is ready", || async {
+        Ok(worker.http_get("/readyz")?.0 == 200)
+    })
+    .await
+    .with_context(|| worker.log_tail())
+}
+
+/// Waits until `queue` holds `expected` todos and the SQS queue is empty (nothing visible, in
+/// flight or delayed).
+async fn wait_drained(
+    fx: &Fixture,
+    mq: &ElasticMq,
+    queue: &str,
+    queue_url: &str,
+    expected: i64,
+    worker: &WorkerProcess,
+) -> Result<()> {
+    wait_for(
+        LONG,
+        &format!("{expected} todos in {queue} and its SQS queue empty"),
+        || async {
+            let counts = mq.count(queue_url).await?;
+            Ok(fx.todo_count(queue).await? == expected
+                && counts.visible + counts.in_flight + counts.delayed == 0)
+        },
+    )
+    .await
+    .with_context(|| worker.log_tail())
+}
+
+/// A counter of adapter `test/{name}`.
+fn counter(worker: &WorkerProcess, family: &str, name: &str) -> Result<f64> {
+    worker.metric(&format!(
+        r#"switchboard_{family}_total{{adapter="test/{name}"}}"#
+    ))
+}
+
+/// Holds `LOCK TABLE todos IN ACCESS EXCLUSIVE MODE` on its own connection until dropped or
+/// released.
+struct TodosLock {
+    conn: sqlx::PgConnection,
+}
+
+impl TodosLock {
+    async fn take(database_url: &str) -> Result<Self> {
+        let mut conn = sqlx::PgConnection::connect(database_url).await?;
+        sqlx::query("BEGIN").execute(&mut conn).await?;
+        sqlx::query("LOCK TABLE todos IN ACCESS EXCLUSIVE MODE")
+            .execute(&mut conn)
+            .await?;
+        Ok(Self { conn })
+    }
+
+    async fn release(mut self) -> Result<()> {
+        sqlx::query("ROLLBACK").execute(&mut self.conn).await?;
+        Ok(())
+    }
+}
+
+/// Waits until a connection of worker `consumer` waits for a lock (it is storing a batch
+/// behind [`TodosLock`]).
+async fn wait_blocked_on_lock(fx: &Fixture, worker: &WorkerProcess) -> Result<()> {
+    let application = switchboard_worker::database_application_name(&worker.consumer);
+    wait_for(LONG, "the worker waits for the lock on todos", || async {
+        let waiting: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1 \
+             AND wait_event_type = 'Lock'",
+        )
+        .bind(&application)
+        .fetch_one(fx.pool())
+        .await?;
+        Ok(waiting > 0)
+    })
+    .await
+    .with_context(|| worker.log_tail())
+}
+
+/// Receives up to ten visible messages as another consumer would, hiding them for `hide`.
+async fn receive_as_other_consumer(
+    client: &Client,
+    queue_url: &str,
+    hide: Duration,
+) -> Result<Vec<Message>> {
+    let output = client
+        .receive_message()
+        .queue_url(queue_url)
+        .max_number_of_messages(10)
+        .wait_time_seconds(1)
+        .visibility_timeout(i32::try_from(hide.as_secs())?)
+        .send()
+        .await
+        .map_err(|err| {
+            anyhow::anyhow!(
+                "ReceiveMessage: {}",
+                aws_sdk_sqs::error::DisplayErrorContext(err)
+            )
+        })?;
+    Ok(output.messages.unwrap_or_default())
+}
+
+/// Waits for the worker to exit; fails unless it exited non-zero within [`FATAL_EXIT`] with
+/// every one of `needles` in its log. Returns the log.
+fn assert_fatal_exit(worker: &mut WorkerProcess, needles: &[&str]) -> Result<String> {
+    let started = Instant::now();
+    let status = worker.wait_exit(FATAL_EXIT)?;
+    let log = worker.log();
+    ensure!(
+        !status.success() && status.code().is_some(),
+        "expected a non-zero exit, got {status:?} after {:?}\n{log}",
+        started.elapsed()
+    );
+    for needle in needles {
+        ensure!(
+            log.contains(needle),
+            "the log does not name {needle}:\n{log}"
+        );
+    }
+    Ok(log)
+}
+
+#[tokio::test]
+async fn fifo_groups_keep_their_order_and_a_poison_message_does_not_break_it() -> Result<()> {
+    const PER_GROUP: usize = 30;
+    const POISON_SEQ: usize = 11;
+    let fx = Fixture::start().await?;
+    let mq = ElasticMq::start()?;
+    let queue = mq.create_fifo_queue("orders.fifo").await?;
+    let dlq = mq.create_fifo_queue("orders-dlq.fifo").await?;
+    let poison = r#"{"group":"a","seq":11,"#;
+    for seq in 0..PER_GROUP {
+        for group in ["a", "b"] {
+            let body = if group == "a" && seq == POISON_SEQ {
+                poison.to_owned()
+            } else {
+                format!(r#"{{"group":"{group}","seq":{seq}}}"#)
+            };
+            mq.send_fifo(&queue, group, &body).await?;
+        }
+    }
+    let manifest = fx.manifest(
+        "orders.yaml",
+        &sqs_manifest(
+            "orders",
+            &queue,
+            &mq.endpoint(),
+            ", visibilityTimeoutSeconds: 4",
+            "",
+        ),
+    )?;
+    let worker = start_worker(&fx, &manifest, "worker-a")?;
+    let stored = (2 * PER_GROUP - 1) as i64;
+    wait_drained(&fx, &mq, "orders", &queue, stored, &worker).await?;
+    fx.assert_exactly_once("orders", stored).await?;
+
+    for group in ["a", "b"] {
+        let seqs: Vec<i64> = sqlx::query_scalar(
+            "SELECT (payload->>'seq')::bigint FROM todos WHERE queue = 'orders' \
+             AND payload->>'group' = $1 ORDER BY id",
+        )
+        .bind(group)
+        .fetch_all(fx.pool())
+        .await?;
+        let expected: Vec<i64> = (0..PER_GROUP as i64)
+            .filter(|&seq| group == "b" || seq != POISON_SEQ as i64)
+            .collect();
+        ensure!(
+            seqs == expected,
+            "group {group} stored out of order: {seqs:?}"
+        );
+    }
+
+    let letters = mq.receive_all(&dlq).await?;
+    ensure!(
+        letters.len() == 1,
+        "expected the poison alone in the DLQ: {letters:?}"
+    );
+    let letter = &letters[0];
+    ensure!(
+        letter.body() == Some(poison),
+        "the dead letter's body changed: {letter:?}"
+    );
+    let reason = letter
+        .message_attributes()
+        .and_then(|attributes| attributes.get("x-dlq-reason"))
+        .and_then(|value| value.string_value())
+        .with_context(|| format!("the dead letter has no x-dlq-reason: {letter:?}"))?;
+    ensure!(!reason.is_empty());
+    // One sample per reason: the poison is the only dead letter, whatever its reason.
+    let (_, metrics) = worker.http_get("/metrics")?;
+    let dead_lettered: f64 = metrics
+        .lines()
+        .filter(|line| {
+            line.starts_with(r#"switchboard_messages_dead_lettered_total{adapter="test/orders""#)
+        })
+        .filter_map(|line| line.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum();
+    ensure!(
+        dead_lettered == 1.0,
+        "{dead_lettered} dead letters:\n{metrics}"
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn batch_whose_commit_outlasts_the_visibility_timeout_is_not_redelivered() -> Result<()> {
+    const VISIBILITY: Duration = Duration::from_secs(2);
+    let fx = Fixture::start().await?;
+    let mq = ElasticMq::start()?;
+    let (queue, _dlq) = queue_pair(&mq, "slow").await?;
+    let manifest = fx.manifest(
+        "slow.yaml",
+        &sqs_manifest(
+            "slow",
+            &queue,
+            &mq.endpoint(),
+            ", visibilityTimeoutSeconds: 2",
+            "",
+        ),
+    )?;
+    let worker = start_worker(&fx, &manifest, "worker-a")?;
+    wait_ready(&worker).await?;
+
+    let lock = TodosLock::take(&fx.postgres.url()).await?;
+    mq.send_bodies(&queue, bodies("slow", 10)).await?;
+    wait_blocked_on_lock(&fx, &worker).await?;
+    // Three visibility timeouts pass while the batch waits; the lock is the condition, the
+    // hold only has to outlast the timeout (and stay under the worker's database timeout).
+    tokio::time::sleep(3 * VISIBILITY).await;
+    let hidden = mq.count(&queue).await?;
+    lock.release().await?;
+    ensure!(
+        hidden.visible == 0,
+        "messages of the held batch became visible again: {hidden:?}"
+    );
+
+    wait_drained(&fx, &mq, "slow", &queue, 10, &worker).await?;
+    fx.assert_exactly_once("slow", 10).await?;
+    ensure!(
+        counter(&worker, "messages_redelivered", "slow")? == 0.0,
+        "{}",
+        worker.log_tail()
+    );
+    let extended = counter(&worker, "leases_extended", "slow")?;
+    ensure!(extended > 0.0, "no lease was extended");
+    Ok(())
+}
+
+#[tokio::test]
+async fn delete_of_an_expired_receipt_counts_as_stale_and_never_blocks_the_loop() -> Result<()> {
+    let fx = Fixture::start().await?;
+    let mq = ElasticMq::start()?;
+    let (queue, _dlq) = queue_pair(&mq, "stale").await?;
+    let manifest = fx.manifest(
+        "stale.yaml",
+        &sqs_manifest(
+            "stale",
+            &queue,
+            &mq.endpoint(),
+            ", visibilityTimeoutSeconds: 2",
+            "",
+        ),
+    )?;
+    let worker = start_worker(&fx, &manifest, "worker-a")?;
+    wait_ready(&worker).await?;
+
+    let lock = TodosLock::take(&fx.postgres.url()).await?;
+    mq.send_bodies(&queue, bodies("stale", 10)).await?;
+    wait_blocked_on_lock(&fx, &worker).await?;
+    // A pause of the whole process (as a long GC or CPU starvation would): the lease is not
+    // extended, the visibility expires and another consumer receives the held messages, which
+    // makes the worker's receipt handles stale (SQS and ElasticMQ accept only the latest).
+    worker.signal(Signal::SIGSTOP)?;
+    let client = mq.client();
+    let mut taken = Vec::new();
+    let deadline = Instant::now() + LONG;
+    while taken.is_empty() {
+        ensure!(
+            Instant::now() < deadline,
+            "the held messages never became visible again"
+        );
+        taken = receive_as_other_consumer(&client, &queue, Duration::from_secs(60)).await?;
+    }
+    worker.signal(Signal::SIGCONT)?;
+    lock.release().await?;
+
+    wait_for(LONG, "the worker counts a stale receipt", || async {
+        Ok(counter(&worker, "stale_receipts", "stale")? > 0.0)
+    })
+    .await
+    .with_context(|| worker.log_tail())?;
+    // The loop goes on: new messages are stored...
+    mq.send_bodies(&queue, bodies("fresh", 5)).await?;
+    wait_for(LONG, "the new messages are stored", || async {
+        Ok(fx.todo_count("stale").await? == 15)
+    })
+    .await
+    .with_context(|| worker.log_tail())?;
+    // ...and the messages the other consumer gave back come again and are deduplicated.
+    for message in &taken {
+        client
+            .change_message_visibility()
+            .queue_url(&queue)
+            .receipt_handle(message.receipt_handle().context("no receipt handle")?)
+            .visibility_timeout(0)
+            .send()
+            .await
+            .map_err(|err| {
+                anyhow::anyhow!(
+                    "ChangeMessageVisibility: {}",
+                    aws_sdk_sqs::error::DisplayErrorContext(err)
+                )
+            })?;
+    }
+    wait_drained(&fx, &mq, "stale", &queue, 15, &worker).await?;
+    fx.assert_exactly_once("stale", 15).await?;
+    ensure!(
+        counter(&worker, "messages_duplicate", "stale")? >= taken.len() as f64,
+        "{}",
+        worker.log_tail()
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn missing_queue_exits_non_zero_naming_the_setting_within_30_seconds() -> Result<()> {
+    let fx = Fixture::start().await?;
+    let mq = ElasticMq::start()?;
+    let missing = format!("{}/000000000000/nowhere", mq.endpoint());
+    let manifest = fx.manifest(
+        "nowhere.yaml",
+        &sqs_manifest("nowhere", &missing, &mq.endpoint(), "", ""),
+    )?;
+    let mut worker = start_worker(&fx, &manifest, "worker-a")?;
+    assert_fatal_exit(&mut worker, &["spec.source.sqs.queueUrl"])?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn missing_dead_letter_queue_exits_naming_the_setting() -> Result<()> {
+    let fx = Fixture::start().await?;
+    let mq = ElasticMq::start()?;
+    let queue = mq.create_queue("lonely", &[]).await?;
+    let manifest = fx.manifest(
+        "lonely.yaml",
+        &sqs_manifest("lonely", &queue, &mq.endpoint(), "", ""),
+    )?;
+    let mut worker = start_worker(&fx, &manifest, "worker-a")?;
+    assert_fatal_exit(
+        &mut worker,
+        &["spec.delivery.deadLetter.queueUrl", "lonely-dlq"],
+    )?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn sql_statement_error_exits_non_zero_with_the_statement_error() -> Result<()> {
+    let fx = Fixture::start().await?;
+    let mq = ElasticMq::start()?;
+    let (queue, _dlq) = queue_pair(&mq, "broken").await?;
+    sqlx::query("ALTER TABLE todos RENAME COLUMN payload TO payload_x")
+        .execute(fx.pool())
+        .await?;
+    mq.send_bodies(&queue, bodies("broken", 3)).await?;
+    let manifest = fx.manifest(
+        "broken.yaml",
+        &sqs_manifest("broken", &queue, &mq.endpoint(), "", ""),
+    )?;
+    let mut worker = start_worker(&fx, &manifest, "worker-a")?;
+    // PostgreSQL's own message for SQLSTATE 42703 (undefined_column).
+    assert_fatal_exit(
+        &mut worker,
+        &[r#"column "payload" of relation "todos" does not exist"#],
+    )?;
+    // Nothing was acknowledged that was not stored.
+    let counts = mq.count(&queue).await?;
+    ensure!(
+        counts.visible + counts.in_flight == 3,
+        "messages were deleted without being stored: {counts:?}"
+    );
+    Ok(())
+}
+
+/// A moto server (`moto_server`), killed on drop. With `check_credentials` every request is
+/// authenticated against moto's (empty) IAM, so any access key is refused.
+struct Moto {
+    child: Child,
+    port: u16,
+}
+
+impl Moto {
+    fn start(check_credentials: bool, log: &Path) -> Result<Self> {
+        let port = free_port()?;
+        let file = std::fs::File::create(log)?;
+        let mut command = Command::new(moto_server()?);
+        command
+            .args(["-H", "127.0.0.1", "-p", &port.to_string()])
+            .stdin(Stdio::null())
+            .stdout(file.try_clone()?)
+            .stderr(file);
+        if check_credentials {
+            command.env("INITIAL_NO_AUTH_ACTION_COUNT", "0");
+        }
+        let child = command
+            .spawn()
+            .with_context(|| format!("starting moto_server; install it with `{MOTO_INSTALL}`"))?;
+        let mut moto = Self { child, port };
+        let mut exited = None;
+        wait_until(
+            Duration::from_secs(30),
+            "moto_server accepts connections",
+            || {
+                if let Ok(Some(status)) = moto.child.try_wait() {
+                    exited = Some(status);
+                    return true;
+                }
+                TcpStream::connect(("127.0.0.1", moto.port)).is_ok()
+            },
+        )?;
+        if let Some(status) = exited {
+            bail!(
+                "moto_server exited at start-up ({status}); install it with `{MOTO_INSTALL}`\n{}",
+                std::fs::read_to_string(log).unwrap_or_default()
+            );
+        }
+        Ok(moto)
+    }
+
+    fn endpoint(&self) -> String {
+        format!("http://127.0.0.1:{}", self.port)
+    }
+
+    /// A client of region `region` with fixed test credentials.
+    fn client(&self, region: &str) -> Client {
+        let config = aws_sdk_sqs::Config::builder()
+            .behavior_version(aws_sdk_sqs::config::BehaviorVersion::latest())
+            .endpoint_url(self.endpoint())
+            .region(aws_sdk_sqs::config::Region::new(region.to_owned()))
+            .credentials_provider(aws_sdk_sqs::config::Credentials::new(
+                "x",
+                "x",
+                None,
+                None,
+                "switchboard-tests",
+            ))
+            .build();
+        Client::from_conf(config)
+    }
+}
+
+impl Drop for Moto {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+#[tokio::test]
+async fn denied_credentials_exit_non_zero_naming_the_setting() -> Result<()> {
+    let fx = Fixture::start().await?;
+    let moto = Moto::start(true, &fx.dir.path().join("moto.log"))?;
+    let queue = format!("{}/123456789012/orders", moto.endpoint());
+    let manifest = fx.manifest(
+        "denied.yaml",
+        &sqs_manifest("denied", &queue, &moto.endpoint(), "", ""),
+    )?;
+    let mut worker = start_worker(&fx, &manifest, "worker-a")?;
+    let log = assert_fatal_exit(&mut worker, &["AWS_ACCESS_KEY_ID", "accessKeyIdSecretRef"])?;
+    ensure!(
+        !log.contains("AWS_SECRET_ACCESS_KEY=x"),
+        "a secret in the log"
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn queue_name_in_another_region_exits_naming_the_setting() -> Result<()> {
+    let fx = Fixture::start().await?;
+    let moto = Moto::start(false, &fx.dir.path().join("moto.log"))?;
+    let elsewhere = moto.client("eu-west-1");
+    for name in ["orders", "orders-dlq"] {
+        elsewhere
+            .create_queue()
+            .queue_name(name)
+            .send()
+            .await
+            .map_err(|err| {
+                anyhow::anyhow!(
+                    "CreateQueue: {}",
+                    aws_sdk_sqs::error::DisplayErrorContext(err)
+                )
+            })?;
+    }
+    let manifest = fx.manifest(
+        "orders.yaml",
+        &format!(
+            "apiVersion: switchboard.dev/v1alpha1\n\
+             kind: QueueAdapter\n\
+             metadata: {{name: orders, namespace: test}}\n\
+             spec:\n\
+             \x20 source: {{sqs: {{queueName: orders, region: us-east-1, endpoint: \"{}\", waitTimeSeconds: 1}}}}\n\
+             \x20 target: {{queue: orders}}\n",
+            moto.endpoint()
+        ),
+    )?;
+    let mut worker = start_worker(&fx, &manifest, "worker-a")?;
+    assert_fatal_exit(&mut worker, &["spec.source.sqs.queueName", "us-east-1"])?;
+    Ok(())
+}
+
+#[test]
+fn orders_sqs_example_is_a_valid_manifest() -> Result<()> {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/orders-sqs.yaml");
+    let yaml = std::fs::read_to_string(&path)?;
+    let adapter = switchboard_api::load_manifest(&yaml)
+        .map_err(|err| anyhow::anyhow!("{}: {err}", path.display()))?;
+    let sqs = adapter
+        .spec
+        .source
+        .sqs
+        .as_ref()
+        .context("the example's source is not sqs")?;
+    ensure!(sqs.queue_url.is_some() && sqs.region.is_some());
+    ensure!(sqs.access_key_id_secret_ref.is_some() && sqs.secret_access_key_secret_ref.is_some());
+    ensure!(sqs.visibility_timeout_seconds.is_some());
+    ensure!(adapter.spec.delivery.dead_letter.queue_url.is_some());
+    Ok(())
+}
