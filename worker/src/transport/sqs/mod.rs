@@ -293,7 +293,7 @@ impl Sqs {
         url: &str,
         addressed: Addressed,
         names: &[QueueAttributeName],
-    ) -> Result<std::collections::HashMap<QueueAttributeName, String>, TransportError> {
+    ) -> Result<Attributes, TransportError> {
         let mut call = self.client.get_queue_attributes().queue_url(url);
         for name in names {
             call = call.attribute_names(name.clone());
@@ -594,6 +594,22 @@ impl QueueProbe for SqsProbe {
     }
 }
 
+/// Queue attributes as GetQueueAttributes returns them.
+type Attributes = std::collections::HashMap<QueueAttributeName, String>;
+
+/// Whether the queue is FIFO: its `FifoQueue` attribute, else its name.
+fn is_fifo(attributes: &Attributes, url: &str) -> bool {
+    attributes.get(&QueueAttributeName::FifoQueue).map_or_else(
+        || url.ends_with(".fifo"),
+        |v| v.eq_ignore_ascii_case("true"),
+    )
+}
+
+/// A numeric queue attribute.
+fn number<N: std::str::FromStr>(attributes: &Attributes, name: QueueAttributeName) -> Option<N> {
+    attributes.get(&name).and_then(|v| v.parse().ok())
+}
+
 impl Transport for Sqs {
     type Receipt = Receipt;
     type Probe = SqsProbe;
@@ -621,13 +637,8 @@ impl Transport for Sqs {
                 ],
             )
             .await?;
-        let fifo = attributes.get(&QueueAttributeName::FifoQueue).map_or_else(
-            || url.ends_with(".fifo"),
-            |v| v.eq_ignore_ascii_case("true"),
-        );
-        let visibility_seconds = attributes
-            .get(&QueueAttributeName::VisibilityTimeout)
-            .and_then(|v| v.parse().ok())
+        let fifo = is_fifo(&attributes, &url);
+        let visibility_seconds = number(&attributes, QueueAttributeName::VisibilityTimeout)
             .unwrap_or(DEFAULT_VISIBILITY_SECONDS);
         let redrive_policy = attributes
             .get(&QueueAttributeName::RedrivePolicy)
@@ -650,13 +661,8 @@ impl Transport for Sqs {
                 ],
             )
             .await?;
-        let dead_letter_fifo = dead_letter.get(&QueueAttributeName::FifoQueue).map_or_else(
-            || dead_letter_url.ends_with(".fifo"),
-            |v| v.eq_ignore_ascii_case("true"),
-        );
-        let dead_letter_max_bytes = dead_letter
-            .get(&QueueAttributeName::MaximumMessageSize)
-            .and_then(|v| v.parse().ok())
+        let dead_letter_fifo = is_fifo(&dead_letter, &dead_letter_url);
+        let dead_letter_max_bytes = number(&dead_letter, QueueAttributeName::MaximumMessageSize)
             .unwrap_or(DEFAULT_MAX_MESSAGE_BYTES);
 
         let first = self.queues.is_none();
