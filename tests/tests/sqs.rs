@@ -291,16 +291,24 @@ async fn fifo_groups_keep_their_order_and_a_poison_message_does_not_break_it() -
     Ok(())
 }
 
-#[tokio::test]
-async fn batch_whose_commit_outlasts_the_visibility_timeout_is_not_redelivered() -> Result<()> {
-    const VISIBILITY: Duration = Duration::from_secs(2);
+/// A worker of adapter `test/{name}` (visibility 2 s) whose first batch of ten messages waits
+/// on a lock of the todos table.
+struct Held {
+    fx: Fixture,
+    mq: ElasticMq,
+    queue: String,
+    worker: WorkerProcess,
+    lock: TodosLock,
+}
+
+async fn held_batch(name: &str) -> Result<Held> {
     let fx = Fixture::start().await?;
     let mq = ElasticMq::start()?;
-    let (queue, _dlq) = queue_pair(&mq, "slow").await?;
+    let (queue, _dlq) = queue_pair(&mq, name).await?;
     let manifest = fx.manifest(
-        "slow.yaml",
+        &format!("{name}.yaml"),
         &sqs_manifest(
-            "slow",
+            name,
             &queue,
             &mq.endpoint(),
             ", visibilityTimeoutSeconds: 2",
@@ -309,10 +317,28 @@ async fn batch_whose_commit_outlasts_the_visibility_timeout_is_not_redelivered()
     )?;
     let worker = start_worker(&fx, &manifest, "worker-a")?;
     wait_ready(&worker).await?;
-
     let lock = TodosLock::take(&fx.postgres.url()).await?;
-    mq.send_bodies(&queue, bodies("slow", 10)).await?;
+    mq.send_bodies(&queue, bodies(name, 10)).await?;
     wait_blocked_on_lock(&fx, &worker).await?;
+    Ok(Held {
+        fx,
+        mq,
+        queue,
+        worker,
+        lock,
+    })
+}
+
+#[tokio::test]
+async fn batch_whose_commit_outlasts_the_visibility_timeout_is_not_redelivered() -> Result<()> {
+    const VISIBILITY: Duration = Duration::from_secs(2);
+    let Held {
+        fx,
+        mq,
+        queue,
+        worker,
+        lock,
+    } = held_batch("slow").await?;
     // Three visibility timeouts pass while the batch waits; the lock is the condition, the
     // hold only has to outlast the timeout (and stay under the worker's database timeout).
     tokio::time::sleep(3 * VISIBILITY).await;
@@ -337,25 +363,13 @@ async fn batch_whose_commit_outlasts_the_visibility_timeout_is_not_redelivered()
 
 #[tokio::test]
 async fn delete_of_an_expired_receipt_counts_as_stale_and_never_blocks_the_loop() -> Result<()> {
-    let fx = Fixture::start().await?;
-    let mq = ElasticMq::start()?;
-    let (queue, _dlq) = queue_pair(&mq, "stale").await?;
-    let manifest = fx.manifest(
-        "stale.yaml",
-        &sqs_manifest(
-            "stale",
-            &queue,
-            &mq.endpoint(),
-            ", visibilityTimeoutSeconds: 2",
-            "",
-        ),
-    )?;
-    let worker = start_worker(&fx, &manifest, "worker-a")?;
-    wait_ready(&worker).await?;
-
-    let lock = TodosLock::take(&fx.postgres.url()).await?;
-    mq.send_bodies(&queue, bodies("stale", 10)).await?;
-    wait_blocked_on_lock(&fx, &worker).await?;
+    let Held {
+        fx,
+        mq,
+        queue,
+        worker,
+        lock,
+    } = held_batch("stale").await?;
     // A pause of the whole process (as a long GC or CPU starvation would): the lease is not
     // extended, the visibility expires and another consumer receives the held messages, which
     // makes the worker's receipt handles stale (SQS and ElasticMQ accept only the latest).
