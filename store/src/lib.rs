@@ -14,8 +14,9 @@ pub use adapters::{Mirrored, QueueAdapterRow};
 
 use std::time::Duration;
 
+use sqlx::pool::PoolConnection;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
-use sqlx::{PgConnection, PgPool, Row};
+use sqlx::{Connection as _, PgConnection, PgPool, Postgres, Row};
 
 static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../migrations");
 
@@ -23,10 +24,29 @@ static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../migrations");
 /// the data itself and retrying the same rows cannot help.
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
-    #[error("database URL is invalid")]
+    #[error("DATABASE_URL is invalid")]
     InvalidUrl(#[source] sqlx::Error),
+    #[error("DATABASE_URL: the scheme {scheme} is not PostgreSQL's (postgres:// or postgresql://)")]
+    UnsupportedScheme { scheme: String },
+    /// SQLSTATE classes 28 (invalid authorization: a wrong password, an unknown role, no
+    /// `pg_hba.conf` entry) and 3D (the database does not exist): this URL can never connect.
+    #[error(
+        "DATABASE_URL: PostgreSQL refused the connection (check the user, password and database name)"
+    )]
+    Refused(#[source] sqlx::Error),
     #[error("database is unavailable")]
     Unavailable(#[source] sqlx::Error),
+    /// Nothing accepts connections at the address (the server is down, or the host or port of
+    /// `DATABASE_URL` is wrong): retried, since a server that is down comes back.
+    #[error(
+        "database at {host}:{port} is unreachable (is it running, and are DATABASE_URL's host and port right?)"
+    )]
+    Unreachable {
+        host: String,
+        port: u16,
+        #[source]
+        source: sqlx::Error,
+    },
     #[error("database did not answer within {0:?}; the connection was closed")]
     TimedOut(Duration),
     #[error("database rejected the data")]
@@ -46,7 +66,10 @@ pub enum StoreError {
 
 impl StoreError {
     pub fn is_retryable(&self) -> bool {
-        matches!(self, StoreError::Unavailable(_) | StoreError::TimedOut(_))
+        matches!(
+            self,
+            StoreError::Unavailable(_) | StoreError::Unreachable { .. } | StoreError::TimedOut(_)
+        )
     }
 
     /// Retrying cannot help and the data is not at fault: the worker must stop and say why.
@@ -55,6 +78,8 @@ impl StoreError {
             self,
             StoreError::Statement(_)
                 | StoreError::InvalidUrl(_)
+                | StoreError::UnsupportedScheme { .. }
+                | StoreError::Refused(_)
                 | StoreError::NotMigrated { .. }
                 | StoreError::Migrate(_)
         )
@@ -71,6 +96,7 @@ impl StoreError {
             // violations other than the conflicts the statements handle.
             Some("22" | "23") => StoreError::Rejected(err),
             Some("42" | "0A") => StoreError::Statement(err),
+            Some("28" | "3D") => StoreError::Refused(err),
             _ => StoreError::Unavailable(err),
         }
     }
@@ -221,6 +247,21 @@ impl Store {
         max_connections: u32,
         application_name: &str,
     ) -> Result<Self, StoreError> {
+        if let Some((scheme, _)) = url.split_once("://")
+            && !matches!(scheme, "postgres" | "postgresql")
+        {
+            let plain = scheme.len() <= 20
+                && scheme
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || matches!(c, '+' | '-' | '.'));
+            return Err(StoreError::UnsupportedScheme {
+                scheme: if plain {
+                    format!("`{scheme}://`")
+                } else {
+                    "of the URL".to_owned()
+                },
+            });
+        }
         let options: PgConnectOptions = url.parse().map_err(StoreError::InvalidUrl)?;
         let pool = PgPoolOptions::new()
             .max_connections(max_connections)
@@ -261,13 +302,46 @@ impl Store {
         &self,
         op: impl AsyncFnOnce(&mut PgConnection) -> Result<T, sqlx::Error>,
     ) -> Result<T, StoreError> {
-        let mut conn = self.pool.acquire().await.map_err(StoreError::classify)?;
+        let mut conn = self.acquire().await?;
         match tokio::time::timeout(self.operation_timeout, op(&mut conn)).await {
             Ok(result) => result.map_err(StoreError::classify),
             Err(_elapsed) => {
                 conn.close_on_drop();
                 Err(StoreError::TimedOut(self.operation_timeout))
             }
+        }
+    }
+
+    /// A connection of the pool. When the pool only says it timed out (it retries refused
+    /// connections until then), one direct attempt finds out why.
+    async fn acquire(&self) -> Result<PoolConnection<Postgres>, StoreError> {
+        match self.pool.acquire().await {
+            Ok(conn) => Ok(conn),
+            Err(sqlx::Error::PoolTimedOut) => Err(self.why_no_connection().await),
+            Err(err) => Err(StoreError::classify(err)),
+        }
+    }
+
+    async fn why_no_connection(&self) -> StoreError {
+        const ATTEMPT: Duration = Duration::from_secs(5);
+        let options = self.pool.connect_options();
+        let unreachable = |source| StoreError::Unreachable {
+            host: options.get_host().to_owned(),
+            port: options.get_port(),
+            source,
+        };
+        match tokio::time::timeout(ATTEMPT, PgConnection::connect_with(&options)).await {
+            // It connects: every connection of the pool is busy.
+            Ok(Ok(conn)) => {
+                let _ = conn.close().await;
+                StoreError::Unavailable(sqlx::Error::PoolTimedOut)
+            }
+            Ok(Err(err @ sqlx::Error::Io(_))) => unreachable(err),
+            Ok(Err(err)) => StoreError::classify(err),
+            Err(_elapsed) => unreachable(sqlx::Error::Io(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                format!("no answer to a connection attempt within {ATTEMPT:?}"),
+            ))),
         }
     }
 
@@ -278,17 +352,19 @@ impl Store {
 
     /// Fails with [`StoreError::NotMigrated`] unless every migration has been applied.
     pub async fn ensure_migrated(&self) -> Result<(), StoreError> {
+        let mut conn = self.acquire().await?;
         let applied: Vec<i64> =
             match sqlx::query_scalar("SELECT version FROM _sqlx_migrations WHERE success")
-                .fetch_all(&self.pool)
+                .fetch_all(&mut *conn)
                 .await
             {
                 Ok(versions) => versions,
                 Err(sqlx::Error::Database(db)) if db.code().as_deref() == Some("42P01") => {
                     Vec::new()
                 }
-                Err(err) => return Err(StoreError::Unavailable(err)),
+                Err(err) => return Err(StoreError::classify(err)),
             };
+        drop(conn);
         let missing: Vec<String> = MIGRATOR
             .iter()
             .filter(|m| !applied.contains(&m.version))
