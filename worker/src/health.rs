@@ -21,14 +21,25 @@ impl Dependency {
     }
 }
 
+/// How long the loop may go without settling a batch (or finding the queue empty) while the
+/// queue holds work before `/healthz` fails: a loop that keeps beating but never gets anything
+/// done (a reply it retries forever, a database outage this long) is restarted.
+pub const STALL_LIMIT: Duration = Duration::from_secs(600);
+
 /// `/readyz`: the loop has started and every dependency answers.
-/// `/healthz`: the loop made progress within its own announced deadline.
+/// `/healthz`: the loop made progress within its own announced deadline, and, while the queue
+/// holds work, settled a batch within [`STALL_LIMIT`].
 #[derive(Debug, Default)]
 pub struct Health {
     started: AtomicBool,
     broker_up: AtomicBool,
     database_up: AtomicBool,
     alive_until_ms: AtomicU64,
+    /// The queue probe's last answer: messages waiting or delivered and not acknowledged.
+    work_waiting: AtomicBool,
+    /// When a batch was last settled or the broker last had nothing for the loop.
+    progressed_ms: AtomicU64,
+    stall_limit_ms: AtomicU64,
 }
 
 pub fn now_ms() -> u64 {
@@ -42,7 +53,32 @@ impl Health {
     pub fn new() -> Self {
         let health = Self::default();
         health.beat(Duration::from_secs(120));
+        health.progressed();
+        health.set_stall_limit(STALL_LIMIT);
         health
+    }
+
+    /// Overrides [`STALL_LIMIT`].
+    pub fn set_stall_limit(&self, limit: Duration) {
+        let ms = u64::try_from(limit.as_millis()).unwrap_or(u64::MAX);
+        self.stall_limit_ms.store(ms, Ordering::Relaxed);
+    }
+
+    /// A batch was settled, or the broker had nothing for the loop.
+    pub fn progressed(&self) {
+        self.progressed_ms.store(now_ms(), Ordering::Relaxed);
+    }
+
+    /// What the queue probe last saw: whether messages are waiting or pending.
+    pub fn set_work_waiting(&self, waiting: bool) {
+        self.work_waiting.store(waiting, Ordering::Relaxed);
+    }
+
+    /// Work is waiting and nothing was settled for longer than the stall limit.
+    fn is_stalled(&self) -> bool {
+        let since = now_ms().saturating_sub(self.progressed_ms.load(Ordering::Relaxed));
+        self.work_waiting.load(Ordering::Relaxed)
+            && since > self.stall_limit_ms.load(Ordering::Relaxed)
     }
 
     /// The loop is alive and promises to beat again within `within`.
@@ -70,7 +106,7 @@ impl Health {
     }
 
     pub fn is_live(&self) -> bool {
-        now_ms() < self.alive_until_ms.load(Ordering::Relaxed)
+        now_ms() < self.alive_until_ms.load(Ordering::Relaxed) && !self.is_stalled()
     }
 }
 
@@ -97,5 +133,18 @@ mod tests {
         assert!(health.is_live());
         health.beat(Duration::ZERO);
         assert!(!health.is_live());
+    }
+
+    #[test]
+    fn liveness_fails_when_work_waits_and_nothing_is_settled_within_the_stall_limit() {
+        let health = Health::new();
+        health.set_stall_limit(Duration::ZERO);
+        std::thread::sleep(Duration::from_millis(5));
+        assert!(health.is_live(), "an empty queue is not a stall");
+        health.set_work_waiting(true);
+        assert!(!health.is_live(), "work waits and nothing was settled");
+        health.set_stall_limit(Duration::from_secs(60));
+        health.progressed();
+        assert!(health.is_live());
     }
 }

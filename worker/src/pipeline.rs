@@ -449,10 +449,15 @@ impl<T: Transport> Pipeline<T> {
         let mut probe = self.transport.probe();
         let interval = self.transport.maintenance_interval();
         let metrics = self.metrics.clone();
+        let health = self.health.clone();
         tokio::spawn(async move {
             loop {
                 match probe.queue_health().await {
-                    Ok(queue) => record_queue_health(&metrics, queue),
+                    Ok(queue) => {
+                        let waiting = queue.backlog.unwrap_or(0) + queue.pending.unwrap_or(0);
+                        health.set_work_waiting(waiting > 0);
+                        record_queue_health(&metrics, queue);
+                    }
                     // The loop reports broker outages; the gauges keep their last value.
                     Err(err) => {
                         tracing::debug!(error = %ErrorChain(&err), "queue health unavailable")
@@ -492,6 +497,9 @@ impl<T: Transport> Pipeline<T> {
             let oldest = match received {
                 Ok(batch) if batch.is_empty() => {
                     self.broker.up();
+                    if in_flight.is_empty() {
+                        self.health.progressed();
+                    }
                     in_flight.pop_front()
                 }
                 Ok(batch) => {
@@ -816,7 +824,9 @@ impl<T: Transport> Pipeline<T> {
             .zip(&batch)
             .filter_map(|(settled, message)| settled.is_some().then_some(message))
             .collect();
-        self.acknowledge(acks).await
+        self.acknowledge(acks).await?;
+        self.health.progressed();
+        Ok(())
     }
 
     /// Past maxDeliveries but stored already (a crash between an earlier commit and its ack):
