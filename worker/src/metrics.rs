@@ -70,7 +70,8 @@ pub fn adapter_counter(registry: &mut Registry, name: &str, help: &str, adapter:
         .clone()
 }
 
-fn adapter_gauge<N, A>(
+/// A gauge labelled with the adapter, registered in `registry` (transports register their own).
+pub fn adapter_gauge<N, A>(
     registry: &mut Registry,
     name: &str,
     help: &str,
@@ -198,7 +199,10 @@ impl Metrics {
         let end_to_end_seconds = adapter_histogram(
             r,
             "end_to_end_latency_seconds",
-            "From the broker's enqueue time (stream entry id) to the commit of its todo",
+            "From the broker's enqueue time to the commit of its todo: the entry id's time for \
+             Redis streams, SentTimestamp for SQS; Redis lists and pub/sub carry no enqueue time, \
+             so there it is measured from the worker's first sight of the message (its first \
+             delivery)",
             adapter,
             || Histogram::new(exponential_buckets(0.001, 2.0, 18)),
         );

@@ -15,14 +15,15 @@ use std::collections::HashSet;
 use std::time::Duration;
 
 use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 use redis::Value;
 use switchboard_store::Dedup;
 use tokio::task::JoinHandle;
 
 use super::{
-    BLOCK, CONTROL_TIMEOUT, Connection, Origin, array, body_hash, dead_letter_record, integer,
-    open, text,
+    BLOCK, CONTROL_TIMEOUT, Connection, NamedKey, Origin, array, body_hash, dead_letter_gauge,
+    dead_letter_record, integer, open, text,
 };
 use crate::health::now_ms;
 use crate::metrics::adapter_counter;
@@ -62,6 +63,7 @@ pub struct RedisList {
     control: Connection,
     /// Items moved back from processing lists of dead consumers.
     reaped: Counter,
+    dead_letters: Gauge,
     /// Re-process the own processing list before taking new items.
     replay: bool,
     heartbeat: Option<JoinHandle<()>>,
@@ -86,6 +88,7 @@ impl RedisList {
     ) -> Result<Self, TransportError> {
         let client = open(redis_url)?;
         let list = &settings.list;
+        let keys = Self::keys(&settings);
         Ok(Self {
             source: format!("redis:{}", settings.adapter),
             processing: Self::processing_key(list, &settings.consumer),
@@ -93,8 +96,8 @@ impl RedisList {
             deliveries: format!("{list}:deliveries"),
             first_seen: format!("{list}:first-seen"),
             reaper_lock: format!("{list}:reaper"),
-            reader: Connection::new(client.clone(), BLOCK + CONTROL_TIMEOUT),
-            control: Connection::new(client.clone(), CONTROL_TIMEOUT),
+            reader: Connection::new(client.clone(), BLOCK + CONTROL_TIMEOUT).naming(keys.clone()),
+            control: Connection::new(client.clone(), CONTROL_TIMEOUT).naming(keys),
             client,
             reaped: adapter_counter(
                 registry,
@@ -102,10 +105,30 @@ impl RedisList {
                 "Items moved back to the list from processing lists of consumers whose heartbeat expired",
                 &settings.adapter,
             ),
+            dead_letters: dead_letter_gauge(registry, &settings.adapter),
             settings,
             replay: true,
             heartbeat: None,
         })
+    }
+
+    /// The keys the transport uses, with the settings that name them (the keys it derives
+    /// from the list's name are named by `spec.source.redis.list`).
+    fn keys(settings: &ListSettings) -> Vec<NamedKey> {
+        const LIST: &str = "spec.source.redis.list";
+        let list = &settings.list;
+        vec![
+            NamedKey::new(list, LIST, "list"),
+            NamedKey::new(Self::processing_key(list, &settings.consumer), LIST, "list"),
+            NamedKey::new(format!("{list}:consumers"), LIST, "set"),
+            NamedKey::new(format!("{list}:deliveries"), LIST, "hash"),
+            NamedKey::new(format!("{list}:first-seen"), LIST, "hash"),
+            NamedKey::new(
+                &settings.dead_letter_list,
+                "spec.delivery.deadLetter.list",
+                "list",
+            ),
+        ]
     }
 
     fn processing_key(list: &str, consumer: &str) -> String {
@@ -351,26 +374,35 @@ async fn consumers(conn: &mut Connection, key: &str) -> Result<Vec<String>, Tran
         .collect())
 }
 
-/// Reads the list's length, what its consumers hold and the oldest first delivery, on its own
-/// connection.
+/// Reads the list's length, what its consumers hold, the oldest first delivery and the
+/// dead-letter list's length, on its own connection. How long the oldest item has waited in the
+/// list is unknown (items carry no enqueue time), so it is not exported.
 #[derive(Debug)]
 pub struct ListProbe {
     conn: Connection,
     list: String,
     consumers: String,
     first_seen: String,
+    dead_letter_list: String,
+    dead_letters: Gauge,
 }
 
 impl QueueProbe for ListProbe {
     async fn queue_health(&mut self) -> Result<QueueHealth, TransportError> {
         let members = consumers(&mut self.conn, &self.consumers).await?;
         let mut pipe = redis::pipe();
+        pipe.cmd("LLEN").arg(&self.dead_letter_list);
         pipe.cmd("LLEN").arg(&self.list);
         for consumer in &members {
             pipe.cmd("LLEN")
                 .arg(RedisList::processing_key(&self.list, consumer));
         }
-        let lengths: Vec<u64> = self.conn.pipeline("LLEN", &pipe).await?;
+        let mut lengths: Vec<u64> = self.conn.pipeline("LLEN", &pipe).await?;
+        if !lengths.is_empty() {
+            let dead_letters = lengths.remove(0);
+            self.dead_letters
+                .set(i64::try_from(dead_letters).unwrap_or(i64::MAX));
+        }
         // First delivery times of every body delivered and not yet stored.
         let mut first_seen = redis::cmd("HVALS");
         first_seen.arg(&self.first_seen);
@@ -464,10 +496,13 @@ impl Transport for RedisList {
 
     fn probe(&self) -> ListProbe {
         ListProbe {
-            conn: Connection::new(self.client.clone(), CONTROL_TIMEOUT),
+            conn: Connection::new(self.client.clone(), CONTROL_TIMEOUT)
+                .naming(Self::keys(&self.settings)),
             list: self.settings.list.clone(),
             consumers: self.consumers.clone(),
             first_seen: self.first_seen.clone(),
+            dead_letter_list: self.settings.dead_letter_list.clone(),
+            dead_letters: self.dead_letters.clone(),
         }
     }
 

@@ -9,20 +9,217 @@ pub mod stream;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use base64::Engine as _;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
 use redis::aio::MultiplexedConnection;
 use redis::{AsyncConnectionConfig, Client, FromRedisValue, Value};
 use sha2::{Digest, Sha256};
 
 use super::{DeadLetter, TransportError};
+use crate::metrics::adapter_gauge;
 use crate::payload::fields_json;
+
+/// `switchboard_dead_letter_messages`: the length of the dead-letter stream or list, read by
+/// the queue probe (so it is right from the start, also after a restart).
+pub fn dead_letter_gauge(registry: &mut Registry, adapter: &str) -> Gauge {
+    adapter_gauge(
+        registry,
+        "dead_letter_messages",
+        "Messages in the dead-letter stream or list (its length, read from the broker)",
+        adapter,
+    )
+}
 
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 pub const CONTROL_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long one blocking read waits for new messages.
 pub const BLOCK: Duration = Duration::from_secs(1);
 
+/// A key a transport works on, and the setting that names it: a key holding another type
+/// (WRONGTYPE) is a misconfiguration the user fixes there.
+#[derive(Debug, Clone)]
+pub struct NamedKey {
+    pub key: String,
+    /// `spec.source.redis.stream`, `spec.delivery.deadLetter.list`, …
+    pub setting: &'static str,
+    /// What the key must hold: `stream`, `list`, `hash`, …
+    pub kind: &'static str,
+}
+
+impl NamedKey {
+    pub fn new(key: impl Into<String>, setting: &'static str, kind: &'static str) -> Self {
+        Self {
+            key: key.into(),
+            setting,
+            kind,
+        }
+    }
+}
+
+/// The error codes of every server error inside `err` (one per failed command of a pipeline).
+fn server_codes(err: &redis::RedisError) -> Vec<(usize, String)> {
+    match err.clone().into_server_errors() {
+        Some(errors) => errors
+            .iter()
+            .map(|(index, error)| (*index, error.code().to_owned()))
+            .collect(),
+        None => err
+            .code()
+            .map(|code| vec![(0, code.to_owned())])
+            .unwrap_or_default(),
+    }
+}
+
+/// The one place a Redis failure is classified. Refused credentials, a database index the
+/// server refuses, a denied command and an invalid URL are fatal naming `REDIS_URL`; a key
+/// of the wrong type is fatal naming the key and its setting (among `keys`, those `commands`
+/// use); everything else (refused connections, timeouts, a server loading its data) is
+/// transient. Never prints the URL (it may hold the password).
+pub fn classify_redis_error(
+    command: &'static str,
+    commands: &[&redis::Cmd],
+    keys: &[NamedKey],
+    source: redis::RedisError,
+) -> TransportError {
+    let codes = server_codes(&source);
+    let has = |wanted: &str| codes.iter().any(|(_, code)| code == wanted);
+    let fatal = |setting: &str, context: String, source: redis::RedisError| {
+        TransportError::fatal(setting, context, Some(Box::new(source)))
+    };
+    if source.kind() == redis::ErrorKind::AuthenticationFailed || has("WRONGPASS") || has("NOAUTH")
+    {
+        return fatal(
+            "REDIS_URL",
+            format!(
+                "Redis refused the credentials ({command}): check the user name and password in REDIS_URL"
+            ),
+            source,
+        );
+    }
+    if has("NOPERM") {
+        return fatal(
+            "REDIS_URL",
+            format!("the Redis user of REDIS_URL may not run {command} on these keys (ACL)"),
+            source,
+        );
+    }
+    if source.to_string().contains("refused to switch database") {
+        return fatal(
+            "REDIS_URL",
+            "Redis refused the database number in REDIS_URL's path (redis://host:port/<db>)"
+                .to_owned(),
+            source,
+        );
+    }
+    if has("WRONGTYPE") {
+        let failed: Vec<&redis::Cmd> = codes
+            .iter()
+            .filter(|(_, code)| code == "WRONGTYPE")
+            .filter_map(|(index, _)| commands.get(*index).copied())
+            .collect();
+        let candidates = if failed.is_empty() {
+            commands
+        } else {
+            &failed[..]
+        };
+        let named: Vec<&NamedKey> = keys
+            .iter()
+            .filter(|key| {
+                candidates.iter().any(|cmd| {
+                    cmd.args_iter().any(|arg| {
+                        matches!(arg, redis::Arg::Simple(bytes) if bytes == key.key.as_bytes())
+                    })
+                })
+            })
+            .collect();
+        return match named.as_slice() {
+            [key] => fatal(
+                key.setting,
+                format!(
+                    "Redis key `{}` holds another type than a {} (WRONGTYPE from {command}); \
+                     delete or rename it, or choose another key",
+                    key.key, key.kind
+                ),
+                source,
+            ),
+            [first, ..] => {
+                let list: Vec<String> = named
+                    .iter()
+                    .map(|key| format!("`{}` ({}, a {})", key.key, key.setting, key.kind))
+                    .collect();
+                fatal(
+                    first.setting,
+                    format!(
+                        "one of the Redis keys {} holds another type (WRONGTYPE from {command})",
+                        list.join(", ")
+                    ),
+                    source,
+                )
+            }
+            [] => fatal(
+                "spec.source.redis",
+                format!("a Redis key of {command} holds another type (WRONGTYPE)"),
+                source,
+            ),
+        };
+    }
+    TransportError::transient(format!("redis command {command} failed"), source)
+}
+
+/// [`classify_redis_error`] for a call on no named key.
 pub fn redis_error(command: &'static str) -> impl FnOnce(redis::RedisError) -> TransportError {
-    move |source| TransportError::transient(format!("redis command {command} failed"), source)
+    move |source| classify_redis_error(command, &[], &[], source)
+}
+
+/// Which part of a Redis URL the client could not parse, without repeating the URL (it may hold
+/// the password).
+fn url_problem(url: &str) -> String {
+    const FORM: &str = "redis://[user[:password]@]host[:port][/db] (rediss:// for TLS)";
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return format!("it is not a URL of the form {FORM}");
+    };
+    let plain = |s: &str| {
+        s.chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '+' | '-' | '.'))
+    };
+    if !matches!(
+        scheme,
+        "redis" | "rediss" | "valkey" | "valkeys" | "redis+unix" | "unix" | "valkey+unix"
+    ) {
+        return if plain(scheme) && scheme.len() <= 20 {
+            format!("the scheme `{scheme}` is not redis, rediss or unix; expected {FORM}")
+        } else {
+            format!("the scheme is not redis, rediss or unix; expected {FORM}")
+        };
+    }
+    if scheme.ends_with("unix") {
+        return "the socket path is missing or invalid (unix:///path/to/redis.sock)".to_owned();
+    }
+    let authority = rest.split(['/', '?', '#']).next().unwrap_or_default();
+    let host_port = authority
+        .rsplit_once('@')
+        .map_or(authority, |(_, host_port)| host_port);
+    let (host, port) = match host_port.rsplit_once(':') {
+        Some((host, port)) if !host_port.ends_with(']') => (host, Some(port)),
+        _ => (host_port, None),
+    };
+    if host.is_empty() {
+        return format!("the host is missing; expected {FORM}");
+    }
+    if let Some(port) = port
+        && !(plain(port) && port.parse::<u16>().is_ok_and(|port| port > 0))
+    {
+        return if plain(port) && port.len() <= 10 {
+            format!("the port `{port}` is not a number from 1 to 65535")
+        } else {
+            "the port is not a number from 1 to 65535 (a user name or password with `@`, `:` or `/` \
+             must be percent-encoded)"
+                .to_owned()
+        };
+    }
+    "the user name or password holds characters that must be percent-encoded (`@`, `:`, `/`, `?`, `#`, `%`), \
+     or the host is invalid"
+        .to_owned()
 }
 
 pub fn protocol(command: &'static str, detail: impl Into<String>) -> TransportError {
@@ -39,9 +236,23 @@ pub fn error_code(err: &TransportError) -> Option<&str> {
         .code()
 }
 
-/// Opens a client for `url`.
+/// Opens a client for `url`; a URL it cannot use is fatal, saying which part is wrong.
 pub fn open(url: &str) -> Result<Client, TransportError> {
-    Client::open(url).map_err(redis_error("CONNECT"))
+    Client::open(url).map_err(|source| {
+        let problem = if source.to_string().contains("did not parse") {
+            url_problem(url)
+        } else {
+            source.detail().map_or_else(
+                || source.to_string(),
+                |detail| format!("{source} ({detail})"),
+            )
+        };
+        TransportError::fatal(
+            "REDIS_URL",
+            format!("the Redis URL is invalid: {problem}"),
+            None,
+        )
+    })
 }
 
 /// A lazily (re)connected multiplexed connection. A failure other than an error reply from the
@@ -51,6 +262,8 @@ pub struct Connection {
     client: Client,
     response_timeout: Duration,
     slot: Option<MultiplexedConnection>,
+    /// The keys this connection's commands use, named in WRONGTYPE errors.
+    keys: Vec<NamedKey>,
 }
 
 impl Connection {
@@ -59,7 +272,15 @@ impl Connection {
             client,
             response_timeout,
             slot: None,
+            keys: Vec::new(),
         }
+    }
+
+    /// The keys its commands use and the settings that name them.
+    #[must_use]
+    pub fn naming(mut self, keys: Vec<NamedKey>) -> Self {
+        self.keys = keys;
+        self
     }
 
     async fn take(&mut self) -> Result<MultiplexedConnection, TransportError> {
@@ -95,7 +316,7 @@ impl Connection {
         let mut conn = self.take().await?;
         let result = cmd.query_async::<Value>(&mut conn).await;
         self.keep(conn, &result);
-        result.map_err(redis_error(command))
+        result.map_err(|err| classify_redis_error(command, &[cmd], &self.keys, err))
     }
 
     /// Runs a pipeline (one round trip).
@@ -107,7 +328,10 @@ impl Connection {
         let mut conn = self.take().await?;
         let result = pipe.query_async::<T>(&mut conn).await;
         self.keep(conn, &result);
-        result.map_err(redis_error(command))
+        result.map_err(|err| {
+            let commands: Vec<&redis::Cmd> = pipe.cmd_iter().collect();
+            classify_redis_error(command, &commands, &self.keys, err)
+        })
     }
 
     /// Closes the connection; the next call reconnects.
@@ -231,6 +455,24 @@ mod tests {
         assert_eq!(record["delivery_count"], 2);
         assert_eq!(record["first_seen"], "1970-01-01T00:00:00.000Z");
         assert_eq!(record["headers"]["channel"], "orders");
+    }
+
+    #[test]
+    fn url_problems_name_the_part_without_the_password() {
+        for (url, part) in [
+            ("mysql://u:hunter2@h:1/0", "scheme `mysql`"),
+            ("redis://:hunter2@host:port/0", "port `port`"),
+            ("redis://:hunter2@host:70000/0", "port `70000`"),
+            ("host:6379", "not a URL"),
+            ("redis://:hunter2@/0", "host is missing"),
+        ] {
+            let err = open(url).expect_err(url);
+            let text = err.to_string();
+            assert!(text.starts_with("REDIS_URL: "), "{text}");
+            assert!(text.contains(part), "{url}: {text}");
+            assert!(!text.contains("hunter2"), "{text}");
+            assert!(err.is_fatal());
+        }
     }
 
     #[test]

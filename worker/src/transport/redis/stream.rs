@@ -11,18 +11,21 @@
 use std::collections::{HashMap, VecDeque};
 use std::time::Duration;
 
+use std::sync::atomic::AtomicU64;
+
 use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 use redis::Value;
 use switchboard_api::StartFrom;
 use switchboard_store::{Dedup, Store};
 
 use super::{
-    BLOCK, CONTROL_TIMEOUT, Connection, array, error_code, integer, now_rfc3339, open, protocol,
-    rfc3339_ms, text,
+    BLOCK, CONTROL_TIMEOUT, Connection, NamedKey, array, dead_letter_gauge, error_code, integer,
+    now_rfc3339, open, protocol, rfc3339_ms, text,
 };
 use crate::health::now_ms;
-use crate::metrics::adapter_counter;
+use crate::metrics::{adapter_counter, adapter_gauge};
 use crate::payload::fields_json;
 use crate::transport::{
     Acked, DeadLetter, Message, Position, QueueHealth, QueueProbe, Transport, TransportError,
@@ -38,6 +41,8 @@ struct StreamMetrics {
     reclaimed: Counter,
     group_recreated: Counter,
     consumers_removed: Counter,
+    dead_letters: Gauge,
+    oldest_waiting_age_seconds: Gauge<f64, AtomicU64>,
 }
 
 impl StreamMetrics {
@@ -61,6 +66,13 @@ impl StreamMetrics {
                 "Idle consumers with no pending entries removed from the group",
                 adapter,
             ),
+            dead_letters: dead_letter_gauge(registry, adapter),
+            oldest_waiting_age_seconds: adapter_gauge(
+                registry,
+                "oldest_waiting_age_seconds",
+                "Age of the oldest entry not yet delivered to the consumer group (0 when none waits)",
+                adapter,
+            ),
         }
     }
 }
@@ -80,12 +92,26 @@ pub struct StreamSettings {
     pub batch_size: usize,
 }
 
-/// One stream entry as Redis returned it; `fields` is `None` for an entry deleted from the
-/// stream while it was pending.
+impl StreamSettings {
+    /// The keys the transport uses, with the settings that name them.
+    fn keys(&self) -> Vec<NamedKey> {
+        vec![
+            NamedKey::new(&self.stream, "spec.source.redis.stream", "stream"),
+            NamedKey::new(
+                &self.dead_letter_stream,
+                "spec.delivery.deadLetter.stream",
+                "stream",
+            ),
+        ]
+    }
+}
+
+/// One stream entry as Redis returned it, field names and values as raw bytes (Redis allows any
+/// bytes in both); `fields` is `None` for an entry deleted from the stream while it was pending.
 #[derive(Debug)]
 struct RawEntry {
     id: String,
-    fields: Option<Vec<(String, Vec<u8>)>>,
+    fields: Option<Vec<(Vec<u8>, Vec<u8>)>>,
 }
 
 /// The Redis stream transport.
@@ -167,7 +193,7 @@ fn parse_entries(command: &'static str, value: Value) -> Result<Vec<RawEntry>, T
                     let mut pairs = Vec::with_capacity(flat.len() / 2);
                     while let (Some(name), Some(value)) = (flat.next(), flat.next()) {
                         let name =
-                            into_text(name).ok_or_else(|| protocol(command, "field name"))?;
+                            into_bytes(name).ok_or_else(|| protocol(command, "field name"))?;
                         let value =
                             into_bytes(value).ok_or_else(|| protocol(command, "field value"))?;
                         pairs.push((name, value));
@@ -198,6 +224,51 @@ fn parse_read_reply(value: Value) -> Result<Vec<RawEntry>, TransportError> {
     }
 }
 
+/// Field names as text. An entry with a name that is not UTF-8 cannot become headers (nor
+/// a body found by `bodyField`): its raw fields come back with the reason, for its dead letter.
+#[allow(clippy::type_complexity)]
+fn decode_fields(
+    fields: Vec<(Vec<u8>, Vec<u8>)>,
+) -> Result<Vec<(String, Vec<u8>)>, (Vec<(Vec<u8>, Vec<u8>)>, String)> {
+    if let Some(index) = fields
+        .iter()
+        .position(|(name, _)| std::str::from_utf8(name).is_err())
+    {
+        let reason = format!(
+            "stream entry field name #{} is not valid UTF-8; the entry's fields are kept in the dead letter's body \
+             (`{{\"fields\": [[name, value], …]}}`, non-UTF-8 names and values as `{{\"base64\": …}}`)",
+            index + 1
+        );
+        return Err((fields, reason));
+    }
+    Ok(fields
+        .into_iter()
+        .map(|(name, value)| {
+            let name = String::from_utf8(name).unwrap_or_default();
+            (name, value)
+        })
+        .collect())
+}
+
+/// An undecodable entry's fields as a JSON document: `{"fields": [[name, value], …]}` in stream
+/// order (names may repeat), each name and value a string when UTF-8, else `{"base64": …}`.
+fn raw_fields_json(fields: &[(Vec<u8>, Vec<u8>)]) -> Vec<u8> {
+    use base64::Engine as _;
+    let part = |bytes: &[u8]| match std::str::from_utf8(bytes) {
+        Ok(text) => serde_json::Value::String(text.to_owned()),
+        Err(_) => serde_json::json!({
+            "base64": base64::engine::general_purpose::STANDARD.encode(bytes)
+        }),
+    };
+    let pairs: Vec<serde_json::Value> = fields
+        .iter()
+        .map(|(name, value)| serde_json::json!([part(name), part(value)]))
+        .collect();
+    serde_json::json!({ "fields": pairs })
+        .to_string()
+        .into_bytes()
+}
+
 /// A flat `[name, value, name, value, …]` reply (XINFO) as a map.
 fn flat_map(value: &Value) -> HashMap<String, &Value> {
     array(value)
@@ -215,12 +286,13 @@ impl RedisStream {
         registry: &mut Registry,
     ) -> Result<Self, TransportError> {
         let client = open(redis_url)?;
+        let keys = settings.keys();
         Ok(Self {
             source: format!("redis:{}", settings.adapter),
             metrics: StreamMetrics::register(registry, &settings.adapter),
             settings,
-            reader: Connection::new(client.clone(), BLOCK + CONTROL_TIMEOUT),
-            control: Connection::new(client.clone(), CONTROL_TIMEOUT),
+            reader: Connection::new(client.clone(), BLOCK + CONTROL_TIMEOUT).naming(keys.clone()),
+            control: Connection::new(client.clone(), CONTROL_TIMEOUT).naming(keys),
             client,
             store,
             replay_after: Some("0".to_owned()),
@@ -292,19 +364,25 @@ impl RedisStream {
     }
 
     fn to_message(&self, raw: RawEntry) -> Option<Entry> {
-        let fields = raw.fields?;
+        let raw_fields = raw.fields?;
         let enqueued_at_ms = parse_id(&raw.id).map(|(ms, _)| ms);
         let position = position(&raw.id);
-        let (body, headers) = match fields
-            .iter()
-            .position(|(name, _)| *name == self.settings.body_field)
-        {
-            Some(index) => {
-                let mut headers = fields;
-                let (_, body) = headers.remove(index);
-                (body, headers)
+        let (body, headers, undecodable) = match decode_fields(raw_fields) {
+            Ok(fields) => {
+                let (body, headers) = match fields
+                    .iter()
+                    .position(|(name, _)| *name == self.settings.body_field)
+                {
+                    Some(index) => {
+                        let mut headers = fields;
+                        let (_, body) = headers.remove(index);
+                        (body, headers)
+                    }
+                    None => (fields_json(&fields).into_bytes(), Vec::new()),
+                };
+                (body, headers, None)
             }
-            None => (fields_json(&fields).into_bytes(), Vec::new()),
+            Err((raw_fields, reason)) => (raw_fields_json(&raw_fields), Vec::new(), Some(reason)),
         };
         Some(Message {
             receipt: raw.id.clone(),
@@ -315,7 +393,7 @@ impl RedisStream {
             delivery_count: 1,
             enqueued_at_ms,
             position,
-            undecodable: None,
+            undecodable,
         })
     }
 
@@ -493,19 +571,67 @@ impl RedisStream {
     }
 }
 
-/// Reads the group's lag, pending count and oldest pending entry on its own connection.
+/// Reads the group's lag, pending count and oldest pending entry, the age of the oldest entry
+/// still waiting and the dead-letter stream's length, on its own connection.
 #[derive(Debug)]
 pub struct StreamProbe {
     conn: Connection,
     stream: String,
     group: String,
+    dead_letter_stream: String,
+    dead_letters: Gauge,
+    oldest_waiting_age_seconds: Gauge<f64, AtomicU64>,
+}
+
+impl StreamProbe {
+    /// The dead-letter stream's length, and the age of the first entry after the group's
+    /// last-delivered id (the oldest not yet delivered), into their gauges.
+    async fn record_waiting_and_dead_letters(
+        &mut self,
+        last_delivered: Option<String>,
+    ) -> Result<(), TransportError> {
+        let mut pipe = redis::pipe();
+        pipe.cmd("XLEN").arg(&self.dead_letter_stream);
+        if let Some(last) = &last_delivered {
+            pipe.cmd("XRANGE")
+                .arg(&self.stream)
+                .arg(format!("({last}"))
+                .arg("+")
+                .arg("COUNT")
+                .arg(1);
+        }
+        let replies: Vec<Value> = self.conn.pipeline("XLEN+XRANGE", &pipe).await?;
+        if let Some(length) = replies.first().and_then(integer) {
+            self.dead_letters
+                .set(i64::try_from(length).unwrap_or(i64::MAX));
+        }
+        if last_delivered.is_some() {
+            let first_waiting = replies
+                .get(1)
+                .and_then(array)
+                .and_then(|entries| entries.first())
+                .and_then(array)
+                .and_then(|entry| entry.first())
+                .and_then(text)
+                .and_then(|id| parse_id(&id));
+            let age = first_waiting.map_or(Duration::ZERO, |(ms, _)| {
+                Duration::from_millis(now_ms().saturating_sub(ms))
+            });
+            self.oldest_waiting_age_seconds.set(age.as_secs_f64());
+        }
+        Ok(())
+    }
 }
 
 impl QueueProbe for StreamProbe {
     async fn queue_health(&mut self) -> Result<QueueHealth, TransportError> {
         let mut cmd = redis::cmd("XINFO");
         cmd.arg("GROUPS").arg(&self.stream);
-        let reply = self.conn.query("XINFO GROUPS", &cmd).await?;
+        let reply = match self.conn.query("XINFO GROUPS", &cmd).await {
+            // No stream yet (the group is created with it): nothing waits.
+            Err(err) if error_code(&err) == Some("ERR") => Value::Array(Vec::new()),
+            other => other?,
+        };
         let group = array(&reply)
             .unwrap_or_default()
             .iter()
@@ -513,6 +639,10 @@ impl QueueProbe for StreamProbe {
             .find(|info| {
                 info.get("name").and_then(|v| text(v)).as_deref() == Some(self.group.as_str())
             });
+        let last_delivered = group
+            .as_ref()
+            .and_then(|info| info.get("last-delivered-id").and_then(|v| text(v)));
+        self.record_waiting_and_dead_letters(last_delivered).await?;
         let backlog = group
             .as_ref()
             .and_then(|info| info.get("lag").and_then(|v| integer(v)));
@@ -651,9 +781,13 @@ impl Transport for RedisStream {
 
     fn probe(&self) -> StreamProbe {
         StreamProbe {
-            conn: Connection::new(self.client.clone(), CONTROL_TIMEOUT),
+            conn: Connection::new(self.client.clone(), CONTROL_TIMEOUT)
+                .naming(self.settings.keys()),
             stream: self.settings.stream.clone(),
             group: self.settings.group.clone(),
+            dead_letter_stream: self.settings.dead_letter_stream.clone(),
+            dead_letters: self.metrics.dead_letters.clone(),
+            oldest_waiting_age_seconds: self.metrics.oldest_waiting_age_seconds.clone(),
         }
     }
 }
@@ -683,9 +817,43 @@ mod tests {
         assert_eq!(entries[0].id, "1-0");
         assert_eq!(
             entries[0].fields.as_deref(),
-            Some(&[("body".to_owned(), b"{}".to_vec())][..])
+            Some(&[(b"body".to_vec(), b"{}".to_vec())][..])
         );
         assert!(entries[1].fields.is_none());
+    }
+
+    #[test]
+    fn a_field_name_that_is_not_utf8_is_kept_raw_not_a_protocol_error() {
+        let reply = Value::Array(vec![Value::Array(vec![
+            bulk("orders"),
+            Value::Array(vec![Value::Array(vec![
+                bulk("1-0"),
+                Value::Array(vec![
+                    bulk("body"),
+                    bulk("{}"),
+                    Value::BulkString(vec![0xff, 0xfe]),
+                    bulk("v"),
+                ]),
+            ])]),
+        ])]);
+        let mut entries = parse_read_reply(reply).expect("parses");
+        let fields = entries.remove(0).fields.expect("fields");
+        let (raw, reason) = decode_fields(fields).expect_err("undecodable");
+        assert!(reason.contains("#2"), "{reason}");
+        let json: serde_json::Value = serde_json::from_slice(&raw_fields_json(&raw)).expect("json");
+        assert_eq!(
+            json,
+            serde_json::json!({"fields": [["body", "{}"], [{"base64": "//4="}, "v"]]})
+        );
+    }
+
+    #[test]
+    fn a_structurally_broken_reply_stays_a_protocol_error() {
+        let reply = Value::Array(vec![Value::Array(vec![
+            bulk("orders"),
+            Value::Array(vec![Value::Array(vec![bulk("1-0"), Value::Int(3)])]),
+        ])]);
+        assert!(parse_read_reply(reply).is_err());
     }
 
     #[test]
