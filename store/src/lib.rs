@@ -54,8 +54,14 @@ pub enum StoreError {
     /// Classes 42 (syntax error or access rule violation: a missing table or column, a denied
     /// privilege) and 0A (feature not supported): the statement can never succeed against
     /// this database, whatever the data.
-    #[error("database refused the statement (schema, privilege or version mismatch)")]
-    Statement(#[source] sqlx::Error),
+    #[error(
+        "database refused the statement with SQLSTATE {code} (schema, privilege or version mismatch)"
+    )]
+    Statement {
+        code: String,
+        #[source]
+        source: sqlx::Error,
+    },
     #[error(
         "database is not migrated (missing: {missing}); run `switchboard-worker migrate` first"
     )]
@@ -76,7 +82,7 @@ impl StoreError {
     pub fn is_fatal(&self) -> bool {
         matches!(
             self,
-            StoreError::Statement(_)
+            StoreError::Statement { .. }
                 | StoreError::InvalidUrl(_)
                 | StoreError::UnsupportedScheme { .. }
                 | StoreError::Refused(_)
@@ -95,7 +101,10 @@ impl StoreError {
             // Class 22: data exception (bad JSON text, NUL in jsonb, …); class 23: integrity
             // violations other than the conflicts the statements handle.
             Some("22" | "23") => StoreError::Rejected(err),
-            Some("42" | "0A") => StoreError::Statement(err),
+            Some("42" | "0A") => StoreError::Statement {
+                code: code.unwrap_or_default(),
+                source: err,
+            },
             Some("28" | "3D") => StoreError::Refused(err),
             _ => StoreError::Unavailable(err),
         }

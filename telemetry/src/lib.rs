@@ -14,15 +14,22 @@ use axum::routing::get;
 use prometheus_client::registry::Registry;
 use tokio_util::sync::CancellationToken;
 
-/// Displays an error with its whole `source()` chain, `outer: inner: …`.
+/// Displays an error with its whole `source()` chain, `outer: inner: …`. A cause whose text
+/// the error before it already ends with (client libraries that print their source in their
+/// own message) is not repeated.
 pub struct ErrorChain<'a>(pub &'a dyn Error);
 
 impl fmt::Display for ErrorChain<'_> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}", self.0)?;
+        let mut previous = self.0.to_string();
+        f.write_str(&previous)?;
         let mut source = self.0.source();
         while let Some(err) = source {
-            write!(f, ": {err}")?;
+            let text = err.to_string();
+            if !previous.ends_with(&text) {
+                write!(f, ": {text}")?;
+            }
+            previous = text;
             source = err.source();
         }
         Ok(())
@@ -125,6 +132,33 @@ mod tests {
     fn error_chain_joins_every_source() {
         let outer = Wrapped(std::io::Error::other("disk full"));
         assert_eq!(ErrorChain(&outer).to_string(), "writing failed: disk full");
+    }
+
+    #[test]
+    fn error_chain_does_not_repeat_a_cause_its_error_already_shows() {
+        let outer = Wrapped(std::io::Error::other(Repeating(std::io::Error::other(
+            "disk full",
+        ))));
+        assert_eq!(
+            ErrorChain(&outer).to_string(),
+            "writing failed: flush: disk full"
+        );
+    }
+
+    /// Prints its source in its own message, as sqlx and redis errors do.
+    #[derive(Debug)]
+    struct Repeating(std::io::Error);
+
+    impl fmt::Display for Repeating {
+        fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+            write!(f, "flush: {}", self.0)
+        }
+    }
+
+    impl Error for Repeating {
+        fn source(&self) -> Option<&(dyn Error + 'static)> {
+            Some(&self.0)
+        }
     }
 
     #[derive(Debug)]

@@ -258,8 +258,11 @@ impl Postgres {
         kill(Pid::from_raw(postmaster), signal)
             .with_context(|| format!("sending {signal} to the postmaster {postmaster}"))?;
         for pid in children_of(postmaster) {
-            kill(Pid::from_raw(pid), signal)
-                .with_context(|| format!("sending {signal} to {pid}"))?;
+            match kill(Pid::from_raw(pid), signal) {
+                // A backend that ended between the listing and the signal has nothing to stop.
+                Ok(()) | Err(nix::errno::Errno::ESRCH) => {}
+                Err(err) => return Err(err).with_context(|| format!("sending {signal} to {pid}")),
+            }
         }
         Ok(())
     }

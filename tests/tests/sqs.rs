@@ -473,7 +473,10 @@ async fn sql_statement_error_exits_non_zero_with_the_statement_error() -> Result
     // PostgreSQL's own message for SQLSTATE 42703 (undefined_column).
     assert_fatal_exit(
         &mut worker,
-        &[r#"column "payload" of relation "todos" does not exist"#],
+        &[
+            "SQLSTATE 42703",
+            r#"column "payload" of relation "todos" does not exist"#,
+        ],
     )?;
     // Nothing was acknowledged that was not stored.
     let counts = mq.count(&queue).await?;

@@ -246,23 +246,24 @@ impl StoreContext {
     /// Which of `ids` already have an event (native ids only): stored by an earlier delivery
     /// whose acknowledgement was lost. Retries while the database is unavailable; `None`:
     /// shutdown interrupted a retry.
-    async fn stored_before(&self, ids: &[&str]) -> Option<Vec<bool>> {
+    async fn stored_before(&self, ids: &[&str]) -> Result<Option<Vec<bool>>, StoreError> {
         loop {
             let started = Instant::now();
             match self.store.events_exist(&self.source, ids).await {
                 Ok(found) => {
                     self.database.up();
-                    return Some(found);
+                    return Ok(Some(found));
                 }
                 Err(err) if err.is_retryable() => {
                     if !self.database.back_off(&err, started, &self.cancel).await {
-                        return None;
+                        return Ok(None);
                     }
                 }
+                Err(err) if err.is_fatal() => return Err(err),
                 // Cannot tell: dead-letter them, as if they had never been stored.
                 Err(err) => {
                     tracing::warn!(error = %ErrorChain(&err), "cannot check whether messages past maxDeliveries were stored");
-                    return Some(vec![false; ids.len()]);
+                    return Ok(Some(vec![false; ids.len()]));
                 }
             }
         }
@@ -775,7 +776,7 @@ impl<T: Transport> Pipeline<T> {
         }
         if !self
             .acknowledge_overdue_duplicates(&batch, &mut settled)
-            .await
+            .await?
         {
             return Ok(());
         }
@@ -836,9 +837,9 @@ impl<T: Transport> Pipeline<T> {
         &self,
         batch: &[Message<T::Receipt>],
         settled: &mut [Option<Settled>],
-    ) -> bool {
+    ) -> Result<bool, PipelineError> {
         if self.context.dedup != Dedup::NativeId {
-            return true;
+            return Ok(true);
         }
         let overdue: Vec<usize> = settled
             .iter()
@@ -851,14 +852,19 @@ impl<T: Transport> Pipeline<T> {
             })
             .collect();
         if overdue.is_empty() {
-            return true;
+            return Ok(true);
         }
         let ids: Vec<&str> = overdue
             .iter()
             .map(|&index| batch[index].external_id.as_str())
             .collect();
-        let Some(found) = self.context.stored_before(&ids).await else {
-            return false;
+        let found = self
+            .context
+            .stored_before(&ids)
+            .await
+            .map_err(PipelineError::Database)?;
+        let Some(found) = found else {
+            return Ok(false);
         };
         for (index, exists) in overdue.into_iter().zip(found) {
             if exists {
@@ -866,7 +872,7 @@ impl<T: Transport> Pipeline<T> {
                 self.metrics.duplicates.inc();
             }
         }
-        true
+        Ok(true)
     }
 
     /// Acknowledges `acks` (in receive order); retries what the broker failed to take, counts
