@@ -500,9 +500,23 @@ spec:
     fn unsupported_broker_next_to_redis_is_rejected_with_its_line() {
         let yaml = BLOCK_MANIFEST.replace(
             "  target:\n",
+            "    nats:\n      stream: orders\n  target:\n",
+        );
+        assert_eq!(unknown_fields(&yaml), [unknown("spec.source.nats", 12)]);
+    }
+
+    #[test]
+    fn two_brokers_are_rejected_naming_the_source() {
+        let yaml = BLOCK_MANIFEST.replace(
+            "  target:\n",
             "    sqs:\n      queueUrl: https://sqs.example/orders\n  target:\n",
         );
-        assert_eq!(unknown_fields(&yaml), [unknown("spec.source.sqs", 12)]);
+        let err = load_manifest(&yaml).expect_err("one broker only");
+        assert!(
+            err.to_string()
+                .contains("spec.source: exactly one broker must be set (redis or sqs)"),
+            "{err}"
+        );
     }
 
     #[test]

@@ -45,3 +45,74 @@ async fn misspelled_field_stops_the_worker_naming_the_field_and_its_line() -> Re
     );
     Ok(())
 }
+
+/// A manifest whose spec is `spec` (a YAML block, indented by two spaces).
+fn manifest_with(metadata: &str, spec: &str) -> String {
+    format!(
+        "apiVersion: switchboard.dev/v1alpha1\nkind: QueueAdapter\nmetadata: {metadata}\nspec:\n{spec}"
+    )
+}
+
+#[tokio::test]
+async fn every_misspelling_type_error_and_bad_name_stops_the_worker_naming_field_and_line()
+-> Result<()> {
+    let fx = Fixture::start().await?;
+    let valid_spec =
+        "  source: {redis: {mode: stream, stream: orders}}\n  target: {queue: orders}\n";
+    let metadata = "{name: orders, namespace: test}";
+    let cases = [
+        (
+            manifest_with(
+                metadata,
+                &format!("{valid_spec}  payload: {{maxByte: 10}}\n"),
+            ),
+            "line 7: spec.payload.maxByte: unknown field",
+        ),
+        (
+            manifest_with(
+                metadata,
+                &format!("{valid_spec}  delivery: {{deadLeter: {{stream: x}}}}\n"),
+            ),
+            "line 7: spec.delivery.deadLeter: unknown field",
+        ),
+        (
+            manifest_with(
+                metadata,
+                "  source: {redis: {mode: stream, stream: orders, bodyFeild: b}}\n  target: {queue: orders}\n",
+            ),
+            "line 5: spec.source.redis.bodyFeild: unknown field",
+        ),
+        (
+            manifest_with(
+                metadata,
+                &format!("{valid_spec}  delivery: {{batchSize: -5}}\n"),
+            ),
+            "line 7: spec.delivery.batchSize: invalid type",
+        ),
+        (
+            manifest_with("{name: ordérs, namespace: test}", valid_spec),
+            "metadata.name",
+        ),
+        (
+            manifest_with("{name: Orders_X, namespace: test}", valid_spec),
+            "metadata.name",
+        ),
+        (
+            manifest_with("{name: orders, namespace: déf}", valid_spec),
+            "metadata.namespace",
+        ),
+    ];
+    for (index, (yaml, expected)) in cases.iter().enumerate() {
+        let manifest = fx.manifest(&format!("case-{index}.yaml"), yaml)?;
+        let mut worker = fx.worker(&manifest, &format!("worker-{index}"))?;
+        let status = worker.wait_exit(Duration::from_secs(30))?;
+        let log = worker.log();
+        ensure!(!status.success(), "case {index} exited {status}:\n{log}");
+        ensure!(
+            log.contains(expected),
+            "case {index}: the error names {expected:?}:\n{yaml}\n{log}"
+        );
+    }
+    ensure!(fx.todo_count("orders").await? == 0, "a todo was stored");
+    Ok(())
+}
