@@ -1,8 +1,11 @@
-//! `make bench`: the worker's throughput, CPU cost, latency and memory against real PostgreSQL
-//! and Redis, next to the raw limits of each server, in one run (see docs/PERFORMANCE.md).
+//! `make bench`: the worker's throughput, CPU cost, latency and memory against real PostgreSQL,
+//! Redis and ElasticMQ (SQS), next to the raw limits of each server, in one run (see
+//! docs/PERFORMANCE.md).
 //!
-//! Every phase gets a fresh database and a fresh stream or list, and checks its own result:
-//! every entry stored exactly once and nothing left pending, or the bench fails.
+//! Every phase runs `--repeats` times (3), in rounds (every phase once, then again), and the
+//! table shows the median of each figure with its spread (min–max), so one noisy run does not
+//! decide. Every phase gets a fresh database and a fresh stream, list or queue, and checks its
+//! own result: every entry stored exactly once and nothing left pending, or the bench fails.
 
 use std::ops::Range;
 use std::path::PathBuf;
@@ -10,11 +13,17 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use anyhow::{Context, Result, ensure};
+use anyhow::{Context, Result, anyhow, ensure};
+use aws_sdk_sqs::Client as SqsClient;
+use aws_sdk_sqs::error::DisplayErrorContext;
+use aws_sdk_sqs::types::{
+    DeleteMessageBatchRequestEntry, MessageSystemAttributeName, SendMessageBatchRequestEntry,
+};
 use clap::{Parser, ValueEnum};
 use nix::sys::signal::Signal;
 use sqlx::{Connection, PgConnection};
 use switchboard_store::{Dedup, IngestBatch, NewEvent, Position, Store, Stored};
+use switchboard_tests::brokers::sqs::ElasticMq;
 use switchboard_tests::servers::{Postgres, children_of};
 use switchboard_tests::wait::wait_for;
 use switchboard_tests::worker::{WorkerEnv, WorkerProcess};
@@ -52,10 +61,29 @@ struct Args {
     /// Batches in flight tried in the model of the worker's loop.
     #[arg(long, value_delimiter = ',', default_value = "1,2,4")]
     depths: Vec<usize>,
+    /// How many times every phase runs; the table shows the median and the spread (min–max).
+    #[arg(long, default_value_t = 3)]
+    repeats: usize,
+    /// Messages sent to a standard SQS queue of ElasticMQ per SQS phase (0: no SQS phases).
+    #[arg(long, default_value_t = 100_000)]
+    sqs_messages: usize,
+    /// The SQS worker's delivery.batchSize (gathered from batchSize/10 concurrent receives).
+    #[arg(long, default_value_t = 100)]
+    sqs_batch_size: usize,
+    /// Concurrent ReceiveMessage(10)+DeleteMessageBatch loops tried for the raw SQS limit
+    /// (10 = the worker's concurrent receives at batchSize 100).
+    #[arg(long, value_delimiter = ',', default_value = "10")]
+    sqs_loops: Vec<usize>,
 }
 
 /// How long any one phase may take before the bench gives up.
 const PHASE_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// Concurrent SendMessageBatch calls producing the SQS messages before a phase (not timed).
+const SQS_PRODUCERS: usize = 8;
+
+/// The most entries one SQS batch call takes, and the most messages one receive returns.
+const SQS_BATCH_LIMIT: usize = 10;
 
 /// `/proc` reports CPU times in USER_HZ ticks, which Linux fixes at 100 per second.
 const USER_HZ: u64 = 100;
@@ -176,6 +204,8 @@ struct CpuSpent {
     client: Duration,
     postgres: Duration,
     redis: Duration,
+    /// ElasticMQ (the JVM, all its threads).
+    sqs: Duration,
 }
 
 /// One line of the table.
@@ -214,6 +244,7 @@ struct CpuSnapshot {
     bench: u64,
     postgres: u64,
     redis: u64,
+    sqs: u64,
 }
 
 /// A database of its own for one phase, dropped at the end of the phase.
@@ -229,7 +260,13 @@ struct Bench {
     fx: Fixture,
     postgres_pid: u32,
     redis_pid: u32,
+    /// Started only when `--sqs-messages` is not 0.
+    sqs: Option<ElasticMq>,
+    sqs_pid: Option<u32>,
     databases_created: usize,
+    queues_created: usize,
+    /// The current round (1-based): Redis keys carry it, so no round reuses a stream or group.
+    round: usize,
 }
 
 impl Bench {
@@ -245,12 +282,22 @@ impl Bench {
         let fx = Fixture::start_with(postgres).await?;
         let postgres_pid = fx.postgres.pid().context("postgres is not running")?;
         let redis_pid = fx.redis.pid().context("redis-server is not running")?;
+        let sqs = if args.sqs_messages > 0 {
+            Some(ElasticMq::start()?)
+        } else {
+            None
+        };
+        let sqs_pid = sqs.as_ref().and_then(ElasticMq::pid);
         Ok(Self {
             args,
             fx,
             postgres_pid,
             redis_pid,
+            sqs,
+            sqs_pid,
             databases_created: 0,
+            queues_created: 0,
+            round: 0,
         })
     }
 
@@ -259,6 +306,7 @@ impl Bench {
             bench: cpu_ticks(std::process::id(), false),
             postgres: server_cpu_ticks(self.postgres_pid),
             redis: cpu_ticks(self.redis_pid, false),
+            sqs: self.sqs_pid.map_or(0, |pid| cpu_ticks(pid, false)),
         }
     }
 
@@ -273,6 +321,7 @@ impl Bench {
             client: ticks_to_duration(client),
             postgres: ticks_to_duration(now.postgres - before.postgres),
             redis: ticks_to_duration(now.redis - before.redis),
+            sqs: ticks_to_duration(now.sqs - before.sqs),
         }
     }
 
@@ -339,7 +388,7 @@ impl Bench {
         batch_size: usize,
         entries: usize,
     ) -> Result<Measurement> {
-        let name = format!("{}-batch{batch_size}", mode.as_str());
+        let name = format!("{}-batch{batch_size}-r{}", mode.as_str(), self.round);
         let database = self.fresh_database(4).await?;
         mode.preload(&self.fx, &name, (0..entries).map(order_body))?;
         let before = self.cpu_snapshot();
@@ -367,7 +416,7 @@ impl Bench {
     /// Offers `rate` stream entries per second for `latency_seconds` to a running worker and
     /// reads each row's commit time from PostgreSQL's commit timestamps.
     async fn latency_under_load(&mut self) -> Result<(Measurement, Latency)> {
-        let name = "stream-latency";
+        let name = &format!("stream-latency-r{}", self.round);
         let (rate, seconds) = (self.args.rate, self.args.latency_seconds);
         let total = usize::try_from(rate * seconds)?;
         let database = self.fresh_database(4).await?;
@@ -416,7 +465,7 @@ impl Bench {
 
     /// XREADGROUP COUNT batch + XACK of `entries` preloaded entries, no database.
     async fn raw_broker(&mut self) -> Result<Measurement> {
-        let key = "raw-broker";
+        let key = &format!("raw-broker-r{}", self.round);
         let entries = self.args.entries;
         Mode::Stream.preload(&self.fx, key, (0..entries).map(order_body))?;
         let mut conn = self.group_connection(key).await?;
@@ -471,7 +520,7 @@ impl Bench {
     /// commit — with up to `depth` batches stored at once (acks in receive order). Depth 1 is
     /// the worker's current shape; deeper shows what overlapping would gain.
     async fn pipelined_ceiling(&mut self, depth: usize) -> Result<Measurement> {
-        let name = format!("pipelined-depth{depth}");
+        let name = format!("pipelined-depth{depth}-r{}", self.round);
         let entries = self.args.entries;
         let database = self.fresh_database(u32::try_from(depth)?).await?;
         Mode::Stream.preload(&self.fx, &name, (0..entries).map(order_body))?;
@@ -566,6 +615,254 @@ impl Bench {
             store_share: None,
         })
     }
+
+    /// A fresh standard queue `sqs-bench-N` and its dead-letter queue `sqs-bench-N-dlq`, with
+    /// `--sqs-messages` messages sent to it (not timed). Returns the name and the queue's URL.
+    async fn fresh_sqs_queue(&mut self) -> Result<(String, String)> {
+        self.queues_created += 1;
+        let name = format!("sqs-bench-{}", self.queues_created);
+        let sqs = self.sqs.as_ref().context("ElasticMQ is not running")?;
+        let url = sqs.create_queue(&name, &[]).await?;
+        sqs.create_queue(&format!("{name}-dlq"), &[]).await?;
+        let messages = self.args.sqs_messages;
+        produce_sqs(&sqs.client(), &url, messages).await?;
+        let counts = sqs.count(&url).await?;
+        ensure!(
+            counts.visible == u64::try_from(messages)?,
+            "{name}: {} of {messages} messages visible after sending",
+            counts.visible
+        );
+        Ok((name, url))
+    }
+
+    /// Deletes a phase's queue and its dead-letter queue, failing unless both are empty.
+    async fn drop_sqs_queue(&self, name: &str, url: &str) -> Result<()> {
+        let sqs = self.sqs.as_ref().context("ElasticMQ is not running")?;
+        let dlq = format!("{}-dlq", url);
+        for queue in [url, dlq.as_str()] {
+            let counts = sqs.count(queue).await?;
+            ensure!(
+                counts == Default::default(),
+                "{name}: queue {queue} is not empty after the phase: {counts:?}"
+            );
+            sqs.client()
+                .delete_queue()
+                .queue_url(queue)
+                .send()
+                .await
+                .map_err(|err| anyhow!("DeleteQueue {queue}: {}", DisplayErrorContext(err)))?;
+        }
+        Ok(())
+    }
+
+    /// The raw SQS limit of the same server: `loops` concurrent loops of ReceiveMessage(10)
+    /// (all attributes, as the worker asks) + DeleteMessageBatch, no database.
+    async fn raw_sqs(&mut self, loops: usize) -> Result<Measurement> {
+        let (name, url) = self.fresh_sqs_queue().await?;
+        let messages = self.args.sqs_messages;
+        let client = self
+            .sqs
+            .as_ref()
+            .context("ElasticMQ is not running")?
+            .client();
+        let deleted = Arc::new(AtomicUsize::new(0));
+        let before = self.cpu_snapshot();
+        let started = Instant::now();
+        let mut tasks = JoinSet::new();
+        for _ in 0..loops {
+            let (client, url, deleted) = (client.clone(), url.clone(), Arc::clone(&deleted));
+            tasks.spawn(async move { receive_delete_loop(&client, &url, &deleted).await });
+        }
+        let drained = tokio::time::timeout(PHASE_TIMEOUT, async {
+            while let Some(result) = tasks.join_next().await {
+                result??;
+            }
+            anyhow::Ok(())
+        })
+        .await;
+        drained.context("the raw SQS loops did not drain the queue in time")??;
+        let elapsed = started.elapsed();
+        let cpu = self.cpu_since(before, None);
+        let deleted = deleted.load(Ordering::Relaxed);
+        ensure!(
+            deleted == messages,
+            "raw SQS loops deleted {deleted} of {messages} messages"
+        );
+        self.drop_sqs_queue(&name, &url).await?;
+        Ok(Measurement {
+            name: format!("raw SQS receive(10)+delete x{loops}"),
+            messages,
+            elapsed,
+            cpu,
+            peak_rss_kib: None,
+            store_share: None,
+        })
+    }
+
+    /// Throughput of the worker draining `--sqs-messages` messages of a standard SQS queue:
+    /// the clock starts as the worker is spawned and stops once the queue is empty (every
+    /// message deleted, so stored: the worker deletes after COMMIT) and every one is a todo.
+    async fn sqs_worker(&mut self) -> Result<Measurement> {
+        let database = self.fresh_database(4).await?;
+        let (name, url) = self.fresh_sqs_queue().await?;
+        let messages = self.args.sqs_messages;
+        let batch_size = self.args.sqs_batch_size;
+        let sqs = self.sqs.as_ref().context("ElasticMQ is not running")?;
+        let manifest = self.fx.manifest(
+            &format!("{name}.yaml"),
+            &format!(
+                "apiVersion: switchboard.dev/v1alpha1\n\
+                 kind: QueueAdapter\n\
+                 metadata: {{name: {name}, namespace: test}}\n\
+                 spec:\n\
+                 \x20 source: {{sqs: {{queueUrl: \"{url}\", endpoint: \"{}\", waitTimeSeconds: 1}}}}\n\
+                 \x20 target: {{queue: {name}}}\n\
+                 \x20 delivery: {{batchSize: {batch_size}}}\n",
+                sqs.endpoint()
+            ),
+        )?;
+        let before = self.cpu_snapshot();
+        let started = Instant::now();
+        let worker = WorkerProcess::start_binary(
+            &self.args.worker,
+            &self.worker_env(&database),
+            &manifest,
+            "bench",
+            &[
+                ("AWS_ACCESS_KEY_ID", "x"),
+                ("AWS_SECRET_ACCESS_KEY", "x"),
+                ("AWS_REGION", "us-east-1"),
+            ],
+        )?;
+        let expected = i64::try_from(messages)?;
+        wait_for(
+            PHASE_TIMEOUT,
+            &format!("{name} is empty and holds {messages} todos"),
+            || async {
+                let counts = sqs.count(&url).await?;
+                if counts != Default::default() {
+                    return Ok(false);
+                }
+                Ok(todo_count(&database.store, &name).await? >= expected)
+            },
+        )
+        .await
+        .with_context(|| worker.log_tail())?;
+        let elapsed = started.elapsed();
+        let cpu = self.cpu_since(before, Some(worker.pid()));
+        let peak_rss_kib = status_kib(worker.pid(), "VmHWM");
+        let store_share = seconds_in_store(&worker, &name)
+            .ok()
+            .map(|seconds| seconds / elapsed.as_secs_f64());
+        stop_worker(worker)?;
+        ensure_stored_once(&database.store, &name, messages).await?;
+        self.drop_sqs_queue(&name, &url).await?;
+        self.drop_database(database).await?;
+        Ok(Measurement {
+            name: format!("worker sqs batchSize {batch_size}"),
+            messages,
+            elapsed,
+            cpu,
+            peak_rss_kib,
+            store_share,
+        })
+    }
+}
+
+/// Sends `count` `order_body` messages to `url`, ten per SendMessageBatch, from
+/// [`SQS_PRODUCERS`] concurrent tasks.
+async fn produce_sqs(client: &SqsClient, url: &str, count: usize) -> Result<()> {
+    let next = Arc::new(AtomicUsize::new(0));
+    let mut tasks = JoinSet::new();
+    for _ in 0..SQS_PRODUCERS {
+        let (client, url, next) = (client.clone(), url.to_owned(), Arc::clone(&next));
+        tasks.spawn(async move {
+            loop {
+                let start = next.fetch_add(SQS_BATCH_LIMIT, Ordering::Relaxed);
+                if start >= count {
+                    return anyhow::Ok(());
+                }
+                let entries = (start..(start + SQS_BATCH_LIMIT).min(count))
+                    .map(|i| {
+                        SendMessageBatchRequestEntry::builder()
+                            .id(i.to_string())
+                            .message_body(String::from_utf8_lossy(&order_body(i)))
+                            .build()
+                    })
+                    .collect::<Result<Vec<_>, _>>()?;
+                let output = client
+                    .send_message_batch()
+                    .queue_url(&url)
+                    .set_entries(Some(entries))
+                    .send()
+                    .await
+                    .map_err(|err| anyhow!("SendMessageBatch: {}", DisplayErrorContext(err)))?;
+                ensure!(
+                    output.failed().is_empty(),
+                    "SendMessageBatch refused {} entries",
+                    output.failed().len()
+                );
+            }
+        });
+    }
+    while let Some(result) = tasks.join_next().await {
+        result??;
+    }
+    Ok(())
+}
+
+/// ReceiveMessage(10) + DeleteMessageBatch until a short poll comes back empty (on ElasticMQ a
+/// short poll sees the whole queue: empty means every message is deleted or held by another
+/// loop, which deletes it).
+async fn receive_delete_loop(client: &SqsClient, url: &str, deleted: &AtomicUsize) -> Result<()> {
+    loop {
+        let output = client
+            .receive_message()
+            .queue_url(url)
+            .max_number_of_messages(SQS_BATCH_LIMIT as i32)
+            .wait_time_seconds(0)
+            .message_system_attribute_names(MessageSystemAttributeName::All)
+            .message_attribute_names("All")
+            .send()
+            .await
+            .map_err(|err| anyhow!("ReceiveMessage: {}", DisplayErrorContext(err)))?;
+        let messages = output.messages.unwrap_or_default();
+        if messages.is_empty() {
+            return Ok(());
+        }
+        let entries = messages
+            .iter()
+            .enumerate()
+            .map(|(id, message)| {
+                DeleteMessageBatchRequestEntry::builder()
+                    .id(id.to_string())
+                    .receipt_handle(message.receipt_handle().unwrap_or_default())
+                    .build()
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let output = client
+            .delete_message_batch()
+            .queue_url(url)
+            .set_entries(Some(entries))
+            .send()
+            .await
+            .map_err(|err| anyhow!("DeleteMessageBatch: {}", DisplayErrorContext(err)))?;
+        ensure!(
+            output.failed().is_empty(),
+            "DeleteMessageBatch failed {} entries",
+            output.failed().len()
+        );
+        deleted.fetch_add(messages.len(), Ordering::Relaxed);
+    }
+}
+
+async fn todo_count(store: &Store, queue: &str) -> Result<i64> {
+    Ok(
+        sqlx::query_scalar("SELECT count(*) FROM todos WHERE queue = $1")
+            .bind(queue)
+            .fetch_one(store.pool())
+            .await?,
+    )
 }
 
 /// XREADGROUP of up to `count` new entries of `key` for consumer `bench`, without blocking.
@@ -918,40 +1215,163 @@ fn load_average() -> String {
         .unwrap_or_default()
 }
 
-fn print_table(rows: &[Measurement]) {
+/// The median and the spread of one figure over the repetitions.
+#[derive(Debug, Clone, Copy)]
+struct Stat {
+    median: f64,
+    min: f64,
+    max: f64,
+}
+
+impl Stat {
+    fn of(mut values: Vec<f64>) -> Self {
+        values.sort_by(f64::total_cmp);
+        let n = values.len();
+        let median = match n {
+            0 => f64::NAN,
+            _ if n % 2 == 1 => values[n / 2],
+            _ => (values[n / 2 - 1] + values[n / 2]) / 2.0,
+        };
+        Self {
+            median,
+            min: values.first().copied().unwrap_or(f64::NAN),
+            max: values.last().copied().unwrap_or(f64::NAN),
+        }
+    }
+
+    /// `median (min–max)` with `decimals` decimals, scaled by `scale` (e.g. 100 for percent).
+    fn show(self, decimals: usize, scale: f64) -> String {
+        format!(
+            "{:.decimals$} ({:.decimals$}–{:.decimals$})",
+            self.median * scale,
+            self.min * scale,
+            self.max * scale
+        )
+    }
+}
+
+/// Every repetition of one phase.
+#[derive(Debug, Clone)]
+struct Row {
+    runs: Vec<Measurement>,
+}
+
+impl Row {
+    fn name(&self) -> &str {
+        &self.runs[0].name
+    }
+
+    fn stat(&self, figure: impl Fn(&Measurement) -> f64) -> Stat {
+        Stat::of(self.runs.iter().map(figure).collect())
+    }
+
+    fn rate(&self) -> Stat {
+        self.stat(Measurement::rate)
+    }
+
+    /// This row's rate over `other`'s, per round (the same round ran both).
+    fn ratio_to(&self, other: &Row) -> Stat {
+        Stat::of(
+            self.runs
+                .iter()
+                .zip(&other.runs)
+                .map(|(a, b)| a.rate() / b.rate())
+                .collect(),
+        )
+    }
+}
+
+/// The rows in the order the first round ran them.
+#[derive(Debug, Default)]
+struct Table {
+    rows: Vec<Row>,
+}
+
+impl Table {
+    fn add(&mut self, measurement: Measurement) {
+        eprintln!(
+            "{}: {:.0} msg/s ({:.2} s)",
+            measurement.name,
+            measurement.rate(),
+            measurement.elapsed.as_secs_f64()
+        );
+        match self
+            .rows
+            .iter_mut()
+            .find(|row| row.name() == measurement.name)
+        {
+            Some(row) => row.runs.push(measurement),
+            None => self.rows.push(Row {
+                runs: vec![measurement],
+            }),
+        }
+    }
+
+    fn row(&self, name: &str) -> Result<&Row> {
+        self.rows
+            .iter()
+            .find(|row| row.name() == name)
+            .with_context(|| format!("no phase {name:?} was measured"))
+    }
+
+    /// The row with the best median rate among those whose name starts with `prefix`.
+    fn best(&self, prefix: &str) -> Option<&Row> {
+        self.rows
+            .iter()
+            .filter(|row| row.name().starts_with(prefix))
+            .max_by(|a, b| a.rate().median.total_cmp(&b.rate().median))
+    }
+}
+
+fn print_table(table: &Table) {
     println!(
-        "| {:<36} | {:>8} | {:>7} | {:>8} | {:>13} | {:>15} | {:>12} | {:>8} | {:>8} |",
+        "| {:<36} | {:>8} | {:>7} | {:>23} | {:>17} | {:>20} | {:>14} | {:>16} | {:>8} | {:>8} |",
         "phase",
         "messages",
         "seconds",
-        "msg/s",
+        "msg/s (min–max)",
         "client µs/msg",
         "postgres µs/msg",
         "redis µs/msg",
+        "elasticmq µs/msg",
         "peak RSS",
         "in store"
     );
     println!(
-        "|{:-<38}|{:->10}|{:->9}|{:->10}|{:->15}|{:->17}|{:->14}|{:->10}|{:->10}|",
-        "", "", "", "", "", "", "", "", ""
+        "|{:-<38}|{:->10}|{:->9}|{:->25}|{:->19}|{:->22}|{:->16}|{:->18}|{:->10}|{:->10}|",
+        "", "", "", "", "", "", "", "", "", ""
     );
-    for row in rows {
-        let rss = row.peak_rss_kib.map_or_else(
-            || "-".to_owned(),
-            |kib| format!("{:.1} MiB", kib as f64 / 1024.0),
-        );
-        let store_share = row
-            .store_share
-            .map_or_else(|| "-".to_owned(), |share| format!("{:.0}%", share * 100.0));
+    for row in &table.rows {
+        let per_message = |side: fn(&CpuSpent) -> Duration| {
+            row.stat(|m| m.micros_per_message(side(&m.cpu)))
+                .show(1, 1.0)
+        };
+        let rss = if row.runs.iter().all(|m| m.peak_rss_kib.is_some()) {
+            format!(
+                "{:.1} MiB",
+                row.stat(|m| m.peak_rss_kib.unwrap_or(0) as f64).median / 1024.0
+            )
+        } else {
+            "-".to_owned()
+        };
+        let store_share = if row.runs.iter().all(|m| m.store_share.is_some()) {
+            format!(
+                "{:.0}%",
+                row.stat(|m| m.store_share.unwrap_or(0.0)).median * 100.0
+            )
+        } else {
+            "-".to_owned()
+        };
         println!(
-            "| {:<36} | {:>8} | {:>7.2} | {:>8.0} | {:>13.1} | {:>15.1} | {:>12.1} | {:>8} | {:>8} |",
-            row.name,
-            row.messages,
-            row.elapsed.as_secs_f64(),
-            row.rate(),
-            row.micros_per_message(row.cpu.client),
-            row.micros_per_message(row.cpu.postgres),
-            row.micros_per_message(row.cpu.redis),
+            "| {:<36} | {:>8} | {:>7.2} | {:>23} | {:>17} | {:>20} | {:>14} | {:>16} | {:>8} | {:>8} |",
+            row.name(),
+            row.runs[0].messages,
+            row.stat(|m| m.elapsed.as_secs_f64()).median,
+            row.rate().show(0, 1.0),
+            per_message(|cpu| cpu.client),
+            per_message(|cpu| cpu.postgres),
+            per_message(|cpu| cpu.redis),
+            per_message(|cpu| cpu.sqs),
             rss,
             store_share
         );
@@ -962,113 +1382,164 @@ fn verdict(passed: bool) -> &'static str {
     if passed { "PASS" } else { "FAIL" }
 }
 
-fn best(rows: &[Measurement]) -> Option<&Measurement> {
-    rows.iter().max_by(|a, b| a.rate().total_cmp(&b.rate()))
+/// One round: every phase once, in this order.
+async fn round(bench: &mut Bench, table: &mut Table, latencies: &mut Vec<Latency>) -> Result<()> {
+    let args = &bench.args;
+    let (batch_size, naive_entries, entries, modes) = (
+        args.batch_size,
+        args.naive_entries,
+        args.entries,
+        args.modes.clone(),
+    );
+    let (connections, depths, sqs_loops) = (
+        args.connections.clone(),
+        args.depths.clone(),
+        args.sqs_loops.clone(),
+    );
+    let with_sqs = args.sqs_messages > 0;
+
+    table.add(bench.raw_broker().await?);
+    for method in [RawMethod::WorkerSql, RawMethod::CopyStaging] {
+        for &count in &connections {
+            table.add(bench.raw_database(method, count).await?);
+        }
+    }
+    for &depth in &depths {
+        table.add(bench.pipelined_ceiling(depth).await?);
+    }
+    for &mode in &modes {
+        table.add(bench.worker_throughput(mode, batch_size, entries).await?);
+    }
+    table.add(
+        bench
+            .worker_throughput(Mode::Stream, 1, naive_entries)
+            .await?,
+    );
+    let (steady, latency) = bench.latency_under_load().await?;
+    eprintln!(
+        "latency p50/p99/max: {:.0}/{:.1}/{:.0} ms",
+        latency.p50_ms, latency.p99_ms, latency.max_ms
+    );
+    table.add(steady);
+    latencies.push(latency);
+    if with_sqs {
+        for &loops in &sqs_loops {
+            table.add(bench.raw_sqs(loops).await?);
+        }
+        table.add(bench.sqs_worker().await?);
+    }
+    Ok(())
 }
 
 async fn run(args: Args) -> Result<()> {
     println!("machine: {}", machine_summary());
     println!("load average before: {}", load_average());
+    ensure!(args.repeats >= 1, "--repeats must be at least 1");
     let started = Instant::now();
     let mut bench = Bench::start(args).await?;
+    let repeats = bench.args.repeats;
+    let mut table = Table::default();
+    let mut latencies = Vec::new();
+    for number in 1..=repeats {
+        let round_started = Instant::now();
+        eprintln!("round {number} of {repeats}");
+        bench.round = number;
+        round(&mut bench, &mut table, &mut latencies).await?;
+        eprintln!(
+            "round {number} took {:.0} s; load average {}",
+            round_started.elapsed().as_secs_f64(),
+            load_average()
+        );
+    }
     let args = &bench.args;
-    let (batch_size, naive_entries, modes) =
-        (args.batch_size, args.naive_entries, args.modes.clone());
-    let (connections, depths) = (args.connections.clone(), args.depths.clone());
+    let batch_size = args.batch_size;
 
-    let broker = bench.raw_broker().await?;
-    eprintln!("raw broker: {:.0} msg/s", broker.rate());
-    let mut raw_db = Vec::new();
-    for method in [RawMethod::WorkerSql, RawMethod::CopyStaging] {
-        for &count in &connections {
-            let measurement = bench.raw_database(method, count).await?;
-            eprintln!("{}: {:.0} msg/s", measurement.name, measurement.rate());
-            raw_db.push(measurement);
-        }
-    }
-    let mut models = Vec::new();
-    for &depth in &depths {
-        let measurement = bench.pipelined_ceiling(depth).await?;
-        eprintln!("{}: {:.0} msg/s", measurement.name, measurement.rate());
-        models.push(measurement);
-    }
-    let mut worker_runs = Vec::new();
-    for &mode in &modes {
-        let measurement = bench
-            .worker_throughput(mode, batch_size, bench.args.entries)
-            .await?;
-        eprintln!("{}: {:.0} msg/s", measurement.name, measurement.rate());
-        worker_runs.push((mode, measurement));
-    }
-    let naive = bench
-        .worker_throughput(Mode::Stream, 1, naive_entries)
-        .await?;
-    eprintln!("{}: {:.0} msg/s", naive.name, naive.rate());
-    let (steady, latency) = bench.latency_under_load().await?;
-
-    let raw_db_best = best(&raw_db).context("no raw database run")?;
-    let mut table: Vec<Measurement> = worker_runs.iter().map(|(_, m)| m.clone()).collect();
-    table.push(naive.clone());
-    table.push(steady.clone());
-    table.extend(raw_db.iter().cloned());
-    table.push(broker);
-    table.extend(models);
+    println!();
+    println!(
+        "median of {repeats} rounds (min–max); CPU columns are µs of CPU per message; \
+         ratios are per round, median (min–max)"
+    );
     println!();
     print_table(&table);
     println!();
+    let p50 = Stat::of(latencies.iter().map(|l| l.p50_ms).collect());
+    let p99 = Stat::of(latencies.iter().map(|l| l.p99_ms).collect());
+    let max = Stat::of(latencies.iter().map(|l| l.max_ms).collect());
     println!(
         "latency at {} msg/s offered for {} s (XADD entry-id time → commit timestamp of the row): \
-         p50 {:.0} ms, p99 {:.0} ms, max {:.0} ms",
-        bench.args.rate, bench.args.latency_seconds, latency.p50_ms, latency.p99_ms, latency.max_ms
+         p50 {} ms, p99 {} ms, max {} ms",
+        args.rate,
+        args.latency_seconds,
+        p50.show(1, 1.0),
+        p99.show(1, 1.0),
+        max.show(0, 1.0)
     );
+    let raw_db = table.best("raw DB ").context("no raw database run")?;
     println!(
-        "raw database limit: {} ({:.0} msg/s)",
-        raw_db_best.name,
-        raw_db_best.rate()
+        "raw database limit: {} ({} msg/s)",
+        raw_db.name(),
+        raw_db.rate().show(0, 1.0)
     );
     println!();
-    let stream = worker_runs
-        .iter()
-        .find(|(mode, _)| *mode == Mode::Stream)
-        .map(|(_, m)| m)
-        .context("the stream mode run is required for the ratios")?;
-    let vs_naive = stream.rate() / naive.rate();
-    let vs_raw = stream.rate() / raw_db_best.rate();
+    let stream = table.row(&format!("worker stream batchSize {batch_size}"))?;
+    let naive = table.row("worker stream batchSize 1")?;
+    let vs_naive = stream.ratio_to(naive);
+    let vs_raw = stream.ratio_to(raw_db);
     let peak_rss_mib = table
+        .rows
         .iter()
+        .flat_map(|row| &row.runs)
         .filter_map(|m| m.peak_rss_kib)
         .max()
         .unwrap_or(0) as f64
         / 1024.0;
     println!(
-        "stream batch {batch_size} / batch 1 (1/2):  {vs_naive:>6.2}x   target >= 4x     {}",
-        verdict(vs_naive >= 4.0)
+        "stream batch {batch_size} / batch 1 (1/2):  {:>20}x  target >= 4x     {}",
+        vs_naive.show(2, 1.0),
+        verdict(vs_naive.median >= 4.0)
     );
     println!(
-        "stream batch {batch_size} / raw DB (1/3):   {:>6.1}%   target >= 75%    {}",
-        vs_raw * 100.0,
-        verdict(vs_raw >= 0.75)
+        "stream batch {batch_size} / raw DB (1/3):   {:>20}%  target >= 75%    {}",
+        vs_raw.show(1, 100.0),
+        verdict(vs_raw.median >= 0.75)
     );
     println!(
-        "p99 latency at {} msg/s:      {:>6.1} ms  target <= 50 ms  {}",
-        bench.args.rate,
-        latency.p99_ms,
-        verdict(latency.p99_ms <= 50.0)
+        "p99 latency at {} msg/s:      {:>20} ms target <= 50 ms  {}",
+        args.rate,
+        p99.show(1, 1.0),
+        verdict(p99.median <= 50.0)
     );
     println!(
-        "worker peak RSS (max of runs):   {peak_rss_mib:>6.1} MiB target <= 64 MiB {}",
+        "worker peak RSS (max of runs):   {peak_rss_mib:>20.1} MiB target <= 64 MiB {}",
         verdict(peak_rss_mib <= 64.0)
     );
-    match worker_runs.iter().find(|(mode, _)| *mode == Mode::List) {
-        Some((_, list)) => {
-            let vs_stream = list.rate() / stream.rate();
+    match table.row(&format!("worker list batchSize {batch_size}")) {
+        Ok(list) => {
+            let vs_stream = list.ratio_to(stream);
             println!(
-                "list / stream:                   {:>6.1}%   target >= 60%    {}",
-                vs_stream * 100.0,
-                verdict(vs_stream >= 0.6)
+                "list / stream:                   {:>20}%  target >= 60%    {}",
+                vs_stream.show(1, 100.0),
+                verdict(vs_stream.median >= 0.6)
             );
         }
-        None => println!("list / stream: not measured (--modes has no list)"),
+        Err(_) => println!("list / stream: not measured (--modes has no list)"),
+    }
+    if args.sqs_messages > 0 {
+        let sqs = table.row(&format!("worker sqs batchSize {}", args.sqs_batch_size))?;
+        let raw_sqs = table.best("raw SQS ").context("no raw SQS run")?;
+        let vs_raw_sqs = sqs.ratio_to(raw_sqs);
+        println!(
+            "sqs / raw SQS ({}):  {:>20}%  target >= 60%    {}",
+            raw_sqs.name(),
+            vs_raw_sqs.show(1, 100.0),
+            verdict(vs_raw_sqs.median >= 0.6)
+        );
+        println!(
+            "sqs / raw DB (context, no target): {:>18}%",
+            sqs.ratio_to(raw_db).show(1, 100.0)
+        );
+    } else {
+        println!("sqs / raw SQS: not measured (--sqs-messages 0)");
     }
     println!();
     println!("correctness: every phase stored each entry exactly once with nothing pending");
