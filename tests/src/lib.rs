@@ -7,10 +7,11 @@ pub mod servers;
 pub mod wait;
 pub mod worker;
 
+use std::collections::HashMap;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 use nix::sys::signal::Signal;
 use sqlx::PgPool;
 use switchboard_store::Store;
@@ -255,11 +256,43 @@ impl Fixture {
         Ok(total)
     }
 
+    /// Every entry of stream `key`, each as its fields (bulk-string values only).
+    pub fn stream_entries(&self, key: &str) -> Result<Vec<HashMap<String, Vec<u8>>>> {
+        let mut conn = self.redis.connection()?;
+        let reply: redis::streams::StreamRangeReply = redis::cmd("XRANGE")
+            .arg(key)
+            .arg("-")
+            .arg("+")
+            .query(&mut conn)?;
+        Ok(reply
+            .ids
+            .into_iter()
+            .map(|entry| {
+                entry
+                    .map
+                    .into_iter()
+                    .filter_map(|(field, value)| match value {
+                        redis::Value::BulkString(bytes) => Some((field, bytes)),
+                        _ => None,
+                    })
+                    .collect()
+            })
+            .collect())
+    }
+
     /// Length of a stream.
     pub fn xlen(&self, key: &str) -> Result<u64> {
         let mut conn = self.redis.connection()?;
         Ok(redis::cmd("XLEN").arg(key).query(&mut conn)?)
     }
+}
+
+/// Field `name` of a stream entry (see [`Fixture::stream_entries`]), as text.
+pub fn field(entry: &HashMap<String, Vec<u8>>, name: &str) -> Result<String> {
+    entry
+        .get(name)
+        .map(|v| String::from_utf8_lossy(v).into_owned())
+        .with_context(|| format!("entry lacks field {name}"))
 }
 
 /// A manifest for adapter `test/{name}` storing into queue `name`. `redis` is the body of

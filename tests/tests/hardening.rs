@@ -6,10 +6,10 @@ use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, ensure};
-use switchboard_tests::Fixture;
 use switchboard_tests::servers::{Postgres, Redis};
 use switchboard_tests::wait::wait_for;
 use switchboard_tests::worker::{WorkerEnv, WorkerProcess};
+use switchboard_tests::{Fixture, field};
 
 const LONG: Duration = Duration::from_secs(120);
 const GROUP: &str = "switchboard";
@@ -29,37 +29,6 @@ fn produce_undecodable(fx: &Fixture, stream: &str, n: usize) -> Result<String> {
         .arg(&[0xff_u8, 0xfe][..])
         .arg("v")
         .query(&mut conn)?)
-}
-
-/// The dead letters of stream `key`, each as its fields.
-fn dead_letters(fx: &Fixture, key: &str) -> Result<Vec<HashMap<String, Vec<u8>>>> {
-    let mut conn = fx.redis.connection()?;
-    let reply: redis::streams::StreamRangeReply = redis::cmd("XRANGE")
-        .arg(key)
-        .arg("-")
-        .arg("+")
-        .query(&mut conn)?;
-    Ok(reply
-        .ids
-        .into_iter()
-        .map(|entry| {
-            entry
-                .map
-                .into_iter()
-                .filter_map(|(k, v)| match v {
-                    redis::Value::BulkString(bytes) => Some((k, bytes)),
-                    _ => None,
-                })
-                .collect()
-        })
-        .collect())
-}
-
-fn field(letter: &HashMap<String, Vec<u8>>, name: &str) -> Result<String> {
-    letter
-        .get(name)
-        .map(|v| String::from_utf8_lossy(v).into_owned())
-        .with_context(|| format!("dead letter lacks field {name}"))
 }
 
 /// Waits until `queue` holds `todos` todos, `dlq` holds `letters` entries and nothing of the
@@ -97,7 +66,7 @@ async fn undecodable_stream_entry_is_dead_lettered_while_its_batch_is_stored_als
     let worker = fx.worker(&manifest, "w1")?;
     wait_settled(&fx, "raw", 6, 1).await?;
 
-    let letters = dead_letters(&fx, "raw.dlq")?;
+    let letters = fx.stream_entries("raw.dlq")?;
     let letter = &letters[0];
     assert_eq!(field(letter, "origin_id")?, bad);
     assert_eq!(field(letter, "reason")?, "undecodable");

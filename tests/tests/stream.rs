@@ -5,9 +5,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, ensure};
 use nix::sys::signal::Signal;
-use switchboard_tests::Fixture;
 use switchboard_tests::wait::wait_for;
 use switchboard_tests::worker::{WorkerProcess, migrate};
+use switchboard_tests::{Fixture, field};
 
 const ISSUE_MANIFEST: &str = "\
 apiVersion: switchboard.dev/v1alpha1
@@ -425,39 +425,6 @@ async fn statement_stuck_in_the_database_times_out_and_is_retried_without_loss_o
     Ok(())
 }
 
-fn stream_fields(
-    fx: &Fixture,
-    key: &str,
-) -> Result<Vec<std::collections::HashMap<String, Vec<u8>>>> {
-    let mut conn = fx.redis.connection()?;
-    let reply: redis::streams::StreamRangeReply = redis::cmd("XRANGE")
-        .arg(key)
-        .arg("-")
-        .arg("+")
-        .query(&mut conn)?;
-    Ok(reply
-        .ids
-        .into_iter()
-        .map(|entry| {
-            entry
-                .map
-                .into_iter()
-                .filter_map(|(k, v)| match v {
-                    redis::Value::BulkString(bytes) => Some((k, bytes)),
-                    _ => None,
-                })
-                .collect()
-        })
-        .collect())
-}
-
-fn field(entry: &std::collections::HashMap<String, Vec<u8>>, name: &str) -> Result<String> {
-    entry
-        .get(name)
-        .map(|v| String::from_utf8_lossy(v).into_owned())
-        .with_context(|| format!("dead letter lacks field {name}"))
-}
-
 #[tokio::test]
 async fn poison_entries_are_dead_lettered_with_context_while_their_batch_is_stored() -> Result<()> {
     let fx = Fixture::start().await?;
@@ -477,7 +444,7 @@ async fn poison_entries_are_dead_lettered_with_context_while_their_batch_is_stor
     fx.assert_exactly_once("poison", 60).await?;
     ensure!(fx.pending("poison", "switchboard")? == 0);
 
-    let letters = stream_fields(&fx, "poison.dlq")?;
+    let letters = fx.stream_entries("poison.dlq")?;
     let by_origin = |id: &str| {
         letters
             .iter()
@@ -555,7 +522,7 @@ async fn entry_delivered_max_times_to_dead_consumers_is_dead_lettered_not_stored
         Ok(fx.pending("md", "switchboard")? == 0)
     })
     .await?;
-    let letters = stream_fields(&fx, "md.dlq")?;
+    let letters = fx.stream_entries("md.dlq")?;
     assert_eq!(field(&letters[0], "reason")?, "max_deliveries");
     assert_eq!(field(&letters[0], "delivery_count")?, "4");
     assert_eq!(field(&letters[0], "origin_id")?, ids[0]);

@@ -56,9 +56,6 @@ pub struct SqsBroker {
 
 const GROUP: &str = "switchboard";
 
-/// A stream entry: its id and its fields.
-type StreamEntry = (String, Vec<(String, Vec<u8>)>);
-
 impl BrokerFixture for RedisStreamBroker {
     async fn start(_fx: &Fixture) -> Result<(Self, Vec<(String, String)>)> {
         Ok((Self, Vec::new()))
@@ -94,23 +91,11 @@ impl BrokerFixture for RedisStreamBroker {
     }
 
     async fn dead_letters(&self, fx: &Fixture, name: &str) -> Result<Vec<(Vec<u8>, String)>> {
-        let mut conn = fx.redis.connection()?;
-        let entries: Vec<StreamEntry> = redis::cmd("XRANGE")
-            .arg(format!("{name}.dlq"))
-            .arg("-")
-            .arg("+")
-            .query(&mut conn)?;
-        entries
+        fx.stream_entries(&format!("{name}.dlq"))?
             .into_iter()
-            .map(|(id, fields)| {
-                let field = |wanted: &str| {
-                    fields
-                        .iter()
-                        .find(|(field, _)| field == wanted)
-                        .map(|(_, value)| value.clone())
-                        .with_context(|| format!("dead letter {id} has no {wanted}"))
-                };
-                Ok((field("body")?, String::from_utf8(field("reason")?)?))
+            .map(|letter| {
+                let body = letter.get("body").context("dead letter without a body")?;
+                Ok((body.clone(), crate::field(&letter, "reason")?))
             })
             .collect()
     }
