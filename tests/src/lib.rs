@@ -295,20 +295,25 @@ pub fn field(entry: &HashMap<String, Vec<u8>>, name: &str) -> Result<String> {
         .with_context(|| format!("entry lacks field {name}"))
 }
 
-/// A manifest for adapter `test/{name}` storing into queue `name`. `redis` is the body of
-/// `spec.source.redis`; `delivery` and `payload` are YAML flow-mapping bodies, e.g.
-/// `batchSize: 50`.
-pub fn adapter_manifest(name: &str, redis: &str, delivery: &str, payload: &str) -> String {
+/// A manifest for adapter `test/{name}` storing into queue `name`. `source` is the body of
+/// `spec.source` (`sqs: {queueUrl: …}`); `delivery` and `payload` are YAML flow-mapping bodies,
+/// e.g. `batchSize: 50`.
+pub fn source_manifest(name: &str, source: &str, delivery: &str, payload: &str) -> String {
     format!(
         "apiVersion: switchboard.dev/v1alpha1\n\
          kind: QueueAdapter\n\
          metadata: {{name: {name}, namespace: test}}\n\
          spec:\n\
-         \x20 source: {{redis: {{{redis}}}}}\n\
+         \x20 source: {{{source}}}\n\
          \x20 target: {{queue: {name}}}\n\
          \x20 delivery: {{{delivery}}}\n\
          \x20 payload: {{{payload}}}\n"
     )
+}
+
+/// [`source_manifest`] for Redis: `redis` is the body of `spec.source.redis`.
+pub fn adapter_manifest(name: &str, redis: &str, delivery: &str, payload: &str) -> String {
+    source_manifest(name, &format!("redis: {{{redis}}}"), delivery, payload)
 }
 
 /// A stream-mode manifest reading `stream` (see [`adapter_manifest`]).

@@ -6,10 +6,10 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Result, ensure};
 use nix::sys::signal::Signal;
-use switchboard_tests::Fixture;
 use switchboard_tests::brokers::{BrokerFixture, RedisListBroker, RedisStreamBroker, SqsBroker};
 use switchboard_tests::wait::wait_for;
 use switchboard_tests::worker::WorkerProcess;
+use switchboard_tests::{Fixture, source_manifest};
 
 const LONG: Duration = Duration::from_secs(180);
 
@@ -47,17 +47,7 @@ impl<B: BrokerFixture> Contract<B> {
         let delivery = format!("{}, {delivery}", self.broker.delivery());
         self.fx.manifest(
             &format!("{name}.yaml"),
-            &format!(
-                "apiVersion: switchboard.dev/v1alpha1\n\
-                 kind: QueueAdapter\n\
-                 metadata: {{name: {name}, namespace: test}}\n\
-                 spec:\n\
-                 \x20 source: {{{}}}\n\
-                 \x20 target: {{queue: {name}}}\n\
-                 \x20 delivery: {{{delivery}}}\n\
-                 \x20 payload: {{{payload}}}\n",
-                self.source
-            ),
+            &source_manifest(name, &self.source, &delivery, payload),
         )
     }
 

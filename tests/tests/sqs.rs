@@ -12,11 +12,11 @@ use aws_sdk_sqs::Client;
 use aws_sdk_sqs::types::Message;
 use nix::sys::signal::Signal;
 use sqlx::Connection;
-use switchboard_tests::Fixture;
-use switchboard_tests::brokers::sqs::ElasticMq;
+use switchboard_tests::brokers::sqs::{ElasticMq, sqs_client, sqs_error};
 use switchboard_tests::servers::free_port;
 use switchboard_tests::wait::{wait_for, wait_until};
 use switchboard_tests::worker::WorkerProcess;
+use switchboard_tests::{Fixture, source_manifest};
 
 const LONG: Duration = Duration::from_secs(120);
 /// Acceptance 4: a misconfigured worker exits within this.
@@ -59,15 +59,13 @@ fn sqs_manifest(
     sqs_extra: &str,
     delivery: &str,
 ) -> String {
-    format!(
-        "apiVersion: switchboard.dev/v1alpha1\n\
-         kind: QueueAdapter\n\
-         metadata: {{name: {name}, namespace: test}}\n\
-         spec:\n\
-         \x20 source: {{sqs: {{queueUrl: \"{queue_url}\", endpoint: \"{endpoint}\", waitTimeSeconds: 1{sqs_extra}}}}}\n\
-         \x20 target: {{queue: {name}}}\n\
-         \x20 delivery: {{batchSize: 10, maxDeliveries: 3{delivery}}}\n\
-         \x20 payload: {{format: json}}\n"
+    source_manifest(
+        name,
+        &format!(
+            "sqs: {{queueUrl: \"{queue_url}\", endpoint: \"{endpoint}\", waitTimeSeconds: 1{sqs_extra}}}"
+        ),
+        &format!("batchSize: 10, maxDeliveries: 3{delivery}"),
+        "format: json",
     )
 }
 
@@ -179,12 +177,7 @@ async fn receive_as_other_consumer(
         .visibility_timeout(i32::try_from(hide.as_secs())?)
         .send()
         .await
-        .map_err(|err| {
-            anyhow::anyhow!(
-                "ReceiveMessage: {}",
-                aws_sdk_sqs::error::DisplayErrorContext(err)
-            )
-        })?;
+        .map_err(|err| sqs_error("ReceiveMessage", err))?;
     Ok(output.messages.unwrap_or_default())
 }
 
@@ -408,12 +401,7 @@ async fn delete_of_an_expired_receipt_counts_as_stale_and_never_blocks_the_loop(
             .visibility_timeout(0)
             .send()
             .await
-            .map_err(|err| {
-                anyhow::anyhow!(
-                    "ChangeMessageVisibility: {}",
-                    aws_sdk_sqs::error::DisplayErrorContext(err)
-                )
-            })?;
+            .map_err(|err| sqs_error("ChangeMessageVisibility", err))?;
     }
     wait_drained(&fx, &mq, "stale", &queue, 15, &worker).await?;
     fx.assert_exactly_once("stale", 15).await?;
@@ -538,19 +526,7 @@ impl Moto {
 
     /// A client of region `region` with fixed test credentials.
     fn client(&self, region: &str) -> Client {
-        let config = aws_sdk_sqs::Config::builder()
-            .behavior_version(aws_sdk_sqs::config::BehaviorVersion::latest())
-            .endpoint_url(self.endpoint())
-            .region(aws_sdk_sqs::config::Region::new(region.to_owned()))
-            .credentials_provider(aws_sdk_sqs::config::Credentials::new(
-                "x",
-                "x",
-                None,
-                None,
-                "switchboard-tests",
-            ))
-            .build();
-        Client::from_conf(config)
+        sqs_client(&self.endpoint(), region)
     }
 }
 
@@ -590,12 +566,7 @@ async fn queue_name_in_another_region_exits_naming_the_setting() -> Result<()> {
             .queue_name(name)
             .send()
             .await
-            .map_err(|err| {
-                anyhow::anyhow!(
-                    "CreateQueue: {}",
-                    aws_sdk_sqs::error::DisplayErrorContext(err)
-                )
-            })?;
+            .map_err(|err| sqs_error("CreateQueue", err))?;
     }
     let manifest = fx.manifest(
         "orders.yaml",

@@ -13,9 +13,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use anyhow::{Context, Result, anyhow, ensure};
+use anyhow::{Context, Result, ensure};
 use aws_sdk_sqs::Client as SqsClient;
-use aws_sdk_sqs::error::DisplayErrorContext;
 use aws_sdk_sqs::types::{
     DeleteMessageBatchRequestEntry, MessageSystemAttributeName, SendMessageBatchRequestEntry,
 };
@@ -23,11 +22,11 @@ use clap::{Parser, ValueEnum};
 use nix::sys::signal::Signal;
 use sqlx::{Connection, PgConnection};
 use switchboard_store::{Dedup, IngestBatch, NewEvent, Position, Store, Stored};
-use switchboard_tests::brokers::sqs::ElasticMq;
+use switchboard_tests::brokers::sqs::{ElasticMq, sqs_error};
 use switchboard_tests::servers::{Postgres, children_of};
 use switchboard_tests::wait::wait_for;
 use switchboard_tests::worker::{WorkerEnv, WorkerProcess};
-use switchboard_tests::{Fixture, adapter_manifest};
+use switchboard_tests::{Fixture, adapter_manifest, source_manifest};
 use tokio::task::JoinSet;
 
 /// Measures the worker end to end and the raw limits of PostgreSQL and Redis.
@@ -650,7 +649,7 @@ impl Bench {
                 .queue_url(queue)
                 .send()
                 .await
-                .map_err(|err| anyhow!("DeleteQueue {queue}: {}", DisplayErrorContext(err)))?;
+                .map_err(|err| sqs_error(&format!("DeleteQueue {queue}"), err))?;
         }
         Ok(())
     }
@@ -710,15 +709,14 @@ impl Bench {
         let sqs = self.sqs.as_ref().context("ElasticMQ is not running")?;
         let manifest = self.fx.manifest(
             &format!("{name}.yaml"),
-            &format!(
-                "apiVersion: switchboard.dev/v1alpha1\n\
-                 kind: QueueAdapter\n\
-                 metadata: {{name: {name}, namespace: test}}\n\
-                 spec:\n\
-                 \x20 source: {{sqs: {{queueUrl: \"{url}\", endpoint: \"{}\", waitTimeSeconds: 1}}}}\n\
-                 \x20 target: {{queue: {name}}}\n\
-                 \x20 delivery: {{batchSize: {batch_size}}}\n",
-                sqs.endpoint()
+            &source_manifest(
+                &name,
+                &format!(
+                    "sqs: {{queueUrl: \"{url}\", endpoint: \"{}\", waitTimeSeconds: 1}}",
+                    sqs.endpoint()
+                ),
+                &format!("batchSize: {batch_size}"),
+                "",
             ),
         )?;
         let before = self.cpu_snapshot();
@@ -796,7 +794,7 @@ async fn produce_sqs(client: &SqsClient, url: &str, count: usize) -> Result<()> 
                     .set_entries(Some(entries))
                     .send()
                     .await
-                    .map_err(|err| anyhow!("SendMessageBatch: {}", DisplayErrorContext(err)))?;
+                    .map_err(|err| sqs_error("SendMessageBatch", err))?;
                 ensure!(
                     output.failed().is_empty(),
                     "SendMessageBatch refused {} entries",
@@ -825,7 +823,7 @@ async fn receive_delete_loop(client: &SqsClient, url: &str, deleted: &AtomicUsiz
             .message_attribute_names("All")
             .send()
             .await
-            .map_err(|err| anyhow!("ReceiveMessage: {}", DisplayErrorContext(err)))?;
+            .map_err(|err| sqs_error("ReceiveMessage", err))?;
         let messages = output.messages.unwrap_or_default();
         if messages.is_empty() {
             return Ok(());
@@ -846,7 +844,7 @@ async fn receive_delete_loop(client: &SqsClient, url: &str, deleted: &AtomicUsiz
             .set_entries(Some(entries))
             .send()
             .await
-            .map_err(|err| anyhow!("DeleteMessageBatch: {}", DisplayErrorContext(err)))?;
+            .map_err(|err| sqs_error("DeleteMessageBatch", err))?;
         ensure!(
             output.failed().is_empty(),
             "DeleteMessageBatch failed {} entries",

@@ -75,7 +75,7 @@ impl ElasticMq {
             .tempdir()?;
         let (child, port) = spawn(dir.path(), &lib, 0)?;
         Ok(Self {
-            client: sqs_client(&format!("http://127.0.0.1:{port}")),
+            client: sqs_client(&format!("http://127.0.0.1:{port}"), "us-east-1"),
             dir,
             lib,
             port,
@@ -478,12 +478,13 @@ fn log_tail(log_path: &Path) -> String {
     )
 }
 
-/// A client that reads nothing from the environment: region, credentials and endpoint are fixed.
-fn sqs_client(endpoint: &str) -> Client {
+/// A client that reads nothing from the environment: fixed credentials, the given endpoint and
+/// region.
+pub fn sqs_client(endpoint: &str, region: &str) -> Client {
     let config = SdkConfig::builder()
         .behavior_version(BehaviorVersion::latest())
         .endpoint_url(endpoint)
-        .region(Region::new("us-east-1"))
+        .region(Region::new(region.to_owned()))
         .credentials_provider(SharedCredentialsProvider::new(Credentials::new(
             "x",
             "x",
@@ -496,6 +497,6 @@ fn sqs_client(endpoint: &str) -> Client {
 }
 
 /// An SDK error with its whole cause chain (its `Display` alone says only "service error").
-fn sqs_error(operation: &str, err: impl std::error::Error) -> anyhow::Error {
+pub fn sqs_error(operation: &str, err: impl std::error::Error) -> anyhow::Error {
     anyhow!("{operation}: {}", DisplayErrorContext(err))
 }
