@@ -546,11 +546,23 @@ async fn denied_credentials_exit_non_zero_naming_the_setting() -> Result<()> {
         "denied.yaml",
         &sqs_manifest("denied", &queue, &moto.endpoint(), "", ""),
     )?;
-    let mut worker = start_worker(&fx, &manifest, "worker-a")?;
+    // Credentials that look like real ones: neither may reach the log or the error line.
+    const KEY_ID: &str = "AKIAIOSFODNN7EXAMPLE";
+    const SECRET: &str = "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY";
+    let mut worker = WorkerProcess::start(
+        &fx.env,
+        &manifest,
+        "worker-a",
+        &[
+            ("AWS_ACCESS_KEY_ID", KEY_ID),
+            ("AWS_SECRET_ACCESS_KEY", SECRET),
+            ("AWS_REGION", "us-east-1"),
+        ],
+    )?;
     let log = assert_fatal_exit(&mut worker, &["AWS_ACCESS_KEY_ID", "accessKeyIdSecretRef"])?;
     ensure!(
-        !log.contains("AWS_SECRET_ACCESS_KEY=x"),
-        "a secret in the log"
+        !log.contains(SECRET) && !log.contains(KEY_ID),
+        "a credential in the log:\n{log}"
     );
     Ok(())
 }
