@@ -451,16 +451,24 @@ impl<T: Transport> Pipeline<T> {
     }
 
     /// Reads the queue's health on its own task, so the gauges move while the loop waits on
-    /// the database (or anything else), and reports it to the `worker_reports` table, which
-    /// the operator turns into the adapter's status.
+    /// the database (or anything else); a second task reports the latest reading to the
+    /// `worker_reports` table, which the operator turns into the adapter's status.
     fn spawn_probe(&self) -> JoinHandle<()> {
         let mut probe = self.transport.probe();
-        let interval = self.transport.maintenance_interval().min(REPORT_INTERVAL);
+        let interval = self.transport.maintenance_interval();
         let metrics = self.metrics.clone();
         let health = self.health.clone();
-        let store = self.context.store.clone();
-        let (adapter, worker) = (self.settings.adapter.clone(), self.settings.worker.clone());
+        let (latest, reading) = tokio::sync::watch::channel(None);
+        let reporter = tokio::spawn(report_queue_health(
+            self.context.store.clone(),
+            self.settings.adapter.clone(),
+            self.settings.worker.clone(),
+            reading,
+            health.clone(),
+        ));
         tokio::spawn(async move {
+            // Aborting the probe task drops the reporter with it.
+            let _reporter = AbortOnDrop(reporter);
             loop {
                 let queue = match probe.queue_health().await {
                     Ok(queue) => {
@@ -475,16 +483,8 @@ impl<T: Transport> Pipeline<T> {
                         None
                     }
                 };
-                let report = worker_report(&adapter, &worker, queue, &health);
-                // Bounded, so a database outage does not stop the gauges.
-                match tokio::time::timeout(REPORT_INTERVAL, store.report_worker(&report)).await {
-                    Ok(Ok(())) => {}
-                    Ok(Err(err)) => {
-                        tracing::debug!(error = %ErrorChain(&err), "cannot write the worker report")
-                    }
-                    Err(_) => tracing::debug!("writing the worker report timed out"),
-                }
-                tokio::time::sleep(interval).await;
+                latest.send_replace(Some(queue));
+                tokio::time::sleep(interval.min(REPORT_INTERVAL)).await;
             }
         })
     }
@@ -946,6 +946,41 @@ impl<T: Transport> Pipeline<T> {
             error = %ErrorChain(err),
             "acknowledgements refused as stale; the broker redelivers and deduplication collapses them"
         );
+    }
+}
+
+/// Aborts a task when dropped.
+struct AbortOnDrop(JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// Every [`REPORT_INTERVAL`], writes the probe's latest reading (`Some(None)`: the broker did not
+/// answer) as this worker's report. A write that fails (the database is down) is skipped: the
+/// report ages out and the operator says so.
+async fn report_queue_health(
+    store: Store,
+    adapter: String,
+    worker: String,
+    mut reading: tokio::sync::watch::Receiver<Option<Option<QueueHealth>>>,
+    health: Arc<Health>,
+) {
+    loop {
+        let latest = *reading.borrow_and_update();
+        if let Some(queue) = latest {
+            let report = worker_report(&adapter, &worker, queue, &health);
+            match tokio::time::timeout(REPORT_INTERVAL, store.report_worker(&report)).await {
+                Ok(Ok(())) => {}
+                Ok(Err(err)) => {
+                    tracing::debug!(error = %ErrorChain(&err), "cannot write the worker report")
+                }
+                Err(_) => tracing::debug!("writing the worker report timed out"),
+            }
+        }
+        tokio::time::sleep(REPORT_INTERVAL).await;
     }
 }
 
