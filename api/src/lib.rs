@@ -4,10 +4,12 @@
 //! status the operator reports, and a loader for the same manifest outside Kubernetes. The `///`
 //! comments on spec fields are what `kubectl explain queueadapter.spec` shows.
 
+mod autoscaling;
 mod manifest;
 pub mod source;
 mod validate;
 
+pub use autoscaling::Autoscaling;
 pub use manifest::{ManifestError, UnknownField, load_manifest};
 pub use source::redis::{RedisMode, RedisSource, StartFrom};
 pub use source::sqs::SqsSource;
@@ -36,6 +38,9 @@ pub const VERSION: &str = "v1alpha1";
     namespaced,
     doc = "A QueueAdapter runs a worker that pulls messages from a broker and stores each one as a durable todo in PostgreSQL before acknowledging it to the broker (store-then-ack).",
     validation = Rule::new("size(self.metadata.name) <= 63").message("metadata.name must be at most 63 characters: it names the worker's Deployment and labels"),
+    validation = Rule::new("!has(self.spec.workload) || !has(self.spec.workload.autoscaling) || !has(self.spec.source.redis) || self.spec.source.redis.mode == 'stream'").message("spec.workload.autoscaling: Redis lists and pubsub cannot be autoscaled (KEDA cannot see what list consumers hold; every pubsub replica gets every message)"),
+    validation = Rule::new("!has(self.spec.workload) || !has(self.spec.workload.autoscaling) || !has(self.spec.source.redis) || has(self.spec.workload.autoscaling.triggerAuthenticationRef)").message("spec.workload.autoscaling.triggerAuthenticationRef is required for Redis: KEDA takes the address and password as separate parameters"),
+    validation = Rule::new("!has(self.spec.workload) || !has(self.spec.workload.autoscaling) || !has(self.spec.source.sqs) || (has(self.spec.source.sqs.queueUrl) && (has(self.spec.source.sqs.region) || self.spec.source.sqs.queueUrl.matches('^https://sqs[.][a-z0-9-]+[.]amazonaws[.]com/')))").message("spec.workload.autoscaling needs spec.source.sqs.queueUrl and a region (spec.source.sqs.region, or an AWS queue URL naming one): KEDA addresses the queue by URL and region"),
     status = "QueueAdapterStatus",
     printcolumn = r#"{"name":"Source","type":"string","jsonPath":".status.source"}"#,
     printcolumn = r#"{"name":"Mode","type":"string","jsonPath":".status.mode"}"#,
@@ -207,6 +212,9 @@ pub struct Workload {
     /// adapter reports ImageNotAllowed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub image: Option<String>,
+    /// Scale the worker with KEDA on the broker's backlog instead of a fixed `replicas`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub autoscaling: Option<Autoscaling>,
 }
 
 impl Default for Workload {
@@ -215,6 +223,7 @@ impl Default for Workload {
             replicas: default_replicas(),
             resources: None,
             image: None,
+            autoscaling: None,
         }
     }
 }

@@ -28,6 +28,66 @@ impl fmt::Display for InvalidSpec {
 }
 
 impl QueueAdapterSpec {
+    fn validate_autoscaling(
+        &self,
+        autoscaling: &crate::Autoscaling,
+        fail: &mut impl FnMut(&'static str, String),
+    ) {
+        let field = "spec.workload.autoscaling";
+        if !(0..=100).contains(&autoscaling.min_replicas) {
+            fail(
+                "spec.workload.autoscaling.minReplicas",
+                format!("must be 0 to 100, got {}", autoscaling.min_replicas),
+            );
+        }
+        if !(1..=100).contains(&autoscaling.max_replicas) {
+            fail(
+                "spec.workload.autoscaling.maxReplicas",
+                format!("must be 1 to 100, got {}", autoscaling.max_replicas),
+            );
+        }
+        if autoscaling.max_replicas < autoscaling.min_replicas {
+            fail(
+                "spec.workload.autoscaling.maxReplicas",
+                "must be at least minReplicas".into(),
+            );
+        }
+        if autoscaling.target_backlog_per_replica < 1 {
+            fail(
+                "spec.workload.autoscaling.targetBacklogPerReplica",
+                "must be at least 1".into(),
+            );
+        }
+        if let Some(redis) = &self.source.redis {
+            if redis.mode != crate::RedisMode::Stream {
+                fail(
+                    field,
+                    "Redis lists and pubsub cannot be autoscaled (KEDA cannot see what list \
+                     consumers hold; every pubsub replica gets every message)"
+                        .into(),
+                );
+            }
+            if autoscaling.trigger_authentication_ref.is_none() {
+                fail(
+                    "spec.workload.autoscaling.triggerAuthenticationRef",
+                    "is required for Redis: KEDA takes the address and password as separate \
+                     parameters"
+                        .into(),
+                );
+            }
+        }
+        if let Some(sqs) = &self.source.sqs
+            && (sqs.queue_url.is_none() || sqs.keda_region().is_none())
+        {
+            fail(
+                field,
+                "needs spec.source.sqs.queueUrl and a region (spec.source.sqs.region, or an AWS \
+                 queue URL naming one): KEDA addresses the queue by URL and region"
+                    .into(),
+            );
+        }
+    }
+
     /// Checks the rules of the CRD schema and its CEL validations.
     pub fn validate(&self) -> Result<(), InvalidSpec> {
         let mut errors_of_broker = Vec::new();
@@ -75,6 +135,15 @@ impl QueueAdapterSpec {
                 "spec.workload.replicas",
                 format!("must be 0 to 100, got {}", self.workload.replicas),
             );
+        }
+        if !(1..=604_800).contains(&delivery.alert_oldest_seconds) {
+            fail(
+                "spec.delivery.alertOldestSeconds",
+                format!("must be 1 to 604800, got {}", delivery.alert_oldest_seconds),
+            );
+        }
+        if let Some(autoscaling) = &self.workload.autoscaling {
+            self.validate_autoscaling(autoscaling, &mut fail);
         }
         errors.splice(0..0, errors_of_broker);
         if errors.is_empty() {

@@ -10,6 +10,8 @@ use k8s_openapi::api::core::v1::{
     SeccompProfile, SecretKeySelector, SecurityContext, Volume, VolumeMount,
 };
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta, OwnerReference};
+
+use crate::autoscaling::{Autoscaled, autoscaling_objects};
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use kube::Resource;
 use sha2::{Digest, Sha256};
@@ -206,6 +208,9 @@ pub struct SecretValues<'a> {
 pub struct WorkerObjects {
     pub config_map: ConfigMap,
     pub deployment: Deployment,
+    /// KEDA's objects, when the adapter is autoscaled (then the Deployment leaves `replicas`
+    /// to the ScaledObject).
+    pub autoscaled: Option<Autoscaled>,
 }
 
 /// Why building failed (a bug, not a user error).
@@ -429,6 +434,7 @@ pub fn build(
         .ok_or(BuildError::NoUid)?;
     let manifest = worker_manifest(valid)?;
     let hash = config_hash(&manifest, &secrets);
+    let autoscaled = autoscaling_objects(valid, &owner);
     let name = worker_name(valid.name);
     let spec = &valid.adapter.spec;
     let config_map = ConfigMap {
@@ -465,11 +471,11 @@ pub fn build(
     let deployment = Deployment {
         metadata: object_meta(valid, &owner),
         spec: Some(DeploymentSpec {
-            replicas: Some(if spec.enabled {
-                spec.workload.replicas
-            } else {
-                0
-            }),
+            replicas: match (spec.enabled, &autoscaled) {
+                (false, _) => Some(0),
+                (true, Some(_)) => None,
+                (true, None) => Some(spec.workload.replicas),
+            },
             revision_history_limit: Some(3),
             selector: LabelSelector {
                 match_labels: Some(selector_labels(valid.name)),
@@ -490,6 +496,7 @@ pub fn build(
     Ok(WorkerObjects {
         config_map,
         deployment,
+        autoscaled,
     })
 }
 

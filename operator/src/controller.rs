@@ -10,7 +10,7 @@ use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::{ConfigMap, Secret};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
-use kube::api::{PartialObjectMeta, Patch, PatchParams};
+use kube::api::{ApiResource, DynamicObject, PartialObjectMeta, Patch, PatchParams};
 use kube::runtime::controller::Action;
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::runtime::finalizer::{self, finalizer};
@@ -22,6 +22,7 @@ use switchboard_store::{QueueAdapterRow, Store, StoreError};
 use tokio_util::sync::CancellationToken;
 
 use crate::ErrorChain;
+use crate::autoscaling::{Autoscaled, scaled_object_resource, trigger_authentication_resource};
 use crate::build::{
     BuildError, FIELD_MANAGER, InvalidAdapter, SecretValue, SecretValues, ValidAdapter,
     WorkerSettings, adapter_config, build, managed_selector, referenced_secrets, validate,
@@ -270,6 +271,7 @@ async fn converge(
         .patch(&name, &apply, &Patch::Apply(&objects.deployment))
         .await
         .map_err(kubernetes("apply worker Deployment"))?;
+    apply_autoscaling(ctx, valid.namespace, &name, objects.autoscaled.as_ref()).await?;
     let change = match before {
         None => Some(("Created", "created")),
         Some(version) if applied.metadata.resource_version.as_ref() != Some(&version) => {
@@ -290,6 +292,73 @@ async fn converge(
     Ok(applied)
 }
 
+/// Applies KEDA's objects of an autoscaled adapter, or deletes the ones an earlier spec had
+/// (nothing to delete, or no KEDA installed, is fine).
+async fn apply_autoscaling(
+    ctx: &Context,
+    namespace: &str,
+    name: &str,
+    autoscaled: Option<&Autoscaled>,
+) -> Result<(), ReconcileError> {
+    let api = |resource: &ApiResource| {
+        Api::<DynamicObject>::namespaced_with(ctx.client.clone(), namespace, resource)
+    };
+    let (scaled_objects, authentications) = (
+        api(&scaled_object_resource()),
+        api(&trigger_authentication_resource()),
+    );
+    let Some(autoscaled) = autoscaled else {
+        delete_if_present(&scaled_objects, name, "delete the KEDA ScaledObject").await?;
+        return delete_if_present(
+            &authentications,
+            name,
+            "delete the KEDA TriggerAuthentication",
+        )
+        .await;
+    };
+    let apply = PatchParams::apply(FIELD_MANAGER).force();
+    match &autoscaled.trigger_authentication {
+        Some(authentication) => {
+            authentications
+                .patch(name, &apply, &Patch::Apply(authentication))
+                .await
+                .map_err(kubernetes(
+                    "apply the KEDA TriggerAuthentication (is KEDA installed?)",
+                ))?;
+        }
+        None => {
+            delete_if_present(
+                &authentications,
+                name,
+                "delete the KEDA TriggerAuthentication",
+            )
+            .await?
+        }
+    }
+    scaled_objects
+        .patch(name, &apply, &Patch::Apply(&autoscaled.scaled_object))
+        .await
+        .map_err(kubernetes(
+            "apply the KEDA ScaledObject (is KEDA installed?)",
+        ))?;
+    Ok(())
+}
+
+/// Deletes object `name` of `api`; one that is not there (or a kind the cluster does not have)
+/// is fine.
+async fn delete_if_present(
+    api: &Api<DynamicObject>,
+    name: &str,
+    action: &'static str,
+) -> Result<(), ReconcileError> {
+    match api.delete(name, &Default::default()).await {
+        Ok(_) => Ok(()),
+        // Without KEDA's CRD the API server answers a bare 404, not a NotFound Status.
+        Err(kube::Error::Api(status)) if status.code == 404 => Ok(()),
+        Err(err) => Err(kubernetes(action)(err)),
+    }
+}
+
 /// Scales the adapter's worker Deployment to zero, if there is one.
 async fn stop_worker(adapter: &QueueAdapter, ctx: &Context) -> Result<(), ReconcileError> {
     let (Some(name), Some(namespace)) = (
@@ -298,6 +367,8 @@ async fn stop_worker(adapter: &QueueAdapter, ctx: &Context) -> Result<(), Reconc
     ) else {
         return Ok(());
     };
+    // KEDA would scale it up again.
+    apply_autoscaling(ctx, namespace, &worker_name(name), None).await?;
     let zero = serde_json::json!({"spec": {"replicas": 0}});
     match Api::<Deployment>::namespaced(ctx.client.clone(), namespace)
         .patch(

@@ -6,6 +6,7 @@
 //! `observedGeneration` and conditions. A finalizer guards only the `adapters` row, the one thing
 //! Kubernetes cannot garbage-collect.
 
+pub mod autoscaling;
 pub mod build;
 pub mod controller;
 pub mod lease;

@@ -365,24 +365,53 @@ impl ControlPlane {
 
     /// Creates the committed CRD and waits until it is Established.
     pub async fn install_crd(&self) -> Result<()> {
-        let path = workspace_path(CRD_FILE);
+        self.install_crd_file(&workspace_path(CRD_FILE)).await
+    }
+
+    /// Creates KEDA's ScaledObject and TriggerAuthentication CRDs (its own files, from
+    /// `scripts/keda-crds.sh`) and waits until they are Established.
+    pub async fn install_keda_crds(&self) -> Result<()> {
+        let script = workspace_path("scripts/keda-crds.sh");
+        let output = Command::new(&script).output()?;
+        ensure!(
+            output.status.success(),
+            "{} failed (it downloads KEDA's CRDs from the Go module proxy): {}",
+            script.display(),
+            String::from_utf8_lossy(&output.stderr)
+        );
+        let dir = PathBuf::from(String::from_utf8(output.stdout)?.trim());
+        for file in [
+            "keda.sh_scaledobjects.yaml",
+            "keda.sh_triggerauthentications.yaml",
+        ] {
+            self.install_crd_file(&dir.join(file)).await?;
+        }
+        Ok(())
+    }
+
+    /// Creates the CRD in `path` and waits until it is Established.
+    async fn install_crd_file(&self, path: &Path) -> Result<()> {
         let crd: CustomResourceDefinition =
-            serde_yaml_ng::from_str(&std::fs::read_to_string(&path)?)?;
+            serde_yaml_ng::from_str(&std::fs::read_to_string(path)?)?;
         let name = crd.metadata.name.clone().context("CRD has a name")?;
         let api = Api::<CustomResourceDefinition>::all(self.admin().await?);
         api.create(&PostParams::default(), &crd).await?;
-        wait_for(START_TIMEOUT, "the QueueAdapter CRD is Established", || {
-            let (api, name) = (api.clone(), name.clone());
-            async move {
-                let crd = api.get(&name).await?;
-                Ok(crd
-                    .status
-                    .and_then(|s| s.conditions)
-                    .unwrap_or_default()
-                    .iter()
-                    .any(|c| c.type_ == "Established" && c.status == "True"))
-            }
-        })
+        wait_for(
+            START_TIMEOUT,
+            &format!("the CRD {name} is Established"),
+            || {
+                let (api, name) = (api.clone(), name.clone());
+                async move {
+                    let crd = api.get(&name).await?;
+                    Ok(crd
+                        .status
+                        .and_then(|s| s.conditions)
+                        .unwrap_or_default()
+                        .iter()
+                        .any(|c| c.type_ == "Established" && c.status == "True"))
+                }
+            },
+        )
         .await
     }
 

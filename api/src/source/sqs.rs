@@ -71,6 +71,18 @@ impl SqsSource {
     }
 }
 
+impl SqsSource {
+    /// The region KEDA is told: `region`, else the one an AWS queue URL
+    /// (`https://sqs.<region>.amazonaws.com/…`) names.
+    pub fn keda_region(&self) -> Option<&str> {
+        self.region.as_deref().or_else(|| {
+            let host = self.queue_url.as_deref()?.strip_prefix("https://sqs.")?;
+            let (region, rest) = host.split_once('.')?;
+            (rest.starts_with("amazonaws.com/") && !region.is_empty()).then_some(region)
+        })
+    }
+}
+
 impl Broker for SqsSource {
     fn kind(&self) -> &'static str {
         "sqs"

@@ -1,0 +1,211 @@
+//! `spec.workload.autoscaling` on a real kube-apiserver with KEDA's own CRDs installed: the
+//! ScaledObject (and the SQS TriggerAuthentication) the operator writes pass KEDA's schema with
+//! every field kept, the Deployment's `replicas` is left to it, and turning autoscaling off
+//! removes them and gives `replicas` back.
+
+use anyhow::{Context, Result, ensure};
+use k8s_openapi::api::apps::v1::Deployment;
+use kube::Api;
+use kube::api::{ApiResource, DynamicObject, GroupVersionKind, Patch, PatchParams};
+use serde_json::json;
+use switchboard_tests::control_plane::{
+    OPERATOR_TIMEOUT, OperatorEnv, adapter_manifest, wait_object,
+};
+use switchboard_tests::wait::wait_for;
+
+const QUEUE_URL: &str = "https://sqs.eu-west-1.amazonaws.com/123456789012/orders";
+
+fn keda(env: &OperatorEnv, kind: &str) -> Api<DynamicObject> {
+    let resource = ApiResource::from_gvk(&GroupVersionKind::gvk("keda.sh", "v1alpha1", kind));
+    Api::namespaced_with(env.admin.clone(), &env.namespace, &resource)
+}
+
+fn sqs_adapter(workload: &str) -> String {
+    format!(
+        "apiVersion: switchboard.dev/v1alpha1\n\
+         kind: QueueAdapter\n\
+         metadata: {{name: orders, namespace: {}}}\n\
+         spec:\n\
+         \x20 source:\n\
+         \x20   sqs:\n\
+         \x20     queueUrl: \"{QUEUE_URL}\"\n\
+         \x20     accessKeyIdSecretRef: {{name: aws-id, key: id}}\n\
+         \x20     secretAccessKeySecretRef: {{name: aws-secret, key: secret}}\n\
+         \x20 target: {{queue: orders}}\n\
+         {workload}",
+        OperatorEnv::NAMESPACE
+    )
+}
+
+fn replicas(deployment: &Deployment) -> Option<i32> {
+    deployment.spec.as_ref()?.replicas
+}
+
+/// Whether the operator's field manager owns the Deployment's `spec.replicas`.
+fn operator_owns_replicas(deployment: &Deployment) -> bool {
+    deployment
+        .metadata
+        .managed_fields
+        .iter()
+        .flatten()
+        .filter(|entry| entry.manager.as_deref() == Some("switchboard-operator"))
+        .filter_map(|entry| entry.fields_v1.as_ref())
+        .any(|fields| fields.0.pointer("/f:spec/f:replicas").is_some())
+}
+
+#[tokio::test]
+async fn autoscaled_sqs_adapter_gets_a_scaled_object_keda_accepts_and_leaves_replicas_to_it()
+-> Result<()> {
+    let env = OperatorEnv::start().await?;
+    env.plane.install_keda_crds().await?;
+    for (name, key, value) in [
+        ("aws-id", "id", "AKIDEXAMPLE"),
+        ("aws-secret", "secret", "not-a-real-secret"),
+    ] {
+        env.plane
+            .put_secret(&env.namespace, name, key, value)
+            .await?;
+    }
+    let operator = env.start_operator("operator-a", &[])?;
+    env.apply_adapter(&sqs_adapter(
+        "  workload:\n    autoscaling: {minReplicas: 0, maxReplicas: 5, targetBacklogPerReplica: 50}\n",
+    ))
+    .await?;
+
+    let scaled_objects = keda(&env, "ScaledObject");
+    let authentications = keda(&env, "TriggerAuthentication");
+    let scaled = wait_object(
+        &scaled_objects,
+        "orders-worker",
+        "the ScaledObject exists",
+        |_| true,
+    )
+    .await
+    .with_context(|| format!("operator log:\n{}", operator.log_tail()))?;
+    // The API server stores what KEDA's schema keeps: every field we set must still be there.
+    let spec = &scaled.data["spec"];
+    let expected = json!({
+        "scaleTargetRef": {"name": "orders-worker"},
+        "minReplicaCount": 0,
+        "maxReplicaCount": 5,
+        "triggers": [{
+            "type": "aws-sqs-queue",
+            "authenticationRef": {"name": "orders-worker"},
+            "metadata": {
+                "queueURL": QUEUE_URL,
+                "awsRegion": "eu-west-1",
+                "queueLength": "50",
+                "activationQueueLength": "0",
+                "scaleOnInFlight": "true",
+            },
+        }],
+    });
+    ensure!(
+        spec == &expected,
+        "ScaledObject spec\n{spec:#}\nexpected\n{expected:#}"
+    );
+    let authentication = authentications.get("orders-worker").await?;
+    let targets = &authentication.data["spec"]["secretTargetRef"];
+    ensure!(
+        targets
+            == &json!([
+                {"parameter": "awsAccessKeyID", "name": "aws-id", "key": "id"},
+                {"parameter": "awsSecretAccessKey", "name": "aws-secret", "key": "secret"},
+            ]),
+        "TriggerAuthentication {targets:#}"
+    );
+    ensure!(
+        !serde_json::to_string(&authentication.data)?.contains("not-a-real-secret"),
+        "a secret value in the TriggerAuthentication"
+    );
+
+    // `replicas` is KEDA's (through its HPA): the operator neither owns nor resets it.
+    let deployment = env
+        .wait_deployment("orders-worker", "the worker Deployment exists", |_| true)
+        .await?;
+    ensure!(
+        !operator_owns_replicas(&deployment),
+        "the operator still owns spec.replicas"
+    );
+    env.deployments()
+        .patch(
+            "orders-worker",
+            &PatchParams::apply("keda-hpa").force(),
+            &Patch::Apply(json!({
+                "apiVersion": "apps/v1", "kind": "Deployment",
+                "spec": {"replicas": 4},
+            })),
+        )
+        .await?;
+    let generation = deployment.metadata.generation;
+    env.apply_adapter(&sqs_adapter(
+        "  delivery: {batchSize: 20}\n  workload:\n    autoscaling: {minReplicas: 0, maxReplicas: 5, targetBacklogPerReplica: 50}\n",
+    ))
+    .await?;
+    let rolled = env
+        .wait_deployment("orders-worker", "the spec change is applied", |d| {
+            d.metadata.generation > generation
+        })
+        .await?;
+    ensure!(
+        replicas(&rolled) == Some(4),
+        "the reconcile reset KEDA's replicas: {:?}",
+        replicas(&rolled)
+    );
+
+    // Autoscaling off: KEDA's objects go, `replicas` is the spec's again.
+    env.apply_adapter(&sqs_adapter("")).await?;
+    wait_for(OPERATOR_TIMEOUT, "the KEDA objects are deleted", || async {
+        Ok(scaled_objects.get_opt("orders-worker").await?.is_none()
+            && authentications.get_opt("orders-worker").await?.is_none())
+    })
+    .await?;
+    env.wait_deployment("orders-worker", "replicas is the spec's 1 again", |d| {
+        replicas(d) == Some(1) && operator_owns_replicas(d)
+    })
+    .await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn autoscaling_a_redis_list_or_without_trigger_authentication_is_refused_naming_why()
+-> Result<()> {
+    let env = OperatorEnv::start().await?;
+    let refused = |yaml: String| {
+        let env = &env;
+        async move {
+            match env.apply_adapter(&yaml).await {
+                Ok(_) => anyhow::bail!("the API server accepted:\n{yaml}"),
+                Err(err) => Ok(format!("{err:#}")),
+            }
+        }
+    };
+    let stream = refused(adapter_manifest(
+        "orders",
+        "  workload:\n    autoscaling: {maxReplicas: 3}\n",
+    ))
+    .await?;
+    ensure!(
+        stream.contains("spec.workload.autoscaling.triggerAuthenticationRef is required for Redis"),
+        "{stream}"
+    );
+    let list = refused(
+        adapter_manifest("jobs", "  workload:\n    autoscaling: {maxReplicas: 3, triggerAuthenticationRef: redis-keda}\n")
+            .replace("mode: stream, stream: jobs", "mode: list, list: jobs"),
+    )
+    .await?;
+    ensure!(
+        list.contains("Redis lists and pubsub cannot be autoscaled"),
+        "{list}"
+    );
+    let inverted = refused(adapter_manifest(
+        "orders",
+        "  workload:\n    autoscaling: {minReplicas: 4, maxReplicas: 3, triggerAuthenticationRef: redis-keda}\n",
+    ))
+    .await?;
+    ensure!(
+        inverted.contains("maxReplicas must be at least minReplicas"),
+        "{inverted}"
+    );
+    Ok(())
+}
