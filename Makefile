@@ -25,9 +25,11 @@ deps:
 	scripts/install-deps.sh
 
 ## etcd, kube-apiserver and kubectl for the operator tests: built once from the Go module proxy
-## into ~/.cache/switchboard/control-plane (or taken from KUBEBUILDER_ASSETS); docs/control-plane.md
+## into ~/.cache/switchboard/control-plane (or taken from KUBEBUILDER_ASSETS); docs/control-plane.md;
+## and KEDA's CRDs (the Go module cache) for the autoscaling tests
 control-plane:
 	scripts/control-plane.sh bin-dir >/dev/null
+	scripts/keda-crds.sh >/dev/null
 
 ## helm for the chart tests, built once from the Go module proxy into ~/.cache/switchboard/helm
 helm:
