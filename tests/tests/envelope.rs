@@ -6,7 +6,7 @@
 
 use std::time::Duration;
 
-use anyhow::{Result, ensure};
+use anyhow::{Context, Result, ensure};
 use serde_json::{Value, json};
 use switchboard_tests::brokers::envelope::{EnvelopeBroker, HeaderBroker};
 use switchboard_tests::brokers::{RedisListBroker, RedisStreamBroker, SqsBroker};
@@ -370,4 +370,138 @@ envelope_suite! {
     body_only: [
         redis_list => RedisListBroker,
     ],
+}
+
+/// Acceptance 2 with notifications SNS itself wrote (moto's SNS and SQS): the queue's copy of a
+/// published notification, and the same notification delivered a second time (as SNS does
+/// now and then), are one todo: the `Message`, the attributes, the topic in the headers.
+#[tokio::test]
+async fn notification_written_by_sns_delivered_twice_is_one_todo() -> Result<()> {
+    use switchboard_tests::brokers::moto::Moto;
+    let mut fx = Fixture::start().await?;
+    let moto = Moto::start(false, &fx.dir.path().join("moto.log"))?;
+    let sqs = moto.client("us-east-1");
+    let mut urls = Vec::new();
+    for queue in ["topic", "topic-dlq"] {
+        let created = sqs.create_queue().queue_name(queue).send().await?;
+        urls.push(created.queue_url().unwrap_or_default().to_owned());
+    }
+    let queue_arn = sqs
+        .get_queue_attributes()
+        .queue_url(&urls[0])
+        .attribute_names(aws_sdk_sqs::types::QueueAttributeName::QueueArn)
+        .send()
+        .await?
+        .attributes()
+        .and_then(|a| {
+            a.get(&aws_sdk_sqs::types::QueueAttributeName::QueueArn)
+                .cloned()
+        })
+        .unwrap_or_default();
+    let created = moto.sns(&[("Action", "CreateTopic"), ("Name", "orders")])?;
+    let topic = between(&created, "<TopicArn>", "</TopicArn>")?;
+    moto.sns(&[
+        ("Action", "Subscribe"),
+        ("TopicArn", &topic),
+        ("Protocol", "sqs"),
+        ("Endpoint", &queue_arn),
+    ])?;
+    moto.sns(&[
+        ("Action", "Publish"),
+        ("TopicArn", &topic),
+        ("Message", r#"{"order":"M-1"}"#),
+        ("MessageAttributes.entry.1.Name", "tenant"),
+        ("MessageAttributes.entry.1.Value.DataType", "String"),
+        ("MessageAttributes.entry.1.Value.StringValue", "acme"),
+    ])?;
+    // The notification as SNS delivered it, then the same body once more.
+    let received = sqs
+        .receive_message()
+        .queue_url(&urls[0])
+        .wait_time_seconds(5)
+        .send()
+        .await?;
+    let delivered = received
+        .messages()
+        .first()
+        .cloned()
+        .context("SNS delivered nothing to the queue")?;
+    let body = delivered.body().unwrap_or_default().to_owned();
+    ensure!(
+        body.contains(r#""Type": "Notification""#) || body.contains(r#""Type":"Notification""#),
+        "{body}"
+    );
+    sqs.send_message()
+        .queue_url(&urls[0])
+        .message_body(&body)
+        .send()
+        .await?;
+    sqs.change_message_visibility()
+        .queue_url(&urls[0])
+        .receipt_handle(delivered.receipt_handle().unwrap_or_default())
+        .visibility_timeout(0)
+        .send()
+        .await?;
+
+    fx.extra_env = [
+        ("AWS_ACCESS_KEY_ID", "x"),
+        ("AWS_SECRET_ACCESS_KEY", "x"),
+        ("AWS_REGION", "us-east-1"),
+    ]
+    .map(|(name, value)| (name.to_owned(), value.to_owned()))
+    .to_vec();
+    let source = format!(
+        "sqs: {{queueUrl: \"{}\", endpoint: \"{}\", waitTimeSeconds: 1}}",
+        urls[0],
+        moto.endpoint()
+    );
+    let manifest = fx.manifest(
+        "topic.yaml",
+        &source_manifest(
+            "topic",
+            &source,
+            "batchSize: 10",
+            "format: json, envelope: sns",
+        ),
+    )?;
+    let worker = fx.worker(&manifest, "w1")?;
+    let duplicates = r#"switchboard_messages_duplicate_total{adapter="test/topic"}"#;
+    wait_for(LONG, "one todo and one duplicate", || async {
+        Ok(fx.todo_count("topic").await? == 1 && worker.metric(duplicates)? == 1.0)
+    })
+    .await
+    .map_err(|err| err.context(worker.log_tail()))?;
+    let (key, payload, headers): (String, Value, Value) = sqlx::query_as(
+        "SELECT t.idempotency_key, t.payload, e.headers FROM todos t JOIN events e ON e.id = t.event_id",
+    )
+    .fetch_one(fx.pool())
+    .await?;
+    let message_id = serde_json::from_str::<Value>(&body)?["MessageId"].clone();
+    ensure!(
+        key == format!(
+            "sqs:test/topic:sns:{}",
+            message_id.as_str().unwrap_or_default()
+        ),
+        "{key}"
+    );
+    ensure!(payload == json!({"order": "M-1"}), "{payload}");
+    ensure!(
+        headers["tenant"] == "acme" && headers["sns-TopicArn"] == topic.as_str(),
+        "{headers}"
+    );
+    ensure!(
+        headers["sns-Signature"].is_string(),
+        "the signature is kept: {headers}"
+    );
+    Ok(())
+}
+
+/// The text between `start` and `end` in `text`.
+fn between(text: &str, start: &str, end: &str) -> Result<String> {
+    let from = text.find(start).map(|i| i + start.len());
+    let to = from.and_then(|from| text[from..].find(end).map(|i| from + i));
+    match (from, to) {
+        (Some(from), Some(to)) => Ok(text[from..to].to_owned()),
+        _ => anyhow::bail!("no {start}…{end} in {text}"),
+    }
 }

@@ -4,6 +4,7 @@
 //! PostgreSQL (and the Redis the harness always has) come from the [`Fixture`].
 
 pub mod envelope;
+pub mod moto;
 pub mod sqs;
 
 use anyhow::{Context, Result};
