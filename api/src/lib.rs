@@ -107,6 +107,18 @@ pub struct Payload {
     #[serde(default = "default_max_bytes")]
     #[schemars(range(min = 1, max = 268435456))]
     pub max_bytes: u32,
+    /// The producer's envelope, whose own event id deduplicates a producer that publishes the
+    /// same event twice (the broker gives each copy its own message id). `none`: the body is
+    /// the payload and the broker's message id the key. `cloudevents`: every message is a
+    /// CloudEvent, structured (the body is the event's JSON) or binary (attributes in `ce-*`,
+    /// `ce_*` or `cloudEvents_*` headers, message attributes or stream fields); the key is its
+    /// `source` and `id`, the payload its `data`, its attributes become `ce-*` headers. `sns`:
+    /// every body is an SNS notification (an SQS queue subscribed to an SNS topic without raw
+    /// message delivery); the key is its `MessageId`, the payload its `Message`, its message
+    /// attributes become headers and its other fields `sns-*` headers. A message that does not
+    /// fit the envelope is dead-lettered, naming what is missing.
+    #[serde(default)]
+    pub envelope: Envelope,
 }
 
 impl Default for Payload {
@@ -114,8 +126,20 @@ impl Default for Payload {
         Self {
             format: PayloadFormat::default(),
             max_bytes: default_max_bytes(),
+            envelope: Envelope::default(),
         }
     }
+}
+
+/// The producer's envelope around the payload.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum Envelope {
+    #[default]
+    None,
+    #[serde(rename = "cloudevents")]
+    CloudEvents,
+    Sns,
 }
 
 /// Payload parsing mode.

@@ -611,6 +611,32 @@ spec:
         );
     }
 
+    #[test]
+    fn envelope_defaults_to_none_and_an_unknown_one_names_the_field_and_line() {
+        let adapter = load_manifest(BLOCK_MANIFEST).expect("valid");
+        assert_eq!(adapter.spec.payload.envelope, crate::Envelope::None);
+        for (value, envelope) in [
+            ("cloudevents", crate::Envelope::CloudEvents),
+            ("sns", crate::Envelope::Sns),
+        ] {
+            let yaml = BLOCK_MANIFEST.replace(
+                "maxBytes: 10",
+                &format!("maxBytes: 10\n    envelope: {value}"),
+            );
+            assert_eq!(
+                load_manifest(&yaml).expect(value).spec.payload.envelope,
+                envelope
+            );
+        }
+        let yaml = BLOCK_MANIFEST.replace("maxBytes: 10", "maxBytes: 10\n    envelope: cloudevent");
+        let err = load_manifest(&yaml).expect_err("must be rejected");
+        assert!(
+            matches!(&err, ManifestError::InvalidValue { field, line: Some(17), .. }
+                if field == "spec.payload.envelope"),
+            "{err:?}"
+        );
+    }
+
     fn invalid_name(yaml: &str) -> (&'static str, Option<usize>, String) {
         match load_manifest(yaml) {
             Err(ManifestError::InvalidName {

@@ -179,20 +179,24 @@ pub struct Store {
     operation_timeout: Duration,
 }
 
+// `first_of_id`: a batch may hold one id twice (a producer's retry under an envelope id, an SQS
+// standard queue's duplicate delivery): its first message is stored, the others are duplicates.
 const INGEST_SQL: &str = r#"
 WITH input AS (
-    SELECT *
+    SELECT *, ord = min(ord) OVER (PARTITION BY external_id) AS first_of_id
     FROM unnest($3::text[], $4::text[], $5::text[], $6::text[]) WITH ORDINALITY
          AS t(external_id, idempotency_key, payload, headers, ord)
 ), new_events AS (
     INSERT INTO events (source, external_id, payload, headers)
-    SELECT $1, external_id, payload::jsonb, headers::jsonb FROM input ORDER BY ord
+    SELECT $1, external_id, payload::jsonb, headers::jsonb FROM input WHERE first_of_id
+    ORDER BY ord
     ON CONFLICT (source, external_id) DO NOTHING
     RETURNING id, external_id, payload
 ), new_todos AS (
     INSERT INTO todos (queue, idempotency_key, event_id, payload)
     SELECT $2, input.idempotency_key, new_events.id, new_events.payload
     FROM new_events JOIN input USING (external_id)
+    WHERE input.first_of_id
     ORDER BY input.ord
     ON CONFLICT (queue, idempotency_key) WHERE status IN ('pending', 'claimed') DO NOTHING
     RETURNING event_id
@@ -205,7 +209,9 @@ WITH input AS (
         SET position = EXCLUDED.position, updated_at = now()
         WHERE source_positions.position < EXCLUDED.position
 )
-SELECT input.ord, new_events.id IS NOT NULL AS new_event, new_todos.event_id IS NOT NULL AS new_todo
+SELECT input.ord,
+       input.first_of_id AND new_events.id IS NOT NULL AS new_event,
+       input.first_of_id AND new_todos.event_id IS NOT NULL AS new_todo
 FROM input
 LEFT JOIN new_events USING (external_id)
 LEFT JOIN new_todos ON new_todos.event_id = new_events.id

@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use anyhow::{Result, ensure};
-use switchboard_api::{DeliveryGuarantee, PayloadFormat};
+use switchboard_api::{DeliveryGuarantee, Envelope, PayloadFormat};
 use switchboard_store::Dedup;
 use switchboard_tests::Fixture;
 use switchboard_tests::wait::wait_for;
@@ -240,6 +240,7 @@ fn start(fx: &Fixture, script: Script, lease: Option<Duration>) -> Running {
         max_deliveries: 3,
         format: PayloadFormat::Json,
         max_bytes: 1024,
+        envelope: Envelope::None,
         abort_after_commits: None,
     };
     let pipeline = Pipeline::new(
@@ -418,6 +419,44 @@ async fn lease_of_a_batch_stuck_in_the_database_is_extended_until_it_is_stored()
         ensure!(running.metrics.leases_extended.get() >= 6);
         running.stop().await??;
         fx.assert_exactly_once("pipeline", 3).await
+    })
+    .await
+}
+
+#[tokio::test]
+async fn one_id_twice_in_a_batch_is_stored_once_and_counted_as_a_duplicate() -> Result<()> {
+    local(async {
+        let fx = Fixture::start().await?;
+        // An SQS standard queue may deliver a message twice at once; under an envelope, a
+        // producer's retry has the first copy's id.
+        let mut again = message(2, br#"{"n":1}"#);
+        again.external_id = "m1".to_owned();
+        again.idempotency_key = "fake:test/pipeline:m1".to_owned();
+        let batch = vec![message(1, br#"{"n":1}"#), again, message(3, br#"{"n":3}"#)];
+        let running = start(
+            &fx,
+            Script {
+                batches: VecDeque::from([batch]),
+                ..Script::default()
+            },
+            None,
+        );
+        wait_for(DEADLINE, "the batch is acknowledged", || async {
+            Ok(running.acked() == vec![1, 2, 3])
+        })
+        .await?;
+        ensure!(fx.todo_count("pipeline").await? == 2);
+        let events: i64 = sqlx::query_scalar("SELECT count(*) FROM events")
+            .fetch_one(fx.pool())
+            .await?;
+        ensure!(events == 2, "one event per id, found {events}");
+        let (stored, duplicates) = (running.metrics.stored.get(), running.metrics.duplicates.get());
+        ensure!(
+            (stored, duplicates) == (2, 1),
+            "the second copy is a duplicate, not a second store: stored {stored}, duplicates {duplicates}"
+        );
+        running.stop().await??;
+        Ok(())
     })
     .await
 }

@@ -2,19 +2,17 @@
 //! PostgreSQL and a real SQS-compatible server (ElasticMQ; moto where credentials and regions
 //! must be checked, which ElasticMQ does not do).
 
-use std::net::TcpStream;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::path::Path;
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, Result, bail, ensure};
+use anyhow::{Context, Result, ensure};
 use aws_sdk_sqs::Client;
 use aws_sdk_sqs::types::Message;
 use nix::sys::signal::Signal;
 use sqlx::Connection;
-use switchboard_tests::brokers::sqs::{ElasticMq, sqs_client, sqs_error};
-use switchboard_tests::servers::free_port;
-use switchboard_tests::wait::{wait_for, wait_until};
+use switchboard_tests::brokers::moto::Moto;
+use switchboard_tests::brokers::sqs::{ElasticMq, sqs_error};
+use switchboard_tests::wait::wait_for;
 use switchboard_tests::worker::WorkerProcess;
 use switchboard_tests::{Fixture, source_manifest};
 
@@ -27,29 +25,6 @@ const AWS_ENV: [(&str, &str); 3] = [
     ("AWS_SECRET_ACCESS_KEY", "x"),
     ("AWS_REGION", "us-east-1"),
 ];
-/// How moto gets installed (`make sqs-server` runs it).
-const MOTO_INSTALL: &str = "scripts/moto.sh (make sqs-server)";
-
-/// `moto_server`: `$MOTO_SERVER`, else the virtualenv scripts/moto.sh installs.
-fn moto_server() -> Result<PathBuf> {
-    if let Some(path) = std::env::var_os("MOTO_SERVER") {
-        return Ok(PathBuf::from(path));
-    }
-    let cache = std::env::var_os("SWITCHBOARD_CACHE")
-        .map(PathBuf::from)
-        .or_else(|| {
-            std::env::var_os("HOME").map(|home| Path::new(&home).join(".cache/switchboard"))
-        })
-        .context("no HOME to find the cache in")?;
-    let path = cache.join("moto-5.2.5/venv/bin/moto_server");
-    anyhow::ensure!(
-        path.is_file(),
-        "{} is missing: install moto with `{MOTO_INSTALL}`",
-        path.display()
-    );
-    Ok(path)
-}
-
 /// Adapter `test/{name}` reading `queue_url` on `endpoint` into todo queue `name`, strict JSON.
 /// `sqs_extra` and `delivery` are extra flow-mapping entries (`visibilityTimeoutSeconds: 4`).
 fn sqs_manifest(
@@ -473,68 +448,6 @@ async fn sql_statement_error_exits_non_zero_with_the_statement_error() -> Result
         "messages were deleted without being stored: {counts:?}"
     );
     Ok(())
-}
-
-/// A moto server (`moto_server`), killed on drop. With `check_credentials` every request is
-/// authenticated against moto's (empty) IAM, so any access key is refused.
-struct Moto {
-    child: Child,
-    port: u16,
-}
-
-impl Moto {
-    fn start(check_credentials: bool, log: &Path) -> Result<Self> {
-        let port = free_port()?;
-        let file = std::fs::File::create(log)?;
-        let mut command = Command::new(moto_server()?);
-        command
-            .args(["-H", "127.0.0.1", "-p", &port.to_string()])
-            .stdin(Stdio::null())
-            .stdout(file.try_clone()?)
-            .stderr(file);
-        if check_credentials {
-            command.env("INITIAL_NO_AUTH_ACTION_COUNT", "0");
-        }
-        let child = command
-            .spawn()
-            .with_context(|| format!("starting moto_server; install it with `{MOTO_INSTALL}`"))?;
-        let mut moto = Self { child, port };
-        let mut exited = None;
-        wait_until(
-            Duration::from_secs(30),
-            "moto_server accepts connections",
-            || {
-                if let Ok(Some(status)) = moto.child.try_wait() {
-                    exited = Some(status);
-                    return true;
-                }
-                TcpStream::connect(("127.0.0.1", moto.port)).is_ok()
-            },
-        )?;
-        if let Some(status) = exited {
-            bail!(
-                "moto_server exited at start-up ({status}); install it with `{MOTO_INSTALL}`\n{}",
-                std::fs::read_to_string(log).unwrap_or_default()
-            );
-        }
-        Ok(moto)
-    }
-
-    fn endpoint(&self) -> String {
-        format!("http://127.0.0.1:{}", self.port)
-    }
-
-    /// A client of region `region` with fixed test credentials.
-    fn client(&self, region: &str) -> Client {
-        sqs_client(&self.endpoint(), region)
-    }
-}
-
-impl Drop for Moto {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
 }
 
 #[tokio::test]

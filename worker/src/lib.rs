@@ -2,6 +2,7 @@
 //! acknowledging each message only after its todo is committed (store-then-ack).
 
 pub mod backoff;
+pub mod envelope;
 pub mod health;
 pub mod metrics;
 pub mod payload;
@@ -247,6 +248,7 @@ fn pipeline_settings(spec: &QueueAdapterSpec, adapter: &str, worker: &str) -> Pi
         max_deliveries: u64::from(spec.delivery.max_deliveries),
         format: spec.payload.format,
         max_bytes: spec.payload.max_bytes as usize,
+        envelope: spec.payload.envelope,
         abort_after_commits: std::env::var(ABORT_AFTER_COMMITS_ENV)
             .ok()
             .and_then(|v| v.parse().ok()),

@@ -21,10 +21,13 @@ pub enum PoisonReason {
     MaxDeliveries,
     /// The transport could not decode the message the broker delivered.
     Undecodable,
+    /// `payload.envelope` is set and the message does not fit it (a CloudEvent without `id`,
+    /// a body that is not an SNS notification, …).
+    Envelope,
 }
 
 impl PoisonReason {
-    pub const ALL: [PoisonReason; 7] = [
+    pub const ALL: [PoisonReason; 8] = [
         PoisonReason::InvalidJson,
         PoisonReason::Oversize,
         PoisonReason::NotUtf8,
@@ -32,6 +35,7 @@ impl PoisonReason {
         PoisonReason::Rejected,
         PoisonReason::MaxDeliveries,
         PoisonReason::Undecodable,
+        PoisonReason::Envelope,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -43,6 +47,7 @@ impl PoisonReason {
             PoisonReason::Rejected => "rejected",
             PoisonReason::MaxDeliveries => "max_deliveries",
             PoisonReason::Undecodable => "undecodable",
+            PoisonReason::Envelope => "envelope",
         }
     }
 }
@@ -66,15 +71,7 @@ pub fn payload_json(
     format: PayloadFormat,
     max_bytes: usize,
 ) -> Result<String, Poison> {
-    if body.len() > max_bytes {
-        return Err(Poison {
-            reason: PoisonReason::Oversize,
-            detail: format!(
-                "body is {} bytes; payload.maxBytes is {max_bytes}",
-                body.len()
-            ),
-        });
-    }
+    check_size(body, max_bytes)?;
     let json_error = match check_json(body) {
         // Valid JSON is valid UTF-8.
         Ok(()) => return Ok(String::from_utf8_lossy(body).into_owned()),
@@ -95,6 +92,20 @@ pub fn payload_json(
         return Err(nul_poison());
     }
     Ok(serde_json::Value::String(text.to_owned()).to_string())
+}
+
+/// Fails when `body` is larger than `payload.maxBytes`.
+pub fn check_size(body: &[u8], max_bytes: usize) -> Result<(), Poison> {
+    if body.len() > max_bytes {
+        return Err(Poison {
+            reason: PoisonReason::Oversize,
+            detail: format!(
+                "body is {} bytes; payload.maxBytes is {max_bytes}",
+                body.len()
+            ),
+        });
+    }
+    Ok(())
 }
 
 fn nul_poison() -> Poison {

@@ -16,13 +16,14 @@ use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant, SystemTime};
 
-use switchboard_api::PayloadFormat;
+use switchboard_api::{Envelope, PayloadFormat};
 use switchboard_store::{Dedup, IngestBatch, NewEvent, Store, StoreError, Stored, WorkerReport};
 use switchboard_telemetry::ErrorChain;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 use crate::backoff::Backoff;
+use crate::envelope::{self, PayloadRules, Unwrapped};
 use crate::health::{Dependency, Health, now_ms};
 use crate::metrics::Metrics;
 use crate::payload::{Poison, PoisonReason, fields_json, payload_json};
@@ -50,6 +51,8 @@ pub struct PipelineSettings {
     pub max_deliveries: u64,
     pub format: PayloadFormat,
     pub max_bytes: usize,
+    /// The producer's envelope: its event id, not the broker's message id, deduplicates.
+    pub envelope: Envelope,
     /// Testing hook: abort the process after this many commits, before acknowledging.
     pub abort_after_commits: Option<u64>,
 }
@@ -366,7 +369,11 @@ impl<T: Transport> Pipeline<T> {
             store,
             source: transport.source().to_owned(),
             queue: settings.queue.clone(),
-            dedup: transport.dedup(),
+            // An envelope's event id is a native id, whatever the broker has.
+            dedup: match settings.envelope {
+                Envelope::None => transport.dedup(),
+                Envelope::CloudEvents | Envelope::Sns => Dedup::NativeId,
+            },
             database: Monitor::new(Dependency::Database, health.clone(), metrics.clone()),
             metrics: metrics.clone(),
             cancel: cancel.clone(),
@@ -638,14 +645,9 @@ impl<T: Transport> Pipeline<T> {
                 ));
                 continue;
             }
-            match payload_json(&message.body, settings.format, settings.max_bytes) {
-                Ok(payload) => {
-                    events.push(NewEvent {
-                        external_id: message.external_id.clone(),
-                        idempotency_key: message.idempotency_key.clone(),
-                        payload,
-                        headers: fields_json(&message.headers),
-                    });
+            match self.new_event(message) {
+                Ok(event) => {
+                    events.push(event);
                     origins.push(Origin {
                         position: message.position.clone(),
                         enqueued_at_ms: message.enqueued_at_ms,
@@ -669,6 +671,37 @@ impl<T: Transport> Pipeline<T> {
                 .lease()
                 .map(|lease| Instant::now() + lease / 2),
         }
+    }
+
+    /// The event to store for `message`: its body and headers, or what its envelope holds.
+    fn new_event(&self, message: &Message<T::Receipt>) -> Result<NewEvent, Poison> {
+        let settings = &self.settings;
+        let rules = PayloadRules {
+            format: settings.format,
+            max_bytes: settings.max_bytes,
+        };
+        let Unwrapped {
+            event_id,
+            payload,
+            headers,
+        } = match settings.envelope {
+            Envelope::None => {
+                return Ok(NewEvent {
+                    external_id: message.external_id.clone(),
+                    idempotency_key: message.idempotency_key.clone(),
+                    payload: payload_json(&message.body, settings.format, settings.max_bytes)?,
+                    headers: fields_json(&message.headers),
+                });
+            }
+            Envelope::CloudEvents => envelope::cloud_event(&message.body, &message.headers, rules)?,
+            Envelope::Sns => envelope::sns_notification(&message.body, &message.headers, rules)?,
+        };
+        Ok(NewEvent {
+            idempotency_key: format!("{}:{event_id}", self.context.source),
+            external_id: event_id,
+            payload,
+            headers: fields_json(&headers),
+        })
     }
 
     /// Waits for a store task. Meanwhile, where the broker has a lease, extends it for this
@@ -874,10 +907,22 @@ impl<T: Transport> Pipeline<T> {
         if overdue.is_empty() {
             return Ok(true);
         }
-        let ids: Vec<&str> = overdue
-            .iter()
-            .map(|&index| batch[index].external_id.as_str())
-            .collect();
+        // The id its event would have: under an envelope, the envelope's (a message whose
+        // envelope does not parse was never stored).
+        let (overdue, ids): (Vec<usize>, Vec<String>) = overdue
+            .into_iter()
+            .filter_map(|index| {
+                let message = &batch[index];
+                match self.settings.envelope {
+                    Envelope::None => Some(message.external_id.clone()),
+                    Envelope::CloudEvents | Envelope::Sns => {
+                        self.new_event(message).ok().map(|event| event.external_id)
+                    }
+                }
+                .map(|id| (index, id))
+            })
+            .unzip();
+        let ids: Vec<&str> = ids.iter().map(String::as_str).collect();
         let found = self
             .context
             .stored_before(&ids)

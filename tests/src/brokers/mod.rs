@@ -3,6 +3,8 @@
 //! not acknowledged yet, read the dead letters, restart. The servers are real child processes;
 //! PostgreSQL (and the Redis the harness always has) come from the [`Fixture`].
 
+pub mod envelope;
+pub mod moto;
 pub mod sqs;
 
 use anyhow::{Context, Result};
@@ -227,30 +229,11 @@ impl BrokerFixture for SqsBroker {
     }
 
     async fn dead_letters(&self, _fx: &Fixture, name: &str) -> Result<Vec<(Vec<u8>, String)>> {
-        let url = self.url(&format!("{name}-dlq"));
-        let letters = self.server.receive_all(&url).await?;
-        // Visible again at once: reading dead letters must not hide them from the next read.
-        for letter in &letters {
-            if let Some(receipt) = letter.receipt_handle() {
-                self.server
-                    .client()
-                    .change_message_visibility()
-                    .queue_url(&url)
-                    .receipt_handle(receipt)
-                    .visibility_timeout(0)
-                    .send()
-                    .await?;
-            }
-        }
-        letters
+        self.dead_letter_messages(name)
+            .await?
             .into_iter()
             .map(|letter| {
-                let reason = letter
-                    .message_attributes()
-                    .and_then(|attributes| attributes.get("x-dlq-reason"))
-                    .and_then(|value| value.string_value())
-                    .unwrap_or_default()
-                    .to_owned();
+                let reason = SqsBroker::attribute(&letter, "x-dlq-reason");
                 let body = letter.body().context("dead letter without a body")?;
                 Ok((body.as_bytes().to_vec(), reason))
             })
@@ -266,5 +249,38 @@ impl SqsBroker {
     /// The URL of queue `name` (ElasticMQ's account is `000000000000`).
     pub fn url(&self, name: &str) -> String {
         format!("{}/000000000000/{name}", self.server.endpoint())
+    }
+
+    /// The dead letters of `name` with their attributes. Reading leaves them in place.
+    pub async fn dead_letter_messages(
+        &self,
+        name: &str,
+    ) -> Result<Vec<aws_sdk_sqs::types::Message>> {
+        let url = self.url(&format!("{name}-dlq"));
+        let letters = self.server.receive_all(&url).await?;
+        // Visible again at once: reading dead letters must not hide them from the next read.
+        for letter in &letters {
+            if let Some(receipt) = letter.receipt_handle() {
+                self.server
+                    .client()
+                    .change_message_visibility()
+                    .queue_url(&url)
+                    .receipt_handle(receipt)
+                    .visibility_timeout(0)
+                    .send()
+                    .await?;
+            }
+        }
+        Ok(letters)
+    }
+
+    /// The text of message attribute `name` of `letter`, or `""`.
+    pub fn attribute(letter: &aws_sdk_sqs::types::Message, name: &str) -> String {
+        letter
+            .message_attributes()
+            .and_then(|attributes| attributes.get(name))
+            .and_then(|value| value.string_value())
+            .unwrap_or_default()
+            .to_owned()
     }
 }
