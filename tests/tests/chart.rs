@@ -7,9 +7,9 @@
 
 use std::collections::BTreeSet;
 use std::path::PathBuf;
-use std::process::{Command, Output, Stdio};
+use std::process::{Command, Stdio};
 
-use anyhow::{Context, Result, bail, ensure};
+use anyhow::{Context, Result, ensure};
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{Container, EnvVar};
@@ -20,7 +20,6 @@ use kube::config::Kubeconfig;
 use kube::core::GroupVersionKind;
 use kube::discovery::Scope;
 use kube::{Api, Client};
-use serde::Deserialize;
 use serde_json::Value;
 use switchboard_operator::DEFAULT_WORKER_IMAGE;
 use switchboard_operator::build::{WORKER_COMMAND, WORKER_UID, worker_name};
@@ -28,13 +27,12 @@ use switchboard_tests::control_plane::pod::LocalPod;
 use switchboard_tests::control_plane::{
     CRD_FILE, ControlPlane, OPERATOR_TIMEOUT, OperatorEnv, condition, wait_object,
 };
+use switchboard_tests::helm::{
+    CHART, NAMESPACE, RELEASE, helm, kind_of, render, the, yaml_documents,
+};
 use switchboard_tests::servers::workspace_path;
 use switchboard_tests::wait::wait_for;
 
-const CHART: &str = "charts/switchboard";
-const RELEASE: &str = "switchboard";
-/// The release namespace of every render (the kind path's too).
-const NAMESPACE: &str = "switchboard";
 /// Two replicas, ServiceMonitor and NetworkPolicy on, an existing database Secret.
 const HA_VALUES: &str = "charts/switchboard/ci/ha-values.yaml";
 /// The chart creates the database Secret from `database.url`; names overridden.
@@ -95,80 +93,8 @@ spec:
                       scrapeTimeout: {type: string, pattern: '^(0|(([0-9]+)y)?(([0-9]+)w)?(([0-9]+)d)?(([0-9]+)h)?(([0-9]+)m)?(([0-9]+)s)?(([0-9]+)ms)?)$'}
 "#;
 
-// ---------------------------------------------------------------------------------------------
-// helm
-
-/// The helm binary from `scripts/helm.sh` (which honours `HELM` and otherwise builds it once).
-fn helm_binary() -> Result<PathBuf> {
-    let script = workspace_path("scripts/helm.sh");
-    let output = Command::new("bash")
-        .arg(&script)
-        .stdin(Stdio::null())
-        .output()
-        .with_context(|| format!("running {}", script.display()))?;
-    let path = PathBuf::from(String::from_utf8_lossy(&output.stdout).trim());
-    if !output.status.success() || !path.is_file() {
-        bail!(
-            "helm is missing and could not be built; run `scripts/helm.sh` (or `make helm`; needs \
-             Go, see docs/kubernetes.md) or set HELM=/path/to/helm.\n{}",
-            String::from_utf8_lossy(&output.stderr)
-        );
-    }
-    Ok(path)
-}
-
-/// Runs helm in the workspace root.
-fn helm(args: &[&str]) -> Result<Output> {
-    Ok(Command::new(helm_binary()?)
-        .current_dir(workspace_path(""))
-        .args(args)
-        .stdin(Stdio::null())
-        .output()?)
-}
-
-/// `helm template` of the release with `values` (a file; `None`: defaults) and `extra` args:
-/// every rendered object.
-fn render(values: Option<&str>, extra: &[&str]) -> Result<Vec<Value>> {
-    let mut args = vec!["template", RELEASE, CHART, "--namespace", NAMESPACE];
-    args.extend(values.iter().flat_map(|file| ["--values", *file]));
-    args.extend(extra);
-    let output = helm(&args)?;
-    ensure!(
-        output.status.success(),
-        "helm {args:?} failed: {}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    yaml_documents(&String::from_utf8(output.stdout)?)
-}
-
-/// The non-empty documents of a multi-document YAML stream.
-fn yaml_documents(yaml: &str) -> Result<Vec<Value>> {
-    let mut documents = Vec::new();
-    for document in serde_yaml_ng::Deserializer::from_str(yaml) {
-        let value = Value::deserialize(document)?;
-        if !value.is_null() {
-            documents.push(value);
-        }
-    }
-    Ok(documents)
-}
-
-fn kind_of(object: &Value) -> &str {
-    object["kind"].as_str().unwrap_or_default()
-}
-
 fn kinds(objects: &[Value]) -> BTreeSet<&str> {
     objects.iter().map(kind_of).collect()
-}
-
-/// The one rendered object of `kind`, typed.
-fn the<K: serde::de::DeserializeOwned>(objects: &[Value], kind: &str) -> Result<K> {
-    let mut found = objects.iter().filter(|o| kind_of(o) == kind);
-    let object = found
-        .next()
-        .with_context(|| format!("no {kind} rendered"))?;
-    ensure!(found.next().is_none(), "more than one {kind} rendered");
-    Ok(serde_json::from_value(object.clone())?)
 }
 
 fn operator_container(deployment: &Deployment) -> Result<&Container> {
