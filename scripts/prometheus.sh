@@ -62,9 +62,10 @@ started=$SECONDS
 staging="$(mktemp -d "$CACHE_DIR/.gobin.XXXXXX")"
 trap 'rm -rf "$staging"' EXIT
 export GOWORK=off GO111MODULE=on CGO_ENABLED=0
-# The version stamp of Prometheus' own build (promu): `prometheus --version` says 3.x.y. Without
-# the `builtinassets` tag the web UI is not embedded; the HTTP API, which is all the tests use,
-# is complete.
+# The version stamp of Prometheus' own build (promu): `prometheus --version` says 3.x.y. Built
+# for the tests: `remove_all_sd` leaves out every service discovery but static and file configs
+# (the cloud SDKs are most of the build), and without the `builtinassets` tag the web UI is not
+# embedded; the HTTP API and the rule engine are complete.
 IFS=. read -r _ module_minor patch <<<"$PROMETHEUS_VERSION"
 release="$((10#$module_minor / 100)).$((10#$module_minor % 100)).${patch}"
 ldflags="-s -w -X github.com/prometheus/common/version.Version=${release}"
@@ -72,7 +73,7 @@ packages=()
 for binary in "${BINARIES[@]}"; do
   packages+=("github.com/prometheus/prometheus/cmd/${binary}@v${PROMETHEUS_VERSION}")
 done
-GOBIN="$staging" "$GO" install -trimpath -ldflags "$ldflags" "${packages[@]}" >&2
+GOBIN="$staging" "$GO" install -trimpath -tags remove_all_sd -ldflags "$ldflags" "${packages[@]}" >&2
 mkdir -p "$BIN_DIR"
 for binary in "${BINARIES[@]}"; do
   mv "$staging/$binary" "$BIN_DIR/$binary"

@@ -11,6 +11,7 @@ use nix::sys::signal::Signal;
 use serde_json::Value;
 use tempfile::TempDir;
 
+use crate::control_plane::log_tail;
 use crate::servers::{free_port, http_get, stop_child, workspace_path};
 use crate::wait::wait_until;
 
@@ -114,11 +115,7 @@ impl Prometheus {
 
     /// The last lines of the server's log.
     pub fn log_tail(&self) -> String {
-        let log = std::fs::read_to_string(self.dir.path().join("prometheus.log"))
-            .unwrap_or_default();
-        let lines: Vec<&str> = log.lines().collect();
-        let start = lines.len().saturating_sub(30);
-        format!("prometheus log tail:\n{}", lines[start..].join("\n"))
+        log_tail(&self.dir.path().join("prometheus.log"), 30)
     }
 }
 

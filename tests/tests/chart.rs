@@ -754,7 +754,9 @@ async fn operator_with_the_charts_service_account_reconciles_an_adapter_end_to_e
     ensure!(
         !endpoints.is_empty()
             && endpoints.iter().all(|e| {
-                e["port"].as_str().is_some_and(|p| ports.iter().any(|n| n == p))
+                e["port"]
+                    .as_str()
+                    .is_some_and(|p| ports.iter().any(|n| n == p))
                     && e["path"] == "/metrics"
             }),
         "PodMonitor endpoints {endpoints:?} vs the worker's ports {ports:?}"
