@@ -3,7 +3,7 @@ SHELL := /bin/bash
 export CARGO_TARGET_DIR ?= $(HOME)/.cache/switchboard/target
 CARGO ?= cargo
 
-.PHONY: demo demo-k8s control-plane test deps build lint bench helm sqs-server kind-up kind-demo kind-down
+.PHONY: demo demo-k8s control-plane test deps build lint bench helm prometheus sqs-server kind-up kind-demo kind-down
 
 ## make demo: the whole pipeline locally (ephemeral PostgreSQL + Redis, 20,000 messages, a kill -9 mid-way),
 ## then the Kubernetes path (make demo-k8s)
@@ -17,7 +17,7 @@ demo-k8s: deps build control-plane
 	$(CARGO) run --quiet -p switchboard-tests --bin switchboard-demo-k8s
 
 ## make test: formatting, lints and every test against real servers
-test: deps lint build helm control-plane sqs-server
+test: deps lint build helm prometheus control-plane sqs-server
 	@set -o pipefail; $(CARGO) test --workspace --no-fail-fast 2>&1 | tee $(CARGO_TARGET_DIR)/test.log; \
 		status=$$?; scripts/test-summary.sh $(CARGO_TARGET_DIR)/test.log; exit $$status
 
@@ -34,6 +34,11 @@ control-plane:
 ## helm for the chart tests, built once from the Go module proxy into ~/.cache/switchboard/helm
 helm:
 	scripts/helm.sh >/dev/null
+
+## prometheus and promtool for the alert-rule and dashboard tests, built once from the Go module
+## proxy into ~/.cache/switchboard/prometheus-<version> (or taken from PROMETHEUS_BIN_DIR)
+prometheus:
+	scripts/prometheus.sh >/dev/null
 
 ## make sqs-server: ElasticMQ (an SQS-compatible server) for the SQS tests, its jars fetched once from
 ## Maven Central into ~/.cache/switchboard/elasticmq-<version> (or taken from ELASTICMQ_LIB), and

@@ -3,6 +3,8 @@
 
 pub mod brokers;
 pub mod control_plane;
+pub mod helm;
+pub mod prometheus;
 pub mod servers;
 pub mod wait;
 pub mod worker;

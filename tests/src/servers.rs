@@ -1,7 +1,8 @@
 //! Real PostgreSQL and Redis servers as child processes on random loopback ports, in temporary
 //! directories, stopped and restartable mid-test, killed on drop.
 
-use std::net::TcpListener;
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
 use std::os::unix::fs::chown;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
@@ -25,6 +26,26 @@ fn signal_child(child: &Child, signal: Signal) {
     if let Ok(pid) = i32::try_from(child.id()) {
         let _ = kill(Pid::from_raw(pid), signal);
     }
+}
+
+/// Status code and body of `GET path` on 127.0.0.1:`port` (HTTP/1.0: the server closes the
+/// connection after the body).
+pub fn http_get(port: u16, path: &str) -> Result<(u16, String)> {
+    let mut stream = TcpStream::connect(("127.0.0.1", port))?;
+    stream.set_read_timeout(Some(Duration::from_secs(5)))?;
+    write!(stream, "GET {path} HTTP/1.0\r\nHost: localhost\r\n\r\n")?;
+    let mut response = String::new();
+    stream.read_to_string(&mut response)?;
+    let status = response
+        .split_whitespace()
+        .nth(1)
+        .and_then(|code| code.parse().ok())
+        .context("malformed HTTP response")?;
+    let body = response
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_owned())
+        .unwrap_or_default();
+    Ok((status, body))
 }
 
 /// Sends `signal` and waits for the process to exit, up to `timeout`; then SIGKILL.

@@ -1,7 +1,5 @@
 //! The real `switchboard-worker` binary as a child process.
 
-use std::io::{Read, Write};
-use std::net::TcpStream;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant, SystemTime};
@@ -10,7 +8,7 @@ use anyhow::{Context, Result, bail};
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 
-use crate::servers::free_port;
+use crate::servers::{free_port, http_get};
 
 /// The worker binary: [`workspace_binary`]`("switchboard-worker")`.
 pub fn worker_binary() -> Result<PathBuf> {
@@ -202,21 +200,7 @@ impl WorkerProcess {
 
     /// Status code and body of `GET path` on the worker's metrics server.
     pub fn http_get(&self, path: &str) -> Result<(u16, String)> {
-        let mut stream = TcpStream::connect(("127.0.0.1", self.metrics_port))?;
-        stream.set_read_timeout(Some(Duration::from_secs(5)))?;
-        write!(stream, "GET {path} HTTP/1.0\r\nHost: localhost\r\n\r\n")?;
-        let mut response = String::new();
-        stream.read_to_string(&mut response)?;
-        let status = response
-            .split_whitespace()
-            .nth(1)
-            .and_then(|code| code.parse().ok())
-            .context("malformed HTTP response")?;
-        let body = response
-            .split_once("\r\n\r\n")
-            .map(|(_, b)| b.to_owned())
-            .unwrap_or_default();
-        Ok((status, body))
+        http_get(self.metrics_port, path)
     }
 
     /// The value of a metric sample line starting with `prefix` (e.g. `name{labels}`).

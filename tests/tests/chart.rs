@@ -7,9 +7,9 @@
 
 use std::collections::BTreeSet;
 use std::path::PathBuf;
-use std::process::{Command, Output, Stdio};
+use std::process::{Command, Stdio};
 
-use anyhow::{Context, Result, bail, ensure};
+use anyhow::{Context, Result, ensure};
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{Container, EnvVar};
@@ -20,7 +20,6 @@ use kube::config::Kubeconfig;
 use kube::core::GroupVersionKind;
 use kube::discovery::Scope;
 use kube::{Api, Client};
-use serde::Deserialize;
 use serde_json::Value;
 use switchboard_operator::DEFAULT_WORKER_IMAGE;
 use switchboard_operator::build::{WORKER_COMMAND, WORKER_UID, worker_name};
@@ -28,14 +27,14 @@ use switchboard_tests::control_plane::pod::LocalPod;
 use switchboard_tests::control_plane::{
     CRD_FILE, ControlPlane, OPERATOR_TIMEOUT, OperatorEnv, condition, wait_object,
 };
+use switchboard_tests::helm::{
+    CHART, NAMESPACE, RELEASE, helm, kind_of, render, the, yaml_documents,
+};
 use switchboard_tests::servers::workspace_path;
 use switchboard_tests::wait::wait_for;
 
-const CHART: &str = "charts/switchboard";
-const RELEASE: &str = "switchboard";
-/// The release namespace of every render (the kind path's too).
-const NAMESPACE: &str = "switchboard";
-/// Two replicas, ServiceMonitor and NetworkPolicy on, an existing database Secret.
+/// Two replicas, ServiceMonitor, NetworkPolicy, PodMonitor, PrometheusRule and the dashboard on,
+/// an existing database Secret.
 const HA_VALUES: &str = "charts/switchboard/ci/ha-values.yaml";
 /// The chart creates the database Secret from `database.url`; names overridden.
 const CREATED_SECRET_VALUES: &str = "charts/switchboard/ci/created-secret-values.yaml";
@@ -95,80 +94,8 @@ spec:
                       scrapeTimeout: {type: string, pattern: '^(0|(([0-9]+)y)?(([0-9]+)w)?(([0-9]+)d)?(([0-9]+)h)?(([0-9]+)m)?(([0-9]+)s)?(([0-9]+)ms)?)$'}
 "#;
 
-// ---------------------------------------------------------------------------------------------
-// helm
-
-/// The helm binary from `scripts/helm.sh` (which honours `HELM` and otherwise builds it once).
-fn helm_binary() -> Result<PathBuf> {
-    let script = workspace_path("scripts/helm.sh");
-    let output = Command::new("bash")
-        .arg(&script)
-        .stdin(Stdio::null())
-        .output()
-        .with_context(|| format!("running {}", script.display()))?;
-    let path = PathBuf::from(String::from_utf8_lossy(&output.stdout).trim());
-    if !output.status.success() || !path.is_file() {
-        bail!(
-            "helm is missing and could not be built; run `scripts/helm.sh` (or `make helm`; needs \
-             Go, see docs/kubernetes.md) or set HELM=/path/to/helm.\n{}",
-            String::from_utf8_lossy(&output.stderr)
-        );
-    }
-    Ok(path)
-}
-
-/// Runs helm in the workspace root.
-fn helm(args: &[&str]) -> Result<Output> {
-    Ok(Command::new(helm_binary()?)
-        .current_dir(workspace_path(""))
-        .args(args)
-        .stdin(Stdio::null())
-        .output()?)
-}
-
-/// `helm template` of the release with `values` (a file; `None`: defaults) and `extra` args:
-/// every rendered object.
-fn render(values: Option<&str>, extra: &[&str]) -> Result<Vec<Value>> {
-    let mut args = vec!["template", RELEASE, CHART, "--namespace", NAMESPACE];
-    args.extend(values.iter().flat_map(|file| ["--values", *file]));
-    args.extend(extra);
-    let output = helm(&args)?;
-    ensure!(
-        output.status.success(),
-        "helm {args:?} failed: {}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    yaml_documents(&String::from_utf8(output.stdout)?)
-}
-
-/// The non-empty documents of a multi-document YAML stream.
-fn yaml_documents(yaml: &str) -> Result<Vec<Value>> {
-    let mut documents = Vec::new();
-    for document in serde_yaml_ng::Deserializer::from_str(yaml) {
-        let value = Value::deserialize(document)?;
-        if !value.is_null() {
-            documents.push(value);
-        }
-    }
-    Ok(documents)
-}
-
-fn kind_of(object: &Value) -> &str {
-    object["kind"].as_str().unwrap_or_default()
-}
-
 fn kinds(objects: &[Value]) -> BTreeSet<&str> {
     objects.iter().map(kind_of).collect()
-}
-
-/// The one rendered object of `kind`, typed.
-fn the<K: serde::de::DeserializeOwned>(objects: &[Value], kind: &str) -> Result<K> {
-    let mut found = objects.iter().filter(|o| kind_of(o) == kind);
-    let object = found
-        .next()
-        .with_context(|| format!("no {kind} rendered"))?;
-    ensure!(found.next().is_none(), "more than one {kind} rendered");
-    Ok(serde_json::from_value(object.clone())?)
 }
 
 fn operator_container(deployment: &Deployment) -> Result<&Container> {
@@ -187,6 +114,92 @@ fn env<'a>(container: &'a Container, name: &str) -> Option<&'a EnvVar> {
 fn env_value<'a>(container: &'a Container, name: &str) -> Option<&'a str> {
     env(container, name)?.value.as_deref()
 }
+
+/// Minimal PodMonitor and PrometheusRule CRDs (`monitoring.coreos.com/v1`), like
+/// [`SERVICE_MONITOR_CRD`]: the fields the chart sets, typed as in the Prometheus Operator's CRDs.
+const MONITORING_CRDS: [&str; 3] = [
+    SERVICE_MONITOR_CRD,
+    r#"
+apiVersion: apiextensions.k8s.io/v1
+kind: CustomResourceDefinition
+metadata: {name: podmonitors.monitoring.coreos.com}
+spec:
+  group: monitoring.coreos.com
+  scope: Namespaced
+  names: {kind: PodMonitor, listKind: PodMonitorList, plural: podmonitors, singular: podmonitor}
+  versions:
+    - name: v1
+      served: true
+      storage: true
+      schema:
+        openAPIV3Schema:
+          type: object
+          required: [spec]
+          properties:
+            spec:
+              type: object
+              required: [selector]
+              properties:
+                jobLabel: {type: string}
+                selector:
+                  type: object
+                  properties:
+                    matchLabels: {type: object, additionalProperties: {type: string}}
+                namespaceSelector:
+                  type: object
+                  properties:
+                    any: {type: boolean}
+                    matchNames: {type: array, items: {type: string}}
+                podMetricsEndpoints:
+                  type: array
+                  items:
+                    type: object
+                    properties:
+                      port: {type: string}
+                      path: {type: string}
+                      interval: {type: string, pattern: '^(0|(([0-9]+)y)?(([0-9]+)w)?(([0-9]+)d)?(([0-9]+)h)?(([0-9]+)m)?(([0-9]+)s)?(([0-9]+)ms)?)$'}
+                      scrapeTimeout: {type: string, pattern: '^(0|(([0-9]+)y)?(([0-9]+)w)?(([0-9]+)d)?(([0-9]+)h)?(([0-9]+)m)?(([0-9]+)s)?(([0-9]+)ms)?)$'}
+"#,
+    r#"
+apiVersion: apiextensions.k8s.io/v1
+kind: CustomResourceDefinition
+metadata: {name: prometheusrules.monitoring.coreos.com}
+spec:
+  group: monitoring.coreos.com
+  scope: Namespaced
+  names: {kind: PrometheusRule, listKind: PrometheusRuleList, plural: prometheusrules, singular: prometheusrule}
+  versions:
+    - name: v1
+      served: true
+      storage: true
+      schema:
+        openAPIV3Schema:
+          type: object
+          required: [spec]
+          properties:
+            spec:
+              type: object
+              properties:
+                groups:
+                  type: array
+                  items:
+                    type: object
+                    required: [name]
+                    properties:
+                      name: {type: string, minLength: 1}
+                      rules:
+                        type: array
+                        items:
+                          type: object
+                          required: [expr]
+                          properties:
+                            alert: {type: string}
+                            expr: {anyOf: [{type: integer}, {type: string}], x-kubernetes-int-or-string: true}
+                            for: {type: string, pattern: '^(0|(([0-9]+)y)?(([0-9]+)w)?(([0-9]+)d)?(([0-9]+)h)?(([0-9]+)m)?(([0-9]+)s)?(([0-9]+)ms)?)$'}
+                            labels: {type: object, additionalProperties: {type: string}}
+                            annotations: {type: object, additionalProperties: {type: string}}
+"#,
+];
 
 // ---------------------------------------------------------------------------------------------
 // Acceptance 1: lint and schema
@@ -213,7 +226,7 @@ fn helm_lint_strict_passes_with_every_values_set() -> Result<()> {
 #[test]
 fn schema_rejects_values_of_the_wrong_type_and_unknown_keys() -> Result<()> {
     // (helm arguments, what the schema error must name)
-    let cases: [(&[&str], &str); 10] = [
+    let cases: [(&[&str], &str); 14] = [
         (&["--set", "replicaCount=two"], "/replicaCount"),
         (
             &["--set-string", "serviceMonitor.enabled=yes"],
@@ -245,6 +258,19 @@ fn schema_rejects_values_of_the_wrong_type_and_unknown_keys() -> Result<()> {
             &["--set", "worker.defaultDatabaseSecret.url=postgres://x"],
             "'url' not allowed",
         ),
+        (
+            &["--set-string", "prometheusRule.enabled=yes"],
+            "/prometheusRule/enabled",
+        ),
+        (
+            &["--set", "prometheusRule.runbookBaseUrl=README.md"],
+            "/prometheusRule/runbookBaseUrl",
+        ),
+        (
+            &["--set", "podMonitor.namespaces[0]=Not_A_Namespace"],
+            "/podMonitor/namespaces/0",
+        ),
+        (&["--set", "dashboard.lables.a=b"], "'lables' not allowed"),
     ];
     for (values, needle) in cases {
         let mut args = vec!["template", RELEASE, CHART];
@@ -404,7 +430,13 @@ fn database_url_is_only_referenced_from_a_secret_the_user_or_the_chart_owns() ->
             ensure!(secrets[0]["metadata"]["name"] == name);
             ensure!(secrets[0]["stringData"][key].as_str() == Some(DATABASE_URL_IN_VALUES));
         }
-        ensure!(!kinds(&objects).contains("ConfigMap"), "no ConfigMap");
+        ensure!(
+            objects
+                .iter()
+                .filter(|o| kind_of(o) == "ConfigMap")
+                .all(|o| o["metadata"]["labels"]["grafana_dashboard"] == "1"),
+            "no ConfigMap but the dashboard's"
+        );
         // The URL appears in the Secret only: never in an env value, annotation or label.
         for object in objects.iter().filter(|o| kind_of(o) != "Secret") {
             let text = object.to_string();
@@ -414,6 +446,35 @@ fn database_url_is_only_referenced_from_a_secret_the_user_or_the_chart_owns() ->
             );
         }
     }
+    Ok(())
+}
+
+#[test]
+fn dashboard_config_map_carries_the_dashboard_file_for_the_grafana_sidecar() -> Result<()> {
+    let file = std::fs::read_to_string(workspace_path("charts/switchboard/files/dashboard.json"))?;
+    serde_json::from_str::<Value>(&file).context("files/dashboard.json is JSON")?;
+    let config_map: Value = the(&render(Some(HA_VALUES), &[])?, "ConfigMap")?;
+    let metadata = &config_map["metadata"];
+    ensure!(
+        config_map["data"]["dashboard.json"].as_str() == Some(file.as_str())
+            && metadata["labels"]["grafana_dashboard"] == "1"
+            && metadata["annotations"]["grafana_folder"] == "Switchboard"
+            && metadata["namespace"] == NAMESPACE,
+        "the dashboard ConfigMap: {metadata}"
+    );
+    let elsewhere: Value = the(
+        &render(
+            None,
+            &[
+                "--set",
+                "dashboard.enabled=true",
+                "--set",
+                "dashboard.namespace=monitoring",
+            ],
+        )?,
+        "ConfigMap",
+    )?;
+    ensure!(elsewhere["metadata"]["namespace"] == "monitoring");
     Ok(())
 }
 
@@ -496,7 +557,9 @@ async fn every_rendered_object_is_accepted_by_the_api_server_with_every_values_s
     let plane = ControlPlane::start().await?;
     let admin = plane.admin().await?;
     plane.create_namespace(NAMESPACE).await?;
-    create_crd(&admin, SERVICE_MONITOR_CRD).await?;
+    for crd in MONITORING_CRDS {
+        create_crd(&admin, crd).await?;
+    }
     let mut applied = 0;
     for values in VALUE_SETS {
         let objects = render(values, &["--include-crds"])?;
@@ -511,10 +574,18 @@ async fn every_rendered_object_is_accepted_by_the_api_server_with_every_values_s
         ] {
             ensure!(rendered.contains(kind), "{values:?}: no {kind}");
         }
-        let optional = ["ServiceMonitor", "NetworkPolicy"].map(|k| rendered.contains(k));
+        let optional = [
+            "ServiceMonitor",
+            "NetworkPolicy",
+            "PodMonitor",
+            "PrometheusRule",
+            "ConfigMap",
+        ]
+        .map(|k| rendered.contains(k));
         ensure!(
-            optional == [values == Some(HA_VALUES); 2],
-            "{values:?}: ServiceMonitor and NetworkPolicy only when enabled"
+            optional == [values == Some(HA_VALUES); 5],
+            "{values:?}: ServiceMonitor, NetworkPolicy, PodMonitor, PrometheusRule and the \
+             dashboard's ConfigMap only when enabled"
         );
         for object in &objects {
             server_side_apply(&admin, object, true)
@@ -555,7 +626,9 @@ impl ChartOperator {
         let env = OperatorEnv::start().await?;
         let plane = &env.plane;
         plane.create_namespace(NAMESPACE).await?;
-        create_crd(&env.admin, SERVICE_MONITOR_CRD).await?;
+        for crd in MONITORING_CRDS {
+            create_crd(&env.admin, crd).await?;
+        }
         plane
             .put_secret(NAMESPACE, "operator-db", "dsn", &env.fixture.postgres.url())
             .await?;
@@ -644,6 +717,56 @@ async fn operator_with_the_charts_service_account_reconciles_an_adapter_end_to_e
         "worker image {:?}, pull policy {:?}",
         worker.image,
         worker.image_pull_policy
+    );
+    // The chart's PodMonitor (ci/ha-values.yaml) selects the pods of the worker Deployment the
+    // operator wrote, on their metrics port, as job `switchboard-worker` (the alerts' job).
+    let monitor: Value = the(&render(Some(HA_VALUES), &[])?, "PodMonitor")?;
+    let pod_template = &deployment.spec.as_ref().context("spec")?.template;
+    let pod_labels = pod_template
+        .metadata
+        .as_ref()
+        .and_then(|m| m.labels.clone())
+        .unwrap_or_default();
+    let selector = monitor["spec"]["selector"]["matchLabels"]
+        .as_object()
+        .context("PodMonitor matchLabels")?;
+    ensure!(
+        !selector.is_empty()
+            && selector
+                .iter()
+                .all(|(key, value)| pod_labels.get(key).map(String::as_str) == value.as_str()),
+        "PodMonitor selector {selector:?} vs worker pod labels {pod_labels:?}"
+    );
+    let job_label = monitor["spec"]["jobLabel"].as_str().unwrap_or_default();
+    ensure!(
+        pod_labels.get(job_label).map(String::as_str) == Some("switchboard-worker"),
+        "jobLabel {job_label}: the job is switchboard-worker"
+    );
+    let ports: Vec<String> = worker
+        .ports
+        .iter()
+        .flatten()
+        .filter_map(|port| port.name.clone())
+        .collect();
+    let endpoints = monitor["spec"]["podMetricsEndpoints"]
+        .as_array()
+        .context("podMetricsEndpoints")?;
+    ensure!(
+        !endpoints.is_empty()
+            && endpoints.iter().all(|e| {
+                e["port"]
+                    .as_str()
+                    .is_some_and(|p| ports.iter().any(|n| n == p))
+                    && e["path"] == "/metrics"
+            }),
+        "PodMonitor endpoints {endpoints:?} vs the worker's ports {ports:?}"
+    );
+    ensure!(
+        monitor["spec"]["namespaceSelector"]["matchNames"]
+            .as_array()
+            .is_some_and(|names| names.iter().any(|n| n == "shop")),
+        "the PodMonitor watches the adapter's namespace: {}",
+        monitor["spec"]["namespaceSelector"]
     );
     env.mark_deployment_available(&worker_deployment).await?;
     let adapter = env

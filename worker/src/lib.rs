@@ -274,7 +274,10 @@ impl Probes for WorkerProbes {
     fn metrics(&self) -> String {
         self.metrics
             .get()
-            .map(|metrics| metrics.encode())
+            .map(|metrics| {
+                metrics.ready.set(i64::from(self.health.is_ready()));
+                metrics.encode()
+            })
             .unwrap_or_default()
     }
 }

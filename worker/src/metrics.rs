@@ -58,6 +58,8 @@ pub struct Metrics {
     pub pending: Gauge,
     pub oldest_pending_age_seconds: Gauge<f64, AtomicU64>,
     pub dead_letters: Gauge,
+    /// 1 while `/readyz` answers 200 (set on every scrape).
+    pub ready: Gauge,
 }
 
 /// A counter labelled with the adapter, registered in `registry` (transports register their own).
@@ -231,6 +233,12 @@ impl Metrics {
             "Messages in the dead-letter destination (read from the broker)",
             adapter,
         );
+        let ready = adapter_gauge(
+            r,
+            "worker_ready",
+            "1 while the worker is ready (its loop started, broker and database answer), else 0",
+            adapter,
+        );
         let info = Family::<GuaranteeLabels, Gauge>::default();
         r.register(
             "delivery_guarantee",
@@ -262,6 +270,7 @@ impl Metrics {
             pending,
             oldest_pending_age_seconds,
             dead_letters,
+            ready,
         };
         for reason in PoisonReason::ALL {
             metrics.dead_letter_counter(reason);
