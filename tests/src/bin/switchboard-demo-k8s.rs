@@ -8,12 +8,22 @@ use std::time::Instant;
 
 use anyhow::{Context, Result, ensure};
 use switchboard_tests::control_plane::pod::LocalPod;
-use switchboard_tests::control_plane::{OPERATOR_TIMEOUT, OperatorEnv};
+use switchboard_tests::control_plane::{OPERATOR_TIMEOUT, OperatorEnv, http_get};
 use switchboard_tests::servers::workspace_path;
 use switchboard_tests::wait::wait_for;
 
 const MESSAGES: usize = 2_000;
 const EXAMPLE: &str = "examples/orders-stream.yaml";
+/// The worker metrics the closing block shows.
+const WATCHED: [&str; 7] = [
+    "switchboard_messages_stored_total",
+    "switchboard_messages_duplicate_total",
+    "switchboard_messages_dead_lettered_total",
+    "switchboard_backlog_messages",
+    "switchboard_oldest_pending_age_seconds",
+    "switchboard_dead_letter_messages",
+    "switchboard_dependency_up",
+];
 
 #[tokio::main]
 async fn main() -> Result<()> {
@@ -107,8 +117,30 @@ async fn main() -> Result<()> {
         })
     })
     .await?;
+    env.wait_adapter(
+        "orders",
+        "the workers' report reaches the status",
+        |adapter| {
+            adapter
+                .status
+                .as_ref()
+                .and_then(|s| s.observed.as_ref())
+                .is_some_and(|o| o.workers == 1 && o.backlog == Some(0))
+        },
+    )
+    .await?;
+    let (_, metrics) = http_get(pod.metrics_addr, "/metrics").await?;
+    println!();
+    println!("what to look at:");
+    println!("$ curl -s <worker pod>:8080/metrics   # the lines that matter");
+    for line in metrics
+        .lines()
+        .filter(|line| WATCHED.iter().any(|name| line.starts_with(name)) && !line.starts_with('#'))
+    {
+        println!("  {line}");
+    }
     println!(
-        "$ kubectl get qa\n{}",
+        "$ kubectl get qa   # BACKLOG and OLDEST come from the workers' reports (every 5 s)\n{}",
         env.plane.kubectl_ok(&["get", "qa"])?
     );
     ensure!(pod.is_running(), "{}", pod.log_tail());
