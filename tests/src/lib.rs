@@ -4,6 +4,7 @@
 pub mod brokers;
 pub mod control_plane;
 pub mod servers;
+pub mod todos_lock;
 pub mod wait;
 pub mod worker;
 
