@@ -39,7 +39,9 @@ impl Setup {
         let server = NatsServer::start().await?;
         fx.extra_env = vec![("NATS_URL".to_owned(), server.url())];
         let stream = NatsBroker::stream(name);
-        server.create_stream(&stream, &[format!("{name}.>")]).await?;
+        server
+            .create_stream(&stream, &[format!("{name}.>")])
+            .await?;
         let source = format!("nats: {{stream: {stream}, consumer: {CONSUMER}{nats_extra}}}");
         let manifest = fx.manifest(
             &format!("{name}.yaml"),
@@ -113,8 +115,10 @@ async fn batch_stored_slower_than_ack_wait_is_not_redelivered_thanks_to_in_progr
     })
     .await?;
     wait_for(LONG, "the gauges show the held batch", || async {
-        Ok(setup.metric(&worker, "switchboard_pending_messages")? == 10.0
-            && setup.metric(&worker, "switchboard_oldest_pending_age_seconds")? >= 1.0)
+        Ok(
+            setup.metric(&worker, "switchboard_pending_messages")? == 10.0
+                && setup.metric(&worker, "switchboard_oldest_pending_age_seconds")? >= 1.0,
+        )
     })
     .await
     .with_context(|| worker.log_tail())?;
@@ -157,11 +161,7 @@ fn assert_fatal_exit(worker: &mut WorkerProcess, needles: &[&str]) -> Result<()>
 async fn existing_consumer_with_a_conflicting_config_stops_the_worker_naming_the_field()
 -> Result<()> {
     let setup = Setup::start("conflict", ", ackWaitSeconds: 2", "maxDeliveries: 5").await?;
-    let stream = setup
-        .server
-        .jetstream()
-        .get_stream(setup.stream())
-        .await?;
+    let stream = setup.server.jetstream().get_stream(setup.stream()).await?;
     stream
         .create_consumer(pull::Config {
             durable_name: Some(CONSUMER.to_owned()),
@@ -205,11 +205,7 @@ async fn consumer_deleted_under_a_running_worker_is_re_created_without_loss() ->
     setup.wait_settled(100, &worker).await?;
     // What a server that lost the consumer (the client's known failure after a reconnect)
     // looks like to the worker.
-    let stream = setup
-        .server
-        .jetstream()
-        .get_stream(setup.stream())
-        .await?;
+    let stream = setup.server.jetstream().get_stream(setup.stream()).await?;
     stream.delete_consumer(CONSUMER).await?;
     setup.produce(bodies(100..200)).await?;
     wait_for(LONG, "the consumer is re-created", || async {
@@ -232,8 +228,7 @@ async fn consumer_deleted_under_a_running_worker_is_re_created_without_loss() ->
 }
 
 #[tokio::test]
-async fn dead_letter_keeps_the_body_and_its_context_and_the_original_is_terminated()
--> Result<()> {
+async fn dead_letter_keeps_the_body_and_its_context_and_the_original_is_terminated() -> Result<()> {
     let setup = Setup::start("dlq", ", ackWaitSeconds: 2", "batchSize: 10").await?;
     let poison = b"{\"order\": broken \xe2\x9c\x93".to_vec();
     let mut all = bodies(0..3);
@@ -249,7 +244,10 @@ async fn dead_letter_keeps_the_body_and_its_context_and_the_original_is_terminat
         .context("the worker created the dead-letter stream")?;
     ensure!(letters.len() == 1, "{letters:?}");
     let letter = &letters[0];
-    ensure!(letter.payload.as_ref() == poison.as_slice(), "byte-identical body");
+    ensure!(
+        letter.payload.as_ref() == poison.as_slice(),
+        "byte-identical body"
+    );
     ensure!(
         letter.subject.as_str() == "DLQ.dlq.dlq.orders",
         "{}",

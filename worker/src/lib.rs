@@ -26,10 +26,10 @@ use crate::backoff::Backoff;
 use crate::health::Health;
 use crate::metrics::Metrics;
 use crate::pipeline::{Pipeline, PipelineError, PipelineSettings};
+use crate::transport::nats::{Auth, Connector, Nats, NatsSettings};
 use crate::transport::redis::list::{ListSettings, RedisList};
 use crate::transport::redis::pubsub::{PubSubSettings, RedisPubSub};
 use crate::transport::redis::stream::{RedisStream, StreamSettings};
-use crate::transport::nats::{Auth, Connector, Nats, NatsSettings};
 use crate::transport::sqs::{Sqs, SqsSettings};
 use crate::transport::{Transport, TransportError};
 
@@ -73,7 +73,9 @@ pub enum WorkerError {
     MissingEnv(&'static str),
     #[error("no consumer name: pass --consumer or set HOSTNAME")]
     NoConsumer,
-    #[error("the manifest has no supported source (spec.source.redis, spec.source.sqs or spec.source.nats)")]
+    #[error(
+        "the manifest has no supported source (spec.source.redis, spec.source.sqs or spec.source.nats)"
+    )]
     NoSource,
     #[error(transparent)]
     Store(#[from] StoreError),

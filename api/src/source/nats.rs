@@ -174,7 +174,9 @@ impl Broker for NatsSource {
             );
         }
         if delivery.dead_letter.subject.as_deref().is_some_and(|s| {
-            s.is_empty() || s.split('.').any(|token| token.is_empty() || token == "*" || token == ">")
+            s.is_empty()
+                || s.split('.')
+                    .any(|token| token.is_empty() || token == "*" || token == ">")
         }) {
             error(
                 "spec.delivery.deadLetter.subject",

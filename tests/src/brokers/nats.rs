@@ -143,7 +143,10 @@ impl NatsServer {
     }
 
     /// Messages the stream holds, `None` when it does not exist.
-    pub async fn stream_messages(&self, stream: &str) -> Result<Option<Vec<jetstream::message::StreamMessage>>> {
+    pub async fn stream_messages(
+        &self,
+        stream: &str,
+    ) -> Result<Option<Vec<jetstream::message::StreamMessage>>> {
         let mut handle = match self.jetstream().get_stream(stream).await {
             Ok(handle) => handle,
             Err(err) if err.to_string().contains("stream not found") => return Ok(None),
@@ -265,7 +268,9 @@ mod tests {
     #[test]
     fn client_port_is_read_from_the_ports_file() {
         assert_eq!(
-            client_port(r#"{"nats":["nats://127.0.0.1:39857"],"monitoring":["http://127.0.0.1:41709"]}"#),
+            client_port(
+                r#"{"nats":["nats://127.0.0.1:39857"],"monitoring":["http://127.0.0.1:41709"]}"#
+            ),
             Some(39857)
         );
         assert_eq!(client_port("{}"), None);

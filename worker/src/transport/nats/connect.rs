@@ -185,21 +185,24 @@ impl Connector {
             .collect::<Result<_, _>>()
             // The parse error quotes the URL, which may hold credentials: not kept.
             .map_err(|_| TransportError::fatal("NATS_URL", "not a NATS server URL", None))?;
-        options.connect(addrs).await.map_err(|err| match err.kind() {
-            ConnectErrorKind::Authentication | ConnectErrorKind::AuthorizationViolation => {
-                TransportError::fatal(
-                    self.auth.setting(),
-                    "the NATS server refused the credentials",
+        options
+            .connect(addrs)
+            .await
+            .map_err(|err| match err.kind() {
+                ConnectErrorKind::Authentication | ConnectErrorKind::AuthorizationViolation => {
+                    TransportError::fatal(
+                        self.auth.setting(),
+                        "the NATS server refused the credentials",
+                        Some(Box::new(err)),
+                    )
+                }
+                ConnectErrorKind::Tls => TransportError::fatal(
+                    "NATS_URL",
+                    "TLS with the NATS server failed (the certificate is verified)",
                     Some(Box::new(err)),
-                )
-            }
-            ConnectErrorKind::Tls => TransportError::fatal(
-                "NATS_URL",
-                "TLS with the NATS server failed (the certificate is verified)",
-                Some(Box::new(err)),
-            ),
-            _ => TransportError::transient("could not connect to NATS", err),
-        })
+                ),
+                _ => TransportError::transient("could not connect to NATS", err),
+            })
     }
 }
 
@@ -211,7 +214,10 @@ mod tests {
     fn auth_debug_never_shows_the_secret() {
         let auth = Auth::UserPassword("app".into(), "hunter2".into());
         let shown = format!("{auth:?}");
-        assert!(!shown.contains("hunter2") && !shown.contains("app"), "{shown}");
+        assert!(
+            !shown.contains("hunter2") && !shown.contains("app"),
+            "{shown}"
+        );
         assert_eq!(Auth::Token("t0ken".into()).setting(), "NATS_TOKEN");
     }
 

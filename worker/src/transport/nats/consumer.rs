@@ -88,7 +88,11 @@ pub fn check_existing(
             .into_iter()
             .collect()
     } else {
-        existing.filter_subjects.iter().map(String::as_str).collect()
+        existing
+            .filter_subjects
+            .iter()
+            .map(String::as_str)
+            .collect()
     };
     let wanted_filters: Vec<&str> = Some(wanted.filter_subject.as_str())
         .filter(|f| !f.is_empty())
@@ -142,7 +146,10 @@ mod tests {
 
     #[test]
     fn desired_consumer_lets_the_worker_see_the_last_delivery() {
-        let config = desired(&spec(serde_json::json!({"filterSubject": "orders.eu.>"})), 5);
+        let config = desired(
+            &spec(serde_json::json!({"filterSubject": "orders.eu.>"})),
+            5,
+        );
         assert_eq!(config.durable_name.as_deref(), Some("workers"));
         assert_eq!(config.ack_policy, AckPolicy::Explicit);
         assert_eq!(config.ack_wait, Duration::from_secs(30));

@@ -67,7 +67,11 @@ pub fn headers(
     }
     headers.insert("Switchboard-Last-Seen", context.last_seen);
     headers.insert("Switchboard-Consumer", header_text(context.consumer));
-    if let Some((_, id)) = message.headers.iter().find(|(name, _)| name == "Nats-Msg-Id") {
+    if let Some((_, id)) = message
+        .headers
+        .iter()
+        .find(|(name, _)| name == "Nats-Msg-Id")
+    {
         headers.insert(
             "Switchboard-Original-Msg-Id",
             header_text(&String::from_utf8_lossy(id)),
@@ -151,6 +155,9 @@ mod tests {
     #[test]
     fn default_subject_is_under_the_stream_dlq_prefix() {
         assert_eq!(subject(None, "ORDERS", "orders.eu"), "ORDERS.dlq.orders.eu");
-        assert_eq!(subject(Some("dead.orders"), "ORDERS", "orders.eu"), "dead.orders");
+        assert_eq!(
+            subject(Some("dead.orders"), "ORDERS", "orders.eu"),
+            "dead.orders"
+        );
     }
 }

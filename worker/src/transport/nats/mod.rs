@@ -49,8 +49,8 @@ use prometheus_client::metrics::counter::Counter;
 use prometheus_client::registry::Registry;
 use switchboard_store::Dedup;
 
-pub use self::connect::{Auth, Connector};
 use self::connect::ConnectionEvents;
+pub use self::connect::{Auth, Connector};
 use self::dead_letter::WriteContext;
 use crate::metrics::adapter_counter;
 use crate::transport::{
@@ -191,8 +191,7 @@ impl Nats {
     async fn bind_consumer(&self, stream: &stream::Stream) -> Result<PullConsumer, TransportError> {
         let spec = &self.settings.spec;
         let wanted = consumer::desired(spec, self.settings.max_deliveries);
-        let read_failed =
-            |err| TransportError::transient("could not read the NATS consumer", err);
+        let read_failed = |err| TransportError::transient("could not read the NATS consumer", err);
         match stream.consumer_info(&spec.consumer).await {
             Ok(info) => {
                 if info.config.deliver_subject.is_some() {
@@ -206,23 +205,25 @@ impl Nats {
                     ));
                 }
                 consumer::check_existing(&info.config, &wanted, &spec.consumer)?;
-                stream
-                    .get_consumer(&spec.consumer)
-                    .await
-                    .map_err(|err| TransportError::protocol(format!("could not bind the NATS consumer: {err}")))
+                stream.get_consumer(&spec.consumer).await.map_err(|err| {
+                    TransportError::protocol(format!("could not bind the NATS consumer: {err}"))
+                })
             }
             Err(err) => match err.kind() {
                 ConsumerInfoErrorKind::NotFound => {
-                    let created = stream.create_consumer(wanted).await.map_err(|err| {
-                        match err.kind() {
+                    let created = stream
+                        .create_consumer(wanted)
+                        .await
+                        .map_err(|err| match err.kind() {
                             ConsumerErrorKind::JetStream(_) => TransportError::fatal(
                                 CONSUMER_SETTING,
                                 format!("the server refused to create consumer {}", spec.consumer),
                                 Some(Box::new(err)),
                             ),
-                            _ => TransportError::transient("could not create the NATS consumer", err),
-                        }
-                    })?;
+                            _ => {
+                                TransportError::transient("could not create the NATS consumer", err)
+                            }
+                        })?;
                     tracing::info!(consumer = %spec.consumer, "created the NATS consumer");
                     Ok(created)
                 }
@@ -238,7 +239,10 @@ impl Nats {
     }
 
     /// Makes sure a stream (other than the source) holds the dead-letter subject.
-    async fn ensure_dead_letter_stream(&self, js: &jetstream::Context) -> Result<(), TransportError> {
+    async fn ensure_dead_letter_stream(
+        &self,
+        js: &jetstream::Context,
+    ) -> Result<(), TransportError> {
         let stream = &self.settings.spec.stream;
         let (sample, captured) = match &self.settings.dead_letter_subject {
             Some(subject) => (subject.clone(), subject.clone()),
@@ -317,12 +321,10 @@ impl Nats {
             return Ok(());
         }
         self.quiet_since = Some(Instant::now());
-        let info = self
-            .bound()?
-            .consumer
-            .get_info()
-            .await
-            .map_err(|err| TransportError::transient("could not read the NATS consumer", err))?;
+        let info =
+            self.bound()?.consumer.get_info().await.map_err(|err| {
+                TransportError::transient("could not read the NATS consumer", err)
+            })?;
         if info.num_pending > 0 {
             tracing::warn!(
                 num_pending = info.num_pending,
@@ -445,7 +447,11 @@ impl Transport for Nats {
         block: bool,
     ) -> Result<Vec<NatsDelivery>, TransportError> {
         if self.events.reconnected.swap(false, Ordering::AcqRel) || self.rebind_due {
-            let why = if self.rebind_due { "fetch failed" } else { "reconnected" };
+            let why = if self.rebind_due {
+                "fetch failed"
+            } else {
+                "reconnected"
+            };
             self.rebind_due = true;
             self.rebind(why).await?;
         }
@@ -480,7 +486,9 @@ impl Transport for Nats {
         if let Some(err) = failure {
             self.rebind_due = true;
             if messages.is_empty() {
-                return Err(TransportError::protocol(format!("NATS fetch failed: {err}")));
+                return Err(TransportError::protocol(format!(
+                    "NATS fetch failed: {err}"
+                )));
             }
             tracing::debug!(error = %err, "a NATS fetch ended early; delivering what it returned");
         }
@@ -687,7 +695,9 @@ impl Transport for Nats {
                 delay = ?NAK_DELAY,
                 "handed un-acknowledged messages back to NATS"
             ),
-            Err(err) => tracing::warn!(error = %err, "could not hand messages back; the server redelivers them after AckWait"),
+            Err(err) => {
+                tracing::warn!(error = %err, "could not hand messages back; the server redelivers them after AckWait")
+            }
         }
     }
 }
