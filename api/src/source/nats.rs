@@ -211,3 +211,72 @@ fn default_consumer() -> String {
 fn default_ack_wait_seconds() -> u32 {
     30
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(value: serde_json::Value) -> NatsSource {
+        serde_json::from_value(value).expect("spec")
+    }
+
+    fn errors(source: &NatsSource, delivery: &Delivery) -> Vec<&'static str> {
+        let mut fields = Vec::new();
+        source.validate(delivery, &mut |error| fields.push(error.field));
+        fields
+    }
+
+    #[test]
+    fn defaults_and_secret_refs_become_the_workers_environment() {
+        let source = spec(serde_json::json!({
+            "stream": "ORDERS",
+            "urlSecretRef": {"name": "nats", "key": "url"},
+            "tokenSecretRef": {"name": "nats", "key": "token"},
+        }));
+        assert_eq!(source.consumer, "switchboard");
+        assert_eq!(source.ack_wait_seconds, 30);
+        assert_eq!(source.deliver_policy, NatsDeliverPolicy::All);
+        let env: Vec<&str> = source
+            .secret_env()
+            .expect("refs")
+            .iter()
+            .map(|e| e.env)
+            .collect();
+        assert_eq!(env, ["NATS_URL", "NATS_TOKEN"]);
+        let mut stripped = source.clone();
+        stripped.strip_secrets();
+        assert_eq!(
+            stripped.secret_env(),
+            Err(MissingSecret {
+                field: "spec.source.nats.urlSecretRef",
+                env: "NATS_URL"
+            })
+        );
+        assert!(errors(&source, &Delivery::default()).is_empty());
+    }
+
+    #[test]
+    fn bad_names_two_auth_methods_and_other_brokers_dead_letters_are_refused() {
+        let source = spec(serde_json::json!({
+            "stream": "orders.eu",
+            "consumer": "a b",
+            "ackWaitSeconds": 0,
+            "tokenSecretRef": {"name": "nats", "key": "token"},
+            "nkeySecretRef": {"name": "nats", "key": "seed"},
+        }));
+        let mut delivery = Delivery::default();
+        delivery.dead_letter.queue_url = Some("https://sqs.example/dlq".into());
+        delivery.dead_letter.subject = Some("dead.>".into());
+        assert_eq!(
+            errors(&source, &delivery),
+            [
+                "spec.source.nats.stream",
+                "spec.source.nats.consumer",
+                "spec.source.nats.ackWaitSeconds",
+                "spec.source.nats",
+                "spec.delivery.deadLetter.subject",
+                "spec.delivery.deadLetter.queueUrl",
+            ]
+        );
+    }
+}
