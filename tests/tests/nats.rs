@@ -288,5 +288,9 @@ async fn dead_letter_keeps_the_body_and_its_context_and_the_original_is_terminat
         info.num_ack_pending == 0 && info.num_redelivered == 0,
         "the original is terminated, never redelivered: {info:?}"
     );
-    Ok(())
+    wait_for(LONG, "the dead-letter gauge counts the letter", || async {
+        Ok(setup.metric(&worker, "switchboard_dead_letter_messages")? == 1.0)
+    })
+    .await
+    .with_context(|| worker.log_tail())
 }

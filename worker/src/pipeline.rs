@@ -14,10 +14,10 @@
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, PoisonError};
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
 use switchboard_api::PayloadFormat;
-use switchboard_store::{Dedup, IngestBatch, NewEvent, Store, StoreError, Stored};
+use switchboard_store::{Dedup, IngestBatch, NewEvent, Store, StoreError, Stored, WorkerReport};
 use switchboard_telemetry::ErrorChain;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
@@ -36,9 +36,15 @@ const LIVENESS_SLACK: Duration = Duration::from_secs(60);
 /// Batches stored concurrently. Two keep PostgreSQL busy while the loop receives and acks.
 pub const IN_FLIGHT: usize = 3;
 
+/// How often the worker reads its queue's health and reports it to the operator.
+pub const REPORT_INTERVAL: Duration = Duration::from_secs(5);
+
 /// What the loop does with each batch.
 #[derive(Debug, Clone)]
 pub struct PipelineSettings {
+    /// `namespace/name`, and this worker's consumer name: its report's key.
+    pub adapter: String,
+    pub worker: String,
     pub queue: String,
     pub batch_size: usize,
     pub max_deliveries: u64,
@@ -445,24 +451,38 @@ impl<T: Transport> Pipeline<T> {
     }
 
     /// Reads the queue's health on its own task, so the gauges move while the loop waits on
-    /// the database (or anything else).
+    /// the database (or anything else), and reports it to the `worker_reports` table, which
+    /// the operator turns into the adapter's status.
     fn spawn_probe(&self) -> JoinHandle<()> {
         let mut probe = self.transport.probe();
-        let interval = self.transport.maintenance_interval();
+        let interval = self.transport.maintenance_interval().min(REPORT_INTERVAL);
         let metrics = self.metrics.clone();
         let health = self.health.clone();
+        let store = self.context.store.clone();
+        let (adapter, worker) = (self.settings.adapter.clone(), self.settings.worker.clone());
         tokio::spawn(async move {
             loop {
-                match probe.queue_health().await {
+                let queue = match probe.queue_health().await {
                     Ok(queue) => {
                         let waiting = queue.backlog.unwrap_or(0) + queue.pending.unwrap_or(0);
                         health.set_work_waiting(waiting > 0);
                         record_queue_health(&metrics, queue);
+                        Some(queue)
                     }
                     // The loop reports broker outages; the gauges keep their last value.
                     Err(err) => {
-                        tracing::debug!(error = %ErrorChain(&err), "queue health unavailable")
+                        tracing::debug!(error = %ErrorChain(&err), "queue health unavailable");
+                        None
                     }
+                };
+                let report = worker_report(&adapter, &worker, queue, &health);
+                // Bounded, so a database outage does not stop the gauges.
+                match tokio::time::timeout(REPORT_INTERVAL, store.report_worker(&report)).await {
+                    Ok(Ok(())) => {}
+                    Ok(Err(err)) => {
+                        tracing::debug!(error = %ErrorChain(&err), "cannot write the worker report")
+                    }
+                    Err(_) => tracing::debug!("writing the worker report timed out"),
                 }
                 tokio::time::sleep(interval).await;
             }
@@ -929,6 +949,32 @@ impl<T: Transport> Pipeline<T> {
     }
 }
 
+/// What this worker tells the operator: the queue's figures (`None` when the broker did not
+/// answer) and whether its dependencies are up.
+fn worker_report(
+    adapter: &str,
+    worker: &str,
+    queue: Option<QueueHealth>,
+    health: &Health,
+) -> WorkerReport {
+    let now = SystemTime::now();
+    let queue = queue.unwrap_or_default();
+    WorkerReport {
+        adapter: adapter.to_owned(),
+        worker: worker.to_owned(),
+        reported_at: now,
+        backlog: queue.backlog,
+        pending: queue.pending,
+        oldest_since: queue
+            .oldest_pending_age
+            .filter(|age| !age.is_zero())
+            .and_then(|age| now.checked_sub(age)),
+        dead_letters: queue.dead_letters,
+        broker_up: health.is_up(Dependency::Broker),
+        database_up: health.is_up(Dependency::Database),
+    }
+}
+
 fn record_queue_health(metrics: &Metrics, queue: QueueHealth) {
     let gauge = |value: Option<u64>| i64::try_from(value.unwrap_or(0)).unwrap_or(i64::MAX);
     metrics.backlog.set(gauge(queue.backlog));
@@ -936,4 +982,7 @@ fn record_queue_health(metrics: &Metrics, queue: QueueHealth) {
     metrics
         .oldest_pending_age_seconds
         .set(queue.oldest_pending_age.unwrap_or_default().as_secs_f64());
+    if let Some(dead_letters) = queue.dead_letters {
+        metrics.dead_letters.set(gauge(Some(dead_letters)));
+    }
 }

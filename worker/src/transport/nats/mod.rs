@@ -104,6 +104,13 @@ struct NatsMetrics {
     rebinds: Counter,
 }
 
+/// The stream dead letters go to, and the subjects of this adapter's letters in it.
+#[derive(Debug, Clone)]
+pub struct DeadLetterStream {
+    name: String,
+    subjects: String,
+}
+
 /// What `prepare` bound.
 #[derive(Debug)]
 struct Bound {
@@ -129,6 +136,8 @@ pub struct Nats {
     quiet_since: Option<Instant>,
     /// Whether the dead-letter stream is known to exist.
     dead_letter_ready: bool,
+    /// The stream holding the dead letters, once known.
+    dead_letter_stream: Option<DeadLetterStream>,
     /// Stream sequences dead-lettered and not yet terminated.
     dead_lettered: HashSet<u64>,
     /// Received and not acknowledged (stream sequence → reply subject), for the hand-back at
@@ -163,6 +172,7 @@ impl Nats {
             rebind_due: false,
             quiet_since: None,
             dead_letter_ready: false,
+            dead_letter_stream: None,
             dead_lettered: HashSet::new(),
             held: HashMap::new(),
         }
@@ -238,9 +248,10 @@ impl Nats {
         }
     }
 
-    /// Makes sure a stream (other than the source) holds the dead-letter subject.
+    /// Makes sure a stream (other than the source) holds the dead-letter subject; records it
+    /// for the probe.
     async fn ensure_dead_letter_stream(
-        &self,
+        &mut self,
         js: &jetstream::Context,
     ) -> Result<(), TransportError> {
         let stream = &self.settings.spec.stream;
@@ -258,6 +269,10 @@ impl Nats {
             )),
             Ok(name) => {
                 tracing::info!(stream = %name, subject = %captured, "dead letters go to an existing stream");
+                self.dead_letter_stream = Some(DeadLetterStream {
+                    name,
+                    subjects: captured,
+                });
                 Ok(())
             }
             Err(err) if matches!(err.kind(), GetStreamByNameErrorKind::NotFound) => {
@@ -281,6 +296,10 @@ impl Nats {
                     _ => TransportError::transient("could not create the dead-letter stream", err),
                 })?;
                 tracing::info!(stream = %name, subject = %captured, "created the dead-letter stream (messages kept 14 days)");
+                self.dead_letter_stream = Some(DeadLetterStream {
+                    name,
+                    subjects: captured,
+                });
                 Ok(())
             }
             Err(err) if matches!(err.kind(), GetStreamByNameErrorKind::InvalidSubject) => {
@@ -410,7 +429,7 @@ impl Transport for Nats {
     async fn prepare(&mut self) -> Result<(), TransportError> {
         let client = self.client().await?;
         let js = jetstream::new(client.clone());
-        let name = &self.settings.spec.stream;
+        let name = &self.settings.spec.stream.clone();
         let stream = js.get_stream(name).await.map_err(|err| match err.kind() {
             GetStreamErrorKind::JetStream(js) if js.error_code() == ErrorCode::STREAM_NOT_FOUND => {
                 stream_missing(name)
@@ -667,6 +686,7 @@ impl Transport for Nats {
             stream: self.settings.spec.stream.clone(),
             consumer: self.settings.spec.consumer.clone(),
             filter: self.settings.spec.filter_subject.clone(),
+            dead_letter_stream: self.dead_letter_stream.clone(),
             client: None,
         }
     }
@@ -709,6 +729,7 @@ pub struct NatsProbe {
     stream: String,
     consumer: String,
     filter: Option<String>,
+    dead_letter_stream: Option<DeadLetterStream>,
     client: Option<Client>,
 }
 
@@ -750,12 +771,38 @@ impl QueueProbe for NatsProbe {
                     Duration::from_nanos(u64::try_from(age).unwrap_or(0))
                 })
         };
+        let dead_letters = match &self.dead_letter_stream {
+            Some(letters) => Some(dead_letter_count(&js, letters).await?),
+            None => None,
+        };
         Ok(QueueHealth {
             backlog: Some(info.num_pending),
             pending: Some(info.num_ack_pending as u64),
             oldest_pending_age,
+            dead_letters,
         })
     }
+}
+
+/// Messages on the dead-letter subjects of `letters`' stream.
+async fn dead_letter_count(
+    js: &jetstream::Context,
+    letters: &DeadLetterStream,
+) -> Result<u64, TransportError> {
+    let failed = |err| TransportError::transient("could not read the dead-letter stream", err);
+    let stream = js
+        .get_stream_no_info(&letters.name)
+        .await
+        .map_err(|err| TransportError::transient("could not read the dead-letter stream", err))?;
+    let mut subjects = stream
+        .info_with_subjects(&letters.subjects)
+        .await
+        .map_err(failed)?;
+    let mut count = 0;
+    while let Some(subject) = subjects.next().await {
+        count += subject.map_err(failed)?.1 as u64;
+    }
+    Ok(count)
 }
 
 /// Nanoseconds from `unix_nanos` until now (zero for a time in the future).
