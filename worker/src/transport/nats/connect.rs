@@ -97,7 +97,7 @@ impl Auth {
 }
 
 /// Everything needed to open a connection (the transport's and the probe's).
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct Connector {
     /// `NATS_URL`: one or more comma-separated server URLs (never logged: it may hold
     /// credentials).
@@ -105,6 +105,16 @@ pub struct Connector {
     pub auth: Auth,
     /// The client name the server shows (`switchboard-worker/<pod>`).
     pub name: String,
+}
+
+impl std::fmt::Debug for Connector {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Connector")
+            .field("url", &"<redacted>")
+            .field("auth", &self.auth)
+            .field("name", &self.name)
+            .finish()
+    }
 }
 
 /// What the connection reports to the transport.
@@ -211,9 +221,13 @@ mod tests {
     use super::*;
 
     #[test]
-    fn auth_debug_never_shows_the_secret() {
-        let auth = Auth::UserPassword("app".into(), "hunter2".into());
-        let shown = format!("{auth:?}");
+    fn debug_output_never_shows_the_url_or_the_credentials() {
+        let connector = Connector {
+            url: "nats://app:hunter2@nats:4222".into(),
+            auth: Auth::UserPassword("app".into(), "hunter2".into()),
+            name: "switchboard-worker/w1".into(),
+        };
+        let shown = format!("{connector:?}");
         assert!(
             !shown.contains("hunter2") && !shown.contains("app"),
             "{shown}"
