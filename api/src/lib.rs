@@ -11,6 +11,7 @@ mod validate;
 
 pub use autoscaling::Autoscaling;
 pub use manifest::{ManifestError, UnknownField, load_manifest};
+pub use source::nats::{NatsDeliverPolicy, NatsSource};
 pub use source::redis::{RedisMode, RedisSource, StartFrom};
 pub use source::sqs::SqsSource;
 pub use source::{Broker, MissingSecret, SecretEnv, Source};
@@ -57,7 +58,7 @@ pub struct QueueAdapterSpec {
     /// disabled in the database; messages stay in the broker until it is enabled again.
     #[serde(default = "default_true")]
     pub enabled: bool,
-    /// The broker to pull from. Exactly one broker key must be set (`redis` or `sqs`). The kind
+    /// The broker to pull from. Exactly one broker key must be set (`redis`, `sqs` or `nats`). The kind
     /// of source cannot be changed after creation: create a new QueueAdapter instead.
     pub source: Source,
     /// Where the messages land.
@@ -209,6 +210,12 @@ pub struct DeadLetter {
     #[serde(default, rename = "queueUrl", skip_serializing_if = "Option::is_none")]
     #[schemars(length(min = 1, max = 2048))]
     pub queue_url: Option<String>,
+    /// The subject dead letters are published to (source `nats`). Default:
+    /// `<stream>.dlq.<subject of the message>`. The worker creates a stream for it if none
+    /// holds it (`<stream>_DLQ`, messages kept 14 days).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 1024))]
+    pub subject: Option<String>,
 }
 
 /// The database holding the todos.
@@ -265,13 +272,13 @@ pub struct QueueAdapterStatus {
     /// Worker pods that are ready.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ready_replicas: Option<i32>,
-    /// `at-least-once` (Redis stream and list, SQS) or `at-most-once` (Redis pubsub).
+    /// `at-least-once` (Redis stream and list, SQS, NATS) or `at-most-once` (Redis pubsub).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub delivery_guarantee: Option<String>,
-    /// The broker kind: `redis` or `sqs`.
+    /// The broker kind: `redis`, `sqs` or `nats`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub source: Option<String>,
-    /// The broker-specific mode: `stream`, `list`, `pubsub` (Redis), `standard` or `fifo` (SQS).
+    /// The broker-specific mode: `stream`, `list`, `pubsub` (Redis), `standard` or `fifo` (SQS), `jetstream` (NATS).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mode: Option<String>,
     /// What the running workers last reported about the queue (they report every few

@@ -500,9 +500,9 @@ spec:
     fn unsupported_broker_next_to_redis_is_rejected_with_its_line() {
         let yaml = BLOCK_MANIFEST.replace(
             "  target:\n",
-            "    nats:\n      stream: orders\n  target:\n",
+            "    pulsar:\n      topic: orders\n  target:\n",
         );
-        assert_eq!(unknown_fields(&yaml), [unknown("spec.source.nats", 12)]);
+        assert_eq!(unknown_fields(&yaml), [unknown("spec.source.pulsar", 12)]);
     }
 
     #[test]
@@ -514,7 +514,7 @@ spec:
         let err = load_manifest(&yaml).expect_err("one broker only");
         assert!(
             err.to_string()
-                .contains("spec.source: exactly one broker must be set (redis or sqs)"),
+                .contains("spec.source: exactly one broker must be set (redis, sqs or nats)"),
             "{err}"
         );
     }

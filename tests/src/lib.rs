@@ -6,6 +6,7 @@ pub mod control_plane;
 pub mod helm;
 pub mod prometheus;
 pub mod servers;
+pub mod todos_lock;
 pub mod wait;
 pub mod worker;
 

@@ -27,6 +27,7 @@ use crate::backoff::Backoff;
 use crate::health::Health;
 use crate::metrics::Metrics;
 use crate::pipeline::{Pipeline, PipelineError, PipelineSettings};
+use crate::transport::nats::{Auth, Connector, Nats, NatsSettings};
 use crate::transport::redis::list::{ListSettings, RedisList};
 use crate::transport::redis::pubsub::{PubSubSettings, RedisPubSub};
 use crate::transport::redis::stream::{RedisStream, StreamSettings};
@@ -73,7 +74,9 @@ pub enum WorkerError {
     MissingEnv(&'static str),
     #[error("no consumer name: pass --consumer or set HOSTNAME")]
     NoConsumer,
-    #[error("the manifest has no supported source (spec.source.redis or spec.source.sqs)")]
+    #[error(
+        "the manifest has no supported source (spec.source.redis, spec.source.sqs or spec.source.nats)"
+    )]
     NoSource,
     #[error(transparent)]
     Store(#[from] StoreError),
@@ -356,8 +359,8 @@ async fn run_source(
     let batch_size = deps.settings.batch_size;
     let claim_idle = Duration::from_secs(u64::from(spec.delivery.claim_idle_seconds));
     let dead_letter = &spec.delivery.dead_letter;
-    match (&spec.source.redis, &spec.source.sqs) {
-        (Some(redis), None) => {
+    match (&spec.source.redis, &spec.source.sqs, &spec.source.nats) {
+        (Some(redis), None, None) => {
             let url = env("REDIS_URL")?;
             match redis.mode {
                 RedisMode::Stream => {
@@ -417,7 +420,7 @@ async fn run_source(
                 }
             }
         }
-        (None, Some(sqs)) => {
+        (None, Some(sqs), None) => {
             let settings = SqsSettings {
                 adapter: name,
                 consumer,
@@ -427,6 +430,23 @@ async fn run_source(
             };
             let transport = Sqs::new(settings, &mut registry).await?;
             drive(transport, registry, sqs, deps, probes).await
+        }
+        (None, None, Some(nats)) => {
+            let connector = Connector {
+                url: env("NATS_URL")?,
+                auth: Auth::from_env()?,
+                name: format!("switchboard-worker/{consumer}"),
+            };
+            let settings = NatsSettings {
+                adapter: name,
+                consumer,
+                spec: nats.clone(),
+                connector,
+                dead_letter_subject: dead_letter.subject.clone(),
+                max_deliveries: u64::from(spec.delivery.max_deliveries),
+            };
+            let transport = Nats::new(settings, &mut registry);
+            drive(transport, registry, nats, deps, probes).await
         }
         _ => Err(WorkerError::NoSource),
     }

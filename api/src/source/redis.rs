@@ -139,12 +139,23 @@ impl Broker for RedisSource {
         if self.body_field.is_empty() {
             error("spec.source.redis.bodyField", "must not be empty".into());
         }
-        if delivery.dead_letter.queue_url.is_some() {
-            error(
+        for (field, value) in [
+            (
                 "spec.delivery.deadLetter.queueUrl",
-                "is for source sqs; Redis dead letters go to deadLetter.stream or deadLetter.list"
-                    .into(),
-            );
+                &delivery.dead_letter.queue_url,
+            ),
+            (
+                "spec.delivery.deadLetter.subject",
+                &delivery.dead_letter.subject,
+            ),
+        ] {
+            if value.is_some() {
+                error(
+                    field,
+                    "is for another source; Redis dead letters go to deadLetter.stream or deadLetter.list"
+                        .into(),
+                );
+            }
         }
     }
 }

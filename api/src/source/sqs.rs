@@ -165,11 +165,15 @@ impl Broker for SqsSource {
                 &delivery.dead_letter.stream,
             ),
             ("spec.delivery.deadLetter.list", &delivery.dead_letter.list),
+            (
+                "spec.delivery.deadLetter.subject",
+                &delivery.dead_letter.subject,
+            ),
         ] {
             if value.is_some() {
                 error(
                     field,
-                    "is for source redis; SQS dead letters go to deadLetter.queueUrl",
+                    "is for another source; SQS dead letters go to deadLetter.queueUrl",
                 );
             }
         }

@@ -5,12 +5,14 @@
 
 pub mod envelope;
 pub mod moto;
+pub mod nats;
 pub mod sqs;
 
 use anyhow::{Context, Result};
 use base64::Engine as _;
 
 use crate::Fixture;
+use nats::NatsServer;
 use sqs::ElasticMq;
 
 /// One broker (and mode) as the contract suite drives it.
@@ -56,7 +58,23 @@ pub struct SqsBroker {
     pub server: ElasticMq,
 }
 
+/// A NATS JetStream stream of a real nats-server, read by a durable pull consumer.
+#[derive(Debug)]
+pub struct NatsBroker {
+    pub server: NatsServer,
+}
+
 const GROUP: &str = "switchboard";
+
+/// `$SWITCHBOARD_CACHE`, else `~/.cache/switchboard`: where the scripts install servers.
+pub(crate) fn cache_dir() -> Result<std::path::PathBuf> {
+    let var = |name: &str| std::env::var_os(name).filter(|value| !value.is_empty());
+    Ok(match var("SWITCHBOARD_CACHE") {
+        Some(dir) => dir.into(),
+        None => std::path::PathBuf::from(var("HOME").context("HOME is not set")?)
+            .join(".cache/switchboard"),
+    })
+}
 
 impl BrokerFixture for RedisStreamBroker {
     async fn start(_fx: &Fixture) -> Result<(Self, Vec<(String, String)>)> {
@@ -282,5 +300,84 @@ impl SqsBroker {
             .and_then(|value| value.string_value())
             .unwrap_or_default()
             .to_owned()
+    }
+}
+
+impl NatsBroker {
+    /// The stream of queue `name` (`CHAOS` for `chaos`).
+    pub fn stream(name: &str) -> String {
+        name.to_uppercase()
+    }
+
+    /// The subject messages of queue `name` are published to.
+    pub fn subject(name: &str) -> String {
+        format!("{name}.orders")
+    }
+}
+
+impl BrokerFixture for NatsBroker {
+    async fn start(_fx: &Fixture) -> Result<(Self, Vec<(String, String)>)> {
+        let server = NatsServer::start().await?;
+        let env = vec![("NATS_URL".to_owned(), server.url())];
+        Ok((Self { server }, env))
+    }
+
+    async fn create(&self, _fx: &Fixture, name: &str) -> Result<String> {
+        let stream = Self::stream(name);
+        self.server
+            .create_stream(&stream, &[format!("{name}.>")])
+            .await?;
+        // Short AckWait: a killed worker's messages come back quickly.
+        Ok(format!(
+            "nats: {{stream: {stream}, consumer: {GROUP}, ackWaitSeconds: 2}}"
+        ))
+    }
+
+    fn delivery(&self) -> &'static str {
+        "claimIdleSeconds: 2"
+    }
+
+    async fn produce(&self, _fx: &Fixture, name: &str, bodies: Vec<Vec<u8>>) -> Result<()> {
+        self.server.publish(&Self::subject(name), bodies).await
+    }
+
+    async fn unacknowledged(&self, _fx: &Fixture, name: &str) -> Result<u64> {
+        let stream = Self::stream(name);
+        match self.server.consumer_info(&stream, GROUP).await? {
+            Some(info) => Ok(info.num_pending + info.num_ack_pending as u64),
+            // No consumer yet: every message is waiting.
+            None => Ok(self
+                .server
+                .jetstream()
+                .get_stream(&stream)
+                .await?
+                .info()
+                .await?
+                .state
+                .messages),
+        }
+    }
+
+    async fn dead_letters(&self, _fx: &Fixture, name: &str) -> Result<Vec<(Vec<u8>, String)>> {
+        let letters = self
+            .server
+            .stream_messages(&format!("{}_DLQ", Self::stream(name)))
+            .await?
+            .unwrap_or_default();
+        Ok(letters
+            .into_iter()
+            .map(|letter| {
+                let reason = letter
+                    .headers
+                    .get("Switchboard-Reason")
+                    .map(|value| value.as_str().to_owned())
+                    .unwrap_or_default();
+                (letter.payload.to_vec(), reason)
+            })
+            .collect())
+    }
+
+    async fn restart(&mut self, _fx: &mut Fixture) -> Result<()> {
+        self.server.restart().await
     }
 }

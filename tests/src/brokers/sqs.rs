@@ -342,12 +342,7 @@ fn lib_dir() -> Result<PathBuf> {
         );
         return Ok(dir);
     }
-    let cache = match non_empty_env("SWITCHBOARD_CACHE") {
-        Some(dir) => PathBuf::from(dir),
-        None => PathBuf::from(non_empty_env("HOME").context("HOME is not set")?)
-            .join(".cache/switchboard"),
-    };
-    let install = cache.join(format!("elasticmq-{ELASTICMQ_VERSION}"));
+    let install = super::cache_dir()?.join(format!("elasticmq-{ELASTICMQ_VERSION}"));
     ensure!(
         install.join(".complete").is_file(),
         "ElasticMQ {ELASTICMQ_VERSION} is not installed in {}: run `make sqs-server` (or \

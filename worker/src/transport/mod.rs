@@ -18,6 +18,7 @@
 //! - **Queue health is read on its own schedule** by a [`QueueProbe`] on its own task and
 //!   connection, so the gauges keep moving while the database is down.
 
+pub mod nats;
 pub mod redis;
 pub mod sqs;
 
@@ -204,6 +205,24 @@ impl Acked {
     pub fn all() -> Self {
         Self::default()
     }
+}
+
+/// At most `max` bytes of `text`, cut at a character boundary, with `…` when cut (error texts
+/// kept in dead letters).
+pub(crate) fn truncate(text: &str, max: usize) -> String {
+    if text.len() <= max {
+        return text.to_owned();
+    }
+    let mut end = max.saturating_sub('…'.len_utf8());
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}…", &text[..end])
+}
+
+/// A Unix time in milliseconds as RFC 3339 (`2026-12-01T17:12:30.123Z`).
+pub(crate) fn rfc3339_ms(ms: u64) -> String {
+    humantime::format_rfc3339_millis(std::time::UNIX_EPOCH + Duration::from_millis(ms)).to_string()
 }
 
 /// Reads a queue's health on its own task and connection, on its own schedule.

@@ -25,9 +25,11 @@ use switchboard_tests::{Fixture, adapter_manifest};
 use tokio::task::JoinSet;
 
 use broker::BenchBroker as _;
+use nats::{NatsArgs, NatsBench};
 use sqs::{SqsArgs, SqsBench};
 
 mod broker;
+mod nats;
 mod sqs;
 
 /// Measures the worker end to end and the raw limits of PostgreSQL and Redis.
@@ -66,6 +68,8 @@ struct Args {
     repeats: usize,
     #[command(flatten)]
     sqs: SqsArgs,
+    #[command(flatten)]
+    nats: NatsArgs,
 }
 
 /// How long any one phase may take before the bench gives up.
@@ -1137,25 +1141,32 @@ fn verdict(passed: bool) -> &'static str {
 /// The brokers measured beside Redis, one field each.
 struct Brokers {
     sqs: SqsBench,
+    nats: NatsBench,
 }
 
 impl Brokers {
-    fn start(args: &Args) -> Result<Self> {
+    async fn start(args: &Args) -> Result<Self> {
         Ok(Self {
             sqs: SqsBench::start(args.sqs.clone())?,
+            nats: NatsBench::start(args.nats.clone()).await?,
         })
     }
 
     fn server_pids(&self) -> Vec<u32> {
-        [self.sqs.server_pid()].into_iter().flatten().collect()
+        [self.sqs.server_pid(), self.nats.server_pid()]
+            .into_iter()
+            .flatten()
+            .collect()
     }
 
     async fn round(&mut self, bench: &mut Bench, table: &mut Table) -> Result<()> {
-        bench.broker_round(&mut self.sqs, table).await
+        bench.broker_round(&mut self.sqs, table).await?;
+        bench.broker_round(&mut self.nats, table).await
     }
 
     fn print_verdicts(&self, table: &Table, raw_db: &Row) -> Result<()> {
-        broker::print_broker_verdict(&self.sqs, table, raw_db)
+        broker::print_broker_verdict(&self.sqs, table, raw_db)?;
+        broker::print_broker_verdict(&self.nats, table, raw_db)
     }
 }
 
@@ -1207,7 +1218,7 @@ async fn run(args: Args) -> Result<()> {
     println!("load average before: {}", load_average());
     ensure!(args.repeats >= 1, "--repeats must be at least 1");
     let started = Instant::now();
-    let mut brokers = Brokers::start(&args)?;
+    let mut brokers = Brokers::start(&args).await?;
     let mut bench = Bench::start(args, brokers.server_pids()).await?;
     let repeats = bench.args.repeats;
     let mut table = Table::default();

@@ -7,6 +7,7 @@ use aws_sdk_sqs::types::{MessageAttributeValue, SendMessageBatchRequestEntry};
 use super::delete_plan::BATCH_LIMIT;
 use super::receive::SqsDelivery;
 use crate::payload::{PoisonReason, fields_json};
+use crate::transport::{rfc3339_ms, truncate};
 
 /// SQS's default (and ElasticMQ's strict) limit on one message, attributes included, and on
 /// the sum of one batch call's messages.
@@ -97,23 +98,6 @@ fn sqs_text(text: &str) -> String {
             c => c,
         })
         .collect()
-}
-
-/// At most `max` bytes of `text`, cut at a character boundary, with `…` when cut.
-fn truncate(text: &str, max: usize) -> String {
-    if text.len() <= max {
-        return text.to_owned();
-    }
-    let mut end = max.saturating_sub('…'.len_utf8());
-    while !text.is_char_boundary(end) {
-        end -= 1;
-    }
-    format!("{}…", &text[..end])
-}
-
-fn rfc3339_ms(ms: u64) -> String {
-    humantime::format_rfc3339_millis(std::time::UNIX_EPOCH + std::time::Duration::from_millis(ms))
-        .to_string()
 }
 
 /// The dead letter of `message`, dropping context attributes (longest first) until it fits

@@ -1,0 +1,814 @@
+//! NATS JetStream: a durable pull consumer, `fetch` → (store) → acknowledgement confirmed by
+//! the server.
+//!
+//! - **Connection**: `NATS_URL` (one or more servers; `tls://` requires TLS, certificates
+//!   verified) and at most one of `NATS_CREDENTIALS`, `NATS_NKEY`, `NATS_USER`/`NATS_PASSWORD`,
+//!   `NATS_TOKEN`, from the Secret refs (see `connect.rs`). Refused credentials are fatal; the
+//!   client reconnects by itself after the first connection.
+//! - **`prepare`** reads the stream (missing: fatal), makes sure a stream holds the dead-letter
+//!   subject (creating `<stream>_DLQ`, 14 days, if none does; the source stream itself is
+//!   refused) and binds the consumer: created if missing, refused if an existing one differs
+//!   in a setting that matters (`consumer.rs`).
+//! - **Receive**: one `fetch` of up to the batch size; when the loop may block it waits at most
+//!   [`FETCH_EXPIRY`] for the first message (shutdown stays prompt). The delivery count is the
+//!   server's `num_delivered`; the key is `nats:{adapter}:{stream}:{stream_seq}`; headers
+//!   (`Nats-Msg-Id` included) and the subject become event headers.
+//! - **Re-binding**: after a reconnection or a failed fetch, the consumer is looked up again
+//!   (and re-created if the server lost it) before the next fetch; a consumer that delivers
+//!   nothing for 2 × [`FETCH_EXPIRY`] while the server says messages are pending is re-bound
+//!   as well (`nats_consumer_rebinds_total`).
+//! - **Acknowledge**: `+ACK` (or `+TERM` for a message just dead-lettered) with a reply
+//!   subject, so the server confirms each one ("double ack"); unconfirmed ones are retried by
+//!   the pipeline. **Lease**: AckWait; `+WPI` (in progress) extends it while a batch is stored.
+//! - **Dead letters**: published to `deadLetter.subject` (default `<stream>.dlq.<subject>`),
+//!   the body byte-identical, context in `Switchboard-*` headers; every PubAck is awaited
+//!   before the originals are terminated (`dead_letter.rs`).
+//! - **Shutdown**: messages received and not acknowledged are handed back with a delayed NAK
+//!   ([`NAK_DELAY`]), never a bare NAK that would burn through MaxDeliver.
+//! - **Queue health**: the consumer's `num_pending` (backlog) and `num_ack_pending` (pending),
+//!   and the age of the first message above its ack floor, read on the probe's own connection.
+
+mod connect;
+mod consumer;
+mod dead_letter;
+
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant, SystemTime};
+
+use async_nats::jetstream::consumer::PullConsumer;
+use async_nats::jetstream::context::{
+    ConsumerInfoErrorKind, CreateStreamErrorKind, GetStreamByNameErrorKind, GetStreamErrorKind,
+    PublishErrorKind,
+};
+use async_nats::jetstream::stream::{self, ConsumerErrorKind};
+use async_nats::jetstream::{self, AckKind, ErrorCode};
+use async_nats::{Client, Subject};
+use futures::StreamExt as _;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::registry::Registry;
+use switchboard_store::Dedup;
+
+use self::connect::ConnectionEvents;
+pub use self::connect::{Auth, Connector};
+use self::dead_letter::WriteContext;
+use crate::metrics::adapter_counter;
+use crate::transport::{
+    Acked, DeadLetter, Message, QueueHealth, QueueProbe, Transport, TransportError,
+};
+
+/// How long a blocking fetch waits for its first message.
+pub const FETCH_EXPIRY: Duration = Duration::from_secs(1);
+/// The redelivery delay of messages handed back at shutdown.
+pub const NAK_DELAY: Duration = Duration::from_secs(1);
+/// How long the server has to confirm the acknowledgements of one call.
+const ACK_TIMEOUT: Duration = Duration::from_secs(5);
+/// How often `maintain` (a no-op) and the queue-health probe run.
+const MAINTENANCE_INTERVAL: Duration = Duration::from_secs(5);
+/// How long the dead-letter stream the worker creates keeps messages.
+const DEAD_LETTER_RETENTION: Duration = Duration::from_secs(14 * 24 * 3600);
+const DEAD_LETTER_SETTING: &str = "spec.delivery.deadLetter.subject";
+const STREAM_SETTING: &str = "spec.source.nats.stream";
+const CONSUMER_SETTING: &str = "spec.source.nats.consumer";
+
+/// Everything the NATS transport needs to know.
+#[derive(Debug, Clone)]
+pub struct NatsSettings {
+    /// `namespace/name` of the adapter.
+    pub adapter: String,
+    /// The pod name, recorded in dead letters and shown as the client name.
+    pub consumer: String,
+    pub spec: switchboard_api::NatsSource,
+    pub connector: Connector,
+    /// `spec.delivery.deadLetter.subject`; default `<stream>.dlq.<subject>`.
+    pub dead_letter_subject: Option<String>,
+    /// `spec.delivery.maxDeliveries`.
+    pub max_deliveries: u64,
+}
+
+/// What the server needs to acknowledge one delivery, and where it came from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Receipt {
+    /// The delivery's `$JS.ACK…` reply subject.
+    pub reply: Subject,
+    pub stream_sequence: u64,
+    /// The message's subject.
+    pub subject: Subject,
+}
+
+pub type NatsDelivery = Message<Receipt>;
+
+/// The NATS transport's own counters.
+#[derive(Debug, Clone)]
+struct NatsMetrics {
+    rebinds: Counter,
+}
+
+/// The stream dead letters go to, and the subjects of this adapter's letters in it.
+#[derive(Debug, Clone)]
+pub struct DeadLetterStream {
+    name: String,
+    subjects: String,
+}
+
+/// What `prepare` bound.
+#[derive(Debug)]
+struct Bound {
+    client: Client,
+    js: jetstream::Context,
+    stream: stream::Stream,
+    consumer: PullConsumer,
+}
+
+/// The NATS JetStream transport.
+#[derive(Debug)]
+pub struct Nats {
+    settings: NatsSettings,
+    source: String,
+    events: ConnectionEvents,
+    metrics: NatsMetrics,
+    client: Option<Client>,
+    /// `None` until `prepare` succeeded.
+    bound: Option<Bound>,
+    /// Set after a reconnection or a failed fetch: look the consumer up again first.
+    rebind_due: bool,
+    /// Since when blocking fetches have returned nothing.
+    quiet_since: Option<Instant>,
+    /// Whether the dead-letter stream is known to exist.
+    dead_letter_ready: bool,
+    /// The stream holding the dead letters, once known.
+    dead_letter_stream: Option<DeadLetterStream>,
+    /// Stream sequences dead-lettered and not yet terminated.
+    dead_lettered: HashSet<u64>,
+    /// Received and not acknowledged (stream sequence → reply subject), for the hand-back at
+    /// shutdown.
+    held: HashMap<u64, Subject>,
+}
+
+impl Nats {
+    /// Builds the transport (no network yet).
+    pub fn new(settings: NatsSettings, registry: &mut Registry) -> Self {
+        let adapter = settings.adapter.clone();
+        let events = ConnectionEvents::new(adapter_counter(
+            registry,
+            "nats_reconnects",
+            "Reconnections of the worker's NATS connection",
+            &adapter,
+        ));
+        Self {
+            source: format!("nats:{adapter}"),
+            events,
+            metrics: NatsMetrics {
+                rebinds: adapter_counter(
+                    registry,
+                    "nats_consumer_rebinds",
+                    "Times the consumer was looked up again (or re-created) after a reconnection, a failed fetch, or while it delivered nothing with messages pending",
+                    &adapter,
+                ),
+            },
+            settings,
+            client: None,
+            bound: None,
+            rebind_due: false,
+            quiet_since: None,
+            dead_letter_ready: false,
+            dead_letter_stream: None,
+            dead_lettered: HashSet::new(),
+            held: HashMap::new(),
+        }
+    }
+
+    fn bound(&self) -> Result<&Bound, TransportError> {
+        self.bound
+            .as_ref()
+            .ok_or_else(|| TransportError::protocol("NATS transport used before prepare"))
+    }
+
+    async fn client(&mut self) -> Result<Client, TransportError> {
+        if let Some(client) = &self.client {
+            return Ok(client.clone());
+        }
+        let client = self
+            .settings
+            .connector
+            .connect(Some(self.events.clone()))
+            .await?;
+        self.client = Some(client.clone());
+        Ok(client)
+    }
+
+    /// The consumer, created if missing, refused if it differs.
+    async fn bind_consumer(&self, stream: &stream::Stream) -> Result<PullConsumer, TransportError> {
+        let spec = &self.settings.spec;
+        let wanted = consumer::desired(spec, self.settings.max_deliveries);
+        let read_failed = |err| TransportError::transient("could not read the NATS consumer", err);
+        match stream.consumer_info(&spec.consumer).await {
+            Ok(info) => {
+                if info.config.deliver_subject.is_some() {
+                    return Err(TransportError::fatal(
+                        CONSUMER_SETTING,
+                        format!(
+                            "consumer {} is a push consumer; the worker needs a pull consumer",
+                            spec.consumer
+                        ),
+                        None,
+                    ));
+                }
+                consumer::check_existing(&info.config, &wanted, &spec.consumer)?;
+                stream.get_consumer(&spec.consumer).await.map_err(|err| {
+                    TransportError::protocol(format!("could not bind the NATS consumer: {err}"))
+                })
+            }
+            Err(err) => match err.kind() {
+                ConsumerInfoErrorKind::NotFound => {
+                    let created = stream
+                        .create_consumer(wanted)
+                        .await
+                        .map_err(|err| match err.kind() {
+                            ConsumerErrorKind::JetStream(_) => TransportError::fatal(
+                                CONSUMER_SETTING,
+                                format!("the server refused to create consumer {}", spec.consumer),
+                                Some(Box::new(err)),
+                            ),
+                            _ => {
+                                TransportError::transient("could not create the NATS consumer", err)
+                            }
+                        })?;
+                    tracing::info!(consumer = %spec.consumer, "created the NATS consumer");
+                    Ok(created)
+                }
+                ConsumerInfoErrorKind::StreamNotFound => Err(stream_missing(&spec.stream)),
+                ConsumerInfoErrorKind::InvalidName => Err(TransportError::fatal(
+                    CONSUMER_SETTING,
+                    "not a valid consumer name",
+                    None,
+                )),
+                _ => Err(read_failed(err)),
+            },
+        }
+    }
+
+    /// Makes sure a stream (other than the source) holds the dead-letter subject; records it
+    /// for the probe.
+    async fn ensure_dead_letter_stream(
+        &mut self,
+        js: &jetstream::Context,
+    ) -> Result<(), TransportError> {
+        let stream = &self.settings.spec.stream;
+        let (sample, captured) = match &self.settings.dead_letter_subject {
+            Some(subject) => (subject.clone(), subject.clone()),
+            None => (format!("{stream}.dlq.x"), format!("{stream}.dlq.>")),
+        };
+        match js.stream_by_subject(sample.clone()).await {
+            Ok(name) if &name == stream => Err(TransportError::fatal(
+                DEAD_LETTER_SETTING,
+                format!(
+                    "stream {stream} itself holds the dead-letter subject {captured}: dead letters would be delivered again; choose a subject it does not hold"
+                ),
+                None,
+            )),
+            Ok(name) => {
+                tracing::info!(stream = %name, subject = %captured, "dead letters go to an existing stream");
+                self.dead_letter_stream = Some(DeadLetterStream {
+                    name,
+                    subjects: captured,
+                });
+                Ok(())
+            }
+            Err(err) if matches!(err.kind(), GetStreamByNameErrorKind::NotFound) => {
+                let name = format!("{stream}_DLQ");
+                js.create_stream(stream::Config {
+                    name: name.clone(),
+                    subjects: vec![captured.clone()],
+                    max_age: DEAD_LETTER_RETENTION,
+                    storage: stream::StorageType::File,
+                    ..Default::default()
+                })
+                .await
+                .map_err(|err| match err.kind() {
+                    CreateStreamErrorKind::JetStream(_) => {
+                        TransportError::fatal(
+                            DEAD_LETTER_SETTING,
+                            format!("the server refused to create the dead-letter stream {name} for {captured}"),
+                            Some(Box::new(err)),
+                        )
+                    }
+                    _ => TransportError::transient("could not create the dead-letter stream", err),
+                })?;
+                tracing::info!(stream = %name, subject = %captured, "created the dead-letter stream (messages kept 14 days)");
+                self.dead_letter_stream = Some(DeadLetterStream {
+                    name,
+                    subjects: captured,
+                });
+                Ok(())
+            }
+            Err(err) if matches!(err.kind(), GetStreamByNameErrorKind::InvalidSubject) => {
+                Err(TransportError::fatal(
+                    DEAD_LETTER_SETTING,
+                    format!("{sample} is not a valid subject"),
+                    None,
+                ))
+            }
+            Err(err) => Err(TransportError::transient(
+                "could not look up the dead-letter stream",
+                err,
+            )),
+        }
+    }
+
+    /// Looks the consumer up again (re-creating it if the server lost it).
+    async fn rebind(&mut self, why: &str) -> Result<(), TransportError> {
+        let Some(bound) = &self.bound else {
+            return Ok(());
+        };
+        let consumer = self.bind_consumer(&bound.stream).await?;
+        self.metrics.rebinds.inc();
+        tracing::info!(reason = why, "re-bound the NATS consumer");
+        if let Some(bound) = &mut self.bound {
+            bound.consumer = consumer;
+        }
+        self.rebind_due = false;
+        self.quiet_since = None;
+        Ok(())
+    }
+
+    /// After a blocking fetch returned nothing: a consumer quiet for 2 × [`FETCH_EXPIRY`]
+    /// while the server holds undelivered messages for it is re-bound.
+    async fn check_stalled(&mut self) -> Result<(), TransportError> {
+        let since = *self.quiet_since.get_or_insert_with(Instant::now);
+        if since.elapsed() < 2 * FETCH_EXPIRY {
+            return Ok(());
+        }
+        self.quiet_since = Some(Instant::now());
+        let info =
+            self.bound()?.consumer.get_info().await.map_err(|err| {
+                TransportError::transient("could not read the NATS consumer", err)
+            })?;
+        if info.num_pending > 0 {
+            tracing::warn!(
+                num_pending = info.num_pending,
+                "the NATS consumer delivered nothing while messages are pending"
+            );
+            self.rebind("stalled").await?;
+        }
+        Ok(())
+    }
+
+    /// One fetched message, converted; `None` for one without an acknowledgement subject
+    /// (never a JetStream delivery: it can be neither acknowledged nor dead-lettered).
+    fn convert(&mut self, message: jetstream::Message) -> Option<NatsDelivery> {
+        let (stream, stream_sequence, delivered, published) = match message.info() {
+            Ok(info) => (
+                info.stream.to_owned(),
+                info.stream_sequence,
+                info.delivered,
+                info.published,
+            ),
+            Err(err) => {
+                tracing::warn!(error = %err, subject = %message.subject, "skipped a NATS message that is not a JetStream delivery");
+                return None;
+            }
+        };
+        let message = message.message;
+        let reply = message.reply?;
+        let mut headers: Vec<(String, Vec<u8>)> = message
+            .headers
+            .iter()
+            .flat_map(|headers| headers.iter())
+            .flat_map(|(name, values)| {
+                values
+                    .iter()
+                    .map(move |value| (name.to_string(), value.as_str().as_bytes().to_vec()))
+            })
+            .collect();
+        headers.sort();
+        headers.push((
+            "Nats-Subject".to_owned(),
+            message.subject.as_bytes().to_vec(),
+        ));
+        let external_id = format!("{stream}:{stream_sequence}");
+        self.held.insert(stream_sequence, reply.clone());
+        Some(Message {
+            receipt: Receipt {
+                reply,
+                stream_sequence,
+                subject: message.subject,
+            },
+            idempotency_key: format!("{}:{external_id}", self.source),
+            external_id,
+            body: message.payload.to_vec(),
+            headers,
+            delivery_count: u64::try_from(delivered).unwrap_or(1).max(1),
+            enqueued_at_ms: u64::try_from(published.unix_timestamp_nanos() / 1_000_000).ok(),
+            position: None,
+            undecodable: None,
+        })
+    }
+}
+
+fn stream_missing(stream: &str) -> TransportError {
+    TransportError::fatal(
+        STREAM_SETTING,
+        format!("stream {stream} does not exist"),
+        None,
+    )
+}
+
+impl Transport for Nats {
+    type Receipt = Receipt;
+    type Probe = NatsProbe;
+
+    fn source(&self) -> &str {
+        &self.source
+    }
+
+    fn dedup(&self) -> Dedup {
+        Dedup::NativeId
+    }
+
+    async fn prepare(&mut self) -> Result<(), TransportError> {
+        let client = self.client().await?;
+        let js = jetstream::new(client.clone());
+        let name = &self.settings.spec.stream.clone();
+        let stream = js.get_stream(name).await.map_err(|err| match err.kind() {
+            GetStreamErrorKind::JetStream(js) if js.error_code() == ErrorCode::STREAM_NOT_FOUND => {
+                stream_missing(name)
+            }
+            GetStreamErrorKind::InvalidStreamName | GetStreamErrorKind::EmptyName => {
+                TransportError::fatal(STREAM_SETTING, "not a valid stream name", None)
+            }
+            _ => TransportError::transient("could not read the NATS stream", err),
+        })?;
+        self.ensure_dead_letter_stream(&js).await?;
+        self.dead_letter_ready = true;
+        let consumer = self.bind_consumer(&stream).await?;
+        if self.bound.is_none() {
+            tracing::info!(
+                stream = %name,
+                consumer = %self.settings.spec.consumer,
+                ack_wait_seconds = self.settings.spec.ack_wait_seconds,
+                "NATS consumer ready"
+            );
+        }
+        self.bound = Some(Bound {
+            client,
+            js,
+            stream,
+            consumer,
+        });
+        self.events.reconnected.store(false, Ordering::Release);
+        Ok(())
+    }
+
+    async fn receive(
+        &mut self,
+        max: usize,
+        block: bool,
+    ) -> Result<Vec<NatsDelivery>, TransportError> {
+        if self.events.reconnected.swap(false, Ordering::AcqRel) || self.rebind_due {
+            let why = if self.rebind_due {
+                "fetch failed"
+            } else {
+                "reconnected"
+            };
+            self.rebind_due = true;
+            self.rebind(why).await?;
+        }
+        let bound = self.bound()?;
+        let mut fetch = bound.consumer.fetch().max_messages(max.max(1));
+        if block {
+            fetch = fetch.expires(FETCH_EXPIRY);
+        }
+        let mut batch = match fetch.messages().await {
+            Ok(batch) => batch,
+            Err(err) => {
+                self.rebind_due = true;
+                return Err(TransportError::transient("NATS fetch failed", err));
+            }
+        };
+        let mut fetched = Vec::new();
+        let mut failure = None;
+        while let Some(item) = batch.next().await {
+            match item {
+                Ok(message) => fetched.push(message),
+                Err(err) => {
+                    failure = Some(err);
+                    break;
+                }
+            }
+        }
+        drop(batch);
+        let messages: Vec<NatsDelivery> = fetched
+            .into_iter()
+            .filter_map(|message| self.convert(message))
+            .collect();
+        if let Some(err) = failure {
+            self.rebind_due = true;
+            if messages.is_empty() {
+                return Err(TransportError::protocol(format!(
+                    "NATS fetch failed: {err}"
+                )));
+            }
+            tracing::debug!(error = %err, "a NATS fetch ended early; delivering what it returned");
+        }
+        if !messages.is_empty() {
+            self.quiet_since = None;
+        } else if block {
+            self.check_stalled().await?;
+        }
+        Ok(messages)
+    }
+
+    async fn write_dead_letters(
+        &mut self,
+        letters: &[DeadLetter<'_, Receipt>],
+    ) -> Result<(), TransportError> {
+        if letters.is_empty() {
+            return Ok(());
+        }
+        if !self.dead_letter_ready {
+            let js = self.bound()?.js.clone();
+            self.ensure_dead_letter_stream(&js).await?;
+            self.dead_letter_ready = true;
+        }
+        let bound = self.bound()?;
+        let last_seen = humantime::format_rfc3339_millis(SystemTime::now()).to_string();
+        let context = WriteContext {
+            stream: &self.settings.spec.stream,
+            consumer: &self.settings.consumer,
+            last_seen: &last_seen,
+        };
+        let mut pending = Vec::with_capacity(letters.len());
+        for letter in letters {
+            let message = letter.message;
+            let subject = dead_letter::subject(
+                self.settings.dead_letter_subject.as_deref(),
+                &self.settings.spec.stream,
+                message.receipt.subject.as_str(),
+            );
+            let headers = dead_letter::headers(message, letter.reason, &letter.error, context);
+            let ack = bound
+                .js
+                .publish_with_headers(subject, headers, message.body.clone().into())
+                .await
+                .map_err(|err| TransportError::transient("could not publish a dead letter", err))?;
+            pending.push(ack);
+        }
+        let mut missing_stream = false;
+        let mut failure = None;
+        for ack in pending {
+            if let Err(err) = ack.await {
+                missing_stream |= matches!(err.kind(), PublishErrorKind::StreamNotFound);
+                failure.get_or_insert(err);
+            }
+        }
+        if let Some(err) = failure {
+            // The pipeline writes the whole batch again; the dead-letter stream drops the
+            // letters it already has (their `Nats-Msg-Id`).
+            self.dead_letter_ready &= !missing_stream;
+            return Err(TransportError::transient(
+                "the dead-letter stream did not confirm a dead letter",
+                err,
+            ));
+        }
+        self.dead_lettered.extend(
+            letters
+                .iter()
+                .map(|letter| letter.message.receipt.stream_sequence),
+        );
+        Ok(())
+    }
+
+    async fn ack(&mut self, messages: &[&NatsDelivery]) -> Result<Acked, TransportError> {
+        if messages.is_empty() {
+            return Ok(Acked::all());
+        }
+        let client = self.bound()?.client.clone();
+        let inbox = client.new_inbox();
+        let mut replies = client
+            .subscribe(format!("{inbox}.*"))
+            .await
+            .map_err(|err| TransportError::transient("could not subscribe for ack replies", err))?;
+        for (index, message) in messages.iter().enumerate() {
+            let kind = if self
+                .dead_lettered
+                .contains(&message.receipt.stream_sequence)
+            {
+                AckKind::Term
+            } else {
+                AckKind::Ack
+            };
+            client
+                .publish_with_reply(
+                    message.receipt.reply.clone(),
+                    format!("{inbox}.{index}"),
+                    kind.into(),
+                )
+                .await
+                .map_err(|err| TransportError::transient("could not send acknowledgements", err))?;
+        }
+        client
+            .flush()
+            .await
+            .map_err(|err| TransportError::transient("could not send acknowledgements", err))?;
+        let mut confirmed = vec![false; messages.len()];
+        let mut left = messages.len();
+        let deadline = tokio::time::Instant::now() + ACK_TIMEOUT;
+        while left > 0 {
+            let Ok(Some(reply)) = tokio::time::timeout_at(deadline, replies.next()).await else {
+                break;
+            };
+            let index = reply
+                .subject
+                .rsplit('.')
+                .next()
+                .and_then(|token| token.parse::<usize>().ok());
+            if let Some(slot) = index.and_then(|index| confirmed.get_mut(index))
+                && !*slot
+            {
+                *slot = true;
+                left -= 1;
+            }
+        }
+        let _ = replies.unsubscribe().await;
+        if left == messages.len() {
+            return Err(TransportError::protocol(
+                "NATS confirmed none of the acknowledgements in time",
+            ));
+        }
+        let mut retry = Vec::new();
+        for (index, (message, confirmed)) in messages.iter().zip(confirmed).enumerate() {
+            let seq = message.receipt.stream_sequence;
+            if confirmed {
+                self.dead_lettered.remove(&seq);
+                self.held.remove(&seq);
+            } else {
+                retry.push(index);
+            }
+        }
+        Ok(Acked {
+            stale: Vec::new(),
+            retry,
+        })
+    }
+
+    fn lease(&self) -> Option<Duration> {
+        Some(Duration::from_secs(u64::from(
+            self.settings.spec.ack_wait_seconds,
+        )))
+    }
+
+    async fn extend_lease(&mut self, messages: &[&NatsDelivery]) -> Result<(), TransportError> {
+        let client = &self.bound()?.client;
+        for message in messages {
+            client
+                .publish(message.receipt.reply.clone(), AckKind::Progress.into())
+                .await
+                .map_err(|err| TransportError::transient("could not send in-progress acks", err))?;
+        }
+        client
+            .flush()
+            .await
+            .map_err(|err| TransportError::transient("could not send in-progress acks", err))
+    }
+
+    async fn maintain(&mut self) -> Result<(), TransportError> {
+        Ok(())
+    }
+
+    fn maintenance_interval(&self) -> Duration {
+        MAINTENANCE_INTERVAL
+    }
+
+    fn probe(&self) -> NatsProbe {
+        NatsProbe {
+            connector: self.settings.connector.clone(),
+            stream: self.settings.spec.stream.clone(),
+            consumer: self.settings.spec.consumer.clone(),
+            filter: self.settings.spec.filter_subject.clone(),
+            dead_letter_stream: self.dead_letter_stream.clone(),
+            client: None,
+        }
+    }
+
+    async fn shutdown(&mut self) {
+        let Some(bound) = &self.bound else {
+            return;
+        };
+        let held = std::mem::take(&mut self.held);
+        if held.is_empty() {
+            return;
+        }
+        for reply in held.values() {
+            if bound
+                .client
+                .publish(reply.clone(), AckKind::Nak(Some(NAK_DELAY)).into())
+                .await
+                .is_err()
+            {
+                break;
+            }
+        }
+        match bound.client.flush().await {
+            Ok(()) => tracing::info!(
+                messages = held.len(),
+                delay = ?NAK_DELAY,
+                "handed un-acknowledged messages back to NATS"
+            ),
+            Err(err) => {
+                tracing::warn!(error = %err, "could not hand messages back; the server redelivers them after AckWait")
+            }
+        }
+    }
+}
+
+/// Reads the consumer's figures on its own connection.
+#[derive(Debug)]
+pub struct NatsProbe {
+    connector: Connector,
+    stream: String,
+    consumer: String,
+    filter: Option<String>,
+    dead_letter_stream: Option<DeadLetterStream>,
+    client: Option<Client>,
+}
+
+impl QueueProbe for NatsProbe {
+    /// Backlog = the consumer's `num_pending` (not yet delivered), pending = `num_ack_pending`
+    /// (delivered, not acknowledged); the oldest pending age is that of the first message
+    /// above the consumer's ack floor (zero when there is none).
+    async fn queue_health(&mut self) -> Result<QueueHealth, TransportError> {
+        let client = match &self.client {
+            Some(client) => client.clone(),
+            None => {
+                let client = self.connector.connect(None).await?;
+                self.client = Some(client.clone());
+                client
+            }
+        };
+        let js = jetstream::new(client);
+        let stream = js
+            .get_stream_no_info(&self.stream)
+            .await
+            .map_err(|err| TransportError::transient("could not read the NATS stream", err))?;
+        let info = stream
+            .consumer_info(&self.consumer)
+            .await
+            .map_err(|err| TransportError::transient("could not read the NATS consumer", err))?;
+        let unacknowledged = info.num_pending + info.num_ack_pending as u64;
+        let oldest_pending_age = if unacknowledged == 0 {
+            Some(Duration::ZERO)
+        } else {
+            stream
+                .raw_message_builder()
+                .sequence(info.ack_floor.stream_sequence + 1)
+                .next_by_subject(self.filter.clone().unwrap_or_else(|| ">".to_owned()))
+                .send()
+                .await
+                .ok()
+                .map(|message| {
+                    let age = time_since(message.time.unix_timestamp_nanos());
+                    Duration::from_nanos(u64::try_from(age).unwrap_or(0))
+                })
+        };
+        let dead_letters = match &self.dead_letter_stream {
+            Some(letters) => Some(dead_letter_count(&js, letters).await?),
+            None => None,
+        };
+        Ok(QueueHealth {
+            backlog: Some(info.num_pending),
+            pending: Some(info.num_ack_pending as u64),
+            oldest_pending_age,
+            dead_letters,
+        })
+    }
+}
+
+/// Messages on the dead-letter subjects of `letters`' stream.
+async fn dead_letter_count(
+    js: &jetstream::Context,
+    letters: &DeadLetterStream,
+) -> Result<u64, TransportError> {
+    let failed = |err| TransportError::transient("could not read the dead-letter stream", err);
+    let stream = js
+        .get_stream_no_info(&letters.name)
+        .await
+        .map_err(|err| TransportError::transient("could not read the dead-letter stream", err))?;
+    let mut subjects = stream
+        .info_with_subjects(&letters.subjects)
+        .await
+        .map_err(failed)?;
+    let mut count = 0;
+    while let Some(subject) = subjects.next().await {
+        count += subject.map_err(failed)?.1 as u64;
+    }
+    Ok(count)
+}
+
+/// Nanoseconds from `unix_nanos` until now (zero for a time in the future).
+fn time_since(unix_nanos: i128) -> i128 {
+    let now = SystemTime::now()
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as i128);
+    (now - unix_nanos).max(0)
+}
