@@ -9,6 +9,7 @@ pub mod source;
 mod validate;
 
 pub use manifest::{ManifestError, UnknownField, load_manifest};
+pub use source::amqp::{AmqpBinding, AmqpDeclare, AmqpQueueType, AmqpSource};
 pub use source::redis::{RedisMode, RedisSource, StartFrom};
 pub use source::sqs::SqsSource;
 pub use source::{Broker, MissingSecret, SecretEnv, Source};
@@ -172,6 +173,20 @@ pub struct DeadLetter {
     #[serde(default, rename = "queueUrl", skip_serializing_if = "Option::is_none")]
     #[schemars(length(min = 1, max = 2048))]
     pub queue_url: Option<String>,
+    /// The exchange dead letters are published to (source `amqp`), with publisher confirms.
+    /// Default: the durable queue `<queue>.dlq`, which the worker declares.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 255))]
+    pub exchange: Option<String>,
+    /// The routing key of dead letters published to `exchange` (source `amqp`). Default: the
+    /// source queue's name.
+    #[serde(
+        default,
+        rename = "routingKey",
+        skip_serializing_if = "Option::is_none"
+    )]
+    #[schemars(length(max = 255))]
+    pub routing_key: Option<String>,
 }
 
 /// The database holding the todos.

@@ -26,6 +26,7 @@ use crate::backoff::Backoff;
 use crate::health::Health;
 use crate::metrics::Metrics;
 use crate::pipeline::{Pipeline, PipelineError, PipelineSettings};
+use crate::transport::amqp::{Amqp, AmqpSettings};
 use crate::transport::redis::list::{ListSettings, RedisList};
 use crate::transport::redis::pubsub::{PubSubSettings, RedisPubSub};
 use crate::transport::redis::stream::{RedisStream, StreamSettings};
@@ -72,7 +73,9 @@ pub enum WorkerError {
     MissingEnv(&'static str),
     #[error("no consumer name: pass --consumer or set HOSTNAME")]
     NoConsumer,
-    #[error("the manifest has no supported source (spec.source.redis or spec.source.sqs)")]
+    #[error(
+        "the manifest has no supported source (spec.source.redis, spec.source.sqs or spec.source.amqp)"
+    )]
     NoSource,
     #[error(transparent)]
     Store(#[from] StoreError),
@@ -420,6 +423,21 @@ async fn run_source(
             };
             let transport = Sqs::new(settings, &mut registry).await?;
             drive(transport, registry, sqs, deps, probes).await
+        }
+        (None, None) => {
+            let Some(amqp) = &spec.source.amqp else {
+                return Err(WorkerError::NoSource);
+            };
+            let settings = AmqpSettings {
+                adapter: name,
+                consumer,
+                spec: amqp.clone(),
+                dead_letter_exchange: dead_letter.exchange.clone(),
+                dead_letter_routing_key: dead_letter.routing_key.clone(),
+                batch_size,
+            };
+            let transport = Amqp::new(settings, env("AMQP_URL")?, &mut registry)?;
+            drive(transport, registry, amqp, deps, probes).await
         }
         _ => Err(WorkerError::NoSource),
     }

@@ -147,17 +147,28 @@ impl Broker for SqsSource {
                 "must be 1 to 43200",
             );
         }
-        for (field, value) in [
+        for (field, set) in [
             (
                 "spec.delivery.deadLetter.stream",
-                &delivery.dead_letter.stream,
+                delivery.dead_letter.stream.is_some(),
             ),
-            ("spec.delivery.deadLetter.list", &delivery.dead_letter.list),
+            (
+                "spec.delivery.deadLetter.list",
+                delivery.dead_letter.list.is_some(),
+            ),
+            (
+                "spec.delivery.deadLetter.exchange",
+                delivery.dead_letter.exchange.is_some(),
+            ),
+            (
+                "spec.delivery.deadLetter.routingKey",
+                delivery.dead_letter.routing_key.is_some(),
+            ),
         ] {
-            if value.is_some() {
+            if set {
                 error(
                     field,
-                    "is for source redis; SQS dead letters go to deadLetter.queueUrl",
+                    "is not for source sqs; SQS dead letters go to deadLetter.queueUrl",
                 );
             }
         }
