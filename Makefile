@@ -50,8 +50,8 @@ kind-demo: kind-up
 kind-down:
 	scripts/kind-down.sh
 
-## make bench: worker throughput, CPU, latency and memory vs the raw PostgreSQL, Redis and SQS
-## (ElasticMQ) limits, in release, against real servers, every phase 3 times, median and spread
+## make bench: worker throughput, CPU, latency and memory vs the raw PostgreSQL, Redis, SQS
+## (ElasticMQ) and RabbitMQ limits, in release, against real servers, every phase 3 times, median and spread
 ## (docs/PERFORMANCE.md); fails if any entry is not stored exactly once
 bench: deps sqs-server
 	$(CARGO) build --release --workspace --bins

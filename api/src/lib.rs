@@ -16,7 +16,7 @@ pub use source::{Broker, MissingSecret, SecretEnv, Source};
 pub use validate::{FieldError, InvalidSpec};
 
 use k8s_openapi::api::core::v1::ResourceRequirements;
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use kube::{CustomResource, KubeSchema};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
@@ -43,6 +43,8 @@ pub const VERSION: &str = "v1alpha1";
     printcolumn = r#"{"name":"Queue","type":"string","jsonPath":".spec.target.queue"}"#,
     printcolumn = r#"{"name":"Enabled","type":"boolean","jsonPath":".spec.enabled"}"#,
     printcolumn = r#"{"name":"Ready","type":"string","jsonPath":".status.conditions[?(@.type==\"Ready\")].status"}"#,
+    printcolumn = r#"{"name":"Backlog","type":"integer","jsonPath":".status.observed.backlog"}"#,
+    printcolumn = r#"{"name":"Oldest","type":"date","jsonPath":".status.observed.oldestSince"}"#,
     printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
 )]
 #[serde(rename_all = "camelCase")]
@@ -143,6 +145,11 @@ pub struct Delivery {
     /// Where dead letters go.
     #[serde(default)]
     pub dead_letter: DeadLetter,
+    /// The adapter's `Backlogged` condition turns True when its oldest unacknowledged message
+    /// is older than this many seconds.
+    #[serde(default = "default_alert_oldest_seconds")]
+    #[schemars(range(min = 1, max = 604800))]
+    pub alert_oldest_seconds: u32,
 }
 
 impl Default for Delivery {
@@ -152,6 +159,7 @@ impl Default for Delivery {
             max_deliveries: default_max_deliveries(),
             claim_idle_seconds: default_claim_idle_seconds(),
             dead_letter: DeadLetter::default(),
+            alert_oldest_seconds: default_alert_oldest_seconds(),
         }
     }
 }
@@ -248,6 +256,30 @@ pub struct QueueAdapterStatus {
     /// The broker-specific mode: `stream`, `list`, `pubsub` (Redis), `standard` or `fifo` (SQS).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mode: Option<String>,
+    /// What the running workers last reported about the queue (they report every few
+    /// seconds; a worker that stopped reporting is left out).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed: Option<ObservedQueue>,
+}
+
+/// The queue as the workers see it.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct ObservedQueue {
+    /// Workers whose report is current.
+    pub workers: u32,
+    /// Messages not yet delivered to any worker (absent when the broker does not say).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub backlog: Option<u64>,
+    /// Messages delivered and not yet acknowledged.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pending: Option<u64>,
+    /// When the oldest unacknowledged message arrived (absent when none is pending).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub oldest_since: Option<Time>,
+    /// Messages in the dead-letter destination, waiting to be inspected.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dead_letters: Option<u64>,
 }
 
 /// The delivery guarantee a source mode gives.
@@ -289,6 +321,9 @@ fn default_max_deliveries() -> u32 {
 }
 fn default_claim_idle_seconds() -> u32 {
     60
+}
+fn default_alert_oldest_seconds() -> u32 {
+    300
 }
 fn default_replicas() -> i32 {
     1

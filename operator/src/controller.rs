@@ -28,6 +28,7 @@ use crate::build::{
     worker_name,
 };
 use crate::metrics::{ErrorCategory, Metrics, ReconcileOutcome};
+use crate::runtime::refresh_runtime_status;
 use crate::status::{Outcome, desired_status};
 
 /// Held on every QueueAdapter until its `adapters` row is deleted.
@@ -482,6 +483,12 @@ pub async fn run_controller(ctx: Arc<Context>, stop: CancellationToken) {
         watcher::Config::default(),
     );
     let cache = controller.store();
+    let runtime = tokio::spawn(refresh_runtime_status(
+        client.clone(),
+        ctx.store.clone(),
+        cache.clone(),
+        stop.clone(),
+    ));
     let settings = ctx.settings.clone();
     controller
         .owns(Api::<Deployment>::all(client.clone()), managed.clone())
@@ -504,6 +511,7 @@ pub async fn run_controller(ctx: Arc<Context>, stop: CancellationToken) {
             }
         })
         .await;
+    let _ = runtime.await;
 }
 
 #[cfg(test)]

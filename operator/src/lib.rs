@@ -11,6 +11,7 @@ pub mod controller;
 pub mod lease;
 pub mod metrics;
 pub mod probes;
+pub mod runtime;
 pub mod status;
 
 use std::net::SocketAddr;

@@ -1,14 +1,31 @@
-//! The status a reconcile reports, computed without I/O from what it observed. Conditions keep
-//! their `lastTransitionTime` while their status stays the same, so an unchanged world yields an
-//! identical status and nothing is written.
+//! The status a reconcile reports, and the runtime part the workers' reports give, computed
+//! without I/O from what was observed. Conditions keep their `lastTransitionTime` while their
+//! status stays the same, so an unchanged world yields an identical status and nothing is
+//! written.
+
+use std::time::{Duration, SystemTime};
 
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
-use switchboard_api::{QueueAdapter, QueueAdapterStatus};
+use k8s_openapi::jiff::Timestamp;
+use switchboard_api::{ObservedQueue, QueueAdapter, QueueAdapterStatus};
+use switchboard_store::WorkerReport;
 
 pub const READY: &str = "Ready";
 pub const RECONCILED: &str = "Reconciled";
 pub const DEGRADED: &str = "Degraded";
+pub const BROKER_CONNECTED: &str = "BrokerConnected";
+pub const DATABASE_REACHABLE: &str = "DatabaseReachable";
+pub const BACKLOGGED: &str = "Backlogged";
+pub const DEAD_LETTERING: &str = "DeadLettering";
+
+/// The conditions the workers' reports decide (the rest are the reconcile's).
+const RUNTIME_CONDITIONS: [&str; 4] = [
+    BROKER_CONNECTED,
+    DATABASE_REACHABLE,
+    BACKLOGGED,
+    DEAD_LETTERING,
+];
 
 /// What one reconcile achieved.
 #[derive(Debug, Clone, Copy)]
@@ -166,18 +183,192 @@ pub fn desired_status(
                 )
             }),
     };
+    let mut conditions = vec![
+        ready,
+        condition(previous, RECONCILED, reconciled, generation, now),
+        condition(previous, DEGRADED, degraded, generation, now),
+    ];
+    // The runtime part is the workers' reports' to decide: carried over unchanged.
+    conditions.extend(
+        previous
+            .into_iter()
+            .flat_map(|s| &s.conditions)
+            .filter(|c| RUNTIME_CONDITIONS.contains(&c.type_.as_str()))
+            .cloned(),
+    );
     QueueAdapterStatus {
         observed_generation: generation,
-        conditions: vec![
-            ready,
-            condition(previous, RECONCILED, reconciled, generation, now),
-            condition(previous, DEGRADED, degraded, generation, now),
-        ],
+        conditions,
         ready_replicas,
         delivery_guarantee: broker.map(|b| b.guarantee().as_str().to_owned()),
         source: broker.map(|b| b.kind().to_owned()),
         mode: broker.map(|b| b.mode().to_owned()),
+        observed: previous.and_then(|s| s.observed.clone()),
     }
+}
+
+/// What the operator knows of an adapter's workers at runtime.
+#[derive(Debug, Clone, Copy)]
+pub enum Runtime<'a> {
+    /// The current reports of its workers (none: no worker reported recently).
+    Reports(&'a [WorkerReport]),
+    /// The reports cannot be read: the operator cannot reach PostgreSQL.
+    DatabaseUnreachable(&'a str),
+}
+
+/// `adapter`'s status with its runtime part (`observed` and the runtime conditions) as
+/// `runtime` says, at time `now`; the reconcile's part is kept.
+pub fn with_runtime(
+    adapter: &QueueAdapter,
+    runtime: Runtime<'_>,
+    now: &Time,
+) -> QueueAdapterStatus {
+    let previous = adapter.status.as_ref();
+    let mut status = previous.cloned().unwrap_or_default();
+    let generation = status.observed_generation;
+    let verdicts = match runtime {
+        Runtime::Reports(reports) => {
+            let observed = observe(reports);
+            let verdicts = runtime_verdicts(adapter, reports, &observed, now);
+            status.observed = Some(observed);
+            verdicts
+        }
+        Runtime::DatabaseUnreachable(message) => {
+            let message = format!("the operator cannot read the workers' reports: {message}");
+            vec![(
+                DATABASE_REACHABLE,
+                Verdict::new(false, "DatabaseUnreachable", message),
+            )]
+        }
+    };
+    for (type_, verdict) in verdicts {
+        let updated = condition(previous, type_, verdict, generation, now);
+        match status.conditions.iter_mut().find(|c| c.type_ == type_) {
+            Some(existing) => *existing = updated,
+            None => status.conditions.push(updated),
+        }
+    }
+    status
+}
+
+/// The queue as the freshest report says (its figures are queue-wide), with the oldest
+/// message any worker holds.
+fn observe(reports: &[WorkerReport]) -> ObservedQueue {
+    let latest = reports.iter().max_by_key(|r| r.reported_at);
+    ObservedQueue {
+        workers: u32::try_from(reports.len()).unwrap_or(u32::MAX),
+        backlog: latest.and_then(|r| r.backlog),
+        pending: latest.and_then(|r| r.pending),
+        oldest_since: reports
+            .iter()
+            .filter_map(|r| r.oldest_since)
+            .min()
+            .map(whole_seconds),
+        dead_letters: latest.and_then(|r| r.dead_letters),
+    }
+}
+
+/// `time` to the second below: the status changes only when the oldest message does.
+fn whole_seconds(time: SystemTime) -> Time {
+    let seconds = time
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    Time(Timestamp::from_second(i64::try_from(seconds).unwrap_or(0)).unwrap_or_default())
+}
+
+fn runtime_verdicts(
+    adapter: &QueueAdapter,
+    reports: &[WorkerReport],
+    observed: &ObservedQueue,
+    now: &Time,
+) -> Vec<(&'static str, Verdict<'static>)> {
+    if reports.is_empty() {
+        let unknown = || Verdict {
+            status: "Unknown",
+            reason: "NoReports",
+            message: "no worker has reported recently".to_owned(),
+        };
+        return RUNTIME_CONDITIONS
+            .into_iter()
+            .map(|type_| (type_, unknown()))
+            .collect();
+    }
+    let total = reports.len();
+    let up = |dependency: &str, is_up: fn(&WorkerReport) -> bool| {
+        let down = reports.iter().filter(|r| !is_up(r)).count();
+        match down {
+            0 => Verdict::new(
+                true,
+                "Reachable",
+                format!("{total} of {total} workers reach the {dependency}"),
+            ),
+            _ => Verdict::new(
+                false,
+                "Unreachable",
+                format!("{down} of {total} workers cannot reach the {dependency}"),
+            ),
+        }
+    };
+    let limit = Duration::from_secs(u64::from(adapter.spec.delivery.alert_oldest_seconds));
+    let waited = observed.oldest_since.as_ref().map(|since| {
+        let seconds = now.0.as_second() - since.0.as_second();
+        Duration::from_secs(u64::try_from(seconds).unwrap_or(0))
+    });
+    // Messages name the arrival time, not the waiting time: the status stays the same
+    // between reports while the same message is the oldest.
+    let since = observed
+        .oldest_since
+        .as_ref()
+        .map(|t| t.0.to_string())
+        .unwrap_or_default();
+    let backlogged = match waited {
+        Some(waited) if waited > limit => Verdict::new(
+            true,
+            "OldestMessageTooOld",
+            format!(
+                "the oldest unacknowledged message arrived at {since}, longer ago than \
+                 delivery.alertOldestSeconds ({} s)",
+                limit.as_secs()
+            ),
+        ),
+        Some(_) => Verdict::new(
+            false,
+            "WithinLimit",
+            format!(
+                "the oldest unacknowledged message arrived at {since}, within \
+                 delivery.alertOldestSeconds ({} s)",
+                limit.as_secs()
+            ),
+        ),
+        None => Verdict::new(
+            false,
+            "NothingPending",
+            "no message is waiting to be acknowledged",
+        ),
+    };
+    let dead_lettering = match observed.dead_letters {
+        Some(0) => Verdict::new(
+            false,
+            "NoDeadLetters",
+            "the dead-letter destination is empty",
+        ),
+        Some(count) => Verdict::new(
+            true,
+            "DeadLettersWaiting",
+            format!("{count} dead letters wait to be inspected"),
+        ),
+        None => Verdict {
+            status: "Unknown",
+            reason: "NotReported",
+            message: "the broker does not report its dead letters".to_owned(),
+        },
+    };
+    vec![
+        (BROKER_CONNECTED, up("broker", |r| r.broker_up)),
+        (DATABASE_REACHABLE, up("database", |r| r.database_up)),
+        (BACKLOGGED, backlogged),
+        (DEAD_LETTERING, dead_lettering),
+    ]
 }
 
 #[cfg(test)]
@@ -299,5 +490,107 @@ mod tests {
             assert_eq!(get(&status, type_).reason, "SecretNotFound");
         }
         assert_eq!(get(&status, DEGRADED).status, "True");
+    }
+
+    fn report(worker: &str, reported: u64, oldest: Option<u64>, dead: Option<u64>) -> WorkerReport {
+        let at = |s: u64| SystemTime::UNIX_EPOCH + Duration::from_secs(s);
+        WorkerReport {
+            adapter: "shop/orders".to_owned(),
+            worker: worker.to_owned(),
+            reported_at: at(reported),
+            backlog: Some(reported),
+            pending: Some(2),
+            oldest_since: oldest.map(at),
+            dead_letters: dead,
+            broker_up: true,
+            database_up: true,
+        }
+    }
+
+    #[test]
+    fn fresh_reports_give_the_latest_figures_and_the_oldest_message_of_any_worker() {
+        let reports = [
+            report("a", 100, Some(90), Some(0)),
+            report("b", 101, Some(50), Some(0)),
+        ];
+        let status = with_runtime(&adapter(), Runtime::Reports(&reports), &time(102));
+        let observed = status.observed.clone().expect("observed");
+        assert_eq!(observed.workers, 2);
+        assert_eq!(observed.backlog, Some(101));
+        assert_eq!(observed.oldest_since, Some(time(50)));
+        assert_eq!(get(&status, BROKER_CONNECTED).status, "True");
+        assert_eq!(get(&status, DATABASE_REACHABLE).status, "True");
+        assert_eq!(get(&status, DEAD_LETTERING).status, "False");
+        // 52 s waited, under the default limit of 300 s.
+        assert_eq!(get(&status, BACKLOGGED).status, "False");
+        let late = with_runtime(&adapter(), Runtime::Reports(&reports), &time(351));
+        assert_eq!(get(&late, BACKLOGGED).status, "True");
+        assert_eq!(get(&late, BACKLOGGED).reason, "OldestMessageTooOld");
+    }
+
+    #[test]
+    fn a_worker_that_cannot_reach_a_dependency_turns_its_condition_false() {
+        let mut down = report("b", 101, None, Some(3));
+        down.broker_up = false;
+        let reports = [report("a", 100, None, Some(3)), down];
+        let status = with_runtime(&adapter(), Runtime::Reports(&reports), &time(102));
+        let broker = get(&status, BROKER_CONNECTED);
+        assert_eq!(
+            (broker.status.as_str(), broker.message.as_str()),
+            ("False", "1 of 2 workers cannot reach the broker")
+        );
+        assert_eq!(get(&status, DEAD_LETTERING).status, "True");
+    }
+
+    #[test]
+    fn no_fresh_report_makes_the_runtime_conditions_unknown() {
+        let status = with_runtime(&adapter(), Runtime::Reports(&[]), &time(10));
+        assert_eq!(status.observed.as_ref().map(|o| o.workers), Some(0));
+        for type_ in RUNTIME_CONDITIONS {
+            assert_eq!(get(&status, type_).status, "Unknown");
+        }
+    }
+
+    #[test]
+    fn unchanged_reports_give_an_identical_status_and_a_reconcile_keeps_the_runtime_part() {
+        let reports = [report("a", 100, Some(90), Some(0))];
+        let mut adapter = adapter();
+        adapter.status = Some(desired_status(
+            &adapter,
+            Outcome::Applied(&deployment(1, 1, 2)),
+            &time(10),
+        ));
+        let first = with_runtime(&adapter, Runtime::Reports(&reports), &time(100));
+        adapter.status = Some(first.clone());
+        assert_eq!(
+            with_runtime(&adapter, Runtime::Reports(&reports), &time(105)),
+            first
+        );
+        let reconciled =
+            desired_status(&adapter, Outcome::Applied(&deployment(1, 1, 2)), &time(110));
+        assert_eq!(reconciled, first);
+    }
+
+    #[test]
+    fn unreadable_reports_say_the_database_is_unreachable_and_keep_the_figures() {
+        let reports = [report("a", 100, None, Some(0))];
+        let mut adapter = adapter();
+        adapter.status = Some(with_runtime(
+            &adapter,
+            Runtime::Reports(&reports),
+            &time(100),
+        ));
+        let status = with_runtime(
+            &adapter,
+            Runtime::DatabaseUnreachable("connection refused"),
+            &time(105),
+        );
+        assert_eq!(get(&status, DATABASE_REACHABLE).status, "False");
+        assert!(
+            get(&status, DATABASE_REACHABLE)
+                .message
+                .contains("connection refused")
+        );
+        assert_eq!(status.observed, adapter.status.and_then(|s| s.observed));
     }
 }

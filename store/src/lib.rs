@@ -10,7 +10,9 @@
 //!   (`external_id` = `sha256:<hex>@<event id>`).
 
 mod adapters;
+mod reports;
 pub use adapters::{Mirrored, QueueAdapterRow};
+pub use reports::WorkerReport;
 
 use std::time::Duration;
 

@@ -431,7 +431,10 @@ async fn available_deployment_makes_the_adapter_ready_and_kubectl_shows_the_colu
     let mut lines = table.lines();
     let header: Vec<&str> = lines.next().context("header")?.split_whitespace().collect();
     ensure!(
-        header == ["NAME", "SOURCE", "MODE", "QUEUE", "ENABLED", "READY", "AGE"],
+        header
+            == [
+                "NAME", "SOURCE", "MODE", "QUEUE", "ENABLED", "READY", "BACKLOG", "OLDEST", "AGE"
+            ],
         "{table}"
     );
     let row: Vec<&str> = lines.next().context("row")?.split_whitespace().collect();
@@ -453,7 +456,11 @@ async fn spec_and_secret_changes_roll_the_hash_and_an_unchanged_adapter_writes_n
         .wait_deployment("orders-worker", "the worker Deployment exists", |_| true)
         .await?;
     env.mark_deployment_available("orders-worker").await?;
-    env.wait_adapter("orders", "Ready", is_ready).await?;
+    // Ready, and the runtime part written once (no worker reports: it stays as it is).
+    env.wait_adapter("orders", "Ready with its runtime conditions", |adapter| {
+        is_ready(adapter) && condition(adapter, "BrokerConnected").is_some()
+    })
+    .await?;
     let hash = config_hash(&first).context("hash")?;
 
     // Unchanged: touch only an annotation, which triggers a reconcile without changing the spec.

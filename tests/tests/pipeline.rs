@@ -233,6 +233,8 @@ fn start(fx: &Fixture, script: Script, lease: Option<Duration>) -> Running {
     ));
     let cancel = CancellationToken::new();
     let settings = PipelineSettings {
+        adapter: "test/pipeline".to_owned(),
+        worker: "pipeline-0".to_owned(),
         queue: "pipeline".to_owned(),
         batch_size: 100,
         max_deliveries: 3,

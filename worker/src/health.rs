@@ -99,6 +99,13 @@ impl Health {
         flag.store(up, Ordering::Relaxed);
     }
 
+    pub fn is_up(&self, dependency: Dependency) -> bool {
+        match dependency {
+            Dependency::Broker => self.broker_up.load(Ordering::Relaxed),
+            Dependency::Database => self.database_up.load(Ordering::Relaxed),
+        }
+    }
+
     pub fn is_ready(&self) -> bool {
         self.started.load(Ordering::Relaxed)
             && self.broker_up.load(Ordering::Relaxed)

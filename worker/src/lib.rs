@@ -240,9 +240,11 @@ async fn drive<T: Transport>(
     Ok(())
 }
 
-/// The pipeline settings of `spec`.
-fn pipeline_settings(spec: &QueueAdapterSpec) -> PipelineSettings {
+/// The pipeline settings of `spec`, for consumer `worker` of adapter `adapter`.
+fn pipeline_settings(spec: &QueueAdapterSpec, adapter: &str, worker: &str) -> PipelineSettings {
     PipelineSettings {
+        adapter: adapter.to_owned(),
+        worker: worker.to_owned(),
         queue: spec.target.queue.clone(),
         batch_size: spec.delivery.batch_size as usize,
         max_deliveries: u64::from(spec.delivery.max_deliveries),
@@ -324,12 +326,12 @@ pub async fn run(options: RunOptions) -> Result<(), WorkerError> {
     }
     tracing::info!(consumer = %consumer, "consumer name");
     let deps = Deps {
+        settings: pipeline_settings(spec, &name, &consumer),
         adapter: name,
         store,
         health,
         cancel,
         shutdown_timeout: options.shutdown_timeout,
-        settings: pipeline_settings(spec),
     };
     let result = run_source(&adapter, consumer, deps, &probes).await;
     stop_server.cancel();

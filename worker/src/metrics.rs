@@ -57,6 +57,7 @@ pub struct Metrics {
     pub backlog: Gauge,
     pub pending: Gauge,
     pub oldest_pending_age_seconds: Gauge<f64, AtomicU64>,
+    pub dead_letters: Gauge,
 }
 
 /// A counter labelled with the adapter, registered in `registry` (transports register their own).
@@ -224,6 +225,12 @@ impl Metrics {
             "Age of the oldest unacknowledged message",
             adapter,
         );
+        let dead_letters = adapter_gauge(
+            r,
+            "dead_letter_messages",
+            "Messages in the dead-letter destination (read from the broker)",
+            adapter,
+        );
         let info = Family::<GuaranteeLabels, Gauge>::default();
         r.register(
             "delivery_guarantee",
@@ -254,6 +261,7 @@ impl Metrics {
             backlog,
             pending,
             oldest_pending_age_seconds,
+            dead_letters,
         };
         for reason in PoisonReason::ALL {
             metrics.dead_letter_counter(reason);

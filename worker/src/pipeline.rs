@@ -14,10 +14,10 @@
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, PoisonError};
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
 use switchboard_api::PayloadFormat;
-use switchboard_store::{Dedup, IngestBatch, NewEvent, Store, StoreError, Stored};
+use switchboard_store::{Dedup, IngestBatch, NewEvent, Store, StoreError, Stored, WorkerReport};
 use switchboard_telemetry::ErrorChain;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
@@ -36,9 +36,15 @@ const LIVENESS_SLACK: Duration = Duration::from_secs(60);
 /// Batches stored concurrently. Two keep PostgreSQL busy while the loop receives and acks.
 pub const IN_FLIGHT: usize = 3;
 
+/// How often the worker reads its queue's health and reports it to the operator.
+pub const REPORT_INTERVAL: Duration = Duration::from_secs(5);
+
 /// What the loop does with each batch.
 #[derive(Debug, Clone)]
 pub struct PipelineSettings {
+    /// `namespace/name`, and this worker's consumer name: its report's key.
+    pub adapter: String,
+    pub worker: String,
     pub queue: String,
     pub batch_size: usize,
     pub max_deliveries: u64,
@@ -445,26 +451,40 @@ impl<T: Transport> Pipeline<T> {
     }
 
     /// Reads the queue's health on its own task, so the gauges move while the loop waits on
-    /// the database (or anything else).
+    /// the database (or anything else); a second task reports the latest reading to the
+    /// `worker_reports` table, which the operator turns into the adapter's status.
     fn spawn_probe(&self) -> JoinHandle<()> {
         let mut probe = self.transport.probe();
         let interval = self.transport.maintenance_interval();
         let metrics = self.metrics.clone();
         let health = self.health.clone();
+        let (latest, reading) = tokio::sync::watch::channel(None);
+        let reporter = tokio::spawn(report_queue_health(
+            self.context.store.clone(),
+            self.settings.adapter.clone(),
+            self.settings.worker.clone(),
+            reading,
+            health.clone(),
+        ));
         tokio::spawn(async move {
+            // Aborting the probe task drops the reporter with it.
+            let _reporter = AbortOnDrop(reporter);
             loop {
-                match probe.queue_health().await {
+                let queue = match probe.queue_health().await {
                     Ok(queue) => {
                         let waiting = queue.backlog.unwrap_or(0) + queue.pending.unwrap_or(0);
                         health.set_work_waiting(waiting > 0);
                         record_queue_health(&metrics, queue);
+                        Some(queue)
                     }
                     // The loop reports broker outages; the gauges keep their last value.
                     Err(err) => {
-                        tracing::debug!(error = %ErrorChain(&err), "queue health unavailable")
+                        tracing::debug!(error = %ErrorChain(&err), "queue health unavailable");
+                        None
                     }
-                }
-                tokio::time::sleep(interval).await;
+                };
+                latest.send_replace(Some(queue));
+                tokio::time::sleep(interval.min(REPORT_INTERVAL)).await;
             }
         })
     }
@@ -929,6 +949,67 @@ impl<T: Transport> Pipeline<T> {
     }
 }
 
+/// Aborts a task when dropped.
+struct AbortOnDrop(JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// Every [`REPORT_INTERVAL`], writes the probe's latest reading (`Some(None)`: the broker did not
+/// answer) as this worker's report. A write that fails (the database is down) is skipped: the
+/// report ages out and the operator says so.
+async fn report_queue_health(
+    store: Store,
+    adapter: String,
+    worker: String,
+    mut reading: tokio::sync::watch::Receiver<Option<Option<QueueHealth>>>,
+    health: Arc<Health>,
+) {
+    loop {
+        let latest = *reading.borrow_and_update();
+        if let Some(queue) = latest {
+            let report = worker_report(&adapter, &worker, queue, &health);
+            match tokio::time::timeout(REPORT_INTERVAL, store.report_worker(&report)).await {
+                Ok(Ok(())) => {}
+                Ok(Err(err)) => {
+                    tracing::debug!(error = %ErrorChain(&err), "cannot write the worker report")
+                }
+                Err(_) => tracing::debug!("writing the worker report timed out"),
+            }
+        }
+        tokio::time::sleep(REPORT_INTERVAL).await;
+    }
+}
+
+/// What this worker tells the operator: the queue's figures (`None` when the broker did not
+/// answer) and whether its dependencies are up.
+fn worker_report(
+    adapter: &str,
+    worker: &str,
+    queue: Option<QueueHealth>,
+    health: &Health,
+) -> WorkerReport {
+    let now = SystemTime::now();
+    let queue = queue.unwrap_or_default();
+    WorkerReport {
+        adapter: adapter.to_owned(),
+        worker: worker.to_owned(),
+        reported_at: now,
+        backlog: queue.backlog,
+        pending: queue.pending,
+        oldest_since: queue
+            .oldest_pending_age
+            .filter(|age| !age.is_zero())
+            .and_then(|age| now.checked_sub(age)),
+        dead_letters: queue.dead_letters,
+        broker_up: health.is_up(Dependency::Broker),
+        database_up: health.is_up(Dependency::Database),
+    }
+}
+
 fn record_queue_health(metrics: &Metrics, queue: QueueHealth) {
     let gauge = |value: Option<u64>| i64::try_from(value.unwrap_or(0)).unwrap_or(i64::MAX);
     metrics.backlog.set(gauge(queue.backlog));
@@ -936,4 +1017,7 @@ fn record_queue_health(metrics: &Metrics, queue: QueueHealth) {
     metrics
         .oldest_pending_age_seconds
         .set(queue.oldest_pending_age.unwrap_or_default().as_secs_f64());
+    if let Some(dead_letters) = queue.dead_letters {
+        metrics.dead_letters.set(gauge(Some(dead_letters)));
+    }
 }

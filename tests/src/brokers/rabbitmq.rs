@@ -16,6 +16,7 @@ use std::time::Duration;
 use anyhow::{Context, Result, bail, ensure};
 use lapin::options::{
     BasicGetOptions, BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOptions,
+    QueueDeleteOptions,
 };
 use lapin::types::{AMQPValue, FieldTable, LongString};
 use lapin::{BasicProperties, Channel, Confirmation, Connection, ConnectionProperties};
@@ -23,7 +24,7 @@ use nix::sys::signal::{Signal, kill, killpg};
 use nix::unistd::Pid;
 use tempfile::TempDir;
 
-use crate::servers::{free_port, stop_child};
+use crate::servers::{children_of, free_port, stop_child};
 use crate::wait::wait_until;
 
 /// The RabbitMQ version Debian bookworm ships, which the harness was proven with.
@@ -187,9 +188,13 @@ impl RabbitMq {
         format!("amqp://guest:guest@127.0.0.1:{}/%2f", self.amqp_port)
     }
 
-    /// The wrapper shell's process id (beam.smp is its child), for CPU accounting.
+    /// The node's beam.smp process (the wrapper shell's child), for CPU accounting.
     pub fn pid(&self) -> Option<u32> {
-        self.node.as_ref().map(Child::id)
+        let wrapper = i32::try_from(self.node.as_ref()?.id()).ok()?;
+        children_of(wrapper).into_iter().find_map(|pid| {
+            let command = std::fs::read_to_string(format!("/proc/{pid}/comm")).ok()?;
+            (command.trim() == "beam.smp").then(|| u32::try_from(pid).ok())?
+        })
     }
 
     /// SIGTERM to the wrapper, which stops beam.smp (about 2 s); a node still running after
@@ -241,6 +246,17 @@ impl RabbitMq {
             .queue_declare(name.into(), options, arguments)
             .await
             .with_context(|| format!("declaring queue {name}"))?;
+        let _ = connection.close(200, "done".into()).await;
+        Ok(())
+    }
+
+    /// Deletes queue `name`.
+    pub async fn delete(&self, name: &str) -> Result<()> {
+        let (connection, channel) = self.channel().await?;
+        channel
+            .queue_delete(name.into(), QueueDeleteOptions::default())
+            .await
+            .with_context(|| format!("deleting queue {name}"))?;
         let _ = connection.close(200, "done".into()).await;
         Ok(())
     }

@@ -194,6 +194,11 @@ impl LocalPod {
         Ok(http_get(self.metrics_addr, path).await?.0)
     }
 
+    /// SIGKILL: the pod dies without a word.
+    pub fn kill(&mut self) {
+        super::kill(&mut self.child);
+    }
+
     /// Whether the process is still running.
     pub fn is_running(&mut self) -> bool {
         matches!(self.child.try_wait(), Ok(None))

@@ -72,6 +72,8 @@ pub struct QueueHealth {
     pub pending: Option<u64>,
     /// Age of the oldest unacknowledged message.
     pub oldest_pending_age: Option<Duration>,
+    /// Messages in the dead-letter destination.
+    pub dead_letters: Option<u64>,
 }
 
 /// What to do about a failure.

@@ -29,7 +29,8 @@
 //!   (`nack`, e.g. a full queue with `reject-publish`) dead letter is retried; an unroutable
 //!   one is fatal.
 //! - **Queue health**: a passive declare on the probe's own connection (`message_count` is the
-//!   ready backlog, `consumer_count` a gauge); pending is what this worker holds.
+//!   ready backlog, `consumer_count` a gauge), and of the default dead-letter queue for its
+//!   depth; pending is what this worker holds.
 
 mod acks;
 mod classify;
@@ -885,6 +886,10 @@ impl Transport for Amqp {
             name: format!("{} (queue health)", self.settings.consumer),
             names: self.names.clone(),
             connection: None,
+            dead_letter_queue: self
+                .dead_letter_exchange
+                .is_empty()
+                .then(|| self.dead_letter_routing_key.clone()),
             held: self.held.clone(),
             consumers: self.metrics.consumers.clone(),
         }
@@ -908,19 +913,15 @@ pub struct AmqpProbe {
     name: String,
     names: Names,
     connection: Option<Connection>,
+    /// The default dead-letter queue; `None` when dead letters go to an exchange.
+    dead_letter_queue: Option<String>,
     held: Arc<Held>,
     consumers: Gauge,
 }
 
 impl AmqpProbe {
-    async fn read(&mut self) -> Result<lapin::Queue, TransportError> {
-        if self
-            .connection
-            .as_ref()
-            .is_none_or(|c| !c.status().connected())
-        {
-            self.connection = Some(connect(&self.names, &self.url, &self.name).await?);
-        }
+    /// The passive declare of `queue` on a channel of its own (a missing queue closes it).
+    async fn declare_passive(&self, queue: &str) -> Result<lapin::Queue, TransportError> {
         let Some(connection) = self.connection.as_ref() else {
             return Err(TransportError::protocol("no RabbitMQ connection"));
         };
@@ -936,15 +937,26 @@ impl AmqpProbe {
             passive: true,
             ..QueueDeclareOptions::default()
         };
-        let queue = call(
+        let declared = call(
             names,
             "queue declare (passive)",
             Addressed::Queue,
-            channel.queue_declare(names.queue.as_str().into(), options, FieldTable::default()),
+            channel.queue_declare(queue.into(), options, FieldTable::default()),
         )
         .await?;
         let _ = channel.close(200, "probed".into()).await;
-        Ok(queue)
+        Ok(declared)
+    }
+
+    async fn read(&mut self) -> Result<lapin::Queue, TransportError> {
+        if self
+            .connection
+            .as_ref()
+            .is_none_or(|c| !c.status().connected())
+        {
+            self.connection = Some(connect(&self.names, &self.url, &self.name).await?);
+        }
+        self.declare_passive(&self.names.queue).await
     }
 }
 
@@ -958,10 +970,21 @@ impl QueueProbe for AmqpProbe {
             }
         };
         self.consumers.set(i64::from(queue.consumer_count()));
+        // The dead-letter queue's depth is for the gauge only: failing to read it is not an
+        // outage of the source.
+        let dead_letters = match &self.dead_letter_queue {
+            Some(dlq) => self
+                .declare_passive(dlq)
+                .await
+                .ok()
+                .map(|declared| u64::from(declared.message_count())),
+            None => None,
+        };
         Ok(QueueHealth {
             backlog: Some(u64::from(queue.message_count())),
             pending: Some(self.held.count.load(Ordering::Relaxed)),
             oldest_pending_age: Some(self.held.oldest_age()),
+            dead_letters,
         })
     }
 }

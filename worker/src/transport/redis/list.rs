@@ -15,15 +15,14 @@ use std::collections::HashSet;
 use std::time::Duration;
 
 use prometheus_client::metrics::counter::Counter;
-use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 use redis::Value;
 use switchboard_store::Dedup;
 use tokio::task::JoinHandle;
 
 use super::{
-    BLOCK, CONTROL_TIMEOUT, Connection, NamedKey, Origin, array, body_hash, dead_letter_gauge,
-    dead_letter_record, integer, open, text,
+    BLOCK, CONTROL_TIMEOUT, Connection, NamedKey, Origin, array, body_hash, dead_letter_record,
+    integer, open, text,
 };
 use crate::health::now_ms;
 use crate::metrics::adapter_counter;
@@ -63,7 +62,6 @@ pub struct RedisList {
     control: Connection,
     /// Items moved back from processing lists of dead consumers.
     reaped: Counter,
-    dead_letters: Gauge,
     /// Re-process the own processing list before taking new items.
     replay: bool,
     heartbeat: Option<JoinHandle<()>>,
@@ -105,7 +103,6 @@ impl RedisList {
                 "Items moved back to the list from processing lists of consumers whose heartbeat expired",
                 &settings.adapter,
             ),
-            dead_letters: dead_letter_gauge(registry, &settings.adapter),
             settings,
             replay: true,
             heartbeat: None,
@@ -384,7 +381,6 @@ pub struct ListProbe {
     consumers: String,
     first_seen: String,
     dead_letter_list: String,
-    dead_letters: Gauge,
 }
 
 impl QueueProbe for ListProbe {
@@ -398,11 +394,7 @@ impl QueueProbe for ListProbe {
                 .arg(RedisList::processing_key(&self.list, consumer));
         }
         let mut lengths: Vec<u64> = self.conn.pipeline("LLEN", &pipe).await?;
-        if !lengths.is_empty() {
-            let dead_letters = lengths.remove(0);
-            self.dead_letters
-                .set(i64::try_from(dead_letters).unwrap_or(i64::MAX));
-        }
+        let dead_letters = (!lengths.is_empty()).then(|| lengths.remove(0));
         // First delivery times of every body delivered and not yet stored.
         let mut first_seen = redis::cmd("HVALS");
         first_seen.arg(&self.first_seen);
@@ -417,6 +409,7 @@ impl QueueProbe for ListProbe {
             oldest_pending_age: Some(Duration::from_millis(
                 oldest.map_or(0, |ms| now_ms().saturating_sub(ms)),
             )),
+            dead_letters,
         })
     }
 }
@@ -502,7 +495,6 @@ impl Transport for RedisList {
             consumers: self.consumers.clone(),
             first_seen: self.first_seen.clone(),
             dead_letter_list: self.settings.dead_letter_list.clone(),
-            dead_letters: self.dead_letters.clone(),
         }
     }
 

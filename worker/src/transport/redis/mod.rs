@@ -9,26 +9,12 @@ pub mod stream;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use base64::Engine as _;
-use prometheus_client::metrics::gauge::Gauge;
-use prometheus_client::registry::Registry;
 use redis::aio::MultiplexedConnection;
 use redis::{AsyncConnectionConfig, Client, FromRedisValue, Value};
 use sha2::{Digest, Sha256};
 
 use super::{DeadLetter, TransportError};
-use crate::metrics::adapter_gauge;
 use crate::payload::fields_json;
-
-/// `switchboard_dead_letter_messages`: the length of the dead-letter stream or list, read by
-/// the queue probe (so it is right from the start, also after a restart).
-pub fn dead_letter_gauge(registry: &mut Registry, adapter: &str) -> Gauge {
-    adapter_gauge(
-        registry,
-        "dead_letter_messages",
-        "Messages in the dead-letter stream or list (its length, read from the broker)",
-        adapter,
-    )
-}
 
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 pub const CONTROL_TIMEOUT: Duration = Duration::from_secs(10);

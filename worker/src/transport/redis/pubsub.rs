@@ -7,15 +7,14 @@ use std::time::Duration;
 
 use futures::StreamExt;
 use prometheus_client::metrics::counter::Counter;
-use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 use redis::aio::PubSub;
 use switchboard_store::Dedup;
 use tokio::time::{Instant, timeout, timeout_at};
 
 use super::{
-    BLOCK, CONTROL_TIMEOUT, Connection, NamedKey, Origin, body_hash, dead_letter_gauge,
-    dead_letter_record, integer, open, protocol, redis_error,
+    BLOCK, CONTROL_TIMEOUT, Connection, NamedKey, Origin, body_hash, dead_letter_record, integer,
+    open, protocol, redis_error,
 };
 use crate::health::now_ms;
 use crate::metrics::adapter_counter;
@@ -52,7 +51,6 @@ pub struct RedisPubSub {
     control: Connection,
     /// Subscriptions re-established after the connection was lost.
     reconnects: Counter,
-    dead_letters: Gauge,
 }
 
 impl std::fmt::Debug for RedisPubSub {
@@ -79,7 +77,6 @@ impl RedisPubSub {
                 &settings.adapter,
             ),
             source: format!("redis:{}", settings.adapter),
-            dead_letters: dead_letter_gauge(registry, &settings.adapter),
             control: Connection::new(client.clone(), CONTROL_TIMEOUT).naming(vec![NamedKey::new(
                 &settings.dead_letter_list,
                 "spec.delivery.deadLetter.list",
@@ -152,18 +149,16 @@ impl RedisPubSub {
 pub struct NoQueue {
     conn: Connection,
     dead_letter_list: String,
-    dead_letters: Gauge,
 }
 
 impl QueueProbe for NoQueue {
     async fn queue_health(&mut self) -> Result<QueueHealth, TransportError> {
         let mut llen = redis::cmd("LLEN");
         llen.arg(&self.dead_letter_list);
-        if let Some(length) = integer(&self.conn.query("LLEN", &llen).await?) {
-            self.dead_letters
-                .set(i64::try_from(length).unwrap_or(i64::MAX));
-        }
-        Ok(QueueHealth::default())
+        Ok(QueueHealth {
+            dead_letters: integer(&self.conn.query("LLEN", &llen).await?),
+            ..QueueHealth::default()
+        })
     }
 }
 
@@ -256,7 +251,6 @@ impl Transport for RedisPubSub {
         NoQueue {
             conn: Connection::new(self.client.clone(), CONTROL_TIMEOUT),
             dead_letter_list: self.settings.dead_letter_list.clone(),
-            dead_letters: self.dead_letters.clone(),
         }
     }
 }

@@ -21,8 +21,8 @@ use switchboard_api::StartFrom;
 use switchboard_store::{Dedup, Store};
 
 use super::{
-    BLOCK, CONTROL_TIMEOUT, Connection, NamedKey, array, dead_letter_gauge, error_code, integer,
-    now_rfc3339, open, protocol, rfc3339_ms, text,
+    BLOCK, CONTROL_TIMEOUT, Connection, NamedKey, array, error_code, integer, now_rfc3339, open,
+    protocol, rfc3339_ms, text,
 };
 use crate::health::now_ms;
 use crate::metrics::{adapter_counter, adapter_gauge};
@@ -41,7 +41,6 @@ struct StreamMetrics {
     reclaimed: Counter,
     group_recreated: Counter,
     consumers_removed: Counter,
-    dead_letters: Gauge,
     oldest_waiting_age_seconds: Gauge<f64, AtomicU64>,
 }
 
@@ -66,7 +65,6 @@ impl StreamMetrics {
                 "Idle consumers with no pending entries removed from the group",
                 adapter,
             ),
-            dead_letters: dead_letter_gauge(registry, adapter),
             oldest_waiting_age_seconds: adapter_gauge(
                 registry,
                 "oldest_waiting_age_seconds",
@@ -579,17 +577,16 @@ pub struct StreamProbe {
     stream: String,
     group: String,
     dead_letter_stream: String,
-    dead_letters: Gauge,
     oldest_waiting_age_seconds: Gauge<f64, AtomicU64>,
 }
 
 impl StreamProbe {
-    /// The dead-letter stream's length, and the age of the first entry after the group's
-    /// last-delivered id (the oldest not yet delivered), into their gauges.
-    async fn record_waiting_and_dead_letters(
+    /// The age of the first entry after the group's last-delivered id (the oldest not yet
+    /// delivered) into its gauge; returns the dead-letter stream's length.
+    async fn record_waiting_and_count_dead_letters(
         &mut self,
         last_delivered: Option<String>,
-    ) -> Result<(), TransportError> {
+    ) -> Result<Option<u64>, TransportError> {
         let mut pipe = redis::pipe();
         pipe.cmd("XLEN").arg(&self.dead_letter_stream);
         if let Some(last) = &last_delivered {
@@ -601,10 +598,6 @@ impl StreamProbe {
                 .arg(1);
         }
         let replies: Vec<Value> = self.conn.pipeline("XLEN+XRANGE", &pipe).await?;
-        if let Some(length) = replies.first().and_then(integer) {
-            self.dead_letters
-                .set(i64::try_from(length).unwrap_or(i64::MAX));
-        }
         if last_delivered.is_some() {
             let first_waiting = replies
                 .get(1)
@@ -619,7 +612,7 @@ impl StreamProbe {
             });
             self.oldest_waiting_age_seconds.set(age.as_secs_f64());
         }
-        Ok(())
+        Ok(replies.first().and_then(integer))
     }
 }
 
@@ -642,7 +635,9 @@ impl QueueProbe for StreamProbe {
         let last_delivered = group
             .as_ref()
             .and_then(|info| info.get("last-delivered-id").and_then(|v| text(v)));
-        self.record_waiting_and_dead_letters(last_delivered).await?;
+        let dead_letters = self
+            .record_waiting_and_count_dead_letters(last_delivered)
+            .await?;
         let backlog = group
             .as_ref()
             .and_then(|info| info.get("lag").and_then(|v| integer(v)));
@@ -653,7 +648,12 @@ impl QueueProbe for StreamProbe {
         cmd.arg(&self.stream).arg(&self.group);
         let summary = match self.conn.query("XPENDING", &cmd).await {
             // The group is recreated by the loop; until then nothing is pending.
-            Err(err) if is_nogroup(&err) => return Ok(QueueHealth::default()),
+            Err(err) if is_nogroup(&err) => {
+                return Ok(QueueHealth {
+                    dead_letters,
+                    ..QueueHealth::default()
+                });
+            }
             other => other?,
         };
         let oldest_pending_age = array(&summary)
@@ -665,6 +665,7 @@ impl QueueProbe for StreamProbe {
             backlog,
             pending,
             oldest_pending_age: oldest_pending_age.or(Some(Duration::ZERO)),
+            dead_letters,
         })
     }
 }
@@ -786,7 +787,6 @@ impl Transport for RedisStream {
             stream: self.settings.stream.clone(),
             group: self.settings.group.clone(),
             dead_letter_stream: self.settings.dead_letter_stream.clone(),
-            dead_letters: self.metrics.dead_letters.clone(),
             oldest_waiting_age_seconds: self.metrics.oldest_waiting_age_seconds.clone(),
         }
     }

@@ -534,8 +534,35 @@ pub struct SqsProbe {
     /// The queue's URL (`None` until `prepare` resolved a `queueName`).
     queue_url: Option<String>,
     queue_name: Option<String>,
+    /// The dead-letter queue's URL, once `prepare` resolved it.
+    dead_letter_url: Option<String>,
     errors: classify::Settings,
     held: InFlight,
+}
+
+impl SqsProbe {
+    /// The numeric attributes `names` of queue `url`.
+    async fn attributes(
+        &self,
+        url: &str,
+        names: &[QueueAttributeName],
+        addressed: Addressed,
+    ) -> Result<std::collections::HashMap<QueueAttributeName, u64>, TransportError> {
+        let output = self
+            .client
+            .get_queue_attributes()
+            .queue_url(url)
+            .set_attribute_names(Some(names.to_vec()))
+            .send()
+            .await
+            .map_err(|err| self.errors.error("GetQueueAttributes", addressed, err))?;
+        Ok(output
+            .attributes()
+            .into_iter()
+            .flatten()
+            .filter_map(|(name, value)| Some((name.clone(), value.parse().ok()?)))
+            .collect())
+    }
 }
 
 impl QueueProbe for SqsProbe {
@@ -565,31 +592,30 @@ impl QueueProbe for SqsProbe {
             }
             (None, None) => return Ok(QueueHealth::default()),
         };
-        let output = self
-            .client
-            .get_queue_attributes()
-            .queue_url(url)
-            .attribute_names(QueueAttributeName::ApproximateNumberOfMessages)
-            .attribute_names(QueueAttributeName::ApproximateNumberOfMessagesNotVisible)
-            .attribute_names(QueueAttributeName::ApproximateNumberOfMessagesDelayed)
-            .send()
-            .await
-            .map_err(|err| {
-                self.errors
-                    .error("GetQueueAttributes", Addressed::Source, err)
-            })?;
-        let attributes = output.attributes();
-        let number = |name: QueueAttributeName| {
-            attributes
-                .and_then(|a| a.get(&name))
-                .and_then(|v| v.parse::<u64>().ok())
+        use QueueAttributeName::{
+            ApproximateNumberOfMessages as Visible, ApproximateNumberOfMessagesDelayed as Delayed,
+            ApproximateNumberOfMessagesNotVisible as NotVisible,
         };
-        let visible = number(QueueAttributeName::ApproximateNumberOfMessages);
-        let delayed = number(QueueAttributeName::ApproximateNumberOfMessagesDelayed);
+        let numbers = self
+            .attributes(&url, &[Visible, NotVisible, Delayed], Addressed::Source)
+            .await?;
+        // The dead-letter queue's depth is for the gauge only: failing to read it is not an
+        // outage of the source.
+        let dead_letters = match &self.dead_letter_url {
+            Some(dlq) => self
+                .attributes(dlq, &[Visible, NotVisible], Addressed::DeadLetter)
+                .await
+                .ok()
+                .map(|numbers| numbers.values().sum()),
+            None => None,
+        };
         Ok(QueueHealth {
-            backlog: visible.map(|v| v + delayed.unwrap_or(0)),
-            pending: number(QueueAttributeName::ApproximateNumberOfMessagesNotVisible),
+            backlog: numbers
+                .get(&Visible)
+                .map(|v| v + numbers.get(&Delayed).unwrap_or(&0)),
+            pending: numbers.get(&NotVisible).copied(),
             oldest_pending_age: Some(self.held.oldest_age(now_ms())),
+            dead_letters,
         })
     }
 }
@@ -918,6 +944,7 @@ impl Transport for Sqs {
                 .map(|q| q.url.clone())
                 .or_else(|| self.settings.spec.queue_url.clone()),
             queue_name: self.settings.spec.queue_name.clone(),
+            dead_letter_url: self.queues.as_ref().map(|q| q.dead_letter_url.clone()),
             errors: self.errors.clone(),
             held: self.held.clone(),
         }

@@ -1,6 +1,6 @@
 //! `make bench`: the worker's throughput, CPU cost, latency and memory against real PostgreSQL,
-//! Redis and ElasticMQ (SQS), next to the raw limits of each server, in one run (see
-//! docs/PERFORMANCE.md).
+//! Redis and the other brokers (SQS on ElasticMQ, …), next to the raw limits of each server, in
+//! one run (see docs/PERFORMANCE.md; every other broker's phases are in `broker.rs`).
 //!
 //! Every phase runs `--repeats` times (3), in rounds (every phase once, then again), and the
 //! table shows the median of each figure with its spread (min–max), so one noisy run does not
@@ -14,20 +14,23 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::{Context, Result, ensure};
-use aws_sdk_sqs::Client as SqsClient;
-use aws_sdk_sqs::types::{
-    DeleteMessageBatchRequestEntry, MessageSystemAttributeName, SendMessageBatchRequestEntry,
-};
 use clap::{Parser, ValueEnum};
 use nix::sys::signal::Signal;
 use sqlx::{Connection, PgConnection};
 use switchboard_store::{Dedup, IngestBatch, NewEvent, Position, Store, Stored};
-use switchboard_tests::brokers::sqs::{ElasticMq, sqs_error};
 use switchboard_tests::servers::{Postgres, children_of};
 use switchboard_tests::wait::wait_for;
 use switchboard_tests::worker::{WorkerEnv, WorkerProcess};
-use switchboard_tests::{Fixture, adapter_manifest, source_manifest};
+use switchboard_tests::{Fixture, adapter_manifest};
 use tokio::task::JoinSet;
+
+use amqp::{AmqpArgs, AmqpBench};
+use broker::BenchBroker as _;
+use sqs::{SqsArgs, SqsBench};
+
+mod amqp;
+mod broker;
+mod sqs;
 
 /// Measures the worker end to end and the raw limits of PostgreSQL and Redis.
 #[derive(Debug, Parser)]
@@ -63,26 +66,14 @@ struct Args {
     /// How many times every phase runs; the table shows the median and the spread (min–max).
     #[arg(long, default_value_t = 3)]
     repeats: usize,
-    /// Messages sent to a standard SQS queue of ElasticMQ per SQS phase (0: no SQS phases).
-    #[arg(long, default_value_t = 100_000)]
-    sqs_messages: usize,
-    /// The SQS worker's delivery.batchSize (gathered from batchSize/10 concurrent receives).
-    #[arg(long, default_value_t = 100)]
-    sqs_batch_size: usize,
-    /// Concurrent ReceiveMessage(10)+DeleteMessageBatch loops tried for the raw SQS limit
-    /// (10 = the worker's concurrent receives at batchSize 100).
-    #[arg(long, value_delimiter = ',', default_value = "10")]
-    sqs_loops: Vec<usize>,
+    #[command(flatten)]
+    sqs: SqsArgs,
+    #[command(flatten)]
+    amqp: AmqpArgs,
 }
 
 /// How long any one phase may take before the bench gives up.
 const PHASE_TIMEOUT: Duration = Duration::from_secs(300);
-
-/// Concurrent SendMessageBatch calls producing the SQS messages before a phase (not timed).
-const SQS_PRODUCERS: usize = 8;
-
-/// The most entries one SQS batch call takes, and the most messages one receive returns.
-const SQS_BATCH_LIMIT: usize = 10;
 
 /// `/proc` reports CPU times in USER_HZ ticks, which Linux fixes at 100 per second.
 const USER_HZ: u64 = 100;
@@ -203,8 +194,8 @@ struct CpuSpent {
     client: Duration,
     postgres: Duration,
     redis: Duration,
-    /// ElasticMQ (the JVM, all its threads).
-    sqs: Duration,
+    /// The servers of the other brokers (ElasticMQ's JVM, …): only the phase's own is busy.
+    broker: Duration,
 }
 
 /// One line of the table.
@@ -243,7 +234,7 @@ struct CpuSnapshot {
     bench: u64,
     postgres: u64,
     redis: u64,
-    sqs: u64,
+    broker: u64,
 }
 
 /// A database of its own for one phase, dropped at the end of the phase.
@@ -259,17 +250,15 @@ struct Bench {
     fx: Fixture,
     postgres_pid: u32,
     redis_pid: u32,
-    /// Started only when `--sqs-messages` is not 0.
-    sqs: Option<ElasticMq>,
-    sqs_pid: Option<u32>,
+    /// The servers of the brokers measured beside Redis.
+    broker_pids: Vec<u32>,
     databases_created: usize,
-    queues_created: usize,
     /// The current round (1-based): Redis keys carry it, so no round reuses a stream or group.
     round: usize,
 }
 
 impl Bench {
-    async fn start(args: Args) -> Result<Self> {
+    async fn start(args: Args, broker_pids: Vec<u32>) -> Result<Self> {
         // Realistic durability: every commit is flushed to disk before it is acknowledged.
         // Commit timestamps give the latency run the exact commit time of every row.
         let postgres = Postgres::start_with(&[
@@ -281,21 +270,13 @@ impl Bench {
         let fx = Fixture::start_with(postgres).await?;
         let postgres_pid = fx.postgres.pid().context("postgres is not running")?;
         let redis_pid = fx.redis.pid().context("redis-server is not running")?;
-        let sqs = if args.sqs_messages > 0 {
-            Some(ElasticMq::start()?)
-        } else {
-            None
-        };
-        let sqs_pid = sqs.as_ref().and_then(ElasticMq::pid);
         Ok(Self {
             args,
             fx,
             postgres_pid,
             redis_pid,
-            sqs,
-            sqs_pid,
+            broker_pids,
             databases_created: 0,
-            queues_created: 0,
             round: 0,
         })
     }
@@ -305,7 +286,11 @@ impl Bench {
             bench: cpu_ticks(std::process::id(), false),
             postgres: server_cpu_ticks(self.postgres_pid),
             redis: cpu_ticks(self.redis_pid, false),
-            sqs: self.sqs_pid.map_or(0, |pid| cpu_ticks(pid, false)),
+            broker: self
+                .broker_pids
+                .iter()
+                .map(|&pid| cpu_ticks(pid, false))
+                .sum(),
         }
     }
 
@@ -320,7 +305,7 @@ impl Bench {
             client: ticks_to_duration(client),
             postgres: ticks_to_duration(now.postgres - before.postgres),
             redis: ticks_to_duration(now.redis - before.redis),
-            sqs: ticks_to_duration(now.sqs - before.sqs),
+            broker: ticks_to_duration(now.broker - before.broker),
         }
     }
 
@@ -613,244 +598,6 @@ impl Bench {
             peak_rss_kib: None,
             store_share: None,
         })
-    }
-
-    /// A fresh standard queue `sqs-bench-N` and its dead-letter queue `sqs-bench-N-dlq`, with
-    /// `--sqs-messages` messages sent to it (not timed). Returns the name and the queue's URL.
-    async fn fresh_sqs_queue(&mut self) -> Result<(String, String)> {
-        self.queues_created += 1;
-        let name = format!("sqs-bench-{}", self.queues_created);
-        let sqs = self.sqs.as_ref().context("ElasticMQ is not running")?;
-        let url = sqs.create_queue(&name, &[]).await?;
-        sqs.create_queue(&format!("{name}-dlq"), &[]).await?;
-        let messages = self.args.sqs_messages;
-        produce_sqs(&sqs.client(), &url, messages).await?;
-        let counts = sqs.count(&url).await?;
-        ensure!(
-            counts.visible == u64::try_from(messages)?,
-            "{name}: {} of {messages} messages visible after sending",
-            counts.visible
-        );
-        Ok((name, url))
-    }
-
-    /// Deletes a phase's queue and its dead-letter queue, failing unless both are empty.
-    async fn drop_sqs_queue(&self, name: &str, url: &str) -> Result<()> {
-        let sqs = self.sqs.as_ref().context("ElasticMQ is not running")?;
-        let dlq = format!("{}-dlq", url);
-        for queue in [url, dlq.as_str()] {
-            let counts = sqs.count(queue).await?;
-            ensure!(
-                counts == Default::default(),
-                "{name}: queue {queue} is not empty after the phase: {counts:?}"
-            );
-            sqs.client()
-                .delete_queue()
-                .queue_url(queue)
-                .send()
-                .await
-                .map_err(|err| sqs_error(&format!("DeleteQueue {queue}"), err))?;
-        }
-        Ok(())
-    }
-
-    /// The raw SQS limit of the same server: `loops` concurrent loops of ReceiveMessage(10)
-    /// (all attributes, as the worker asks) + DeleteMessageBatch, no database.
-    async fn raw_sqs(&mut self, loops: usize) -> Result<Measurement> {
-        let (name, url) = self.fresh_sqs_queue().await?;
-        let messages = self.args.sqs_messages;
-        let client = self
-            .sqs
-            .as_ref()
-            .context("ElasticMQ is not running")?
-            .client();
-        let deleted = Arc::new(AtomicUsize::new(0));
-        let before = self.cpu_snapshot();
-        let started = Instant::now();
-        let mut tasks = JoinSet::new();
-        for _ in 0..loops {
-            let (client, url, deleted) = (client.clone(), url.clone(), Arc::clone(&deleted));
-            tasks.spawn(async move { receive_delete_loop(&client, &url, &deleted).await });
-        }
-        let drained = tokio::time::timeout(PHASE_TIMEOUT, async {
-            while let Some(result) = tasks.join_next().await {
-                result??;
-            }
-            anyhow::Ok(())
-        })
-        .await;
-        drained.context("the raw SQS loops did not drain the queue in time")??;
-        let elapsed = started.elapsed();
-        let cpu = self.cpu_since(before, None);
-        let deleted = deleted.load(Ordering::Relaxed);
-        ensure!(
-            deleted == messages,
-            "raw SQS loops deleted {deleted} of {messages} messages"
-        );
-        self.drop_sqs_queue(&name, &url).await?;
-        Ok(Measurement {
-            name: format!("raw SQS receive(10)+delete x{loops}"),
-            messages,
-            elapsed,
-            cpu,
-            peak_rss_kib: None,
-            store_share: None,
-        })
-    }
-
-    /// Throughput of the worker draining `--sqs-messages` messages of a standard SQS queue:
-    /// the clock starts as the worker is spawned and stops once the queue is empty (every
-    /// message deleted, so stored: the worker deletes after COMMIT) and every one is a todo.
-    async fn sqs_worker(&mut self) -> Result<Measurement> {
-        let database = self.fresh_database(4).await?;
-        let (name, url) = self.fresh_sqs_queue().await?;
-        let messages = self.args.sqs_messages;
-        let batch_size = self.args.sqs_batch_size;
-        let sqs = self.sqs.as_ref().context("ElasticMQ is not running")?;
-        let manifest = self.fx.manifest(
-            &format!("{name}.yaml"),
-            &source_manifest(
-                &name,
-                &format!(
-                    "sqs: {{queueUrl: \"{url}\", endpoint: \"{}\", waitTimeSeconds: 1}}",
-                    sqs.endpoint()
-                ),
-                &format!("batchSize: {batch_size}"),
-                "",
-            ),
-        )?;
-        let before = self.cpu_snapshot();
-        let started = Instant::now();
-        let worker = WorkerProcess::start_binary(
-            &self.args.worker,
-            &self.worker_env(&database),
-            &manifest,
-            "bench",
-            &[
-                ("AWS_ACCESS_KEY_ID", "x"),
-                ("AWS_SECRET_ACCESS_KEY", "x"),
-                ("AWS_REGION", "us-east-1"),
-            ],
-        )?;
-        let expected = i64::try_from(messages)?;
-        wait_for(
-            PHASE_TIMEOUT,
-            &format!("{name} is empty and holds {messages} todos"),
-            || async {
-                let counts = sqs.count(&url).await?;
-                if counts != Default::default() {
-                    return Ok(false);
-                }
-                Ok(todo_count(&database.store, &name).await? >= expected)
-            },
-        )
-        .await
-        .with_context(|| worker.log_tail())?;
-        let elapsed = started.elapsed();
-        let cpu = self.cpu_since(before, Some(worker.pid()));
-        let peak_rss_kib = status_kib(worker.pid(), "VmHWM");
-        let store_share = seconds_in_store(&worker, &name)
-            .ok()
-            .map(|seconds| seconds / elapsed.as_secs_f64());
-        stop_worker(worker)?;
-        ensure_stored_once(&database.store, &name, messages).await?;
-        self.drop_sqs_queue(&name, &url).await?;
-        self.drop_database(database).await?;
-        Ok(Measurement {
-            name: format!("worker sqs batchSize {batch_size}"),
-            messages,
-            elapsed,
-            cpu,
-            peak_rss_kib,
-            store_share,
-        })
-    }
-}
-
-/// Sends `count` `order_body` messages to `url`, ten per SendMessageBatch, from
-/// [`SQS_PRODUCERS`] concurrent tasks.
-async fn produce_sqs(client: &SqsClient, url: &str, count: usize) -> Result<()> {
-    let next = Arc::new(AtomicUsize::new(0));
-    let mut tasks = JoinSet::new();
-    for _ in 0..SQS_PRODUCERS {
-        let (client, url, next) = (client.clone(), url.to_owned(), Arc::clone(&next));
-        tasks.spawn(async move {
-            loop {
-                let start = next.fetch_add(SQS_BATCH_LIMIT, Ordering::Relaxed);
-                if start >= count {
-                    return anyhow::Ok(());
-                }
-                let entries = (start..(start + SQS_BATCH_LIMIT).min(count))
-                    .map(|i| {
-                        SendMessageBatchRequestEntry::builder()
-                            .id(i.to_string())
-                            .message_body(String::from_utf8_lossy(&order_body(i)))
-                            .build()
-                    })
-                    .collect::<Result<Vec<_>, _>>()?;
-                let output = client
-                    .send_message_batch()
-                    .queue_url(&url)
-                    .set_entries(Some(entries))
-                    .send()
-                    .await
-                    .map_err(|err| sqs_error("SendMessageBatch", err))?;
-                ensure!(
-                    output.failed().is_empty(),
-                    "SendMessageBatch refused {} entries",
-                    output.failed().len()
-                );
-            }
-        });
-    }
-    while let Some(result) = tasks.join_next().await {
-        result??;
-    }
-    Ok(())
-}
-
-/// ReceiveMessage(10) + DeleteMessageBatch until a short poll comes back empty (on ElasticMQ a
-/// short poll sees the whole queue: empty means every message is deleted or held by another
-/// loop, which deletes it).
-async fn receive_delete_loop(client: &SqsClient, url: &str, deleted: &AtomicUsize) -> Result<()> {
-    loop {
-        let output = client
-            .receive_message()
-            .queue_url(url)
-            .max_number_of_messages(SQS_BATCH_LIMIT as i32)
-            .wait_time_seconds(0)
-            .message_system_attribute_names(MessageSystemAttributeName::All)
-            .message_attribute_names("All")
-            .send()
-            .await
-            .map_err(|err| sqs_error("ReceiveMessage", err))?;
-        let messages = output.messages.unwrap_or_default();
-        if messages.is_empty() {
-            return Ok(());
-        }
-        let entries = messages
-            .iter()
-            .enumerate()
-            .map(|(id, message)| {
-                DeleteMessageBatchRequestEntry::builder()
-                    .id(id.to_string())
-                    .receipt_handle(message.receipt_handle().unwrap_or_default())
-                    .build()
-            })
-            .collect::<Result<Vec<_>, _>>()?;
-        let output = client
-            .delete_message_batch()
-            .queue_url(url)
-            .set_entries(Some(entries))
-            .send()
-            .await
-            .map_err(|err| sqs_error("DeleteMessageBatch", err))?;
-        ensure!(
-            output.failed().is_empty(),
-            "DeleteMessageBatch failed {} entries",
-            output.failed().len()
-        );
-        deleted.fetch_add(messages.len(), Ordering::Relaxed);
     }
 }
 
@@ -1267,6 +1014,17 @@ impl Row {
         self.stat(Measurement::rate)
     }
 
+    /// This row's rate over the slower of `a` and `b`, per round.
+    fn ratio_to_slower(&self, a: &Row, b: &Row) -> Stat {
+        Stat::of(
+            self.runs
+                .iter()
+                .zip(a.runs.iter().zip(&b.runs))
+                .map(|(m, (a, b))| m.rate() / a.rate().min(b.rate()))
+                .collect(),
+        )
+    }
+
     /// This row's rate over `other`'s, per round (the same round ran both).
     fn ratio_to(&self, other: &Row) -> Stat {
         Stat::of(
@@ -1331,7 +1089,7 @@ fn print_table(table: &Table) {
         "client µs/msg",
         "postgres µs/msg",
         "redis µs/msg",
-        "elasticmq µs/msg",
+        "broker µs/msg",
         "peak RSS",
         "in store"
     );
@@ -1369,7 +1127,7 @@ fn print_table(table: &Table) {
             per_message(|cpu| cpu.client),
             per_message(|cpu| cpu.postgres),
             per_message(|cpu| cpu.redis),
-            per_message(|cpu| cpu.sqs),
+            per_message(|cpu| cpu.broker),
             rss,
             store_share
         );
@@ -1380,8 +1138,45 @@ fn verdict(passed: bool) -> &'static str {
     if passed { "PASS" } else { "FAIL" }
 }
 
+/// The brokers measured beside Redis, one field each.
+struct Brokers {
+    sqs: SqsBench,
+    amqp: AmqpBench,
+}
+
+impl Brokers {
+    fn start(args: &Args) -> Result<Self> {
+        Ok(Self {
+            sqs: SqsBench::start(args.sqs.clone())?,
+            amqp: AmqpBench::start(args.amqp.clone())?,
+        })
+    }
+
+    fn server_pids(&self) -> Vec<u32> {
+        [self.sqs.server_pid(), self.amqp.server_pid()]
+            .into_iter()
+            .flatten()
+            .collect()
+    }
+
+    async fn round(&mut self, bench: &mut Bench, table: &mut Table) -> Result<()> {
+        bench.broker_round(&mut self.sqs, table).await?;
+        bench.broker_round(&mut self.amqp, table).await
+    }
+
+    fn print_verdicts(&self, table: &Table, raw_db: &Row) -> Result<()> {
+        broker::print_broker_verdict(&self.sqs, table, raw_db)?;
+        broker::print_broker_verdict(&self.amqp, table, raw_db)
+    }
+}
+
 /// One round: every phase once, in this order.
-async fn round(bench: &mut Bench, table: &mut Table, latencies: &mut Vec<Latency>) -> Result<()> {
+async fn round(
+    bench: &mut Bench,
+    brokers: &mut Brokers,
+    table: &mut Table,
+    latencies: &mut Vec<Latency>,
+) -> Result<()> {
     let args = &bench.args;
     let (batch_size, naive_entries, entries, modes) = (
         args.batch_size,
@@ -1389,12 +1184,7 @@ async fn round(bench: &mut Bench, table: &mut Table, latencies: &mut Vec<Latency
         args.entries,
         args.modes.clone(),
     );
-    let (connections, depths, sqs_loops) = (
-        args.connections.clone(),
-        args.depths.clone(),
-        args.sqs_loops.clone(),
-    );
-    let with_sqs = args.sqs_messages > 0;
+    let (connections, depths) = (args.connections.clone(), args.depths.clone());
 
     table.add(bench.raw_broker().await?);
     for method in [RawMethod::WorkerSql, RawMethod::CopyStaging] {
@@ -1420,13 +1210,7 @@ async fn round(bench: &mut Bench, table: &mut Table, latencies: &mut Vec<Latency
     );
     table.add(steady);
     latencies.push(latency);
-    if with_sqs {
-        for &loops in &sqs_loops {
-            table.add(bench.raw_sqs(loops).await?);
-        }
-        table.add(bench.sqs_worker().await?);
-    }
-    Ok(())
+    brokers.round(bench, table).await
 }
 
 async fn run(args: Args) -> Result<()> {
@@ -1434,7 +1218,8 @@ async fn run(args: Args) -> Result<()> {
     println!("load average before: {}", load_average());
     ensure!(args.repeats >= 1, "--repeats must be at least 1");
     let started = Instant::now();
-    let mut bench = Bench::start(args).await?;
+    let mut brokers = Brokers::start(&args)?;
+    let mut bench = Bench::start(args, brokers.server_pids()).await?;
     let repeats = bench.args.repeats;
     let mut table = Table::default();
     let mut latencies = Vec::new();
@@ -1442,7 +1227,7 @@ async fn run(args: Args) -> Result<()> {
         let round_started = Instant::now();
         eprintln!("round {number} of {repeats}");
         bench.round = number;
-        round(&mut bench, &mut table, &mut latencies).await?;
+        round(&mut bench, &mut brokers, &mut table, &mut latencies).await?;
         eprintln!(
             "round {number} took {:.0} s; load average {}",
             round_started.elapsed().as_secs_f64(),
@@ -1522,23 +1307,7 @@ async fn run(args: Args) -> Result<()> {
         }
         Err(_) => println!("list / stream: not measured (--modes has no list)"),
     }
-    if args.sqs_messages > 0 {
-        let sqs = table.row(&format!("worker sqs batchSize {}", args.sqs_batch_size))?;
-        let raw_sqs = table.best("raw SQS ").context("no raw SQS run")?;
-        let vs_raw_sqs = sqs.ratio_to(raw_sqs);
-        println!(
-            "sqs / raw SQS ({}):  {:>20}%  target >= 60%    {}",
-            raw_sqs.name(),
-            vs_raw_sqs.show(1, 100.0),
-            verdict(vs_raw_sqs.median >= 0.6)
-        );
-        println!(
-            "sqs / raw DB (context, no target): {:>18}%",
-            sqs.ratio_to(raw_db).show(1, 100.0)
-        );
-    } else {
-        println!("sqs / raw SQS: not measured (--sqs-messages 0)");
-    }
+    brokers.print_verdicts(&table, raw_db)?;
     println!();
     println!("correctness: every phase stored each entry exactly once with nothing pending");
     println!(

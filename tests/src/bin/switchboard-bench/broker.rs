@@ -1,0 +1,193 @@
+//! The brokers measured beside Redis (SQS, and each broker of the family as it joins): every
+//! one gets the same two phases against its own real server, each from a fresh queue preloaded
+//! with the same messages — the raw receive + ack limit of the server (no database), and the
+//! worker draining the queue — and one verdict line. A broker joins by implementing
+//! [`BenchBroker`] in a module of its own and one line in `Brokers`.
+
+use std::time::Instant;
+
+use anyhow::{Context, Result, ensure};
+
+use crate::{Bench, Measurement, PHASE_TIMEOUT, Table, ensure_stored_once, seconds_in_store};
+use crate::{status_kib, stop_worker, todo_count, verdict};
+use switchboard_tests::source_manifest;
+use switchboard_tests::wait::wait_for;
+use switchboard_tests::worker::WorkerProcess;
+
+/// One broker of the family, as the bench drives it.
+#[allow(async_fn_in_trait)]
+pub trait BenchBroker {
+    /// The broker's name in phase names (`sqs`).
+    fn kind(&self) -> &'static str;
+
+    /// Messages preloaded for every phase; 0 leaves the broker out.
+    fn messages(&self) -> usize;
+
+    /// The worker's `delivery.batchSize`.
+    fn batch_size(&self) -> usize;
+
+    /// Concurrent loops tried for the raw limit.
+    fn raw_loops(&self) -> Vec<usize>;
+
+    /// The share of the slower of its raw limit and the raw database limit (the most the worker
+    /// could reach) the worker must reach.
+    fn target(&self) -> f64;
+
+    /// The server's process, whose CPU the table shows.
+    fn server_pid(&self) -> Option<u32>;
+
+    /// A fresh queue holding `messages` order bodies (not timed); returns its name.
+    async fn fresh_queue(&mut self, messages: usize) -> Result<String>;
+
+    /// The raw limit: `loops` concurrent receive + ack loops (no database) until `queue` is
+    /// empty; returns how many messages were acknowledged, and the phase's name.
+    async fn drain_raw(&self, queue: &str, loops: usize) -> Result<(usize, String)>;
+
+    /// The body of `spec.source` for a worker reading `queue`, and the environment it needs.
+    fn worker_source(&self, queue: &str) -> (String, Vec<(&'static str, String)>);
+
+    /// Messages of `queue` not acknowledged yet (waiting or delivered).
+    async fn unacknowledged(&self, queue: &str) -> Result<u64>;
+
+    /// Fails unless `queue` and its dead letters are empty; then removes them.
+    async fn drop_queue(&self, queue: &str) -> Result<()>;
+}
+
+impl Bench {
+    /// The raw receive + ack limit of `broker` with `loops` concurrent loops.
+    pub async fn raw_broker_limit<B: BenchBroker>(
+        &self,
+        broker: &mut B,
+        loops: usize,
+    ) -> Result<Measurement> {
+        let messages = broker.messages();
+        let queue = broker.fresh_queue(messages).await?;
+        let before = self.cpu_snapshot();
+        let started = Instant::now();
+        let drained = tokio::time::timeout(PHASE_TIMEOUT, broker.drain_raw(&queue, loops)).await;
+        let (acked, name) = drained.with_context(|| {
+            format!(
+                "the raw {} loops did not drain {queue} in time",
+                broker.kind()
+            )
+        })??;
+        let elapsed = started.elapsed();
+        let cpu = self.cpu_since(before, None);
+        ensure!(
+            acked == messages,
+            "{name}: acknowledged {acked} of {messages} messages"
+        );
+        broker.drop_queue(&queue).await?;
+        Ok(Measurement {
+            name,
+            messages,
+            elapsed,
+            cpu,
+            peak_rss_kib: None,
+            store_share: None,
+        })
+    }
+
+    /// Throughput of the worker draining a preloaded queue of `broker`: the clock starts as the
+    /// worker is spawned and stops once nothing is left unacknowledged (the worker acks after
+    /// COMMIT) and every message is a todo.
+    pub async fn broker_worker<B: BenchBroker>(&mut self, broker: &mut B) -> Result<Measurement> {
+        let database = self.fresh_database(4).await?;
+        let messages = broker.messages();
+        let queue = broker.fresh_queue(messages).await?;
+        let batch_size = broker.batch_size();
+        let (source, env) = broker.worker_source(&queue);
+        let manifest = self.fx.manifest(
+            &format!("{queue}.yaml"),
+            &source_manifest(&queue, &source, &format!("batchSize: {batch_size}"), ""),
+        )?;
+        let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+        let before = self.cpu_snapshot();
+        let started = Instant::now();
+        let worker = WorkerProcess::start_binary(
+            &self.args.worker,
+            &self.worker_env(&database),
+            &manifest,
+            "bench",
+            &env,
+        )?;
+        let expected = i64::try_from(messages)?;
+        wait_for(
+            PHASE_TIMEOUT,
+            &format!("{queue} is drained and holds {messages} todos"),
+            || async {
+                Ok(broker.unacknowledged(&queue).await? == 0
+                    && todo_count(&database.store, &queue).await? >= expected)
+            },
+        )
+        .await
+        .with_context(|| worker.log_tail())?;
+        let elapsed = started.elapsed();
+        let cpu = self.cpu_since(before, Some(worker.pid()));
+        let peak_rss_kib = status_kib(worker.pid(), "VmHWM");
+        let store_share = seconds_in_store(&worker, &queue)
+            .ok()
+            .map(|seconds| seconds / elapsed.as_secs_f64());
+        stop_worker(worker)?;
+        ensure_stored_once(&database.store, &queue, messages).await?;
+        broker.drop_queue(&queue).await?;
+        self.drop_database(database).await?;
+        Ok(Measurement {
+            name: worker_phase(broker),
+            messages,
+            elapsed,
+            cpu,
+            peak_rss_kib,
+            store_share,
+        })
+    }
+
+    /// Every phase of `broker` once, unless it is left out.
+    pub async fn broker_round<B: BenchBroker>(
+        &mut self,
+        broker: &mut B,
+        table: &mut Table,
+    ) -> Result<()> {
+        if broker.messages() == 0 {
+            return Ok(());
+        }
+        for loops in broker.raw_loops() {
+            table.add(self.raw_broker_limit(broker, loops).await?);
+        }
+        table.add(self.broker_worker(broker).await?);
+        Ok(())
+    }
+}
+
+fn worker_phase(broker: &impl BenchBroker) -> String {
+    format!("worker {} batchSize {}", broker.kind(), broker.batch_size())
+}
+
+/// The verdict line of `broker`: the worker against the slower of its raw limit and the raw
+/// database limit, per round.
+pub fn print_broker_verdict(
+    broker: &impl BenchBroker,
+    table: &Table,
+    raw_db: &crate::Row,
+) -> Result<()> {
+    let kind = broker.kind();
+    if broker.messages() == 0 {
+        println!("{kind}: not measured (--{kind}-messages 0)");
+        return Ok(());
+    }
+    let worker = table.row(&worker_phase(broker))?;
+    let raw = table
+        .best(&format!("raw {kind} "))
+        .with_context(|| format!("no raw {kind} run"))?;
+    let target = broker.target();
+    let ratio = worker.ratio_to_slower(raw, raw_db);
+    println!(
+        "{kind} / min({}, {}):  {:>20}%  target >= {:.0}%    {}",
+        raw.name(),
+        raw_db.name(),
+        ratio.show(1, 100.0),
+        target * 100.0,
+        verdict(ratio.median >= target)
+    );
+    Ok(())
+}
