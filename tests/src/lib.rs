@@ -111,6 +111,28 @@ impl Fixture {
         )
     }
 
+    /// Waits until a connection of `worker` waits for a lock (it is storing a batch behind a
+    /// [`TodosLock`]).
+    pub async fn wait_blocked_on_lock(&self, worker: &WorkerProcess) -> Result<()> {
+        let application = switchboard_worker::database_application_name(&worker.consumer);
+        wait_for(
+            Duration::from_secs(120),
+            "the worker waits for the lock on todos",
+            || async {
+                let waiting: i64 = sqlx::query_scalar(
+                    "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1 \
+                     AND wait_event_type = 'Lock'",
+                )
+                .bind(&application)
+                .fetch_one(self.pool())
+                .await?;
+                Ok(waiting > 0)
+            },
+        )
+        .await
+        .with_context(|| worker.log_tail())
+    }
+
     /// Waits until worker `consumer` has no database connection left. After the worker was
     /// killed, every transaction it had begun is then committed or rolled back: a COMMIT it sent
     /// just before it died may still be completing when the process is already gone.
@@ -293,6 +315,29 @@ pub fn field(entry: &HashMap<String, Vec<u8>>, name: &str) -> Result<String> {
         .get(name)
         .map(|v| String::from_utf8_lossy(v).into_owned())
         .with_context(|| format!("entry lacks field {name}"))
+}
+
+/// Holds `LOCK TABLE todos IN ACCESS EXCLUSIVE MODE` on its own connection until dropped or
+/// released: a worker storing a batch then waits (see [`Fixture::wait_blocked_on_lock`]).
+pub struct TodosLock {
+    conn: sqlx::PgConnection,
+}
+
+impl TodosLock {
+    pub async fn take(database_url: &str) -> Result<Self> {
+        use sqlx::Connection as _;
+        let mut conn = sqlx::PgConnection::connect(database_url).await?;
+        sqlx::query("BEGIN").execute(&mut conn).await?;
+        sqlx::query("LOCK TABLE todos IN ACCESS EXCLUSIVE MODE")
+            .execute(&mut conn)
+            .await?;
+        Ok(Self { conn })
+    }
+
+    pub async fn release(mut self) -> Result<()> {
+        sqlx::query("ROLLBACK").execute(&mut self.conn).await?;
+        Ok(())
+    }
 }
 
 /// A manifest for adapter `test/{name}` storing into queue `name`. `source` is the body of

@@ -12,7 +12,7 @@ use lapin::types::AMQPValue;
 use switchboard_tests::brokers::rabbitmq::{self, QueueType, RabbitMq, queue_arguments};
 use switchboard_tests::wait::wait_for;
 use switchboard_tests::worker::WorkerProcess;
-use switchboard_tests::{Fixture, source_manifest};
+use switchboard_tests::{Fixture, TodosLock, source_manifest};
 
 const LONG: Duration = Duration::from_secs(120);
 /// A misconfigured worker exits within this.
@@ -189,6 +189,85 @@ async fn dead_letter_publish_is_confirmed_before_the_original_is_acknowledged() 
     ensure!(rabbitmq::header(properties, "x-switchboard-error").is_some());
     ensure!(rabbitmq::header(properties, "x-switchboard-last-seen").is_some());
     ensure!(fx.todo_count(name).await? == 0, "poison is never stored");
+    Ok(())
+}
+
+/// A batch held in the database while the connection is cut: its delivery tags belong to the
+/// lost channel. They are counted as stale and never sent on the new channel (an unknown tag
+/// there would close it); RabbitMQ redelivers the messages and their keys deduplicate them.
+/// The outage is logged once.
+#[tokio::test]
+async fn tags_of_a_lost_channel_are_stale_and_never_used_on_the_new_one() -> Result<()> {
+    let mut fx = Fixture::start().await?;
+    let mut server = start(&mut fx).await?;
+    let name = "reconnect";
+    server
+        .declare(name, queue_arguments(QueueType::Quorum, &[]))
+        .await?;
+    let manifest = fx.manifest(
+        "reconnect.yaml",
+        &source_manifest(
+            name,
+            &format!("amqp: {{queue: {name}}}"),
+            "batchSize: 10",
+            "",
+        ),
+    )?;
+    let worker = fx.worker(&manifest, "w1")?;
+    wait_for(LONG, "the worker is ready", || async {
+        Ok(worker.http_get("/readyz")?.0 == 200)
+    })
+    .await
+    .with_context(|| worker.log_tail())?;
+    let lock = TodosLock::take(&fx.postgres.url()).await?;
+    server
+        .publish(
+            name,
+            (0..10).map(|i| {
+                (
+                    format!(r#"{{"n":{i}}}"#).into_bytes(),
+                    with_id(&format!("n-{i}")),
+                )
+            }),
+        )
+        .await?;
+    fx.wait_blocked_on_lock(&worker).await?;
+    server.stop();
+    lock.release().await?;
+    wait_for(LONG, "the held batch's acks counted as stale", || async {
+        Ok(worker.metric(&format!(
+            r#"switchboard_stale_receipts_total{{adapter="test/{name}"}}"#
+        ))? >= 10.0)
+    })
+    .await
+    .with_context(|| worker.log_tail())?;
+    // The worker keeps trying to reconnect (with backoff) while the broker is down.
+    wait_for(LONG, "readiness false during the outage", || async {
+        Ok(worker.http_get("/readyz")?.0 == 503
+            && worker.metric(&format!(
+                r#"switchboard_dependency_errors_total{{adapter="test/{name}",dependency="broker"}}"#
+            ))? >= 3.0)
+    })
+    .await
+    .with_context(|| worker.log_tail())?;
+    server.start_node()?;
+    wait_for(LONG, "the redeliveries settled as duplicates", || async {
+        Ok(server.messages(name).await? == 0
+            && counter(&worker, "messages_duplicate", name)? >= 10.0)
+    })
+    .await
+    .with_context(|| worker.log_tail())?;
+    fx.assert_exactly_once(name, 10).await?;
+    let log = worker.log();
+    let outages = log
+        .lines()
+        .filter(|line| line.contains("dependency unavailable") && line.contains("broker"))
+        .count();
+    ensure!(outages == 1, "one line per outage, got {outages}:\n{log}");
+    ensure!(
+        !log.contains("PRECONDITION_FAILED"),
+        "no stale tag was sent on the new channel:\n{log}"
+    );
     Ok(())
 }
 

@@ -11,12 +11,11 @@ use anyhow::{Context, Result, bail, ensure};
 use aws_sdk_sqs::Client;
 use aws_sdk_sqs::types::Message;
 use nix::sys::signal::Signal;
-use sqlx::Connection;
 use switchboard_tests::brokers::sqs::{ElasticMq, sqs_client, sqs_error};
 use switchboard_tests::servers::free_port;
 use switchboard_tests::wait::{wait_for, wait_until};
 use switchboard_tests::worker::WorkerProcess;
-use switchboard_tests::{Fixture, source_manifest};
+use switchboard_tests::{Fixture, TodosLock, source_manifest};
 
 const LONG: Duration = Duration::from_secs(120);
 /// Acceptance 4: a misconfigured worker exits within this.
@@ -121,46 +120,6 @@ fn counter(worker: &WorkerProcess, family: &str, name: &str) -> Result<f64> {
     worker.metric(&format!(
         r#"switchboard_{family}_total{{adapter="test/{name}"}}"#
     ))
-}
-
-/// Holds `LOCK TABLE todos IN ACCESS EXCLUSIVE MODE` on its own connection until dropped or
-/// released.
-struct TodosLock {
-    conn: sqlx::PgConnection,
-}
-
-impl TodosLock {
-    async fn take(database_url: &str) -> Result<Self> {
-        let mut conn = sqlx::PgConnection::connect(database_url).await?;
-        sqlx::query("BEGIN").execute(&mut conn).await?;
-        sqlx::query("LOCK TABLE todos IN ACCESS EXCLUSIVE MODE")
-            .execute(&mut conn)
-            .await?;
-        Ok(Self { conn })
-    }
-
-    async fn release(mut self) -> Result<()> {
-        sqlx::query("ROLLBACK").execute(&mut self.conn).await?;
-        Ok(())
-    }
-}
-
-/// Waits until a connection of worker `consumer` waits for a lock (it is storing a batch
-/// behind [`TodosLock`]).
-async fn wait_blocked_on_lock(fx: &Fixture, worker: &WorkerProcess) -> Result<()> {
-    let application = switchboard_worker::database_application_name(&worker.consumer);
-    wait_for(LONG, "the worker waits for the lock on todos", || async {
-        let waiting: i64 = sqlx::query_scalar(
-            "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1 \
-             AND wait_event_type = 'Lock'",
-        )
-        .bind(&application)
-        .fetch_one(fx.pool())
-        .await?;
-        Ok(waiting > 0)
-    })
-    .await
-    .with_context(|| worker.log_tail())
 }
 
 /// Receives up to ten visible messages as another consumer would, hiding them for `hide`.
@@ -312,7 +271,7 @@ async fn held_batch(name: &str) -> Result<Held> {
     wait_ready(&worker).await?;
     let lock = TodosLock::take(&fx.postgres.url()).await?;
     mq.send_bodies(&queue, bodies(name, 10)).await?;
-    wait_blocked_on_lock(&fx, &worker).await?;
+    fx.wait_blocked_on_lock(&worker).await?;
     Ok(Held {
         fx,
         mq,

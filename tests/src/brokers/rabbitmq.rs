@@ -120,7 +120,7 @@ impl RabbitMq {
         wait_until(Duration::from_secs(10), "epmd accepts connections", || {
             std::net::TcpStream::connect(("127.0.0.1", epmd_port)).is_ok()
         })?;
-        server.spawn_node()?;
+        server.start_node()?;
         Ok(server)
     }
 
@@ -128,7 +128,9 @@ impl RabbitMq {
         format!("rabbit-{}@localhost", self.amqp_port)
     }
 
-    fn spawn_node(&mut self) -> Result<()> {
+    /// Starts the node (again, after [`RabbitMq::stop`]) with the same data directory and
+    /// ports, waiting until it accepts AMQP connections.
+    pub fn start_node(&mut self) -> Result<()> {
         use std::os::unix::process::CommandExt as _;
         let d = self.dir.path();
         let log = std::fs::File::create(d.join("stdout.log"))?;
@@ -220,7 +222,7 @@ impl RabbitMq {
     /// queues and persistent messages survive, connections are cut.
     pub fn restart(&mut self) -> Result<()> {
         self.stop();
-        self.spawn_node()
+        self.start_node()
     }
 
     /// A new connection and channel in confirm mode.

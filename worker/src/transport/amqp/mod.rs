@@ -69,7 +69,7 @@ const BLOCK: Duration = Duration::from_secs(1);
 const GATHER: Duration = Duration::from_millis(50);
 /// The bound on every other broker call (connect, declare, publish confirm, ack).
 const CALL_TIMEOUT: Duration = Duration::from_secs(10);
-/// How often `maintain` (a no-op) and the queue-health probe run.
+/// How often `maintain` (reopening a lost session) and the queue-health probe run.
 const MAINTENANCE_INTERVAL: Duration = Duration::from_secs(5);
 
 /// Everything the AMQP transport needs to know.
@@ -816,8 +816,10 @@ impl Transport for Amqp {
     async fn ack(&mut self, messages: &[&AmqpDelivery]) -> Result<Acked, TransportError> {
         let mut acked = Acked::all();
         let Some(session) = self.session.as_mut() else {
-            acked.stale = (0..messages.len()).collect();
-            return Ok(acked);
+            return Err(TransportError::stale(
+                "the channel these deliveries came on is gone",
+                None,
+            ));
         };
         let mut settled = BTreeSet::new();
         let mut index_of = HashMap::new();
@@ -872,8 +874,9 @@ impl Transport for Amqp {
         false
     }
 
+    /// Reopens a lost session, so that the loop sees an outage as such between receives.
     async fn maintain(&mut self) -> Result<(), TransportError> {
-        Ok(())
+        self.session().await.map(drop)
     }
 
     fn maintenance_interval(&self) -> Duration {
