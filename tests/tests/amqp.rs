@@ -347,3 +347,41 @@ fn misspelled_amqp_field_is_rejected_naming_it() -> Result<()> {
     );
     Ok(())
 }
+
+#[test]
+fn dead_letter_targets_of_another_broker_are_refused_naming_the_field() -> Result<()> {
+    for (source, delivery, field) in [
+        (
+            "amqp: {queue: orders}",
+            "deadLetter: {queueUrl: \"http://sqs/q-dlq\"}",
+            "spec.delivery.deadLetter.queueUrl",
+        ),
+        (
+            "amqp: {queue: orders}",
+            "deadLetter: {routingKey: orders}",
+            "spec.delivery.deadLetter.routingKey",
+        ),
+        (
+            "redis: {mode: stream, stream: orders}",
+            "deadLetter: {exchange: dead}",
+            "spec.delivery.deadLetter.exchange",
+        ),
+        (
+            "sqs: {queueUrl: \"http://sqs/q\", region: us-east-1}",
+            "deadLetter: {exchange: dead}",
+            "spec.delivery.deadLetter.exchange",
+        ),
+    ] {
+        let yaml = source_manifest("orders", source, delivery, "");
+        let err = switchboard_api::load_manifest(&yaml).expect_err("refused");
+        ensure!(err.to_string().contains(field), "{source}: {err}");
+    }
+    let yaml = source_manifest(
+        "orders",
+        "amqp: {queue: orders}",
+        "deadLetter: {exchange: dead, routingKey: orders.failed}",
+        "",
+    );
+    switchboard_api::load_manifest(&yaml).map_err(|err| anyhow::anyhow!("{err}"))?;
+    Ok(())
+}
