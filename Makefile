@@ -64,6 +64,7 @@ kind-down:
 
 ## make bench: worker throughput, CPU, latency and memory vs the raw PostgreSQL, Redis, SQS
 ## (ElasticMQ) and NATS JetStream limits, in release, against real servers, every phase 3 times, median and spread
+## (ElasticMQ) and RabbitMQ limits, in release, against real servers, every phase 3 times, median and spread
 ## (docs/PERFORMANCE.md); fails if any entry is not stored exactly once
 bench: deps sqs-server nats-server
 	$(CARGO) build --release --workspace --bins

@@ -11,6 +11,8 @@ command -v openssl >/dev/null 2>&1 || missing+=(openssl)
 # ElasticMQ (the SQS-compatible server of the tests) runs on Java and is installed with Maven.
 command -v java >/dev/null 2>&1 || missing+=(openjdk-17-jre-headless)
 command -v mvn >/dev/null 2>&1 || missing+=(maven)
+# RabbitMQ (the AMQP tests) from Debian: the tests run /usr/lib/rabbitmq/bin/rabbitmq-server themselves.
+[ -x /usr/lib/rabbitmq/bin/rabbitmq-server ] || missing+=(rabbitmq-server)
 
 if [ ${#missing[@]} -eq 0 ]; then
   exit 0
@@ -25,6 +27,6 @@ export DEBIAN_FRONTEND=noninteractive
 apt-get update -qq
 $cmd >/dev/null
 # The Debian packages start system-wide services; the project starts its own servers instead.
-for service in postgresql redis-server; do
+for service in postgresql redis-server rabbitmq-server epmd; do
   if command -v systemctl >/dev/null 2>&1; then systemctl disable --now "$service" >/dev/null 2>&1 || true; fi
 done

@@ -11,6 +11,7 @@ mod validate;
 
 pub use autoscaling::Autoscaling;
 pub use manifest::{ManifestError, UnknownField, load_manifest};
+pub use source::amqp::{AmqpBinding, AmqpDeclare, AmqpQueueType, AmqpSource};
 pub use source::nats::{NatsDeliverPolicy, NatsSource};
 pub use source::redis::{RedisMode, RedisSource, StartFrom};
 pub use source::sqs::SqsSource;
@@ -216,6 +217,42 @@ pub struct DeadLetter {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(min = 1, max = 1024))]
     pub subject: Option<String>,
+    /// The exchange dead letters are published to (source `amqp`), with publisher confirms.
+    /// Default: the durable queue `<queue>.dlq`, which the worker declares.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 255))]
+    pub exchange: Option<String>,
+    /// The routing key of dead letters published to `exchange` (source `amqp`). Default: the
+    /// source queue's name.
+    #[serde(
+        default,
+        rename = "routingKey",
+        skip_serializing_if = "Option::is_none"
+    )]
+    #[schemars(length(max = 255))]
+    pub routing_key: Option<String>,
+}
+
+impl DeadLetter {
+    /// The fields that are set, by their path: each broker refuses the ones of the others.
+    pub fn set_fields(&self) -> impl Iterator<Item = &'static str> {
+        [
+            ("spec.delivery.deadLetter.stream", self.stream.is_some()),
+            ("spec.delivery.deadLetter.list", self.list.is_some()),
+            (
+                "spec.delivery.deadLetter.queueUrl",
+                self.queue_url.is_some(),
+            ),
+            ("spec.delivery.deadLetter.subject", self.subject.is_some()),
+            ("spec.delivery.deadLetter.exchange", self.exchange.is_some()),
+            (
+                "spec.delivery.deadLetter.routingKey",
+                self.routing_key.is_some(),
+            ),
+        ]
+        .into_iter()
+        .filter_map(|(field, set)| set.then_some(field))
+    }
 }
 
 /// The database holding the todos.

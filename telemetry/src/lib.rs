@@ -37,10 +37,15 @@ impl fmt::Display for ErrorChain<'_> {
 }
 
 /// Sets up logging: `RUST_LOG` filters (default `info`); JSON lines when `json`; colours only
-/// on a terminal.
+/// on a terminal. lapin's own lines are off unless `RUST_LOG` names lapin: it logs every AMQP
+/// failure that it also returns, and the caller logs an outage once.
 pub fn init_tracing(json: bool) {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+    let mut filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let names_lapin = std::env::var("RUST_LOG").is_ok_and(|value| value.contains("lapin"));
+    if !names_lapin && let Ok(directive) = "lapin=off".parse() {
+        filter = filter.add_directive(directive);
+    }
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_target(false)

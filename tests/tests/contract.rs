@@ -7,7 +7,8 @@ use std::time::{Duration, Instant};
 use anyhow::{Result, ensure};
 use nix::sys::signal::Signal;
 use switchboard_tests::brokers::{
-    BrokerFixture, NatsBroker, RedisListBroker, RedisStreamBroker, SqsBroker,
+    AmqpClassicBroker, AmqpQuorumBroker, BrokerFixture, NatsBroker, RedisListBroker,
+    RedisStreamBroker, SqsBroker,
 };
 use switchboard_tests::wait::wait_for;
 use switchboard_tests::worker::WorkerProcess;
@@ -375,4 +376,6 @@ contract_suite! {
     redis_list => RedisListBroker,
     sqs_standard => SqsBroker,
     nats => NatsBroker,
+    amqp_quorum => AmqpQuorumBroker,
+    amqp_classic => AmqpClassicBroker,
 }

@@ -16,7 +16,7 @@ use std::time::Duration;
 
 use prometheus_client::registry::Registry;
 use switchboard_api::{
-    Broker, ManifestError, QueueAdapter, QueueAdapterSpec, RedisMode, load_manifest,
+    Broker, ManifestError, QueueAdapter, QueueAdapterSpec, RedisMode, Source, load_manifest,
 };
 use switchboard_store::{Store, StoreError};
 use switchboard_telemetry::{ErrorChain, Probes};
@@ -27,6 +27,7 @@ use crate::backoff::Backoff;
 use crate::health::Health;
 use crate::metrics::Metrics;
 use crate::pipeline::{Pipeline, PipelineError, PipelineSettings};
+use crate::transport::amqp::{Amqp, AmqpSettings};
 use crate::transport::nats::{Auth, Connector, Nats, NatsSettings};
 use crate::transport::redis::list::{ListSettings, RedisList};
 use crate::transport::redis::pubsub::{PubSubSettings, RedisPubSub};
@@ -74,9 +75,7 @@ pub enum WorkerError {
     MissingEnv(&'static str),
     #[error("no consumer name: pass --consumer or set HOSTNAME")]
     NoConsumer,
-    #[error(
-        "the manifest has no supported source (spec.source.redis, spec.source.sqs or spec.source.nats)"
-    )]
+    #[error("the manifest has no supported source (spec.source.redis, sqs, nats or amqp)")]
     NoSource,
     #[error(transparent)]
     Store(#[from] StoreError),
@@ -359,8 +358,11 @@ async fn run_source(
     let batch_size = deps.settings.batch_size;
     let claim_idle = Duration::from_secs(u64::from(spec.delivery.claim_idle_seconds));
     let dead_letter = &spec.delivery.dead_letter;
-    match (&spec.source.redis, &spec.source.sqs, &spec.source.nats) {
-        (Some(redis), None, None) => {
+    // The spec was validated: exactly one broker is set.
+    match &spec.source {
+        Source {
+            redis: Some(redis), ..
+        } => {
             let url = env("REDIS_URL")?;
             match redis.mode {
                 RedisMode::Stream => {
@@ -420,7 +422,7 @@ async fn run_source(
                 }
             }
         }
-        (None, Some(sqs), None) => {
+        Source { sqs: Some(sqs), .. } => {
             let settings = SqsSettings {
                 adapter: name,
                 consumer,
@@ -431,7 +433,9 @@ async fn run_source(
             let transport = Sqs::new(settings, &mut registry).await?;
             drive(transport, registry, sqs, deps, probes).await
         }
-        (None, None, Some(nats)) => {
+        Source {
+            nats: Some(nats), ..
+        } => {
             let connector = Connector {
                 url: env("NATS_URL")?,
                 auth: Auth::from_env()?,
@@ -447,6 +451,20 @@ async fn run_source(
             };
             let transport = Nats::new(settings, &mut registry);
             drive(transport, registry, nats, deps, probes).await
+        }
+        Source {
+            amqp: Some(amqp), ..
+        } => {
+            let settings = AmqpSettings {
+                adapter: name,
+                consumer,
+                spec: amqp.clone(),
+                dead_letter_exchange: dead_letter.exchange.clone(),
+                dead_letter_routing_key: dead_letter.routing_key.clone(),
+                batch_size,
+            };
+            let transport = Amqp::new(settings, env("AMQP_URL")?, &mut registry)?;
+            drive(transport, registry, amqp, deps, probes).await
         }
         _ => Err(WorkerError::NoSource),
     }

@@ -2,6 +2,7 @@
 //! CEL rules, the Secret keys it turns into environment variables, its delivery guarantee and
 //! its dead-letter target. [`Source::broker`] is the one place that knows which brokers exist.
 
+pub mod amqp;
 pub mod nats;
 pub mod redis;
 pub mod sqs;
@@ -10,6 +11,7 @@ use kube::KubeSchema;
 use serde::{Deserialize, Serialize};
 
 use crate::{Delivery, DeliveryGuarantee, FieldError, SecretKeyRef};
+use amqp::AmqpSource;
 use nats::NatsSource;
 use redis::RedisSource;
 use sqs::SqsSource;
@@ -17,8 +19,8 @@ use sqs::SqsSource;
 /// The broker to pull from: exactly one key.
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
 #[x_kube(
-    validation = Rule::new("[has(self.redis), has(self.sqs), has(self.nats)].filter(x, x).size() == 1").message("spec.source: exactly one broker must be set (redis, sqs or nats)"),
-    validation = Rule::new("has(self.redis) == has(oldSelf.redis) && has(self.sqs) == has(oldSelf.sqs) && has(self.nats) == has(oldSelf.nats)").message("spec.source: the kind of source is immutable; create a new QueueAdapter instead")
+    validation = Rule::new("[has(self.redis), has(self.sqs), has(self.nats), has(self.amqp)].filter(x, x).size() == 1").message("spec.source: exactly one broker must be set (redis, sqs, nats or amqp)"),
+    validation = Rule::new("has(self.redis) == has(oldSelf.redis) && has(self.sqs) == has(oldSelf.sqs) && has(self.nats) == has(oldSelf.nats) && has(self.amqp) == has(oldSelf.amqp)").message("spec.source: the kind of source is immutable; create a new QueueAdapter instead")
 )]
 #[serde(rename_all = "camelCase")]
 pub struct Source {
@@ -31,6 +33,9 @@ pub struct Source {
     /// A NATS JetStream stream, read by a durable pull consumer.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub nats: Option<NatsSource>,
+    /// A RabbitMQ (AMQP 0-9-1) queue, quorum or classic.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub amqp: Option<AmqpSource>,
 }
 
 /// A Secret key the worker reads from its environment.
@@ -51,7 +56,7 @@ pub struct MissingSecret {
 
 /// What every broker's spec tells the operator and the worker.
 pub trait Broker: std::fmt::Debug + Send + Sync {
-    /// The key under `spec.source` (`redis`, `sqs`): the status's `source` and the prefix of
+    /// The key under `spec.source` (`redis`, `sqs`, `amqp`): the status's `source` and the prefix of
     /// event sources and idempotency keys.
     fn kind(&self) -> &'static str;
     /// The broker-specific mode the status shows (`stream`, `fifo`, …).
@@ -70,21 +75,30 @@ pub trait Broker: std::fmt::Debug + Send + Sync {
 impl Source {
     /// The one broker that is set, if exactly one is.
     pub fn broker(&self) -> Option<&dyn Broker> {
-        match (&self.redis, &self.sqs, &self.nats) {
-            (Some(redis), None, None) => Some(redis),
-            (None, Some(sqs), None) => Some(sqs),
-            (None, None, Some(nats)) => Some(nats),
-            _ => None,
-        }
+        let brokers: [Option<&dyn Broker>; 4] = [
+            self.redis.as_ref().map(|b| b as &dyn Broker),
+            self.sqs.as_ref().map(|b| b as &dyn Broker),
+            self.nats.as_ref().map(|b| b as &dyn Broker),
+            self.amqp.as_ref().map(|b| b as &dyn Broker),
+        ];
+        only_one(brokers)
     }
 
     /// [`Source::broker`], mutable.
     pub fn broker_mut(&mut self) -> Option<&mut dyn Broker> {
-        match (&mut self.redis, &mut self.sqs, &mut self.nats) {
-            (Some(redis), None, None) => Some(redis),
-            (None, Some(sqs), None) => Some(sqs),
-            (None, None, Some(nats)) => Some(nats),
-            _ => None,
-        }
+        let brokers: [Option<&mut dyn Broker>; 4] = [
+            self.redis.as_mut().map(|b| b as &mut dyn Broker),
+            self.sqs.as_mut().map(|b| b as &mut dyn Broker),
+            self.nats.as_mut().map(|b| b as &mut dyn Broker),
+            self.amqp.as_mut().map(|b| b as &mut dyn Broker),
+        ];
+        only_one(brokers)
     }
+}
+
+/// The one `Some` of `options`, if exactly one is.
+fn only_one<T, const N: usize>(options: [Option<T>; N]) -> Option<T> {
+    let mut set = options.into_iter().flatten();
+    let first = set.next()?;
+    set.next().is_none().then_some(first)
 }

@@ -183,23 +183,15 @@ impl Broker for NatsSource {
                 "must be a subject without wildcards or empty tokens",
             );
         }
-        for (field, value) in [
-            (
-                "spec.delivery.deadLetter.stream",
-                &delivery.dead_letter.stream,
-            ),
-            ("spec.delivery.deadLetter.list", &delivery.dead_letter.list),
-            (
-                "spec.delivery.deadLetter.queueUrl",
-                &delivery.dead_letter.queue_url,
-            ),
-        ] {
-            if value.is_some() {
-                error(
-                    field,
-                    "is for another source; NATS dead letters go to deadLetter.subject",
-                );
-            }
+        for field in delivery
+            .dead_letter
+            .set_fields()
+            .filter(|field| !["spec.delivery.deadLetter.subject"].contains(field))
+        {
+            error(
+                field,
+                "is not for source nats; NATS dead letters go to deadLetter.subject",
+            );
         }
     }
 }

@@ -139,23 +139,17 @@ impl Broker for RedisSource {
         if self.body_field.is_empty() {
             error("spec.source.redis.bodyField", "must not be empty".into());
         }
-        for (field, value) in [
-            (
-                "spec.delivery.deadLetter.queueUrl",
-                &delivery.dead_letter.queue_url,
-            ),
-            (
-                "spec.delivery.deadLetter.subject",
-                &delivery.dead_letter.subject,
-            ),
-        ] {
-            if value.is_some() {
-                error(
-                    field,
-                    "is for another source; Redis dead letters go to deadLetter.stream or deadLetter.list"
-                        .into(),
-                );
-            }
+        for field in delivery.dead_letter.set_fields().filter(|field| {
+            ![
+                "spec.delivery.deadLetter.stream",
+                "spec.delivery.deadLetter.list",
+            ]
+            .contains(field)
+        }) {
+            error(
+                field,
+                "is not for source redis; Redis dead letters go to deadLetter.stream or deadLetter.list".into(),
+            );
         }
     }
 }

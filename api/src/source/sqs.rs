@@ -159,23 +159,15 @@ impl Broker for SqsSource {
                 "must be 1 to 43200",
             );
         }
-        for (field, value) in [
-            (
-                "spec.delivery.deadLetter.stream",
-                &delivery.dead_letter.stream,
-            ),
-            ("spec.delivery.deadLetter.list", &delivery.dead_letter.list),
-            (
-                "spec.delivery.deadLetter.subject",
-                &delivery.dead_letter.subject,
-            ),
-        ] {
-            if value.is_some() {
-                error(
-                    field,
-                    "is for another source; SQS dead letters go to deadLetter.queueUrl",
-                );
-            }
+        for field in delivery
+            .dead_letter
+            .set_fields()
+            .filter(|field| !["spec.delivery.deadLetter.queueUrl"].contains(field))
+        {
+            error(
+                field,
+                "is not for source sqs; SQS dead letters go to deadLetter.queueUrl",
+            );
         }
     }
 }

@@ -6,6 +6,7 @@
 pub mod envelope;
 pub mod moto;
 pub mod nats;
+pub mod rabbitmq;
 pub mod sqs;
 
 use anyhow::{Context, Result};
@@ -13,6 +14,7 @@ use base64::Engine as _;
 
 use crate::Fixture;
 use nats::NatsServer;
+use rabbitmq::{QueueType, RabbitMq};
 use sqs::ElasticMq;
 
 /// One broker (and mode) as the contract suite drives it.
@@ -379,5 +381,77 @@ impl BrokerFixture for NatsBroker {
 
     async fn restart(&mut self, _fx: &mut Fixture) -> Result<()> {
         self.server.restart().await
+    }
+}
+
+/// A durable RabbitMQ queue of a real node, quorum (`CLASSIC = false`) or classic.
+#[derive(Debug)]
+pub struct AmqpBroker<const CLASSIC: bool> {
+    pub server: RabbitMq,
+}
+
+/// A quorum queue: RabbitMQ counts deliveries (`x-delivery-count`).
+pub type AmqpQuorumBroker = AmqpBroker<false>;
+/// A classic queue: the worker counts redeliveries itself.
+pub type AmqpClassicBroker = AmqpBroker<true>;
+
+impl<const CLASSIC: bool> AmqpBroker<CLASSIC> {
+    pub const QUEUE_TYPE: QueueType = if CLASSIC {
+        QueueType::Classic
+    } else {
+        QueueType::Quorum
+    };
+}
+
+impl<const CLASSIC: bool> BrokerFixture for AmqpBroker<CLASSIC> {
+    async fn start(_fx: &Fixture) -> Result<(Self, Vec<(String, String)>)> {
+        let server = RabbitMq::start()?;
+        let env = vec![("AMQP_URL".to_owned(), server.url())];
+        Ok((Self { server }, env))
+    }
+
+    async fn create(&self, _fx: &Fixture, name: &str) -> Result<String> {
+        let arguments = rabbitmq::queue_arguments(Self::QUEUE_TYPE, &[]);
+        self.server.declare(name, arguments.clone()).await?;
+        self.server
+            .declare(&format!("{name}.dlq"), arguments)
+            .await?;
+        Ok(format!("amqp: {{queue: {name}}}"))
+    }
+
+    fn delivery(&self) -> &'static str {
+        "claimIdleSeconds: 2"
+    }
+
+    /// Each message with a `message-id` of its own, as a producer would set.
+    async fn produce(&self, _fx: &Fixture, name: &str, bodies: Vec<Vec<u8>>) -> Result<()> {
+        let messages = bodies.into_iter().map(|body| {
+            let id = format!("{:016x}{:016x}", fastrand::u64(..), fastrand::u64(..));
+            (
+                body,
+                lapin::BasicProperties::default().with_message_id(id.into()),
+            )
+        });
+        self.server.publish(name, messages).await
+    }
+
+    async fn unacknowledged(&self, _fx: &Fixture, name: &str) -> Result<u64> {
+        self.server.messages(name).await
+    }
+
+    async fn dead_letters(&self, _fx: &Fixture, name: &str) -> Result<Vec<(Vec<u8>, String)>> {
+        let letters = self.server.peek(&format!("{name}.dlq")).await?;
+        Ok(letters
+            .into_iter()
+            .map(|(body, properties)| {
+                let reason =
+                    rabbitmq::header(&properties, "x-switchboard-reason").unwrap_or_default();
+                (body, reason)
+            })
+            .collect())
+    }
+
+    async fn restart(&mut self, _fx: &mut Fixture) -> Result<()> {
+        self.server.restart()
     }
 }

@@ -18,6 +18,7 @@
 //! - **Queue health is read on its own schedule** by a [`QueueProbe`] on its own task and
 //!   connection, so the gauges keep moving while the database is down.
 
+pub mod amqp;
 pub mod nats;
 pub mod redis;
 pub mod sqs;

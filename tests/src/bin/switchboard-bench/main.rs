@@ -24,10 +24,12 @@ use switchboard_tests::worker::{WorkerEnv, WorkerProcess};
 use switchboard_tests::{Fixture, adapter_manifest};
 use tokio::task::JoinSet;
 
+use amqp::{AmqpArgs, AmqpBench};
 use broker::BenchBroker as _;
 use nats::{NatsArgs, NatsBench};
 use sqs::{SqsArgs, SqsBench};
 
+mod amqp;
 mod broker;
 mod nats;
 mod sqs;
@@ -70,6 +72,8 @@ struct Args {
     sqs: SqsArgs,
     #[command(flatten)]
     nats: NatsArgs,
+    #[command(flatten)]
+    amqp: AmqpArgs,
 }
 
 /// How long any one phase may take before the bench gives up.
@@ -1142,6 +1146,7 @@ fn verdict(passed: bool) -> &'static str {
 struct Brokers {
     sqs: SqsBench,
     nats: NatsBench,
+    amqp: AmqpBench,
 }
 
 impl Brokers {
@@ -1149,24 +1154,31 @@ impl Brokers {
         Ok(Self {
             sqs: SqsBench::start(args.sqs.clone())?,
             nats: NatsBench::start(args.nats.clone()).await?,
+            amqp: AmqpBench::start(args.amqp.clone())?,
         })
     }
 
     fn server_pids(&self) -> Vec<u32> {
-        [self.sqs.server_pid(), self.nats.server_pid()]
-            .into_iter()
-            .flatten()
-            .collect()
+        [
+            self.sqs.server_pid(),
+            self.nats.server_pid(),
+            self.amqp.server_pid(),
+        ]
+        .into_iter()
+        .flatten()
+        .collect()
     }
 
     async fn round(&mut self, bench: &mut Bench, table: &mut Table) -> Result<()> {
         bench.broker_round(&mut self.sqs, table).await?;
-        bench.broker_round(&mut self.nats, table).await
+        bench.broker_round(&mut self.nats, table).await?;
+        bench.broker_round(&mut self.amqp, table).await
     }
 
     fn print_verdicts(&self, table: &Table, raw_db: &Row) -> Result<()> {
         broker::print_broker_verdict(&self.sqs, table, raw_db)?;
-        broker::print_broker_verdict(&self.nats, table, raw_db)
+        broker::print_broker_verdict(&self.nats, table, raw_db)?;
+        broker::print_broker_verdict(&self.amqp, table, raw_db)
     }
 }
 

@@ -1,0 +1,213 @@
+//! RabbitMQ in the bench: quorum queues of a real node (Debian's rabbitmq-server 3.10); the raw
+//! limit is `basic.consume` with prefetch = the batch size and one `basic.ack multiple=true` per
+//! batch, on concurrent channels — what the worker does, without the database.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use anyhow::{Context, Result, ensure};
+use futures::StreamExt as _;
+use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicQosOptions};
+use lapin::types::FieldTable;
+use lapin::{BasicProperties, Connection, ConnectionProperties};
+use switchboard_tests::brokers::rabbitmq::{QueueType, RabbitMq, queue_arguments};
+use switchboard_tests::wait::wait_for;
+use tokio::task::JoinSet;
+
+use crate::broker::BenchBroker;
+use crate::order_body;
+
+/// How long a raw loop gathers a batch after its first delivery (the worker's window).
+const GATHER: Duration = Duration::from_millis(50);
+/// A raw loop waiting this long for a delivery gives up (the queue is drained long before).
+const IDLE: Duration = Duration::from_secs(10);
+
+#[derive(Debug, Clone, clap::Args)]
+pub struct AmqpArgs {
+    /// Messages published to a quorum queue of RabbitMQ per AMQP phase (0: no AMQP phases).
+    #[arg(long, default_value_t = 100_000)]
+    amqp_messages: usize,
+    /// The AMQP worker's delivery.batchSize (its prefetch).
+    #[arg(long, default_value_t = 100)]
+    amqp_batch_size: usize,
+    /// Concurrent consume + ack(multiple) channels tried for the raw AMQP limit (1 = the
+    /// worker's one consumer).
+    #[arg(long, value_delimiter = ',', default_value = "1")]
+    amqp_loops: Vec<usize>,
+}
+
+/// A RabbitMQ node, started only when `--amqp-messages` is not 0.
+pub struct AmqpBench {
+    args: AmqpArgs,
+    server: Option<RabbitMq>,
+    queues_created: usize,
+}
+
+impl AmqpBench {
+    pub fn start(args: AmqpArgs) -> Result<Self> {
+        let server = match args.amqp_messages {
+            0 => None,
+            _ => Some(RabbitMq::start()?),
+        };
+        Ok(Self {
+            args,
+            server,
+            queues_created: 0,
+        })
+    }
+
+    fn server(&self) -> Result<&RabbitMq> {
+        self.server.as_ref().context("RabbitMQ is not running")
+    }
+}
+
+impl BenchBroker for AmqpBench {
+    fn kind(&self) -> &'static str {
+        "amqp"
+    }
+
+    fn messages(&self) -> usize {
+        self.args.amqp_messages
+    }
+
+    fn batch_size(&self) -> usize {
+        self.args.amqp_batch_size
+    }
+
+    fn raw_loops(&self) -> Vec<usize> {
+        self.args.amqp_loops.clone()
+    }
+
+    fn target(&self) -> f64 {
+        0.7
+    }
+
+    fn server_pid(&self) -> Option<u32> {
+        self.server.as_ref().and_then(RabbitMq::pid)
+    }
+
+    /// A fresh quorum queue `amqp-bench-N` and its dead-letter queue `amqp-bench-N.dlq`.
+    async fn fresh_queue(&mut self, messages: usize) -> Result<String> {
+        self.queues_created += 1;
+        let name = format!("amqp-bench-{}", self.queues_created);
+        let server = self.server()?;
+        for queue in [name.clone(), format!("{name}.dlq")] {
+            server
+                .declare(&queue, queue_arguments(QueueType::Quorum, &[]))
+                .await?;
+        }
+        let bodies = (0..messages).map(|i| {
+            let properties =
+                BasicProperties::default().with_message_id(format!("order-{i}").into());
+            (order_body(i), properties)
+        });
+        server.publish(&name, bodies).await?;
+        let expected = u64::try_from(messages)?;
+        wait_for(
+            Duration::from_secs(30),
+            &format!("{name} holds {messages} messages"),
+            || async { Ok(server.messages(&name).await? == expected) },
+        )
+        .await?;
+        Ok(name)
+    }
+
+    async fn drain_raw(&self, queue: &str, loops: usize) -> Result<(usize, String)> {
+        let url = self.server()?.url();
+        let total = self.messages();
+        let acked = Arc::new(AtomicUsize::new(0));
+        let mut tasks = JoinSet::new();
+        for _ in 0..loops {
+            let (url, queue, acked) = (url.clone(), queue.to_owned(), Arc::clone(&acked));
+            let batch = self.batch_size();
+            tasks.spawn(async move { consume_ack_loop(&url, &queue, batch, total, &acked).await });
+        }
+        while let Some(result) = tasks.join_next().await {
+            result??;
+        }
+        Ok((
+            acked.load(Ordering::Relaxed),
+            format!(
+                "raw amqp consume+ack(multiple) prefetch {} x{loops}",
+                self.batch_size()
+            ),
+        ))
+    }
+
+    fn worker_source(&self, queue: &str) -> (String, Vec<(&'static str, String)>) {
+        let url = self.server.as_ref().map(RabbitMq::url).unwrap_or_default();
+        (format!("amqp: {{queue: {queue}}}"), vec![("AMQP_URL", url)])
+    }
+
+    async fn unacknowledged(&self, queue: &str) -> Result<u64> {
+        self.server()?.messages(queue).await
+    }
+
+    async fn drop_queue(&self, queue: &str) -> Result<()> {
+        let server = self.server()?;
+        for queue in [queue.to_owned(), format!("{queue}.dlq")] {
+            let left = server.messages(&queue).await?;
+            ensure!(
+                left == 0,
+                "queue {queue} is not empty after the phase: {left}"
+            );
+            server.delete(&queue).await?;
+        }
+        Ok(())
+    }
+}
+
+/// One consumer with prefetch `batch`: takes what arrives within [`GATHER`] of a batch's first
+/// delivery (up to `batch`), acknowledges it with one `basic.ack multiple=true`, until `total`
+/// messages are acknowledged by all loops together.
+async fn consume_ack_loop(
+    url: &str,
+    queue: &str,
+    batch: usize,
+    total: usize,
+    acked: &AtomicUsize,
+) -> Result<()> {
+    let connection = Connection::connect(url, ConnectionProperties::default()).await?;
+    let channel = connection.create_channel().await?;
+    channel
+        .basic_qos(
+            u16::try_from(batch).unwrap_or(u16::MAX),
+            BasicQosOptions::default(),
+        )
+        .await?;
+    let mut consumer = channel
+        .basic_consume(
+            queue.into(),
+            "".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await?;
+    while acked.load(Ordering::Relaxed) < total {
+        let first = match tokio::time::timeout(IDLE, consumer.next()).await {
+            Ok(Some(delivery)) => delivery?,
+            Ok(None) => break,
+            // Another loop took the rest.
+            Err(_) => break,
+        };
+        let mut last = first.delivery_tag;
+        let mut count = 1;
+        let until = tokio::time::Instant::now() + GATHER;
+        while count < batch {
+            match tokio::time::timeout_at(until, consumer.next()).await {
+                Ok(Some(delivery)) => {
+                    last = delivery?.delivery_tag;
+                    count += 1;
+                }
+                _ => break,
+            }
+        }
+        channel
+            .basic_ack(last, BasicAckOptions { multiple: true })
+            .await?;
+        acked.fetch_add(count, Ordering::Relaxed);
+    }
+    let _ = connection.close(200, "drained".into()).await;
+    Ok(())
+}

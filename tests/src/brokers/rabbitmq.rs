@@ -1,0 +1,378 @@
+//! A real RabbitMQ node (Debian's `rabbitmq-server` 3.10) as a child process on random loopback
+//! ports, and a lapin client with helpers to declare queues, publish and inspect them.
+//!
+//! The recipe (docs/brokers.md): our own `epmd` on a free port (else erl starts a detached one
+//! that leaks), `RABBITMQ_DIST_PORT` always set (the default NODE_PORT+20000 overflows for high
+//! ports), `HOME` = the node's directory (the Erlang cookie), and
+//! `/usr/lib/rabbitmq/bin/rabbitmq-server` run directly. It is stopped with SIGTERM to the
+//! wrapper shell, which stops beam.smp; SIGKILL of the wrapper would orphan beam.smp, so the
+//! node runs in its own process group and only a node that ignores SIGTERM for 30 s gets a
+//! SIGKILL, to the whole group.
+
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use anyhow::{Context, Result, bail, ensure};
+use lapin::options::{
+    BasicGetOptions, BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOptions,
+    QueueDeleteOptions,
+};
+use lapin::types::{AMQPValue, FieldTable, LongString};
+use lapin::{BasicProperties, Channel, Confirmation, Connection, ConnectionProperties};
+use nix::sys::signal::{Signal, kill, killpg};
+use nix::unistd::Pid;
+use tempfile::TempDir;
+
+use crate::servers::{children_of, free_port, stop_child};
+use crate::wait::wait_until;
+
+/// The RabbitMQ version Debian bookworm ships, which the harness was proven with.
+pub const RABBITMQ_VERSION: &str = "3.10";
+const SERVER: &str = "/usr/lib/rabbitmq/bin/rabbitmq-server";
+const CTL: &str = "/usr/lib/rabbitmq/bin/rabbitmqctl";
+const INSTALL: &str =
+    "install it with `make deps` (apt-get install -y --no-install-recommends rabbitmq-server)";
+const STARTUP_TIMEOUT: Duration = Duration::from_secs(60);
+const STOP_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// A queue's type, as the worker and the tests declare it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum QueueType {
+    Quorum,
+    Classic,
+}
+
+impl QueueType {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            QueueType::Quorum => "quorum",
+            QueueType::Classic => "classic",
+        }
+    }
+}
+
+/// Queue arguments: `x-queue-type` and more.
+pub fn queue_arguments(queue_type: QueueType, more: &[(&str, AMQPValue)]) -> FieldTable {
+    let mut arguments = FieldTable::default();
+    arguments.insert("x-queue-type".into(), text(queue_type.as_str()));
+    for (name, value) in more {
+        arguments.insert((*name).into(), value.clone());
+    }
+    arguments
+}
+
+/// A string header or argument value.
+pub fn text(value: &str) -> AMQPValue {
+    AMQPValue::LongString(LongString::from(value.as_bytes().to_vec()))
+}
+
+/// A RabbitMQ node of our own, with its own epmd, in a temporary directory.
+#[derive(Debug)]
+pub struct RabbitMq {
+    dir: TempDir,
+    amqp_port: u16,
+    dist_port: u16,
+    epmd_port: u16,
+    epmd: Option<Child>,
+    node: Option<Child>,
+}
+
+impl RabbitMq {
+    /// Starts epmd and the node, waiting until the node accepts AMQP connections. Fails when
+    /// `rabbitmq-server` is not installed.
+    pub fn start() -> Result<Self> {
+        ensure!(
+            Path::new(SERVER).exists(),
+            "RabbitMQ is not installed ({SERVER} is missing): {INSTALL}"
+        );
+        let dir = tempfile::Builder::new()
+            .prefix("switchboard-rabbitmq-")
+            .tempdir()?;
+        std::fs::write(dir.path().join("enabled_plugins"), "[].\n")?;
+        // Quorum queues publish their message counts (what `rabbitmqctl list_queues` reports)
+        // on a tick, every 5 s by default: often enough for tests to wait on them.
+        std::fs::write(
+            dir.path().join("advanced.config"),
+            "[{rabbit, [{quorum_tick_interval, 100}]}].\n",
+        )?;
+        let amqp_port = free_port()?;
+        std::fs::write(
+            dir.path().join("rabbitmq.conf"),
+            format!("listeners.tcp.default = 127.0.0.1:{amqp_port}\n"),
+        )?;
+        let epmd_port = free_port()?;
+        let epmd = Command::new("epmd")
+            .args(["-port", &epmd_port.to_string(), "-address", "127.0.0.1"])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .with_context(|| format!("starting epmd (it comes with rabbitmq-server): {INSTALL}"))?;
+        let mut server = Self {
+            dir,
+            amqp_port,
+            dist_port: free_port()?,
+            epmd_port,
+            epmd: Some(epmd),
+            node: None,
+        };
+        wait_until(Duration::from_secs(10), "epmd accepts connections", || {
+            std::net::TcpStream::connect(("127.0.0.1", epmd_port)).is_ok()
+        })?;
+        server.start_node()?;
+        Ok(server)
+    }
+
+    fn node_name(&self) -> String {
+        format!("rabbit-{}@localhost", self.amqp_port)
+    }
+
+    /// Starts the node (again, after [`RabbitMq::stop`]) with the same data directory and
+    /// ports, waiting until it accepts AMQP connections.
+    pub fn start_node(&mut self) -> Result<()> {
+        use std::os::unix::process::CommandExt as _;
+        let d = self.dir.path();
+        let log = std::fs::File::create(d.join("stdout.log"))?;
+        let node = Command::new(SERVER)
+            .env("HOME", d)
+            .env("ERL_EPMD_PORT", self.epmd_port.to_string())
+            .env("ERL_EPMD_ADDRESS", "127.0.0.1")
+            .env("RABBITMQ_NODENAME", self.node_name())
+            .env("RABBITMQ_NODE_IP_ADDRESS", "127.0.0.1")
+            .env("RABBITMQ_NODE_PORT", self.amqp_port.to_string())
+            .env("RABBITMQ_DIST_PORT", self.dist_port.to_string())
+            .env("RABBITMQ_CONF_ENV_FILE", "/dev/null")
+            .env("RABBITMQ_CONFIG_FILE", d.join("rabbitmq.conf"))
+            .env("RABBITMQ_ADVANCED_CONFIG_FILE", d.join("advanced.config"))
+            .env("RABBITMQ_ENABLED_PLUGINS_FILE", d.join("enabled_plugins"))
+            .env("RABBITMQ_MNESIA_BASE", d.join("mnesia"))
+            .env("RABBITMQ_LOG_BASE", d.join("log"))
+            .env("RABBITMQ_PID_FILE", d.join("rabbit.pid"))
+            .env("RABBITMQ_LOGS", "-")
+            .env(
+                "RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS",
+                "-kernel inet_dist_use_interface {127,0,0,1}",
+            )
+            .process_group(0)
+            .stdin(Stdio::null())
+            .stdout(log.try_clone()?)
+            .stderr(log)
+            .spawn()
+            .with_context(|| format!("starting {SERVER}"))?;
+        self.node = Some(node);
+        let port = self.amqp_port;
+        let ready = wait_until(STARTUP_TIMEOUT, "RabbitMQ accepts AMQP connections", || {
+            let exited = self
+                .node
+                .as_mut()
+                .is_none_or(|node| matches!(node.try_wait(), Ok(Some(_))));
+            exited || std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
+        });
+        let exited = self
+            .node
+            .as_mut()
+            .is_none_or(|node| matches!(node.try_wait(), Ok(Some(_))));
+        if ready.is_err() || exited {
+            let log = std::fs::read_to_string(d.join("stdout.log")).unwrap_or_default();
+            let tail: Vec<&str> = log.lines().rev().take(30).collect();
+            let tail: Vec<&str> = tail.into_iter().rev().collect();
+            bail!(
+                "RabbitMQ did not start on 127.0.0.1:{port}:\n{}",
+                tail.join("\n")
+            );
+        }
+        Ok(())
+    }
+
+    /// `amqp://guest:guest@127.0.0.1:PORT/%2f`; the same across restarts.
+    pub fn url(&self) -> String {
+        format!("amqp://guest:guest@127.0.0.1:{}/%2f", self.amqp_port)
+    }
+
+    /// The node's beam.smp process (the wrapper shell's child), for CPU accounting.
+    pub fn pid(&self) -> Option<u32> {
+        let wrapper = i32::try_from(self.node.as_ref()?.id()).ok()?;
+        children_of(wrapper).into_iter().find_map(|pid| {
+            let command = std::fs::read_to_string(format!("/proc/{pid}/comm")).ok()?;
+            (command.trim() == "beam.smp").then(|| u32::try_from(pid).ok())?
+        })
+    }
+
+    /// SIGTERM to the wrapper, which stops beam.smp (about 2 s); a node still running after
+    /// 30 s is SIGKILLed with its whole process group, so beam.smp is never orphaned.
+    pub fn stop(&mut self) {
+        let Some(mut node) = self.node.take() else {
+            return;
+        };
+        let Ok(pid) = i32::try_from(node.id()) else {
+            return;
+        };
+        let _ = kill(Pid::from_raw(pid), Signal::SIGTERM);
+        let stopped = wait_until(STOP_TIMEOUT, "RabbitMQ stops", || {
+            matches!(node.try_wait(), Ok(Some(_)))
+        });
+        if stopped.is_err() {
+            let _ = killpg(Pid::from_raw(pid), Signal::SIGKILL);
+            let _ = node.wait();
+        }
+    }
+
+    /// Stops the node and starts it again with the same data directory and ports: durable
+    /// queues and persistent messages survive, connections are cut.
+    pub fn restart(&mut self) -> Result<()> {
+        self.stop();
+        self.start_node()
+    }
+
+    /// A new connection and channel in confirm mode.
+    pub async fn channel(&self) -> Result<(Connection, Channel)> {
+        let connection = Connection::connect(&self.url(), ConnectionProperties::default())
+            .await
+            .context("connecting to RabbitMQ")?;
+        let channel = connection.create_channel().await?;
+        channel
+            .confirm_select(ConfirmSelectOptions::default())
+            .await?;
+        Ok((connection, channel))
+    }
+
+    /// Declares a durable queue with `arguments`.
+    pub async fn declare(&self, name: &str, arguments: FieldTable) -> Result<()> {
+        let (connection, channel) = self.channel().await?;
+        let options = QueueDeclareOptions {
+            durable: true,
+            ..QueueDeclareOptions::default()
+        };
+        channel
+            .queue_declare(name.into(), options, arguments)
+            .await
+            .with_context(|| format!("declaring queue {name}"))?;
+        let _ = connection.close(200, "done".into()).await;
+        Ok(())
+    }
+
+    /// Deletes queue `name`.
+    pub async fn delete(&self, name: &str) -> Result<()> {
+        let (connection, channel) = self.channel().await?;
+        channel
+            .queue_delete(name.into(), QueueDeleteOptions::default())
+            .await
+            .with_context(|| format!("deleting queue {name}"))?;
+        let _ = connection.close(200, "done".into()).await;
+        Ok(())
+    }
+
+    /// Publishes each (body, properties) to queue `name` (the default exchange), persistent,
+    /// and waits for every confirm.
+    pub async fn publish(
+        &self,
+        name: &str,
+        messages: impl IntoIterator<Item = (Vec<u8>, BasicProperties)>,
+    ) -> Result<()> {
+        let (connection, channel) = self.channel().await?;
+        let mut confirms = Vec::new();
+        for (body, properties) in messages {
+            let properties = properties.with_delivery_mode(2);
+            confirms.push(
+                channel
+                    .basic_publish(
+                        "".into(),
+                        name.into(),
+                        BasicPublishOptions {
+                            mandatory: true,
+                            ..BasicPublishOptions::default()
+                        },
+                        &body,
+                        properties,
+                    )
+                    .await?,
+            );
+        }
+        for confirm in confirms {
+            match confirm.await? {
+                Confirmation::Ack(None) => {}
+                other => bail!("publish to {name} not confirmed: {other:?}"),
+            }
+        }
+        let _ = connection.close(200, "done".into()).await;
+        Ok(())
+    }
+
+    /// Messages of queue `name`, ready plus delivered and un-acknowledged, as the node counts
+    /// them (`rabbitmqctl list_queues`; the passive declare only counts ready messages). For a
+    /// quorum queue the count is at most one tick (100 ms here) old.
+    pub async fn messages(&self, name: &str) -> Result<u64> {
+        let output = tokio::process::Command::new(CTL)
+            .env("HOME", self.dir.path())
+            .env("ERL_EPMD_PORT", self.epmd_port.to_string())
+            .env("RABBITMQ_CONF_ENV_FILE", "/dev/null")
+            .args([
+                "-n",
+                &self.node_name(),
+                "list_queues",
+                "--quiet",
+                "--no-table-headers",
+                "name",
+                "messages",
+            ])
+            .stdin(Stdio::null())
+            .output()
+            .await
+            .context("running rabbitmqctl")?;
+        ensure!(
+            output.status.success(),
+            "rabbitmqctl list_queues failed: {}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+        let listing = String::from_utf8_lossy(&output.stdout);
+        for line in listing.lines() {
+            let mut columns = line.split('\t');
+            if columns.next() == Some(name) {
+                let count = columns.next().context("no messages column")?;
+                return count
+                    .trim()
+                    .parse()
+                    .with_context(|| format!("messages of {name}: {count:?}"));
+            }
+        }
+        bail!("queue {name} not listed by rabbitmqctl:\n{listing}")
+    }
+
+    /// Every message of queue `name` (body, headers), read with `basic.get` on a channel that
+    /// is then closed without acknowledging: the messages stay in the queue.
+    pub async fn peek(&self, name: &str) -> Result<Vec<(Vec<u8>, BasicProperties)>> {
+        let connection = Connection::connect(&self.url(), ConnectionProperties::default()).await?;
+        let channel = connection.create_channel().await?;
+        let mut messages = Vec::new();
+        while let Some(message) = channel
+            .basic_get(name.into(), BasicGetOptions::default())
+            .await?
+        {
+            let delivery = message.delivery;
+            messages.push((delivery.data, delivery.properties));
+        }
+        let _ = connection.close(200, "peeked".into()).await;
+        Ok(messages)
+    }
+}
+
+/// The string value of header `name`, if it has one.
+pub fn header(properties: &BasicProperties, name: &str) -> Option<String> {
+    match properties.headers().as_ref()?.inner().get(name)? {
+        AMQPValue::LongString(value) => {
+            Some(String::from_utf8_lossy(value.as_bytes()).into_owned())
+        }
+        AMQPValue::LongLongInt(value) => Some(value.to_string()),
+        other => Some(format!("{other:?}")),
+    }
+}
+
+impl Drop for RabbitMq {
+    fn drop(&mut self) {
+        self.stop();
+        if let Some(mut epmd) = self.epmd.take() {
+            stop_child(&mut epmd, Signal::SIGTERM, Duration::from_secs(5));
+        }
+    }
+}

@@ -1,0 +1,388 @@
+//! RabbitMQ behaviour beyond the contract suite, against a real node (Debian's
+//! rabbitmq-server 3.10): producer retries, dead letters confirmed before the acknowledgement,
+//! the missing-queue and `declare` paths, and the example manifest.
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, ensure};
+use lapin::BasicProperties;
+use lapin::options::BasicGetOptions;
+use lapin::types::AMQPValue;
+use switchboard_tests::brokers::rabbitmq::{self, QueueType, RabbitMq, queue_arguments};
+use switchboard_tests::todos_lock::{TodosLock, wait_blocked_on_lock};
+use switchboard_tests::wait::wait_for;
+use switchboard_tests::worker::WorkerProcess;
+use switchboard_tests::{Fixture, source_manifest};
+
+const LONG: Duration = Duration::from_secs(120);
+/// A misconfigured worker exits within this.
+const FATAL_EXIT: Duration = Duration::from_secs(30);
+
+async fn start(fx: &mut Fixture) -> Result<RabbitMq> {
+    let server = RabbitMq::start()?;
+    fx.extra_env = vec![("AMQP_URL".to_owned(), server.url())];
+    Ok(server)
+}
+
+fn counter(worker: &WorkerProcess, family: &str, name: &str) -> Result<f64> {
+    worker.metric(&format!(
+        r#"switchboard_{family}_total{{adapter="test/{name}"}}"#
+    ))
+}
+
+fn with_id(id: &str) -> BasicProperties {
+    BasicProperties::default().with_message_id(id.into())
+}
+
+/// Waits for the worker to exit non-zero within [`FATAL_EXIT`] with every one of `needles` in
+/// its log.
+fn assert_fatal_exit(worker: &mut WorkerProcess, needles: &[&str]) -> Result<()> {
+    let started = Instant::now();
+    let status = worker.wait_exit(FATAL_EXIT)?;
+    let log = worker.log();
+    ensure!(
+        !status.success() && status.code().is_some(),
+        "expected a non-zero exit, got {status:?} after {:?}\n{log}",
+        started.elapsed()
+    );
+    for needle in needles {
+        ensure!(
+            log.contains(needle),
+            "the log does not name {needle}:\n{log}"
+        );
+    }
+    Ok(())
+}
+
+#[tokio::test]
+async fn same_message_id_delivered_twice_creates_one_todo() -> Result<()> {
+    let mut fx = Fixture::start().await?;
+    let server = start(&mut fx).await?;
+    let name = "retried";
+    server
+        .declare(name, queue_arguments(QueueType::Quorum, &[]))
+        .await?;
+    // A producer retrying after a lost confirm: the same message-id twice in a row (the
+    // second copy a little different, as a re-serialised retry may be), then once more after
+    // the first was stored.
+    server
+        .publish(
+            name,
+            [
+                (br#"{"order":1}"#.to_vec(), with_id("order-1")),
+                (br#"{"order": 1}"#.to_vec(), with_id("order-1")),
+                (br#"{"order":2}"#.to_vec(), with_id("order-2")),
+            ],
+        )
+        .await?;
+    let manifest = fx.manifest(
+        "retried.yaml",
+        &source_manifest(
+            name,
+            &format!("amqp: {{queue: {name}}}"),
+            "batchSize: 10",
+            "",
+        ),
+    )?;
+    let worker = fx.worker(&manifest, "w1")?;
+    wait_for(LONG, "the first messages settled", || async {
+        Ok(server.messages(name).await? == 0 && fx.todo_count(name).await? >= 2)
+    })
+    .await
+    .with_context(|| worker.log_tail())?;
+    server
+        .publish(name, [(br#"{"order":1}"#.to_vec(), with_id("order-1"))])
+        .await?;
+    wait_for(LONG, "the late retry counted as a duplicate", || async {
+        Ok(counter(&worker, "messages_duplicate", name)? >= 1.0
+            && server.messages(name).await? == 0)
+    })
+    .await
+    .with_context(|| worker.log_tail())?;
+    fx.assert_exactly_once(name, 2).await
+}
+
+#[tokio::test]
+async fn dead_letter_publish_is_confirmed_before_the_original_is_acknowledged() -> Result<()> {
+    let mut fx = Fixture::start().await?;
+    let server = start(&mut fx).await?;
+    let name = "blocked";
+    server
+        .declare(name, queue_arguments(QueueType::Classic, &[]))
+        .await?;
+    // The dead-letter queue holds one message and refuses publishes beyond that (publishers
+    // get a nack): filled, it blocks every dead letter.
+    let dlq = format!("{name}.dlq");
+    let limits = [
+        ("x-max-length", AMQPValue::LongLongInt(1)),
+        ("x-overflow", rabbitmq::text("reject-publish")),
+    ];
+    server
+        .declare(&dlq, queue_arguments(QueueType::Classic, &limits))
+        .await?;
+    server
+        .publish(&dlq, [(b"filler".to_vec(), with_id("filler"))])
+        .await?;
+    let poison = b"{\"order\": broken".to_vec();
+    server
+        .publish(name, [(poison.clone(), with_id("poison-1"))])
+        .await?;
+    let manifest = fx.manifest(
+        "blocked.yaml",
+        &source_manifest(
+            name,
+            &format!("amqp: {{queue: {name}}}"),
+            "batchSize: 10",
+            "format: json",
+        ),
+    )?;
+    let worker = fx.worker(&manifest, "w1")?;
+    wait_for(LONG, "dead-letter publishes refused and retried", || async {
+        Ok(worker.metric(r#"switchboard_dependency_errors_total{adapter="test/blocked",dependency="broker"}"#)? >= 2.0)
+    })
+    .await
+    .with_context(|| worker.log_tail())?;
+    ensure!(
+        server.messages(name).await? == 1,
+        "the original must stay un-acknowledged while its dead letter is refused\n{}",
+        worker.log_tail()
+    );
+    let held = server.peek(&dlq).await?;
+    ensure!(
+        held.len() == 1 && held[0].0 == b"filler",
+        "only the filler is in the dead-letter queue: {held:?}"
+    );
+    // Unblock: take the filler out; the next retry is confirmed, then the original acked.
+    let (connection, channel) = server.channel().await?;
+    let filler = channel
+        .basic_get(dlq.as_str().into(), BasicGetOptions { no_ack: true })
+        .await?;
+    ensure!(filler.is_some(), "the filler was there");
+    let _ = connection.close(200, "done".into()).await;
+    wait_for(
+        LONG,
+        "the dead letter written and the original acked",
+        || async { Ok(server.messages(name).await? == 0) },
+    )
+    .await
+    .with_context(|| worker.log_tail())?;
+    let letters = server.peek(&dlq).await?;
+    ensure!(letters.len() == 1, "one dead letter: {letters:?}");
+    let (body, properties) = &letters[0];
+    ensure!(body == &poison, "byte-identical body");
+    ensure!(
+        properties.message_id().as_ref().map(|id| id.as_str()) == Some("poison-1"),
+        "the original properties are kept: {properties:?}"
+    );
+    for (header, expected) in [
+        ("x-switchboard-reason", Some("invalid_json")),
+        ("x-switchboard-delivery-count", Some("1")),
+        ("x-switchboard-original-routing-key", Some(name)),
+        ("x-switchboard-queue", Some(name)),
+    ] {
+        let value = rabbitmq::header(properties, header);
+        ensure!(
+            value.as_deref() == expected,
+            "{header}: {value:?} in {properties:?}"
+        );
+    }
+    ensure!(rabbitmq::header(properties, "x-switchboard-error").is_some());
+    ensure!(rabbitmq::header(properties, "x-switchboard-last-seen").is_some());
+    ensure!(fx.todo_count(name).await? == 0, "poison is never stored");
+    Ok(())
+}
+
+/// A batch held in the database while the connection is cut: its delivery tags belong to the
+/// lost channel. They are counted as stale and never sent on the new channel (an unknown tag
+/// there would close it); RabbitMQ redelivers the messages and their keys deduplicate them.
+/// The outage is logged once.
+#[tokio::test]
+async fn tags_of_a_lost_channel_are_stale_and_never_used_on_the_new_one() -> Result<()> {
+    let mut fx = Fixture::start().await?;
+    let mut server = start(&mut fx).await?;
+    let name = "reconnect";
+    server
+        .declare(name, queue_arguments(QueueType::Quorum, &[]))
+        .await?;
+    let manifest = fx.manifest(
+        "reconnect.yaml",
+        &source_manifest(
+            name,
+            &format!("amqp: {{queue: {name}}}"),
+            "batchSize: 10",
+            "",
+        ),
+    )?;
+    let worker = fx.worker(&manifest, "w1")?;
+    wait_for(LONG, "the worker is ready", || async {
+        Ok(worker.http_get("/readyz")?.0 == 200)
+    })
+    .await
+    .with_context(|| worker.log_tail())?;
+    let lock = TodosLock::take(&fx.postgres.url()).await?;
+    server
+        .publish(
+            name,
+            (0..10).map(|i| {
+                (
+                    format!(r#"{{"n":{i}}}"#).into_bytes(),
+                    with_id(&format!("n-{i}")),
+                )
+            }),
+        )
+        .await?;
+    wait_blocked_on_lock(&fx, &worker).await?;
+    server.stop();
+    lock.release().await?;
+    wait_for(LONG, "the held batch's acks counted as stale", || async {
+        Ok(worker.metric(&format!(
+            r#"switchboard_stale_receipts_total{{adapter="test/{name}"}}"#
+        ))? >= 10.0)
+    })
+    .await
+    .with_context(|| worker.log_tail())?;
+    // The worker keeps trying to reconnect (with backoff) while the broker is down.
+    wait_for(LONG, "readiness false during the outage", || async {
+        Ok(worker.http_get("/readyz")?.0 == 503
+            && worker.metric(&format!(
+                r#"switchboard_dependency_errors_total{{adapter="test/{name}",dependency="broker"}}"#
+            ))? >= 3.0)
+    })
+    .await
+    .with_context(|| worker.log_tail())?;
+    server.start_node()?;
+    wait_for(LONG, "the redeliveries settled as duplicates", || async {
+        Ok(server.messages(name).await? == 0
+            && counter(&worker, "messages_duplicate", name)? >= 10.0)
+    })
+    .await
+    .with_context(|| worker.log_tail())?;
+    fx.assert_exactly_once(name, 10).await?;
+    let log = worker.log();
+    let outages = log
+        .lines()
+        .filter(|line| line.contains("dependency unavailable") && line.contains("broker"))
+        .count();
+    ensure!(outages == 1, "one line per outage, got {outages}:\n{log}");
+    ensure!(
+        !log.contains("PRECONDITION_FAILED"),
+        "no stale tag was sent on the new channel:\n{log}"
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn missing_queue_exits_non_zero_naming_it_unless_declare_is_set() -> Result<()> {
+    let mut fx = Fixture::start().await?;
+    let server = start(&mut fx).await?;
+    let missing = fx.manifest(
+        "missing.yaml",
+        &source_manifest("missing", "amqp: {queue: nowhere}", "batchSize: 10", ""),
+    )?;
+    let mut worker = fx.worker(&missing, "w1")?;
+    assert_fatal_exit(&mut worker, &["spec.source.amqp.queue", "nowhere"])?;
+
+    let declared = fx.manifest(
+        "declared.yaml",
+        &source_manifest(
+            "declared",
+            "amqp: {queue: created, declare: {type: classic}}",
+            "batchSize: 10",
+            "",
+        ),
+    )?;
+    let worker = fx.worker(&declared, "w2")?;
+    wait_for(LONG, "the worker declared the queue", || async {
+        Ok(server.messages("created").await.is_ok())
+    })
+    .await
+    .with_context(|| worker.log_tail())?;
+    server
+        .publish(
+            "created",
+            (0..20).map(|i| {
+                (
+                    format!(r#"{{"n":{i}}}"#).into_bytes(),
+                    with_id(&format!("n-{i}")),
+                )
+            }),
+        )
+        .await?;
+    wait_for(LONG, "20 todos", || async {
+        Ok(fx.todo_count("declared").await? == 20 && server.messages("created").await? == 0)
+    })
+    .await
+    .with_context(|| worker.log_tail())?;
+    fx.assert_exactly_once("declared", 20).await
+}
+
+#[test]
+fn orders_amqp_example_is_a_valid_manifest() -> Result<()> {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/orders-amqp.yaml");
+    let yaml = std::fs::read_to_string(&path)?;
+    let adapter = switchboard_api::load_manifest(&yaml)
+        .map_err(|err| anyhow::anyhow!("{}: {err}", path.display()))?;
+    let amqp = adapter
+        .spec
+        .source
+        .amqp
+        .as_ref()
+        .context("the example's source is not amqp")?;
+    ensure!(amqp.url_secret_ref.is_some());
+    ensure!(
+        amqp.declare
+            .as_ref()
+            .is_some_and(|d| !d.bindings.is_empty())
+    );
+    Ok(())
+}
+
+#[test]
+fn misspelled_amqp_field_is_rejected_naming_it() -> Result<()> {
+    let yaml = source_manifest("typo", "amqp: {queue: orders, decalre: {}}", "", "");
+    let err = switchboard_api::load_manifest(&yaml).expect_err("unknown field");
+    ensure!(
+        err.to_string().contains("spec.source.amqp.decalre"),
+        "{err}"
+    );
+    Ok(())
+}
+
+#[test]
+fn dead_letter_targets_of_another_broker_are_refused_naming_the_field() -> Result<()> {
+    for (source, delivery, field) in [
+        (
+            "amqp: {queue: orders}",
+            "deadLetter: {queueUrl: \"http://sqs/q-dlq\"}",
+            "spec.delivery.deadLetter.queueUrl",
+        ),
+        (
+            "amqp: {queue: orders}",
+            "deadLetter: {routingKey: orders}",
+            "spec.delivery.deadLetter.routingKey",
+        ),
+        (
+            "redis: {mode: stream, stream: orders}",
+            "deadLetter: {exchange: dead}",
+            "spec.delivery.deadLetter.exchange",
+        ),
+        (
+            "sqs: {queueUrl: \"http://sqs/q\", region: us-east-1}",
+            "deadLetter: {exchange: dead}",
+            "spec.delivery.deadLetter.exchange",
+        ),
+    ] {
+        let yaml = source_manifest("orders", source, delivery, "");
+        let err = switchboard_api::load_manifest(&yaml).expect_err("refused");
+        ensure!(err.to_string().contains(field), "{source}: {err}");
+    }
+    let yaml = source_manifest(
+        "orders",
+        "amqp: {queue: orders}",
+        "deadLetter: {exchange: dead, routingKey: orders.failed}",
+        "",
+    );
+    switchboard_api::load_manifest(&yaml).map_err(|err| anyhow::anyhow!("{err}"))?;
+    Ok(())
+}
