@@ -3,7 +3,7 @@ SHELL := /bin/bash
 export CARGO_TARGET_DIR ?= $(HOME)/.cache/switchboard/target
 CARGO ?= cargo
 
-.PHONY: demo demo-k8s control-plane test deps build lint bench helm sqs-server kind-up kind-demo kind-down
+.PHONY: demo demo-k8s control-plane test deps build lint bench helm sqs-server kafka-server kind-up kind-demo kind-down
 
 ## make demo: the whole pipeline locally (ephemeral PostgreSQL + Redis, 20,000 messages, a kill -9 mid-way),
 ## then the Kubernetes path (make demo-k8s)
@@ -17,7 +17,7 @@ demo-k8s: deps build control-plane
 	$(CARGO) run --quiet -p switchboard-tests --bin switchboard-demo-k8s
 
 ## make test: formatting, lints and every test against real servers
-test: deps lint build helm control-plane sqs-server
+test: deps lint build helm control-plane sqs-server kafka-server
 	@set -o pipefail; $(CARGO) test --workspace --no-fail-fast 2>&1 | tee $(CARGO_TARGET_DIR)/test.log; \
 		status=$$?; scripts/test-summary.sh $(CARGO_TARGET_DIR)/test.log; exit $$status
 
@@ -40,6 +40,12 @@ sqs-server:
 	scripts/elasticmq.sh >/dev/null
 	scripts/moto.sh >/dev/null
 
+## make kafka-server: Apache Kafka (run by the tests as a single KRaft node) for the Kafka tests, its
+## jars fetched once from Maven Central into ~/.cache/switchboard/kafka-<version> (or taken from
+## KAFKA_LIB); docs/brokers.md
+kafka-server:
+	scripts/kafka.sh >/dev/null
+
 ## make kind-up / kind-demo / kind-down: the kind path for people with Docker (docs/kubernetes.md)
 kind-up:
 	scripts/kind-up.sh
@@ -53,7 +59,7 @@ kind-down:
 ## make bench: worker throughput, CPU, latency and memory vs the raw PostgreSQL, Redis and SQS
 ## (ElasticMQ) limits, in release, against real servers, every phase 3 times, median and spread
 ## (docs/PERFORMANCE.md); fails if any entry is not stored exactly once
-bench: deps sqs-server
+bench: deps sqs-server kafka-server
 	$(CARGO) build --release --workspace --bins
 	$(CARGO) run --quiet --release -p switchboard-tests --bin switchboard-bench -- \
 		--worker $(CARGO_TARGET_DIR)/release/switchboard-worker $(BENCH_ARGS)

@@ -9,6 +9,7 @@ pub mod source;
 mod validate;
 
 pub use manifest::{ManifestError, UnknownField, load_manifest};
+pub use source::kafka::{KafkaSasl, KafkaSource, KafkaTls, SaslMechanism};
 pub use source::redis::{RedisMode, RedisSource, StartFrom};
 pub use source::sqs::SqsSource;
 pub use source::{Broker, MissingSecret, SecretEnv, Source};
@@ -50,7 +51,7 @@ pub struct QueueAdapterSpec {
     /// disabled in the database; messages stay in the broker until it is enabled again.
     #[serde(default = "default_true")]
     pub enabled: bool,
-    /// The broker to pull from. Exactly one broker key must be set (`redis` or `sqs`). The kind
+    /// The broker to pull from. Exactly one broker key must be set (`redis`, `sqs` or `kafka`). The kind
     /// of source cannot be changed after creation: create a new QueueAdapter instead.
     pub source: Source,
     /// Where the messages land.
@@ -172,6 +173,12 @@ pub struct DeadLetter {
     #[serde(default, rename = "queueUrl", skip_serializing_if = "Option::is_none")]
     #[schemars(length(min = 1, max = 2048))]
     pub queue_url: Option<String>,
+    /// The Kafka topic dead letters are produced to (source `kafka`), with `acks=all`: the
+    /// record's key, value and headers byte-identical, plus `x-dlq-*` headers. Default:
+    /// `<topic>.dlq` of each record's topic. It must exist.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 249))]
+    pub topic: Option<String>,
 }
 
 /// The database holding the todos.
@@ -224,13 +231,13 @@ pub struct QueueAdapterStatus {
     /// Worker pods that are ready.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ready_replicas: Option<i32>,
-    /// `at-least-once` (Redis stream and list, SQS) or `at-most-once` (Redis pubsub).
+    /// `at-least-once` (Redis stream and list, SQS, Kafka) or `at-most-once` (Redis pubsub).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub delivery_guarantee: Option<String>,
-    /// The broker kind: `redis` or `sqs`.
+    /// The broker kind: `redis`, `sqs` or `kafka`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub source: Option<String>,
-    /// The broker-specific mode: `stream`, `list`, `pubsub` (Redis), `standard` or `fifo` (SQS).
+    /// The broker-specific mode: `stream`, `list`, `pubsub` (Redis), `standard` or `fifo` (SQS), `group` (Kafka).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mode: Option<String>,
 }

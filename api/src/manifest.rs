@@ -514,7 +514,7 @@ spec:
         let err = load_manifest(&yaml).expect_err("one broker only");
         assert!(
             err.to_string()
-                .contains("spec.source: exactly one broker must be set (redis or sqs)"),
+                .contains("spec.source: exactly one broker must be set (redis, sqs or kafka)"),
             "{err}"
         );
     }

@@ -10,6 +10,7 @@
 //!   (`external_id` = `sha256:<hex>@<event id>`).
 
 mod adapters;
+mod deliveries;
 pub use adapters::{Mirrored, QueueAdapterRow};
 
 use std::time::Duration;

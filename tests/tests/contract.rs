@@ -6,7 +6,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Result, ensure};
 use nix::sys::signal::Signal;
-use switchboard_tests::brokers::{BrokerFixture, RedisListBroker, RedisStreamBroker, SqsBroker};
+use switchboard_tests::brokers::{
+    BrokerFixture, KafkaBroker, RedisListBroker, RedisStreamBroker, SqsBroker,
+};
 use switchboard_tests::wait::wait_for;
 use switchboard_tests::worker::WorkerProcess;
 use switchboard_tests::{Fixture, source_manifest};
@@ -372,4 +374,5 @@ contract_suite! {
     redis_stream => RedisStreamBroker,
     redis_list => RedisListBroker,
     sqs_standard => SqsBroker,
+    kafka => KafkaBroker,
 }

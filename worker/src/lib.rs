@@ -26,6 +26,7 @@ use crate::backoff::Backoff;
 use crate::health::Health;
 use crate::metrics::Metrics;
 use crate::pipeline::{Pipeline, PipelineError, PipelineSettings};
+use crate::transport::kafka::{Kafka, KafkaSettings};
 use crate::transport::redis::list::{ListSettings, RedisList};
 use crate::transport::redis::pubsub::{PubSubSettings, RedisPubSub};
 use crate::transport::redis::stream::{RedisStream, StreamSettings};
@@ -72,7 +73,7 @@ pub enum WorkerError {
     MissingEnv(&'static str),
     #[error("no consumer name: pass --consumer or set HOSTNAME")]
     NoConsumer,
-    #[error("the manifest has no supported source (spec.source.redis or spec.source.sqs)")]
+    #[error("the manifest has no supported source (spec.source.redis, spec.source.sqs or spec.source.kafka)")]
     NoSource,
     #[error(transparent)]
     Store(#[from] StoreError),
@@ -349,8 +350,8 @@ async fn run_source(
     let batch_size = deps.settings.batch_size;
     let claim_idle = Duration::from_secs(u64::from(spec.delivery.claim_idle_seconds));
     let dead_letter = &spec.delivery.dead_letter;
-    match (&spec.source.redis, &spec.source.sqs) {
-        (Some(redis), None) => {
+    match (&spec.source.redis, &spec.source.sqs, &spec.source.kafka) {
+        (Some(redis), None, None) => {
             let url = env("REDIS_URL")?;
             match redis.mode {
                 RedisMode::Stream => {
@@ -410,7 +411,7 @@ async fn run_source(
                 }
             }
         }
-        (None, Some(sqs)) => {
+        (None, Some(sqs), None) => {
             let settings = SqsSettings {
                 adapter: name,
                 consumer,
@@ -420,6 +421,16 @@ async fn run_source(
             };
             let transport = Sqs::new(settings, &mut registry).await?;
             drive(transport, registry, sqs, deps, probes).await
+        }
+        (None, None, Some(kafka)) => {
+            let settings = KafkaSettings {
+                adapter: name,
+                consumer,
+                spec: kafka.clone(),
+                dead_letter_topic: dead_letter.topic.clone(),
+            };
+            let transport = Kafka::new(settings, deps.store.clone(), &mut registry)?;
+            drive(transport, registry, kafka, deps, probes).await
         }
         _ => Err(WorkerError::NoSource),
     }

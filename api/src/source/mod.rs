@@ -2,6 +2,7 @@
 //! CEL rules, the Secret keys it turns into environment variables, its delivery guarantee and
 //! its dead-letter target. [`Source::broker`] is the one place that knows which brokers exist.
 
+pub mod kafka;
 pub mod redis;
 pub mod sqs;
 
@@ -9,14 +10,15 @@ use kube::KubeSchema;
 use serde::{Deserialize, Serialize};
 
 use crate::{Delivery, DeliveryGuarantee, FieldError, SecretKeyRef};
+use kafka::KafkaSource;
 use redis::RedisSource;
 use sqs::SqsSource;
 
 /// The broker to pull from: exactly one key.
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
 #[x_kube(
-    validation = Rule::new("[has(self.redis), has(self.sqs)].filter(x, x).size() == 1").message("spec.source: exactly one broker must be set (redis or sqs)"),
-    validation = Rule::new("has(self.redis) == has(oldSelf.redis) && has(self.sqs) == has(oldSelf.sqs)").message("spec.source: the kind of source is immutable; create a new QueueAdapter instead")
+    validation = Rule::new("[has(self.redis), has(self.sqs), has(self.kafka)].filter(x, x).size() == 1").message("spec.source: exactly one broker must be set (redis, sqs or kafka)"),
+    validation = Rule::new("has(self.redis) == has(oldSelf.redis) && has(self.sqs) == has(oldSelf.sqs) && has(self.kafka) == has(oldSelf.kafka)").message("spec.source: the kind of source is immutable; create a new QueueAdapter instead")
 )]
 #[serde(rename_all = "camelCase")]
 pub struct Source {
@@ -26,6 +28,9 @@ pub struct Source {
     /// An Amazon SQS queue (standard or FIFO), or a queue of an SQS-compatible server.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub sqs: Option<SqsSource>,
+    /// Topics of an Apache Kafka cluster, read by a consumer group.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kafka: Option<KafkaSource>,
 }
 
 /// A Secret key the worker reads from its environment.
@@ -46,7 +51,7 @@ pub struct MissingSecret {
 
 /// What every broker's spec tells the operator and the worker.
 pub trait Broker: std::fmt::Debug + Send + Sync {
-    /// The key under `spec.source` (`redis`, `sqs`): the status's `source` and the prefix of
+    /// The key under `spec.source` (`redis`, `sqs`, `kafka`): the status's `source` and the prefix of
     /// event sources and idempotency keys.
     fn kind(&self) -> &'static str;
     /// The broker-specific mode the status shows (`stream`, `fifo`, …).
@@ -65,18 +70,20 @@ pub trait Broker: std::fmt::Debug + Send + Sync {
 impl Source {
     /// The one broker that is set, if exactly one is.
     pub fn broker(&self) -> Option<&dyn Broker> {
-        match (&self.redis, &self.sqs) {
-            (Some(redis), None) => Some(redis),
-            (None, Some(sqs)) => Some(sqs),
+        match (&self.redis, &self.sqs, &self.kafka) {
+            (Some(redis), None, None) => Some(redis),
+            (None, Some(sqs), None) => Some(sqs),
+            (None, None, Some(kafka)) => Some(kafka),
             _ => None,
         }
     }
 
     /// [`Source::broker`], mutable.
     pub fn broker_mut(&mut self) -> Option<&mut dyn Broker> {
-        match (&mut self.redis, &mut self.sqs) {
-            (Some(redis), None) => Some(redis),
-            (None, Some(sqs)) => Some(sqs),
+        match (&mut self.redis, &mut self.sqs, &mut self.kafka) {
+            (Some(redis), None, None) => Some(redis),
+            (None, Some(sqs), None) => Some(sqs),
+            (None, None, Some(kafka)) => Some(kafka),
             _ => None,
         }
     }

@@ -139,12 +139,23 @@ impl Broker for RedisSource {
         if self.body_field.is_empty() {
             error("spec.source.redis.bodyField", "must not be empty".into());
         }
-        if delivery.dead_letter.queue_url.is_some() {
-            error(
+        for (field, set) in [
+            (
                 "spec.delivery.deadLetter.queueUrl",
-                "is for source sqs; Redis dead letters go to deadLetter.stream or deadLetter.list"
-                    .into(),
-            );
+                delivery.dead_letter.queue_url.is_some(),
+            ),
+            (
+                "spec.delivery.deadLetter.topic",
+                delivery.dead_letter.topic.is_some(),
+            ),
+        ] {
+            if set {
+                error(
+                    field,
+                    "is not for source redis; Redis dead letters go to deadLetter.stream or deadLetter.list"
+                        .into(),
+                );
+            }
         }
     }
 }

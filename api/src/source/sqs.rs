@@ -153,11 +153,12 @@ impl Broker for SqsSource {
                 &delivery.dead_letter.stream,
             ),
             ("spec.delivery.deadLetter.list", &delivery.dead_letter.list),
+            ("spec.delivery.deadLetter.topic", &delivery.dead_letter.topic),
         ] {
             if value.is_some() {
                 error(
                     field,
-                    "is for source redis; SQS dead letters go to deadLetter.queueUrl",
+                    "is not for source sqs; SQS dead letters go to deadLetter.queueUrl",
                 );
             }
         }

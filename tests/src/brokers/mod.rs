@@ -3,12 +3,14 @@
 //! not acknowledged yet, read the dead letters, restart. The servers are real child processes;
 //! PostgreSQL (and the Redis the harness always has) come from the [`Fixture`].
 
+pub mod kafka;
 pub mod sqs;
 
 use anyhow::{Context, Result};
 use base64::Engine as _;
 
 use crate::Fixture;
+use kafka::KafkaServer;
 use sqs::ElasticMq;
 
 /// One broker (and mode) as the contract suite drives it.
@@ -52,6 +54,12 @@ pub struct RedisListBroker;
 #[derive(Debug)]
 pub struct SqsBroker {
     pub server: ElasticMq,
+}
+
+/// Topics of a real Kafka node (three partitions each), read by one consumer group.
+#[derive(Debug)]
+pub struct KafkaBroker {
+    pub server: KafkaServer,
 }
 
 const GROUP: &str = "switchboard";
@@ -267,4 +275,61 @@ impl SqsBroker {
     pub fn url(&self, name: &str) -> String {
         format!("{}/000000000000/{name}", self.server.endpoint())
     }
+}
+
+/// Partitions of every topic the contract suite reads from Kafka.
+pub const KAFKA_PARTITIONS: i32 = 3;
+
+impl BrokerFixture for KafkaBroker {
+    async fn start(_fx: &Fixture) -> Result<(Self, Vec<(String, String)>)> {
+        Ok((
+            Self {
+                server: KafkaServer::start()?,
+            },
+            Vec::new(),
+        ))
+    }
+
+    async fn create(&self, _fx: &Fixture, name: &str) -> Result<String> {
+        self.server.create_topic(name, KAFKA_PARTITIONS).await?;
+        self.server.create_topic(&format!("{name}.dlq"), 1).await?;
+        // A short session: a killed worker's partitions move to the next one within seconds.
+        Ok(format!(
+            "kafka: {{bootstrapServers: \"{}\", topics: [{name}], sessionTimeoutSeconds: 6}}",
+            self.server.bootstrap()
+        ))
+    }
+
+    fn delivery(&self) -> &'static str {
+        "claimIdleSeconds: 2"
+    }
+
+    async fn produce(&self, _fx: &Fixture, name: &str, bodies: Vec<Vec<u8>>) -> Result<()> {
+        self.server.produce(name, bodies).await
+    }
+
+    async fn unacknowledged(&self, _fx: &Fixture, name: &str) -> Result<u64> {
+        self.server.lag(name, &kafka_group(name)).await
+    }
+
+    async fn dead_letters(&self, _fx: &Fixture, name: &str) -> Result<Vec<(Vec<u8>, String)>> {
+        self.server
+            .read_all(&format!("{name}.dlq"))
+            .await?
+            .into_iter()
+            .map(|letter| {
+                let reason = letter.header("x-dlq-reason").unwrap_or_default();
+                Ok((letter.value.unwrap_or_default(), reason))
+            })
+            .collect()
+    }
+
+    async fn restart(&mut self, _fx: &mut Fixture) -> Result<()> {
+        self.server.restart()
+    }
+}
+
+/// The default consumer group of adapter `test/{name}`.
+pub fn kafka_group(name: &str) -> String {
+    format!("switchboard-test-{name}")
 }
