@@ -126,10 +126,18 @@ async fn two_workers_sigkilled_at_random_moments_store_every_record_exactly_once
         let replacement = setup.worker(&format!("{}-{kill}", ["a", "b"][victim]))?;
         std::mem::replace(&mut workers[victim], replacement).kill()?;
     }
-    setup.wait_settled(TOTAL as i64, &[&workers[0], &workers[1]]).await?;
+    setup
+        .wait_settled(TOTAL as i64, &[&workers[0], &workers[1]])
+        .await?;
     setup.assert_commits_only_stored_records().await?;
-    setup.fx.assert_exactly_once(setup.name, TOTAL as i64).await?;
-    let letters = setup.server().read_all(&format!("{}.dlq", setup.name)).await?;
+    setup
+        .fx
+        .assert_exactly_once(setup.name, TOTAL as i64)
+        .await?;
+    let letters = setup
+        .server()
+        .read_all(&format!("{}.dlq", setup.name))
+        .await?;
     ensure!(letters.is_empty(), "nothing dead-lettered: {letters:?}");
     Ok(())
 }
@@ -167,7 +175,10 @@ async fn rebalance_while_batches_are_in_flight_keeps_exactly_one_todo_per_record
     );
     setup.wait_settled(TOTAL as i64, &[&first]).await?;
     setup.assert_commits_only_stored_records().await?;
-    setup.fx.assert_exactly_once(setup.name, TOTAL as i64).await?;
+    setup
+        .fx
+        .assert_exactly_once(setup.name, TOTAL as i64)
+        .await?;
     // Assigned at start, then partitions revoked for the second worker and assigned back.
     let rebalances = metric(&first, "switchboard_kafka_rebalances_total")?;
     ensure!(
@@ -204,11 +215,17 @@ async fn poison_record_is_dead_lettered_byte_identical_with_key_and_headers() ->
         .await?;
     let worker = setup.worker("w1")?;
     setup.wait_settled(1, &[&worker]).await?;
-    let letters = setup.server().read_all(&format!("{}.dlq", setup.name)).await?;
+    let letters = setup
+        .server()
+        .read_all(&format!("{}.dlq", setup.name))
+        .await?;
     ensure!(letters.len() == 1, "one dead letter: {letters:?}");
     let letter = &letters[0];
     ensure!(letter.key == poison.key, "key byte-identical: {letter:?}");
-    ensure!(letter.value == poison.value, "value byte-identical: {letter:?}");
+    ensure!(
+        letter.value == poison.value,
+        "value byte-identical: {letter:?}"
+    );
     ensure!(
         letter.headers[..poison.headers.len()] == poison.headers[..],
         "original headers first, byte-identical, in order: {letter:?}"
@@ -217,7 +234,9 @@ async fn poison_record_is_dead_lettered_byte_identical_with_key_and_headers() ->
     ensure!(letter.header("x-dlq-original-topic").as_deref() == Some(setup.name));
     ensure!(letter.header("x-dlq-delivery-count").as_deref() == Some("1"));
     ensure!(
-        letter.header("x-dlq-error").is_some_and(|error| !error.is_empty()),
+        letter
+            .header("x-dlq-error")
+            .is_some_and(|error| !error.is_empty()),
         "{letter:?}"
     );
     let partition: i32 = letter

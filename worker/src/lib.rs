@@ -73,7 +73,9 @@ pub enum WorkerError {
     MissingEnv(&'static str),
     #[error("no consumer name: pass --consumer or set HOSTNAME")]
     NoConsumer,
-    #[error("the manifest has no supported source (spec.source.redis, spec.source.sqs or spec.source.kafka)")]
+    #[error(
+        "the manifest has no supported source (spec.source.redis, spec.source.sqs or spec.source.kafka)"
+    )]
     NoSource,
     #[error(transparent)]
     Store(#[from] StoreError),

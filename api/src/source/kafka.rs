@@ -198,11 +198,17 @@ impl Broker for KafkaSource {
             error("spec.source.kafka.groupId", "must not be empty");
         }
         if !(1..=3600).contains(&self.session_timeout_seconds) {
-            error("spec.source.kafka.sessionTimeoutSeconds", "must be 1 to 3600");
+            error(
+                "spec.source.kafka.sessionTimeoutSeconds",
+                "must be 1 to 3600",
+            );
         }
         let dead_letter = &delivery.dead_letter;
         for (field, set) in [
-            ("spec.delivery.deadLetter.stream", dead_letter.stream.is_some()),
+            (
+                "spec.delivery.deadLetter.stream",
+                dead_letter.stream.is_some(),
+            ),
             ("spec.delivery.deadLetter.list", dead_letter.list.is_some()),
             (
                 "spec.delivery.deadLetter.queueUrl",

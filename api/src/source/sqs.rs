@@ -153,7 +153,10 @@ impl Broker for SqsSource {
                 &delivery.dead_letter.stream,
             ),
             ("spec.delivery.deadLetter.list", &delivery.dead_letter.list),
-            ("spec.delivery.deadLetter.topic", &delivery.dead_letter.topic),
+            (
+                "spec.delivery.deadLetter.topic",
+                &delivery.dead_letter.topic,
+            ),
         ] {
             if value.is_some() {
                 error(

@@ -145,6 +145,22 @@ impl KafkaServer {
         Ok(())
     }
 
+    /// Deletes `topics`.
+    pub async fn delete_topics(&self, topics: &[&str]) -> Result<()> {
+        let admin: AdminClient<DefaultClientContext> = self.config().create()?;
+        let results = admin
+            .delete_topics(
+                topics,
+                &AdminOptions::new().operation_timeout(Some(REQUEST_TIMEOUT)),
+            )
+            .await
+            .context("deleting topics")?;
+        for result in results {
+            result.map_err(|(topic, code)| anyhow!("deleting topic {topic}: {code}"))?;
+        }
+        Ok(())
+    }
+
     /// Produces one record per body (no key: librdkafka spreads them over the partitions),
     /// waiting for every acknowledgement (`acks=all`).
     pub async fn produce(&self, topic: &str, bodies: Vec<Vec<u8>>) -> Result<()> {
@@ -224,11 +240,8 @@ impl KafkaServer {
                 .elements()
                 .iter()
                 .map(|element| {
-                    let (_, high) = consumer.fetch_watermarks(
-                        &topic,
-                        element.partition(),
-                        REQUEST_TIMEOUT,
-                    )?;
+                    let (_, high) =
+                        consumer.fetch_watermarks(&topic, element.partition(), REQUEST_TIMEOUT)?;
                     let committed = match element.offset() {
                         Offset::Offset(offset) => Some(offset),
                         _ => None,

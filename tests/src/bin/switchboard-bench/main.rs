@@ -25,9 +25,11 @@ use switchboard_tests::{Fixture, adapter_manifest};
 use tokio::task::JoinSet;
 
 use broker::BenchBroker as _;
+use kafka::{KafkaArgs, KafkaBench};
 use sqs::{SqsArgs, SqsBench};
 
 mod broker;
+mod kafka;
 mod sqs;
 
 /// Measures the worker end to end and the raw limits of PostgreSQL and Redis.
@@ -66,6 +68,8 @@ struct Args {
     repeats: usize,
     #[command(flatten)]
     sqs: SqsArgs,
+    #[command(flatten)]
+    kafka: KafkaArgs,
 }
 
 /// How long any one phase may take before the bench gives up.
@@ -1137,25 +1141,32 @@ fn verdict(passed: bool) -> &'static str {
 /// The brokers measured beside Redis, one field each.
 struct Brokers {
     sqs: SqsBench,
+    kafka: KafkaBench,
 }
 
 impl Brokers {
     fn start(args: &Args) -> Result<Self> {
         Ok(Self {
             sqs: SqsBench::start(args.sqs.clone())?,
+            kafka: KafkaBench::start(args.kafka.clone())?,
         })
     }
 
     fn server_pids(&self) -> Vec<u32> {
-        [self.sqs.server_pid()].into_iter().flatten().collect()
+        [self.sqs.server_pid(), self.kafka.server_pid()]
+            .into_iter()
+            .flatten()
+            .collect()
     }
 
     async fn round(&mut self, bench: &mut Bench, table: &mut Table) -> Result<()> {
-        bench.broker_round(&mut self.sqs, table).await
+        bench.broker_round(&mut self.sqs, table).await?;
+        bench.broker_round(&mut self.kafka, table).await
     }
 
     fn print_verdicts(&self, table: &Table, raw_db: &Row) -> Result<()> {
-        broker::print_broker_verdict(&self.sqs, table, raw_db)
+        broker::print_broker_verdict(&self.sqs, table, raw_db)?;
+        broker::print_broker_verdict(&self.kafka, table, raw_db)
     }
 }
 

@@ -90,7 +90,11 @@ pub fn classify(err: KafkaError, context: &str, about: Setting) -> TransportErro
     use RDKafkaErrorCode as Code;
     let code = err.rdkafka_error_code();
     let fatal = |setting: &str, what: &str| {
-        TransportError::fatal(setting, format!("{context}: {what}"), Some(Box::new(err.clone())))
+        TransportError::fatal(
+            setting,
+            format!("{context}: {what}"),
+            Some(Box::new(err.clone())),
+        )
     };
     match (&err, code) {
         (_, Some(Code::Authentication | Code::SaslAuthenticationFailed)) => fatal(
@@ -101,14 +105,20 @@ pub fn classify(err: KafkaError, context: &str, about: Setting) -> TransportErro
             "spec.source.kafka.tls",
             "the TLS handshake failed (check the brokers' certificate and the CA)",
         ),
-        (_, Some(Code::TopicAuthorizationFailed)) => fatal(about.name(), "access to the topic is denied"),
-        (_, Some(Code::GroupAuthorizationFailed)) => {
-            fatal("spec.source.kafka.groupId", "access to the consumer group is denied")
+        (_, Some(Code::TopicAuthorizationFailed)) => {
+            fatal(about.name(), "access to the topic is denied")
         }
-        (_, Some(Code::InvalidGroupId)) => fatal("spec.source.kafka.groupId", "the group id is invalid"),
-        (KafkaError::MessageProduction(_), Some(Code::UnknownTopic | Code::UnknownTopicOrPartition)) => {
-            fatal(about.name(), "the dead-letter topic does not exist")
+        (_, Some(Code::GroupAuthorizationFailed)) => fatal(
+            "spec.source.kafka.groupId",
+            "access to the consumer group is denied",
+        ),
+        (_, Some(Code::InvalidGroupId)) => {
+            fatal("spec.source.kafka.groupId", "the group id is invalid")
         }
+        (
+            KafkaError::MessageProduction(_),
+            Some(Code::UnknownTopic | Code::UnknownTopicOrPartition),
+        ) => fatal(about.name(), "the dead-letter topic does not exist"),
         (KafkaError::ClientConfig(..) | KafkaError::ClientCreation(_), _) => {
             fatal("spec.source.kafka", "librdkafka refused the configuration")
         }

@@ -58,9 +58,7 @@ use self::client::{ConsumerState, KafkaContext, Setting, base_config, classify};
 use self::offsets::{Offsets, TopicPartition};
 use self::probe::{KafkaProbe, Topics};
 use crate::metrics::adapter_counter;
-use crate::transport::{
-    Acked, DeadLetter, Message, Position, Transport, TransportError,
-};
+use crate::transport::{Acked, DeadLetter, Message, Position, Transport, TransportError};
 
 /// How long a blocking receive waits for records.
 const RECEIVE_WAIT: Duration = Duration::from_secs(1);
@@ -162,7 +160,8 @@ impl Kafka {
                 &adapter,
             ),
         });
-        let lag = Family::<probe::PartitionLabels, prometheus_client::metrics::gauge::Gauge>::default();
+        let lag =
+            Family::<probe::PartitionLabels, prometheus_client::metrics::gauge::Gauge>::default();
         registry.register(
             "kafka_partition_lag",
             "Records of each partition past the group's committed offset (high watermark − committed)",
@@ -180,7 +179,10 @@ impl Kafka {
             .set("enable.auto.offset.store", "false")
             .set("auto.offset.reset", start_from)
             .set("session.timeout.ms", session_ms.to_string())
-            .set("heartbeat.interval.ms", (session_ms / 3).min(3000).to_string())
+            .set(
+                "heartbeat.interval.ms",
+                (session_ms / 3).min(3000).to_string(),
+            )
             .set("enable.partition.eof", "false");
         let consumer: StreamConsumer<KafkaContext> = config
             .create_with_context(KafkaContext {
@@ -214,13 +216,17 @@ impl Kafka {
     fn topics(&self) -> Result<Topics, TransportError> {
         match (&self.spec.topics, &self.spec.topic_pattern) {
             (Some(topics), _) => Ok(Topics::Named(topics.clone())),
-            (None, Some(pattern)) => regex::Regex::new(pattern).map(Topics::Pattern).map_err(|err| {
-                TransportError::fatal(
-                    "spec.source.kafka.topicPattern",
-                    format!("is not a regular expression: {err}"),
-                    None,
-                )
-            }),
+            (None, Some(pattern)) => {
+                regex::Regex::new(pattern)
+                    .map(Topics::Pattern)
+                    .map_err(|err| {
+                        TransportError::fatal(
+                            "spec.source.kafka.topicPattern",
+                            format!("is not a regular expression: {err}"),
+                            None,
+                        )
+                    })
+            }
             (None, None) => Err(TransportError::fatal(
                 "spec.source.kafka",
                 "one of topics and topicPattern must be set",
@@ -236,9 +242,16 @@ impl Kafka {
             config
                 .set("acks", "all")
                 .set("enable.idempotence", "true")
-                .set("message.timeout.ms", PRODUCE_TIMEOUT.as_millis().to_string());
+                .set(
+                    "message.timeout.ms",
+                    PRODUCE_TIMEOUT.as_millis().to_string(),
+                );
             let producer = config.create().map_err(|err| {
-                classify(err, "could not create the dead-letter producer", Setting::DeadLetterTopic)
+                classify(
+                    err,
+                    "could not create the dead-letter producer",
+                    Setting::DeadLetterTopic,
+                )
             })?;
             self.producer = Some(producer);
         }
@@ -367,7 +380,10 @@ impl Kafka {
             let mark = marks.entry(receipt.partition.name()).or_insert(0);
             *mark = (*mark).max(receipt.offset + 1);
         }
-        let pairs: Vec<(&str, i64)> = marks.iter().map(|(name, mark)| (name.as_str(), *mark)).collect();
+        let pairs: Vec<(&str, i64)> = marks
+            .iter()
+            .map(|(name, mark)| (name.as_str(), *mark))
+            .collect();
         let previous = self
             .store
             .raise_delivery_marks(&self.source, &pairs)
@@ -412,8 +428,12 @@ impl Transport for Kafka {
                     consumer.fetch_metadata(Some(&topic), REQUEST_TIMEOUT)
                 })
                 .await
-                .map_err(|err| TransportError::protocol(format!("the metadata task failed: {err}")))?
-                .map_err(|err| classify(err, "could not read the topic's metadata", Setting::Topics))?;
+                .map_err(|err| {
+                    TransportError::protocol(format!("the metadata task failed: {err}"))
+                })?
+                .map_err(|err| {
+                    classify(err, "could not read the topic's metadata", Setting::Topics)
+                })?;
                 let missing = metadata
                     .topics()
                     .iter()
@@ -456,7 +476,12 @@ impl Transport for Kafka {
         if count == 0 {
             return Ok(Vec::new());
         }
-        if self.fetched.iter().take(count).any(|f| f.below_mark.is_none()) {
+        if self
+            .fetched
+            .iter()
+            .take(count)
+            .any(|f| f.below_mark.is_none())
+        {
             self.raise_marks(count).await?;
         }
         let redelivered: Vec<usize> = (0..count)
@@ -503,32 +528,44 @@ impl Transport for Kafka {
             .collect();
         let contexts: Vec<[(&str, String); 6]> = letters.iter().map(dead_letter_context).collect();
         let producer = self.producer()?;
-        let sends = letters.iter().zip(&topics).zip(&contexts).map(|((letter, topic), context)| {
-            let message = letter.message;
-            let receipt = &message.receipt;
-            let mut headers = OwnedHeaders::new_with_capacity(receipt.record_headers + context.len());
-            for (index, (name, value)) in message.headers[..receipt.record_headers].iter().enumerate() {
-                let value = (!receipt.null_headers.contains(&index)).then_some(value.as_slice());
-                headers = headers.insert(Header { key: name, value });
-            }
-            for (name, value) in context {
-                headers = headers.insert(Header {
-                    key: name,
-                    value: Some(value.as_bytes()),
-                });
-            }
-            let mut record = FutureRecord::<[u8], [u8]>::to(topic).headers(headers);
-            if let Some(key) = &receipt.key {
-                record = record.key(key.as_slice());
-            }
-            if receipt.has_value {
-                record = record.payload(message.body.as_slice());
-            }
-            producer.send(record, PRODUCE_TIMEOUT)
-        });
+        let sends = letters
+            .iter()
+            .zip(&topics)
+            .zip(&contexts)
+            .map(|((letter, topic), context)| {
+                let message = letter.message;
+                let receipt = &message.receipt;
+                let mut headers =
+                    OwnedHeaders::new_with_capacity(receipt.record_headers + context.len());
+                for (index, (name, value)) in
+                    message.headers[..receipt.record_headers].iter().enumerate()
+                {
+                    let value =
+                        (!receipt.null_headers.contains(&index)).then_some(value.as_slice());
+                    headers = headers.insert(Header { key: name, value });
+                }
+                for (name, value) in context {
+                    headers = headers.insert(Header {
+                        key: name,
+                        value: Some(value.as_bytes()),
+                    });
+                }
+                let mut record = FutureRecord::<[u8], [u8]>::to(topic).headers(headers);
+                if let Some(key) = &receipt.key {
+                    record = record.key(key.as_slice());
+                }
+                if receipt.has_value {
+                    record = record.payload(message.body.as_slice());
+                }
+                producer.send(record, PRODUCE_TIMEOUT)
+            });
         for result in join_all(sends).await {
             if let Err((err, _)) = result {
-                return Err(classify(err, "could not produce a dead letter", Setting::DeadLetterTopic));
+                return Err(classify(
+                    err,
+                    "could not produce a dead letter",
+                    Setting::DeadLetterTopic,
+                ));
             }
         }
         Ok(())
@@ -575,7 +612,10 @@ impl Transport for Kafka {
         }
         let unsettled = self.state.offsets().unsettled();
         if unsettled > 0 {
-            tracing::info!(unsettled, "records left un-committed at shutdown are redelivered");
+            tracing::info!(
+                unsettled,
+                "records left un-committed at shutdown are redelivered"
+            );
         }
     }
 }
@@ -583,13 +623,21 @@ impl Transport for Kafka {
 impl Kafka {
     /// Commits `commits` (each partition's settled prefix). A commit that cannot be sent marks
     /// its partitions for the next one.
-    fn commit(&self, commits: Vec<(TopicPartition, i64)>, mode: CommitMode) -> Result<(), TransportError> {
+    fn commit(
+        &self,
+        commits: Vec<(TopicPartition, i64)>,
+        mode: CommitMode,
+    ) -> Result<(), TransportError> {
         if commits.is_empty() {
             return Ok(());
         }
         let mut list = TopicPartitionList::new();
         for (partition, up_to) in &commits {
-            let _ = list.add_partition_offset(&partition.topic, partition.partition, Offset::Offset(*up_to));
+            let _ = list.add_partition_offset(
+                &partition.topic,
+                partition.partition,
+                Offset::Offset(*up_to),
+            );
         }
         self.consumer.commit(&list, mode).map_err(|err| {
             self.state.commit_failures.inc();
@@ -617,8 +665,14 @@ fn dead_letter_context(letter: &DeadLetter<'_, Receipt>) -> [(&'static str, Stri
         ("x-dlq-reason", letter.reason.as_str().to_owned()),
         ("x-dlq-error", error),
         ("x-dlq-original-topic", receipt.partition.topic.to_string()),
-        ("x-dlq-original-partition", receipt.partition.partition.to_string()),
+        (
+            "x-dlq-original-partition",
+            receipt.partition.partition.to_string(),
+        ),
         ("x-dlq-original-offset", receipt.offset.to_string()),
-        ("x-dlq-delivery-count", letter.message.delivery_count.to_string()),
+        (
+            "x-dlq-delivery-count",
+            letter.message.delivery_count.to_string(),
+        ),
     ]
 }

@@ -68,8 +68,14 @@ impl Offsets {
         match self.owned.remove(partition) {
             None => (None, 0),
             Some(owned) => {
-                let commit = owned.settled_up_to.filter(|&up_to| owned.committed < Some(up_to));
-                let abandoned = owned.delivered.iter().filter(|(_, settled)| !settled).count();
+                let commit = owned
+                    .settled_up_to
+                    .filter(|&up_to| owned.committed < Some(up_to));
+                let abandoned = owned
+                    .delivered
+                    .iter()
+                    .filter(|(_, settled)| !settled)
+                    .count();
                 (commit, abandoned)
             }
         }

@@ -75,8 +75,7 @@ impl QueueProbe for KafkaProbe {
         Ok(QueueHealth {
             backlog: Some(backlog),
             pending: None,
-            oldest_pending_age: oldest
-                .map(|ms| Duration::from_millis(now_ms().saturating_sub(ms))),
+            oldest_pending_age: oldest.map(|ms| Duration::from_millis(now_ms().saturating_sub(ms))),
         })
     }
 }
