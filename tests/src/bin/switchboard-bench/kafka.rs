@@ -84,7 +84,9 @@ impl BenchBroker for KafkaBench {
         server.create_topic(&name, KAFKA_PARTITIONS).await?;
         server.create_topic(&format!("{name}.dlq"), 1).await?;
         for start in (0..messages).step_by(10_000) {
-            let bodies = (start..(start + 10_000).min(messages)).map(order_body).collect();
+            let bodies = (start..(start + 10_000).min(messages))
+                .map(order_body)
+                .collect();
             server.produce(&name, bodies).await?;
         }
         let lag = server.lag(&name, &kafka_group(&name)).await?;
@@ -99,10 +101,9 @@ impl BenchBroker for KafkaBench {
         let bootstrap = self.server()?.bootstrap();
         let topic = queue.to_owned();
         let expected = self.messages();
-        let consumed = tokio::task::spawn_blocking(move || {
-            raw_consume_commit(&bootstrap, &topic, expected)
-        })
-        .await??;
+        let consumed =
+            tokio::task::spawn_blocking(move || raw_consume_commit(&bootstrap, &topic, expected))
+                .await??;
         Ok((consumed, format!("raw kafka poll+commit x{loops}")))
     }
 

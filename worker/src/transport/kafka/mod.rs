@@ -7,7 +7,8 @@
 //!   `read_committed`, so aborted transactions are never delivered.
 //! - **`prepare`** checks that every named topic exists (fatal otherwise, naming
 //!   `spec.source.kafka.topics`), then subscribes (a `topicPattern` is librdkafka's `^` regex).
-//! - **Receive**: the records librdkafka has fetched, up to the batch size. The key is
+//! - **Receive**: the records librdkafka has fetched, up to the batch size (a receive that
+//!   waited for its first record gathers more for up to 100 ms: the pipeline is idle then). The key is
 //!   `kafka:{adapter}:{topic}:{partition}:{offset}`; the record's headers become the event's
 //!   headers and its key the `kafka.key` header. A record without a value (a tombstone) or whose
 //!   header names are not UTF-8 is undecodable: it is dead-lettered.
@@ -62,6 +63,8 @@ use crate::transport::{Acked, DeadLetter, Message, Position, Transport, Transpor
 
 /// How long a blocking receive waits for records.
 const RECEIVE_WAIT: Duration = Duration::from_secs(1);
+/// How long a blocking receive gathers more records after its first one.
+const GATHER: Duration = Duration::from_millis(100);
 /// How long a metadata request or a synchronous commit may take.
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long a dead letter may wait for the brokers' acknowledgement.
@@ -329,30 +332,33 @@ impl Kafka {
         })
     }
 
-    /// Fetches what librdkafka holds, up to `max` records in hand; with `block`, waits a
-    /// bounded time for the first one. An error is returned only when nothing is in hand.
+    /// Fetches what librdkafka holds, up to `max` records in hand. With `block` (the pipeline
+    /// has nothing in flight), waits a bounded time for the first record, then gathers more for
+    /// up to [`GATHER`]: partitions start fetching at different moments, and records of a
+    /// partition that come a moment later would otherwise wait behind a whole batch. An error is
+    /// returned only when nothing is in hand.
     async fn fetch(&mut self, max: usize, block: bool) -> Result<(), TransportError> {
         let consumer = self.consumer.clone();
         let mut stream = consumer.stream();
-        let mut first = None;
+        let mut gather_until = None;
         if self.fetched.is_empty() && block {
-            first = tokio::time::timeout(RECEIVE_WAIT, stream.next())
-                .await
-                .ok()
-                .flatten();
+            gather_until = Some(tokio::time::Instant::now() + RECEIVE_WAIT);
         }
-        loop {
-            let next = match first.take() {
-                Some(next) => next,
-                None if self.fetched.len() >= max => break,
-                None => match stream.next().now_or_never().flatten() {
-                    Some(next) => next,
-                    None => break,
+        while self.fetched.len() < max {
+            let next = match gather_until {
+                Some(until) => match tokio::time::timeout_at(until, stream.next()).await {
+                    Ok(next) => next,
+                    Err(_elapsed) => break,
                 },
+                None => stream.next().now_or_never().flatten(),
             };
+            let Some(next) = next else { break };
             match next {
                 Ok(record) => {
                     if let Some(message) = self.convert(&record) {
+                        if block && self.fetched.is_empty() {
+                            gather_until = Some(tokio::time::Instant::now() + GATHER);
+                        }
                         self.fetched.push_back(Fetched {
                             message,
                             below_mark: None,
