@@ -2,7 +2,7 @@
 //! workers of one group sharing three partitions under SIGKILLs, a rebalance while batches are
 //! in flight, and dead letters byte-identical with their key and headers.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use anyhow::{Result, ensure};
 use nix::sys::signal::Signal;
@@ -104,7 +104,7 @@ impl Setup {
 /// that is not stored.
 #[tokio::test]
 async fn two_workers_sigkilled_at_random_moments_store_every_record_exactly_once() -> Result<()> {
-    const TOTAL: usize = 3_000;
+    const TOTAL: usize = 20_000;
     let setup = Setup::start(
         "chaos2",
         "batchSize: 100, maxDeliveries: 20, claimIdleSeconds: 2",
@@ -115,7 +115,7 @@ async fn two_workers_sigkilled_at_random_moments_store_every_record_exactly_once
     let mut rng = fastrand::Rng::new();
     let mut workers = [setup.worker("a-0")?, setup.worker("b-0")?];
     for kill in 1..=5 {
-        let target = (setup.todos().await? + rng.i64(100..400)).min(TOTAL as i64 - 1);
+        let target = (setup.todos().await? + rng.i64(500..2_500)).min(TOTAL as i64 - 1);
         wait_for(LONG, "progress before the kill", || async {
             setup.assert_commits_only_stored_records().await?;
             Ok(setup.todos().await? >= target)
@@ -144,12 +144,14 @@ async fn two_workers_sigkilled_at_random_moments_store_every_record_exactly_once
 
 /// A second worker joins while the first has batches in flight, then leaves (SIGTERM): the
 /// partitions move twice (cooperative-sticky), every record lands exactly once, and no commit
-/// passes a record without its todo.
+/// passes a record without its todo. Records keep coming throughout, so both moves happen
+/// while batches are in flight.
 #[tokio::test]
 async fn rebalance_while_batches_are_in_flight_keeps_exactly_one_todo_per_record() -> Result<()> {
-    const TOTAL: usize = 4_000;
+    const CHUNK: usize = 500;
     let setup = Setup::start("rebalance", "batchSize: 50, claimIdleSeconds: 2", "").await?;
-    setup.server().produce(setup.name, bodies(0..TOTAL)).await?;
+    let mut produced = 4_000;
+    setup.server().produce(setup.name, bodies(0..produced)).await?;
     let first = setup.worker("first")?;
     wait_for(LONG, "the first worker makes progress", || async {
         Ok(setup.todos().await? >= 500)
@@ -157,30 +159,54 @@ async fn rebalance_while_batches_are_in_flight_keeps_exactly_one_todo_per_record
     .await
     .map_err(|err| err.context(first.log_tail()))?;
     let mut second = setup.worker("second")?;
-    let metric = |worker: &WorkerProcess, family: &str| {
-        worker.metric(&format!(r#"{family}{{adapter="test/{}"}}"#, setup.name))
+    let stored = |worker: &WorkerProcess| {
+        worker
+            .metric(&format!(
+                r#"switchboard_messages_stored_total{{adapter="test/{}"}}"#,
+                setup.name
+            ))
+            .unwrap_or(0.0)
     };
-    wait_for(LONG, "the second worker stores records", || async {
+    // Produce until the second worker (given partitions by the rebalance) stores records.
+    let deadline = Instant::now() + LONG;
+    while stored(&second) == 0.0 {
+        ensure!(
+            Instant::now() < deadline,
+            "the second worker stored nothing\n{}",
+            second.log_tail()
+        );
+        setup
+            .server()
+            .produce(setup.name, bodies(produced..produced + CHUNK))
+            .await?;
+        produced += CHUNK;
         setup.assert_commits_only_stored_records().await?;
-        Ok(metric(&second, "switchboard_messages_stored_total")? > 0.0)
-    })
-    .await
-    .map_err(|err| err.context(second.log_tail()))?;
+    }
     second.signal(Signal::SIGTERM)?;
+    // More records while its partitions move back to the first worker.
+    for _ in 0..4 {
+        setup
+            .server()
+            .produce(setup.name, bodies(produced..produced + CHUNK))
+            .await?;
+        produced += CHUNK;
+        setup.assert_commits_only_stored_records().await?;
+    }
     let status = second.wait_exit(Duration::from_secs(30))?;
     ensure!(
         status.success(),
         "the second worker exits 0: {status:?}\n{}",
         second.log_tail()
     );
-    setup.wait_settled(TOTAL as i64, &[&first]).await?;
+    let total = i64::try_from(produced)?;
+    setup.wait_settled(total, &[&first]).await?;
     setup.assert_commits_only_stored_records().await?;
-    setup
-        .fx
-        .assert_exactly_once(setup.name, TOTAL as i64)
-        .await?;
+    setup.fx.assert_exactly_once(setup.name, total).await?;
     // Assigned at start, then partitions revoked for the second worker and assigned back.
-    let rebalances = metric(&first, "switchboard_kafka_rebalances_total")?;
+    let rebalances = first.metric(&format!(
+        r#"switchboard_kafka_rebalances_total{{adapter="test/{}"}}"#,
+        setup.name
+    ))?;
     ensure!(
         rebalances >= 3.0,
         "the first worker took part in the rebalances: {rebalances}\n{}",
