@@ -151,7 +151,10 @@ async fn rebalance_while_batches_are_in_flight_keeps_exactly_one_todo_per_record
     const CHUNK: usize = 500;
     let setup = Setup::start("rebalance", "batchSize: 50, claimIdleSeconds: 2", "").await?;
     let mut produced = 4_000;
-    setup.server().produce(setup.name, bodies(0..produced)).await?;
+    setup
+        .server()
+        .produce(setup.name, bodies(0..produced))
+        .await?;
     let first = setup.worker("first")?;
     wait_for(LONG, "the first worker makes progress", || async {
         Ok(setup.todos().await? >= 500)
