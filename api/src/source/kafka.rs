@@ -228,3 +228,77 @@ impl Broker for KafkaSource {
 fn default_session_timeout_seconds() -> u32 {
     45
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn source(yaml: &str) -> KafkaSource {
+        serde_yaml_ng::from_str(yaml).expect("a kafka source")
+    }
+
+    fn errors(source: &KafkaSource, delivery: &Delivery) -> Vec<&'static str> {
+        let mut fields = Vec::new();
+        source.validate(delivery, &mut |error| fields.push(error.field));
+        fields
+    }
+
+    #[test]
+    fn defaults_and_the_default_group_follow_the_adapter_name() {
+        let kafka = source("{bootstrapServers: 'k:9092', topics: [orders]}");
+        assert_eq!(kafka.group_id("shop/orders"), "switchboard-shop-orders");
+        assert_eq!(kafka.session_timeout_seconds, 45);
+        assert_eq!(kafka.start_from, StartFrom::Earliest);
+        assert!(errors(&kafka, &Delivery::default()).is_empty());
+        assert!(kafka.secret_env().expect("no secrets needed").is_empty());
+    }
+
+    #[test]
+    fn exactly_one_of_topics_and_pattern_and_no_other_brokers_dead_letter_target() {
+        let both = source("{bootstrapServers: k, topics: [a], topicPattern: '^a'}");
+        assert_eq!(errors(&both, &Delivery::default()), ["spec.source.kafka"]);
+        let pattern = source("{bootstrapServers: k, topicPattern: 'a.*'}");
+        assert_eq!(
+            errors(&pattern, &Delivery::default()),
+            ["spec.source.kafka.topicPattern"]
+        );
+        let mut delivery = Delivery::default();
+        delivery.dead_letter.queue_url = Some("http://q".into());
+        let kafka = source("{bootstrapServers: k, topics: [a]}");
+        assert_eq!(
+            errors(&kafka, &delivery),
+            ["spec.delivery.deadLetter.queueUrl"]
+        );
+    }
+
+    #[test]
+    fn sasl_and_tls_secrets_become_env_and_are_stripped() {
+        let mut kafka = source(
+            "{bootstrapServers: k, topics: [a], tls: {caSecretRef: {name: ca, key: pem}}, \
+             sasl: {mechanism: SCRAM-SHA-512, usernameSecretRef: {name: u, key: user}, \
+             passwordSecretRef: {name: p, key: pass}}}",
+        );
+        let env: Vec<&str> = kafka
+            .secret_env()
+            .expect("refs")
+            .iter()
+            .map(|secret| secret.env)
+            .collect();
+        assert_eq!(
+            env,
+            [
+                "KAFKA_SASL_USERNAME",
+                "KAFKA_SASL_PASSWORD",
+                "KAFKA_TLS_CA_PEM"
+            ]
+        );
+        kafka.strip_secrets();
+        let text = serde_json::to_string(&kafka).expect("json");
+        assert!(
+            !text.contains("\"key\":\"user\"")
+                && !text.contains("\"key\":\"pass\"")
+                && !text.contains("caSecretRef"),
+            "{text}"
+        );
+    }
+}
