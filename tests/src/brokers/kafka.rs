@@ -79,7 +79,9 @@ impl KafkaServer {
         std::fs::write(dir.path().join("log4j2.properties"), LOG4J)?;
         let format = java(dir.path(), &lib)
             .arg("kafka.tools.StorageTool")
-            .args(["format", "--ignore-formatted", "-t", &cluster_id()])
+            // `=`: a base64url id may start with `-`, which would read as an option.
+            .args(["format", "--ignore-formatted"])
+            .arg(format!("--cluster-id={}", cluster_id()))
             .arg("-c")
             .arg(&properties)
             .output()
