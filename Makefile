@@ -3,7 +3,7 @@ SHELL := /bin/bash
 export CARGO_TARGET_DIR ?= $(HOME)/.cache/switchboard/target
 CARGO ?= cargo
 
-.PHONY: demo demo-k8s control-plane test deps build lint bench helm prometheus sqs-server nats-server kind-up kind-demo kind-down
+.PHONY: demo demo-k8s control-plane test deps build lint bench helm prometheus sqs-server nats-server kafka-server kind-up kind-demo kind-down
 
 ## make demo: the whole pipeline locally (ephemeral PostgreSQL + Redis, 20,000 messages, a kill -9 mid-way),
 ## then the Kubernetes path (make demo-k8s)
@@ -17,7 +17,7 @@ demo-k8s: deps build control-plane
 	$(CARGO) run --quiet -p switchboard-tests --bin switchboard-demo-k8s
 
 ## make test: formatting, lints and every test against real servers
-test: deps lint build helm prometheus control-plane sqs-server nats-server
+test: deps lint build helm prometheus control-plane sqs-server nats-server kafka-server
 	@set -o pipefail; $(CARGO) test --workspace --no-fail-fast 2>&1 | tee $(CARGO_TARGET_DIR)/test.log; \
 		status=$$?; scripts/test-summary.sh $(CARGO_TARGET_DIR)/test.log; exit $$status
 
@@ -52,6 +52,12 @@ sqs-server:
 nats-server:
 	scripts/nats-server.sh >/dev/null
 
+## make kafka-server: Apache Kafka (run by the tests as a single KRaft node) for the Kafka tests, its
+## jars fetched once from Maven Central into ~/.cache/switchboard/kafka-<version> (or taken from
+## KAFKA_LIB); docs/brokers.md
+kafka-server:
+	scripts/kafka.sh >/dev/null
+
 ## make kind-up / kind-demo / kind-down: the kind path for people with Docker (docs/kubernetes.md)
 kind-up:
 	scripts/kind-up.sh
@@ -66,7 +72,7 @@ kind-down:
 ## (ElasticMQ) and NATS JetStream limits, in release, against real servers, every phase 3 times, median and spread
 ## (ElasticMQ) and RabbitMQ limits, in release, against real servers, every phase 3 times, median and spread
 ## (docs/PERFORMANCE.md); fails if any entry is not stored exactly once
-bench: deps sqs-server nats-server
+bench: deps sqs-server nats-server kafka-server
 	$(CARGO) build --release --workspace --bins
 	$(CARGO) run --quiet --release -p switchboard-tests --bin switchboard-bench -- \
 		--worker $(CARGO_TARGET_DIR)/release/switchboard-worker $(BENCH_ARGS)

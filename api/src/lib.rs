@@ -12,6 +12,7 @@ mod validate;
 pub use autoscaling::Autoscaling;
 pub use manifest::{ManifestError, UnknownField, load_manifest};
 pub use source::amqp::{AmqpBinding, AmqpDeclare, AmqpQueueType, AmqpSource};
+pub use source::kafka::{KafkaSasl, KafkaSource, KafkaTls, SaslMechanism};
 pub use source::nats::{NatsDeliverPolicy, NatsSource};
 pub use source::redis::{RedisMode, RedisSource, StartFrom};
 pub use source::sqs::SqsSource;
@@ -59,7 +60,7 @@ pub struct QueueAdapterSpec {
     /// disabled in the database; messages stay in the broker until it is enabled again.
     #[serde(default = "default_true")]
     pub enabled: bool,
-    /// The broker to pull from. Exactly one broker key must be set (`redis`, `sqs` or `nats`). The kind
+    /// The broker to pull from. Exactly one broker key must be set (`redis`, `sqs`, `nats`, `amqp` or `kafka`). The kind
     /// of source cannot be changed after creation: create a new QueueAdapter instead.
     pub source: Source,
     /// Where the messages land.
@@ -231,6 +232,12 @@ pub struct DeadLetter {
     )]
     #[schemars(length(max = 255))]
     pub routing_key: Option<String>,
+    /// The Kafka topic dead letters are produced to (source `kafka`), with `acks=all`: the
+    /// record's key, value and headers byte-identical, plus `x-dlq-*` headers. Default:
+    /// `<topic>.dlq` of each record's topic. It must exist.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 249))]
+    pub topic: Option<String>,
 }
 
 impl DeadLetter {
@@ -249,6 +256,7 @@ impl DeadLetter {
                 "spec.delivery.deadLetter.routingKey",
                 self.routing_key.is_some(),
             ),
+            ("spec.delivery.deadLetter.topic", self.topic.is_some()),
         ]
         .into_iter()
         .filter_map(|(field, set)| set.then_some(field))

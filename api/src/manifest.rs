@@ -513,8 +513,9 @@ spec:
         );
         let err = load_manifest(&yaml).expect_err("one broker only");
         assert!(
-            err.to_string()
-                .contains("spec.source: exactly one broker must be set (redis, sqs or nats)"),
+            err.to_string().contains(
+                "spec.source: exactly one broker must be set (redis, sqs, nats, amqp or kafka)"
+            ),
             "{err}"
         );
     }

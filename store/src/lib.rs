@@ -10,6 +10,7 @@
 //!   (`external_id` = `sha256:<hex>@<event id>`).
 
 mod adapters;
+mod deliveries;
 mod reports;
 pub use adapters::{Mirrored, QueueAdapterRow};
 pub use reports::WorkerReport;

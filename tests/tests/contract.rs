@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Result, ensure};
 use nix::sys::signal::Signal;
 use switchboard_tests::brokers::{
-    AmqpClassicBroker, AmqpQuorumBroker, BrokerFixture, NatsBroker, RedisListBroker,
+    AmqpClassicBroker, AmqpQuorumBroker, BrokerFixture, KafkaBroker, NatsBroker, RedisListBroker,
     RedisStreamBroker, SqsBroker,
 };
 use switchboard_tests::wait::wait_for;
@@ -378,4 +378,5 @@ contract_suite! {
     nats => NatsBroker,
     amqp_quorum => AmqpQuorumBroker,
     amqp_classic => AmqpClassicBroker,
+    kafka => KafkaBroker,
 }

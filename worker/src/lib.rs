@@ -28,6 +28,7 @@ use crate::health::Health;
 use crate::metrics::Metrics;
 use crate::pipeline::{Pipeline, PipelineError, PipelineSettings};
 use crate::transport::amqp::{Amqp, AmqpSettings};
+use crate::transport::kafka::{Kafka, KafkaSettings};
 use crate::transport::nats::{Auth, Connector, Nats, NatsSettings};
 use crate::transport::redis::list::{ListSettings, RedisList};
 use crate::transport::redis::pubsub::{PubSubSettings, RedisPubSub};
@@ -75,7 +76,7 @@ pub enum WorkerError {
     MissingEnv(&'static str),
     #[error("no consumer name: pass --consumer or set HOSTNAME")]
     NoConsumer,
-    #[error("the manifest has no supported source (spec.source.redis, sqs, nats or amqp)")]
+    #[error("the manifest has no supported source (spec.source.redis, sqs, nats, amqp or kafka)")]
     NoSource,
     #[error(transparent)]
     Store(#[from] StoreError),
@@ -465,6 +466,18 @@ async fn run_source(
             };
             let transport = Amqp::new(settings, env("AMQP_URL")?, &mut registry)?;
             drive(transport, registry, amqp, deps, probes).await
+        }
+        Source {
+            kafka: Some(kafka), ..
+        } => {
+            let settings = KafkaSettings {
+                adapter: name,
+                consumer,
+                spec: kafka.clone(),
+                dead_letter_topic: dead_letter.topic.clone(),
+            };
+            let transport = Kafka::new(settings, deps.store.clone(), &mut registry)?;
+            drive(transport, registry, kafka, deps, probes).await
         }
         _ => Err(WorkerError::NoSource),
     }

@@ -4,6 +4,7 @@
 //! PostgreSQL (and the Redis the harness always has) come from the [`Fixture`].
 
 pub mod envelope;
+pub mod kafka;
 pub mod moto;
 pub mod nats;
 pub mod rabbitmq;
@@ -13,6 +14,7 @@ use anyhow::{Context, Result};
 use base64::Engine as _;
 
 use crate::Fixture;
+use kafka::KafkaServer;
 use nats::NatsServer;
 use rabbitmq::{QueueType, RabbitMq};
 use sqs::ElasticMq;
@@ -64,6 +66,12 @@ pub struct SqsBroker {
 #[derive(Debug)]
 pub struct NatsBroker {
     pub server: NatsServer,
+}
+
+/// Topics of a real Kafka node (three partitions each), read by one consumer group.
+#[derive(Debug)]
+pub struct KafkaBroker {
+    pub server: KafkaServer,
 }
 
 const GROUP: &str = "switchboard";
@@ -454,4 +462,61 @@ impl<const CLASSIC: bool> BrokerFixture for AmqpBroker<CLASSIC> {
     async fn restart(&mut self, _fx: &mut Fixture) -> Result<()> {
         self.server.restart()
     }
+}
+
+/// Partitions of every topic the contract suite reads from Kafka.
+pub const KAFKA_PARTITIONS: i32 = 3;
+
+impl BrokerFixture for KafkaBroker {
+    async fn start(_fx: &Fixture) -> Result<(Self, Vec<(String, String)>)> {
+        Ok((
+            Self {
+                server: KafkaServer::start()?,
+            },
+            Vec::new(),
+        ))
+    }
+
+    async fn create(&self, _fx: &Fixture, name: &str) -> Result<String> {
+        self.server.create_topic(name, KAFKA_PARTITIONS).await?;
+        self.server.create_topic(&format!("{name}.dlq"), 1).await?;
+        // A short session: a killed worker's partitions move to the next one within seconds.
+        Ok(format!(
+            "kafka: {{bootstrapServers: \"{}\", topics: [{name}], sessionTimeoutSeconds: 6}}",
+            self.server.bootstrap()
+        ))
+    }
+
+    fn delivery(&self) -> &'static str {
+        "claimIdleSeconds: 2"
+    }
+
+    async fn produce(&self, _fx: &Fixture, name: &str, bodies: Vec<Vec<u8>>) -> Result<()> {
+        self.server.produce(name, bodies).await
+    }
+
+    async fn unacknowledged(&self, _fx: &Fixture, name: &str) -> Result<u64> {
+        self.server.lag(name, &kafka_group(name)).await
+    }
+
+    async fn dead_letters(&self, _fx: &Fixture, name: &str) -> Result<Vec<(Vec<u8>, String)>> {
+        self.server
+            .read_all(&format!("{name}.dlq"))
+            .await?
+            .into_iter()
+            .map(|letter| {
+                let reason = letter.header("x-dlq-reason").unwrap_or_default();
+                Ok((letter.value.unwrap_or_default(), reason))
+            })
+            .collect()
+    }
+
+    async fn restart(&mut self, _fx: &mut Fixture) -> Result<()> {
+        self.server.restart()
+    }
+}
+
+/// The default consumer group of adapter `test/{name}`.
+pub fn kafka_group(name: &str) -> String {
+    format!("switchboard-test-{name}")
 }

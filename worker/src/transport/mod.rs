@@ -19,6 +19,7 @@
 //!   connection, so the gauges keep moving while the database is down.
 
 pub mod amqp;
+pub mod kafka;
 pub mod nats;
 pub mod redis;
 pub mod sqs;
@@ -163,6 +164,12 @@ impl TransportError {
 
     /// The database failed while the transport read its checkpoint.
     pub fn checkpoint(source: switchboard_store::StoreError) -> Self {
+        Self::database("could not read the stored checkpoint", source)
+    }
+
+    /// The database failed while the transport read or wrote its own state (a checkpoint,
+    /// delivery counts); `context` says what was attempted.
+    pub fn database(context: impl Into<String>, source: switchboard_store::StoreError) -> Self {
         let kind = if source.is_retryable() {
             ErrorKind::Transient
         } else {
@@ -170,12 +177,7 @@ impl TransportError {
                 setting: "DATABASE_URL".to_owned(),
             }
         };
-        Self::new(
-            kind,
-            Dependency::Database,
-            "could not read the stored checkpoint",
-            Some(Box::new(source)),
-        )
+        Self::new(kind, Dependency::Database, context, Some(Box::new(source)))
     }
 
     pub fn kind(&self) -> &ErrorKind {

@@ -26,11 +26,13 @@ use tokio::task::JoinSet;
 
 use amqp::{AmqpArgs, AmqpBench};
 use broker::BenchBroker as _;
+use kafka::{KafkaArgs, KafkaBench};
 use nats::{NatsArgs, NatsBench};
 use sqs::{SqsArgs, SqsBench};
 
 mod amqp;
 mod broker;
+mod kafka;
 mod nats;
 mod sqs;
 
@@ -74,6 +76,8 @@ struct Args {
     nats: NatsArgs,
     #[command(flatten)]
     amqp: AmqpArgs,
+    #[command(flatten)]
+    kafka: KafkaArgs,
 }
 
 /// How long any one phase may take before the bench gives up.
@@ -1147,6 +1151,7 @@ struct Brokers {
     sqs: SqsBench,
     nats: NatsBench,
     amqp: AmqpBench,
+    kafka: KafkaBench,
 }
 
 impl Brokers {
@@ -1155,6 +1160,7 @@ impl Brokers {
             sqs: SqsBench::start(args.sqs.clone())?,
             nats: NatsBench::start(args.nats.clone()).await?,
             amqp: AmqpBench::start(args.amqp.clone())?,
+            kafka: KafkaBench::start(args.kafka.clone())?,
         })
     }
 
@@ -1163,6 +1169,7 @@ impl Brokers {
             self.sqs.server_pid(),
             self.nats.server_pid(),
             self.amqp.server_pid(),
+            self.kafka.server_pid(),
         ]
         .into_iter()
         .flatten()
@@ -1172,13 +1179,15 @@ impl Brokers {
     async fn round(&mut self, bench: &mut Bench, table: &mut Table) -> Result<()> {
         bench.broker_round(&mut self.sqs, table).await?;
         bench.broker_round(&mut self.nats, table).await?;
-        bench.broker_round(&mut self.amqp, table).await
+        bench.broker_round(&mut self.amqp, table).await?;
+        bench.broker_round(&mut self.kafka, table).await
     }
 
     fn print_verdicts(&self, table: &Table, raw_db: &Row) -> Result<()> {
         broker::print_broker_verdict(&self.sqs, table, raw_db)?;
         broker::print_broker_verdict(&self.nats, table, raw_db)?;
-        broker::print_broker_verdict(&self.amqp, table, raw_db)
+        broker::print_broker_verdict(&self.amqp, table, raw_db)?;
+        broker::print_broker_verdict(&self.kafka, table, raw_db)
     }
 }
 

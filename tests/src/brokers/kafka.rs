@@ -1,0 +1,446 @@
+//! A real Apache Kafka (single node, KRaft: broker and controller in one JVM) as a child process
+//! on random loopback ports, and librdkafka clients to create topics, produce records and read
+//! what a consumer group committed and what was dead-lettered.
+//!
+//! The storage directory is formatted once ([`KafkaServer::start`]); [`KafkaServer::restart`]
+//! stops the JVM with SIGTERM (a controlled shutdown) and starts it again on the same ports and
+//! log directory, so topics, records and committed offsets survive and running workers
+//! reconnect by themselves.
+
+use std::fs::OpenOptions;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use anyhow::{Context, Result, anyhow, bail, ensure};
+use nix::sys::signal::Signal;
+use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+use rdkafka::client::DefaultClientContext;
+use rdkafka::config::ClientConfig;
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::message::{Headers as _, Message as _};
+use rdkafka::producer::{FutureProducer, FutureRecord};
+use rdkafka::{Offset, TopicPartitionList};
+use tempfile::TempDir;
+
+use crate::servers::{free_port, stop_child};
+use crate::wait::wait_until;
+
+/// The Kafka version `scripts/kafka.sh` installs and this harness looks for.
+pub const KAFKA_VERSION: &str = "4.4.0";
+
+const STARTUP_TIMEOUT: Duration = Duration::from_secs(60);
+const STOP_TIMEOUT: Duration = Duration::from_secs(30);
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
+const LOG_FILE: &str = "kafka.log";
+/// Logged once the broker serves clients.
+const STARTED_LINE: &str = "Kafka Server started";
+
+/// One record of a dead-letter topic, as it is stored.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Record {
+    pub key: Option<Vec<u8>>,
+    pub value: Option<Vec<u8>>,
+    pub headers: Vec<(String, Option<Vec<u8>>)>,
+}
+
+impl Record {
+    /// The value of header `name`, as text.
+    pub fn header(&self, name: &str) -> Option<String> {
+        self.headers
+            .iter()
+            .find(|(header, _)| header == name)
+            .and_then(|(_, value)| value.as_deref())
+            .map(|value| String::from_utf8_lossy(value).into_owned())
+    }
+}
+
+/// A Kafka node of our own, bound to 127.0.0.1.
+#[derive(Debug)]
+pub struct KafkaServer {
+    dir: TempDir,
+    lib: PathBuf,
+    port: u16,
+    child: Option<Child>,
+}
+
+impl KafkaServer {
+    /// Formats a fresh storage directory and starts the node, waiting until it serves clients.
+    /// Fails when the jars are not installed (`make kafka-server`).
+    pub fn start() -> Result<Self> {
+        let lib = lib_dir()?;
+        let dir = tempfile::Builder::new()
+            .prefix("switchboard-kafka-")
+            .tempdir()?;
+        let port = free_port()?;
+        let controller = free_port()?;
+        let properties = dir.path().join("server.properties");
+        std::fs::write(&properties, server_properties(dir.path(), port, controller))?;
+        std::fs::write(dir.path().join("log4j2.properties"), LOG4J)?;
+        let format = java(dir.path(), &lib)
+            .arg("kafka.tools.StorageTool")
+            // `=`: a base64url id may start with `-`, which would read as an option.
+            .args(["format", "--ignore-formatted"])
+            .arg(format!("--cluster-id={}", cluster_id()))
+            .arg("-c")
+            .arg(&properties)
+            .output()
+            .context("running Kafka's StorageTool; install java with `apt-get install -y --no-install-recommends openjdk-17-jre-headless`")?;
+        ensure!(
+            format.status.success(),
+            "formatting Kafka's storage failed: {}{}",
+            String::from_utf8_lossy(&format.stdout),
+            String::from_utf8_lossy(&format.stderr)
+        );
+        let child = spawn(dir.path(), &lib)?;
+        Ok(Self {
+            dir,
+            lib,
+            port,
+            child: Some(child),
+        })
+    }
+
+    /// `127.0.0.1:PORT`; the same across restarts.
+    pub fn bootstrap(&self) -> String {
+        format!("127.0.0.1:{}", self.port)
+    }
+
+    /// The node's (the JVM's) process id, for CPU accounting.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
+    /// Controlled shutdown (SIGTERM, a few seconds), then SIGKILL after 30 s.
+    pub fn stop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            stop_child(&mut child, Signal::SIGTERM, STOP_TIMEOUT);
+        }
+    }
+
+    /// Stops the node and starts it again on the same ports and log directory.
+    pub fn restart(&mut self) -> Result<()> {
+        self.stop();
+        self.child = Some(spawn(self.dir.path(), &self.lib)?);
+        Ok(())
+    }
+
+    fn config(&self) -> ClientConfig {
+        let mut config = ClientConfig::new();
+        config.set("bootstrap.servers", self.bootstrap());
+        config
+    }
+
+    /// Creates `topic` with `partitions` partitions (replication factor 1).
+    pub async fn create_topic(&self, topic: &str, partitions: i32) -> Result<()> {
+        let admin: AdminClient<DefaultClientContext> = self.config().create()?;
+        let results = admin
+            .create_topics(
+                &[NewTopic::new(topic, partitions, TopicReplication::Fixed(1))],
+                &AdminOptions::new().operation_timeout(Some(REQUEST_TIMEOUT)),
+            )
+            .await
+            .with_context(|| format!("creating topic {topic}"))?;
+        for result in results {
+            result.map_err(|(topic, code)| anyhow!("creating topic {topic}: {code}"))?;
+        }
+        Ok(())
+    }
+
+    /// Deletes `topics`.
+    pub async fn delete_topics(&self, topics: &[&str]) -> Result<()> {
+        let admin: AdminClient<DefaultClientContext> = self.config().create()?;
+        let results = admin
+            .delete_topics(
+                topics,
+                &AdminOptions::new().operation_timeout(Some(REQUEST_TIMEOUT)),
+            )
+            .await
+            .context("deleting topics")?;
+        for result in results {
+            result.map_err(|(topic, code)| anyhow!("deleting topic {topic}: {code}"))?;
+        }
+        Ok(())
+    }
+
+    /// Produces one record per body (no key: librdkafka spreads them over the partitions),
+    /// waiting for every acknowledgement (`acks=all`).
+    pub async fn produce(&self, topic: &str, bodies: Vec<Vec<u8>>) -> Result<()> {
+        self.produce_records(
+            topic,
+            bodies
+                .into_iter()
+                .map(|value| Record {
+                    key: None,
+                    value: Some(value),
+                    headers: Vec::new(),
+                })
+                .collect(),
+        )
+        .await
+    }
+
+    /// Produces `records` as they are (key, value, headers), waiting for every acknowledgement.
+    pub async fn produce_records(&self, topic: &str, records: Vec<Record>) -> Result<()> {
+        let producer: FutureProducer = self
+            .config()
+            .set("acks", "all")
+            .set("linger.ms", "5")
+            .create()?;
+        let sends = records.iter().map(|record| {
+            let mut headers = rdkafka::message::OwnedHeaders::new();
+            for (key, value) in &record.headers {
+                headers = headers.insert(rdkafka::message::Header {
+                    key,
+                    value: value.as_deref(),
+                });
+            }
+            let mut future = FutureRecord::<[u8], [u8]>::to(topic).headers(headers);
+            if let Some(key) = &record.key {
+                future = future.key(key.as_slice());
+            }
+            if let Some(value) = &record.value {
+                future = future.payload(value.as_slice());
+            }
+            producer.send(future, REQUEST_TIMEOUT)
+        });
+        for result in futures::future::join_all(sends).await {
+            result.map_err(|(err, _)| anyhow!("producing to {topic}: {err}"))?;
+        }
+        Ok(())
+    }
+
+    fn consumer(&self, group: &str) -> Result<BaseConsumer> {
+        Ok(self
+            .config()
+            .set("group.id", group)
+            .set("enable.auto.commit", "false")
+            .set("enable.partition.eof", "false")
+            .create()?)
+    }
+
+    /// Per partition of `topic`: (partition, committed offset of `group` if any, high watermark).
+    pub async fn group_offsets(
+        &self,
+        topic: &str,
+        group: &str,
+    ) -> Result<Vec<(i32, Option<i64>, i64)>> {
+        let consumer = self.consumer(group)?;
+        let topic = topic.to_owned();
+        tokio::task::spawn_blocking(move || {
+            let metadata = consumer.fetch_metadata(Some(&topic), REQUEST_TIMEOUT)?;
+            let mut list = TopicPartitionList::new();
+            for partition in metadata
+                .topics()
+                .iter()
+                .flat_map(|topic| topic.partitions())
+            {
+                list.add_partition(&topic, partition.id());
+            }
+            let committed = consumer.committed_offsets(list, REQUEST_TIMEOUT)?;
+            committed
+                .elements()
+                .iter()
+                .map(|element| {
+                    let (_, high) =
+                        consumer.fetch_watermarks(&topic, element.partition(), REQUEST_TIMEOUT)?;
+                    let committed = match element.offset() {
+                        Offset::Offset(offset) => Some(offset),
+                        _ => None,
+                    };
+                    Ok((element.partition(), committed, high))
+                })
+                .collect()
+        })
+        .await?
+    }
+
+    /// Records of `topic` past `group`'s committed offsets (all of them without commits).
+    pub async fn lag(&self, topic: &str, group: &str) -> Result<u64> {
+        Ok(self
+            .group_offsets(topic, group)
+            .await?
+            .into_iter()
+            .map(|(_, committed, high)| u64::try_from(high - committed.unwrap_or(0)).unwrap_or(0))
+            .sum())
+    }
+
+    /// Every record of `topic`, read from the beginning (no group, nothing committed).
+    pub async fn read_all(&self, topic: &str) -> Result<Vec<Record>> {
+        let consumer = self.consumer("switchboard-tests-reader")?;
+        let topic = topic.to_owned();
+        tokio::task::spawn_blocking(move || {
+            let metadata = consumer.fetch_metadata(Some(&topic), REQUEST_TIMEOUT)?;
+            let mut list = TopicPartitionList::new();
+            let mut expected = 0;
+            for partition in metadata
+                .topics()
+                .iter()
+                .flat_map(|topic| topic.partitions())
+            {
+                let (low, high) =
+                    consumer.fetch_watermarks(&topic, partition.id(), REQUEST_TIMEOUT)?;
+                expected += high - low;
+                list.add_partition_offset(&topic, partition.id(), Offset::Beginning)?;
+            }
+            consumer.assign(&list)?;
+            let mut records = Vec::new();
+            let deadline = std::time::Instant::now() + REQUEST_TIMEOUT;
+            while (records.len() as i64) < expected {
+                if std::time::Instant::now() > deadline {
+                    bail!("read {} of {expected} records of {topic}", records.len());
+                }
+                match consumer.poll(Duration::from_millis(200)) {
+                    Some(Ok(message)) => records.push(Record {
+                        key: message.key().map(<[u8]>::to_vec),
+                        value: message.payload().map(<[u8]>::to_vec),
+                        headers: message
+                            .headers()
+                            .map(|headers| {
+                                headers
+                                    .iter()
+                                    .map(|h| (h.key.to_owned(), h.value.map(<[u8]>::to_vec)))
+                                    .collect()
+                            })
+                            .unwrap_or_default(),
+                    }),
+                    Some(Err(err)) => return Err(err.into()),
+                    None => {}
+                }
+            }
+            Ok(records)
+        })
+        .await?
+    }
+}
+
+impl Drop for KafkaServer {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            stop_child(&mut child, Signal::SIGKILL, STOP_TIMEOUT);
+        }
+    }
+}
+
+/// The directory holding Kafka's jars: `$KAFKA_LIB`, else the cache that `scripts/kafka.sh`
+/// fills (complete once its marker file exists).
+fn lib_dir() -> Result<PathBuf> {
+    let env = |name: &str| std::env::var_os(name).filter(|value| !value.is_empty());
+    if let Some(dir) = env("KAFKA_LIB") {
+        return Ok(PathBuf::from(dir));
+    }
+    let cache = match env("SWITCHBOARD_CACHE") {
+        Some(dir) => PathBuf::from(dir),
+        None => PathBuf::from(env("HOME").context("HOME is not set")?).join(".cache/switchboard"),
+    };
+    let install = cache.join(format!("kafka-{KAFKA_VERSION}"));
+    ensure!(
+        install.join(".complete").is_file(),
+        "Kafka {KAFKA_VERSION} is not installed in {}: run `make kafka-server` (or \
+         `scripts/kafka.sh`), or set KAFKA_LIB to a directory holding its jars",
+        install.display()
+    );
+    Ok(install.join("lib"))
+}
+
+/// A 22-character base64url UUID, as `kafka-storage.sh random-uuid` prints.
+fn cluster_id() -> String {
+    use base64::Engine as _;
+    let bytes: [u8; 16] = std::array::from_fn(|_| fastrand::u8(..));
+    base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(bytes)
+}
+
+/// Single node, combined broker and controller, replication factor 1 for the internal topics,
+/// no initial rebalance delay (BROKERS.md §4).
+fn server_properties(dir: &Path, port: u16, controller: u16) -> String {
+    format!(
+        "process.roles=broker,controller\n\
+         node.id=1\n\
+         controller.quorum.voters=1@127.0.0.1:{controller}\n\
+         listeners=PLAINTEXT://127.0.0.1:{port},CONTROLLER://127.0.0.1:{controller}\n\
+         advertised.listeners=PLAINTEXT://127.0.0.1:{port}\n\
+         controller.listener.names=CONTROLLER\n\
+         inter.broker.listener.name=PLAINTEXT\n\
+         listener.security.protocol.map=CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT\n\
+         log.dirs={}/data\n\
+         num.partitions=1\n\
+         auto.create.topics.enable=false\n\
+         offsets.topic.replication.factor=1\n\
+         offsets.topic.num.partitions=1\n\
+         transaction.state.log.replication.factor=1\n\
+         transaction.state.log.min.isr=1\n\
+         share.coordinator.state.topic.replication.factor=1\n\
+         share.coordinator.state.topic.min.isr=1\n\
+         group.initial.rebalance.delay.ms=0\n\
+         group.min.session.timeout.ms=1000\n",
+        dir.display()
+    )
+}
+
+/// Without a configuration log4j2 prints only errors, and the readiness line is lost.
+const LOG4J: &str = "appender.console.type=Console\n\
+appender.console.name=STDOUT\n\
+appender.console.layout.type=PatternLayout\n\
+appender.console.layout.pattern=[%d] %p %m (%c)%n\n\
+rootLogger.level=info\n\
+rootLogger.appenderRef.stdout.ref=STDOUT\n";
+
+fn java(dir: &Path, lib: &Path) -> Command {
+    let mut command = Command::new("java");
+    command
+        .args([
+            "-Xms256m",
+            "-Xmx512m",
+            "-XX:+UseG1GC",
+            "-XX:TieredStopAtLevel=1",
+        ])
+        .arg(format!(
+            "-Dlog4j2.configurationFile={}",
+            dir.join("log4j2.properties").display()
+        ))
+        .arg("-cp")
+        .arg(format!("{}/*", lib.display()))
+        .current_dir(dir)
+        .stdin(Stdio::null());
+    command
+}
+
+/// Starts the node and waits for its start-up line. The log is appended to, so a restart keeps
+/// the previous run's lines.
+fn spawn(dir: &Path, lib: &Path) -> Result<Child> {
+    let log_path = dir.join(LOG_FILE);
+    let log = OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&log_path)?;
+    let offset = usize::try_from(log.metadata()?.len())?;
+    let mut child = java(dir, lib)
+        .arg("kafka.Kafka")
+        .arg(dir.join("server.properties"))
+        .stdout(log.try_clone()?)
+        .stderr(log)
+        .spawn()
+        .context("starting java for Kafka; install it with `apt-get install -y --no-install-recommends openjdk-17-jre-headless`")?;
+    let mut exited = None;
+    let started = wait_until(STARTUP_TIMEOUT, "Kafka logs that it started", || {
+        if let Ok(Some(status)) = child.try_wait() {
+            exited = Some(status);
+            return true;
+        }
+        let log = std::fs::read(&log_path).unwrap_or_default();
+        String::from_utf8_lossy(log.get(offset..).unwrap_or_default()).contains(STARTED_LINE)
+    });
+    let failed = match (started, exited) {
+        (Ok(()), None) => return Ok(child),
+        (Ok(()), Some(status)) => anyhow!("Kafka exited during start-up: {status}"),
+        (Err(err), _) => err,
+    };
+    stop_child(&mut child, Signal::SIGKILL, STOP_TIMEOUT);
+    let log = std::fs::read_to_string(&log_path).unwrap_or_default();
+    let tail: Vec<&str> = log.lines().rev().take(20).collect();
+    Err(failed.context(format!(
+        "Kafka log {} (last lines, newest first):\n{}",
+        log_path.display(),
+        tail.join("\n")
+    )))
+}

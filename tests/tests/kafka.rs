@@ -1,0 +1,291 @@
+//! Kafka-specific behaviour against a real Kafka node (KRaft) and the real worker binary: two
+//! workers of one group sharing three partitions under SIGKILLs, a rebalance while batches are
+//! in flight, and dead letters byte-identical with their key and headers.
+
+use std::time::{Duration, Instant};
+
+use anyhow::{Result, ensure};
+use nix::sys::signal::Signal;
+use switchboard_tests::brokers::kafka::{KafkaServer, Record};
+use switchboard_tests::brokers::{BrokerFixture, KafkaBroker, kafka_group};
+use switchboard_tests::wait::wait_for;
+use switchboard_tests::worker::WorkerProcess;
+use switchboard_tests::{Fixture, source_manifest};
+
+const LONG: Duration = Duration::from_secs(240);
+
+fn bodies(range: std::ops::Range<usize>) -> Vec<Vec<u8>> {
+    range
+        .map(|i| format!(r#"{{"order":{i}}}"#).into_bytes())
+        .collect()
+}
+
+/// PostgreSQL + Kafka + topic `name` (three partitions) and `name.dlq`, and the manifest.
+struct Setup {
+    fx: Fixture,
+    broker: KafkaBroker,
+    name: &'static str,
+    manifest: std::path::PathBuf,
+}
+
+impl Setup {
+    async fn start(name: &'static str, delivery: &str, payload: &str) -> Result<Self> {
+        let fx = Fixture::start().await?;
+        let (broker, _) = KafkaBroker::start(&fx).await?;
+        let source = broker.create(&fx, name).await?;
+        let manifest = fx.manifest(
+            &format!("{name}.yaml"),
+            &source_manifest(name, &source, delivery, payload),
+        )?;
+        Ok(Self {
+            fx,
+            broker,
+            name,
+            manifest,
+        })
+    }
+
+    fn server(&self) -> &KafkaServer {
+        &self.broker.server
+    }
+
+    fn worker(&self, consumer: &str) -> Result<WorkerProcess> {
+        self.fx.worker(&self.manifest, consumer)
+    }
+
+    async fn todos(&self) -> Result<i64> {
+        self.fx.todo_count(self.name).await
+    }
+
+    async fn lag(&self) -> Result<u64> {
+        self.server().lag(self.name, &kafka_group(self.name)).await
+    }
+
+    /// No committed offset is past a record without its todo: for every partition, every
+    /// offset below the committed one has its event (offsets are dense here: no transactions).
+    async fn assert_commits_only_stored_records(&self) -> Result<()> {
+        let offsets = self
+            .server()
+            .group_offsets(self.name, &kafka_group(self.name))
+            .await?;
+        for (partition, committed, _) in offsets {
+            let Some(committed) = committed else { continue };
+            let stored: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM events WHERE source = $1 AND external_id LIKE $2 \
+                 AND split_part(external_id, ':', 3)::bigint < $3",
+            )
+            .bind(format!("kafka:test/{}", self.name))
+            .bind(format!("{}:{partition}:%", self.name))
+            .bind(committed)
+            .fetch_one(self.fx.pool())
+            .await?;
+            ensure!(
+                stored == committed,
+                "partition {partition} committed up to {committed} with only {stored} records below it stored"
+            );
+        }
+        Ok(())
+    }
+
+    async fn wait_settled(&self, expected: i64, workers: &[&WorkerProcess]) -> Result<()> {
+        wait_for(LONG, &format!("{expected} todos and no lag"), || async {
+            Ok(self.todos().await? >= expected && self.lag().await? == 0)
+        })
+        .await
+        .map_err(|err| {
+            let logs: Vec<String> = workers.iter().map(|w| w.log_tail()).collect();
+            err.context(logs.join("\n"))
+        })
+    }
+}
+
+/// Two workers of one group share three partitions; one or the other is SIGKILLed at random
+/// moments and started again: every record exactly once, and no commit ever passes a record
+/// that is not stored.
+#[tokio::test]
+async fn two_workers_sigkilled_at_random_moments_store_every_record_exactly_once() -> Result<()> {
+    const TOTAL: usize = 20_000;
+    let setup = Setup::start(
+        "chaos2",
+        "batchSize: 100, maxDeliveries: 20, claimIdleSeconds: 2",
+        "",
+    )
+    .await?;
+    setup.server().produce(setup.name, bodies(0..TOTAL)).await?;
+    let mut rng = fastrand::Rng::new();
+    let mut workers = [setup.worker("a-0")?, setup.worker("b-0")?];
+    for kill in 1..=5 {
+        let target = (setup.todos().await? + rng.i64(500..2_500)).min(TOTAL as i64 - 1);
+        wait_for(LONG, "progress before the kill", || async {
+            setup.assert_commits_only_stored_records().await?;
+            Ok(setup.todos().await? >= target)
+        })
+        .await
+        .map_err(|err| err.context(workers[0].log_tail()))?;
+        let victim = rng.usize(0..2);
+        let replacement = setup.worker(&format!("{}-{kill}", ["a", "b"][victim]))?;
+        std::mem::replace(&mut workers[victim], replacement).kill()?;
+    }
+    setup
+        .wait_settled(TOTAL as i64, &[&workers[0], &workers[1]])
+        .await?;
+    setup.assert_commits_only_stored_records().await?;
+    setup
+        .fx
+        .assert_exactly_once(setup.name, TOTAL as i64)
+        .await?;
+    let letters = setup
+        .server()
+        .read_all(&format!("{}.dlq", setup.name))
+        .await?;
+    ensure!(letters.is_empty(), "nothing dead-lettered: {letters:?}");
+    Ok(())
+}
+
+/// A second worker joins while the first has batches in flight, then leaves (SIGTERM): the
+/// partitions move twice (cooperative-sticky), every record lands exactly once, and no commit
+/// passes a record without its todo. Records keep coming throughout, so both moves happen
+/// while batches are in flight.
+#[tokio::test]
+async fn rebalance_while_batches_are_in_flight_keeps_exactly_one_todo_per_record() -> Result<()> {
+    const CHUNK: usize = 500;
+    let setup = Setup::start("rebalance", "batchSize: 50, claimIdleSeconds: 2", "").await?;
+    let mut produced = 4_000;
+    setup
+        .server()
+        .produce(setup.name, bodies(0..produced))
+        .await?;
+    let first = setup.worker("first")?;
+    wait_for(LONG, "the first worker makes progress", || async {
+        Ok(setup.todos().await? >= 500)
+    })
+    .await
+    .map_err(|err| err.context(first.log_tail()))?;
+    let mut second = setup.worker("second")?;
+    let stored = |worker: &WorkerProcess| {
+        worker
+            .metric(&format!(
+                r#"switchboard_messages_stored_total{{adapter="test/{}"}}"#,
+                setup.name
+            ))
+            .unwrap_or(0.0)
+    };
+    // Produce until the second worker (given partitions by the rebalance) stores records.
+    let deadline = Instant::now() + LONG;
+    while stored(&second) == 0.0 {
+        ensure!(
+            Instant::now() < deadline,
+            "the second worker stored nothing\n{}",
+            second.log_tail()
+        );
+        setup
+            .server()
+            .produce(setup.name, bodies(produced..produced + CHUNK))
+            .await?;
+        produced += CHUNK;
+        setup.assert_commits_only_stored_records().await?;
+    }
+    second.signal(Signal::SIGTERM)?;
+    // More records while its partitions move back to the first worker.
+    for _ in 0..4 {
+        setup
+            .server()
+            .produce(setup.name, bodies(produced..produced + CHUNK))
+            .await?;
+        produced += CHUNK;
+        setup.assert_commits_only_stored_records().await?;
+    }
+    let status = second.wait_exit(Duration::from_secs(30))?;
+    ensure!(
+        status.success(),
+        "the second worker exits 0: {status:?}\n{}",
+        second.log_tail()
+    );
+    let total = i64::try_from(produced)?;
+    setup.wait_settled(total, &[&first]).await?;
+    setup.assert_commits_only_stored_records().await?;
+    setup.fx.assert_exactly_once(setup.name, total).await?;
+    // Assigned at start, then partitions revoked for the second worker and assigned back.
+    let rebalances = first.metric(&format!(
+        r#"switchboard_kafka_rebalances_total{{adapter="test/{}"}}"#,
+        setup.name
+    ))?;
+    ensure!(
+        rebalances >= 3.0,
+        "the first worker took part in the rebalances: {rebalances}\n{}",
+        first.log_tail()
+    );
+    Ok(())
+}
+
+/// A poison record goes to `<topic>.dlq` with its key, value and headers byte-identical (a
+/// header without a value included), plus the `x-dlq-*` context.
+#[tokio::test]
+async fn poison_record_is_dead_lettered_byte_identical_with_key_and_headers() -> Result<()> {
+    let setup = Setup::start("dlq", "batchSize: 20, claimIdleSeconds: 2", "format: json").await?;
+    let poison = Record {
+        key: Some(b"customer-\xff\x00".to_vec()),
+        value: Some(b"{\"order\": broken \xe2\x9c\x93".to_vec()),
+        headers: vec![
+            ("trace".to_owned(), Some(b"abc\x00\xff".to_vec())),
+            ("empty".to_owned(), Some(Vec::new())),
+            ("null".to_owned(), None),
+            ("trace".to_owned(), Some(b"second".to_vec())),
+        ],
+    };
+    let good = Record {
+        key: Some(b"k".to_vec()),
+        value: Some(br#"{"order":1}"#.to_vec()),
+        headers: vec![("h".to_owned(), Some(b"v".to_vec()))],
+    };
+    setup
+        .server()
+        .produce_records(setup.name, vec![poison.clone(), good])
+        .await?;
+    let worker = setup.worker("w1")?;
+    setup.wait_settled(1, &[&worker]).await?;
+    let letters = setup
+        .server()
+        .read_all(&format!("{}.dlq", setup.name))
+        .await?;
+    ensure!(letters.len() == 1, "one dead letter: {letters:?}");
+    let letter = &letters[0];
+    ensure!(letter.key == poison.key, "key byte-identical: {letter:?}");
+    ensure!(
+        letter.value == poison.value,
+        "value byte-identical: {letter:?}"
+    );
+    ensure!(
+        letter.headers[..poison.headers.len()] == poison.headers[..],
+        "original headers first, byte-identical, in order: {letter:?}"
+    );
+    ensure!(letter.header("x-dlq-reason").as_deref() == Some("invalid_json"));
+    ensure!(letter.header("x-dlq-original-topic").as_deref() == Some(setup.name));
+    ensure!(letter.header("x-dlq-delivery-count").as_deref() == Some("1"));
+    ensure!(
+        letter
+            .header("x-dlq-error")
+            .is_some_and(|error| !error.is_empty()),
+        "{letter:?}"
+    );
+    let partition: i32 = letter
+        .header("x-dlq-original-partition")
+        .unwrap_or_default()
+        .parse()?;
+    let offset: i64 = letter
+        .header("x-dlq-original-offset")
+        .unwrap_or_default()
+        .parse()?;
+    ensure!((0..3).contains(&partition) && offset >= 0, "{letter:?}");
+    // The good record's key and headers went to its event.
+    let headers: serde_json::Value =
+        sqlx::query_scalar("SELECT headers FROM events WHERE source = $1")
+            .bind(format!("kafka:test/{}", setup.name))
+            .fetch_one(setup.fx.pool())
+            .await?;
+    ensure!(
+        headers.to_string().contains("kafka.key") && headers.to_string().contains("\"h\""),
+        "the record's key and headers are the event's headers: {headers}"
+    );
+    Ok(())
+}

@@ -1,0 +1,240 @@
+//! librdkafka clients: their configuration from the spec and the Secret-fed environment, the
+//! one mapping of librdkafka errors to what the worker does, and the consumer's callbacks
+//! (rebalances, commits, logs).
+
+use std::sync::{Arc, Mutex, PoisonError};
+
+use prometheus_client::metrics::counter::Counter;
+use rdkafka::client::ClientContext;
+use rdkafka::config::{ClientConfig, RDKafkaLogLevel};
+use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer, ConsumerContext, Rebalance};
+use rdkafka::error::{KafkaError, KafkaResult, RDKafkaErrorCode};
+use rdkafka::{Offset, TopicPartitionList};
+use switchboard_api::KafkaSource;
+use switchboard_telemetry::ErrorChain;
+
+use super::offsets::{Offsets, TopicPartition};
+use crate::transport::TransportError;
+
+/// The environment variables the operator fills from the spec's Secret references.
+pub const SASL_USERNAME_ENV: &str = "KAFKA_SASL_USERNAME";
+pub const SASL_PASSWORD_ENV: &str = "KAFKA_SASL_PASSWORD";
+pub const TLS_CA_ENV: &str = "KAFKA_TLS_CA_PEM";
+
+/// What every client of the adapter shares: brokers, TLS, SASL.
+pub fn base_config(spec: &KafkaSource, client_id: &str) -> Result<ClientConfig, TransportError> {
+    let mut config = ClientConfig::new();
+    config
+        .set("bootstrap.servers", &spec.bootstrap_servers)
+        .set("client.id", client_id)
+        .set("socket.keepalive.enable", "true")
+        .set_log_level(RDKafkaLogLevel::Warning);
+    let protocol = match (spec.tls.is_some(), spec.sasl.is_some()) {
+        (false, false) => "plaintext",
+        (true, false) => "ssl",
+        (false, true) => "sasl_plaintext",
+        (true, true) => "sasl_ssl",
+    };
+    config.set("security.protocol", protocol);
+    if let Some(tls) = &spec.tls {
+        // librdkafka verifies the certificate and the host name by default; said explicitly.
+        config
+            .set("enable.ssl.certificate.verification", "true")
+            .set("ssl.endpoint.identification.algorithm", "https");
+        if tls.ca_secret_ref.is_some() {
+            config.set("ssl.ca.pem", secret_env(TLS_CA_ENV)?);
+        }
+    }
+    if let Some(sasl) = &spec.sasl {
+        config
+            .set("sasl.mechanism", sasl.mechanism.as_str())
+            .set("sasl.username", secret_env(SASL_USERNAME_ENV)?)
+            .set("sasl.password", secret_env(SASL_PASSWORD_ENV)?);
+    }
+    Ok(config)
+}
+
+fn secret_env(name: &'static str) -> Result<String, TransportError> {
+    std::env::var(name)
+        .ok()
+        .filter(|value| !value.is_empty())
+        .ok_or_else(|| {
+            TransportError::fatal(
+                name,
+                "is not set (the operator sets it from the spec's Secret reference)",
+                None,
+            )
+        })
+}
+
+/// Which setting an error is about, for the ones retrying cannot fix.
+#[derive(Debug, Clone, Copy)]
+pub enum Setting {
+    Topics,
+    DeadLetterTopic,
+}
+
+impl Setting {
+    fn name(self) -> &'static str {
+        match self {
+            Setting::Topics => "spec.source.kafka.topics",
+            Setting::DeadLetterTopic => "spec.delivery.deadLetter.topic",
+        }
+    }
+}
+
+/// The one mapping of librdkafka errors: refused credentials, denied access and invalid
+/// configuration are fatal and name the setting; everything else (brokers down, timeouts,
+/// leadership moving) is transient.
+pub fn classify(err: KafkaError, context: &str, about: Setting) -> TransportError {
+    use RDKafkaErrorCode as Code;
+    let code = err.rdkafka_error_code();
+    let fatal = |setting: &str, what: &str| {
+        TransportError::fatal(
+            setting,
+            format!("{context}: {what}"),
+            Some(Box::new(err.clone())),
+        )
+    };
+    match (&err, code) {
+        (_, Some(Code::Authentication | Code::SaslAuthenticationFailed)) => fatal(
+            SASL_PASSWORD_ENV,
+            "the brokers refused the credentials (check the SASL mechanism, user name and password)",
+        ),
+        (_, Some(Code::SSL)) => fatal(
+            "spec.source.kafka.tls",
+            "the TLS handshake failed (check the brokers' certificate and the CA)",
+        ),
+        (_, Some(Code::TopicAuthorizationFailed)) => {
+            fatal(about.name(), "access to the topic is denied")
+        }
+        (_, Some(Code::GroupAuthorizationFailed)) => fatal(
+            "spec.source.kafka.groupId",
+            "access to the consumer group is denied",
+        ),
+        (_, Some(Code::InvalidGroupId)) => {
+            fatal("spec.source.kafka.groupId", "the group id is invalid")
+        }
+        (
+            KafkaError::MessageProduction(_),
+            Some(Code::UnknownTopic | Code::UnknownTopicOrPartition),
+        ) => fatal(about.name(), "the dead-letter topic does not exist"),
+        (KafkaError::ClientConfig(..) | KafkaError::ClientCreation(_), _) => {
+            fatal("spec.source.kafka", "librdkafka refused the configuration")
+        }
+        (KafkaError::MessageConsumptionFatal(_), _) => {
+            fatal("spec.source.kafka", "librdkafka reported a fatal error")
+        }
+        _ => TransportError::transient(context.to_owned(), err),
+    }
+}
+
+/// What the consumer's callbacks update.
+#[derive(Debug)]
+pub struct ConsumerState {
+    pub offsets: Mutex<Offsets>,
+    pub rebalances: Counter,
+    pub abandoned: Counter,
+    pub commit_failures: Counter,
+}
+
+impl ConsumerState {
+    pub fn offsets(&self) -> std::sync::MutexGuard<'_, Offsets> {
+        self.offsets.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+/// The consumer's callbacks, run by librdkafka inside the consumer's poll.
+#[derive(Debug, Clone)]
+pub struct KafkaContext {
+    pub state: Arc<ConsumerState>,
+}
+
+fn partitions(list: &TopicPartitionList) -> Vec<TopicPartition> {
+    list.elements()
+        .iter()
+        .map(|element| TopicPartition {
+            topic: Arc::from(element.topic()),
+            partition: element.partition(),
+        })
+        .collect()
+}
+
+impl ClientContext for KafkaContext {
+    fn log(&self, level: RDKafkaLogLevel, facility: &str, message: &str) {
+        // Broker outages are reported by the pipeline, once per outage; librdkafka's own
+        // lines (one per connection attempt) are for debugging.
+        match level {
+            RDKafkaLogLevel::Emerg | RDKafkaLogLevel::Alert | RDKafkaLogLevel::Critical => {
+                tracing::warn!(facility, message, "librdkafka")
+            }
+            _ => tracing::debug!(facility, message, "librdkafka"),
+        }
+    }
+
+    fn error(&self, error: KafkaError, reason: &str) {
+        tracing::debug!(error = %error, reason, "librdkafka error");
+    }
+}
+
+impl ConsumerContext for KafkaContext {
+    fn pre_rebalance(&self, consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
+        self.state.rebalances.inc();
+        match rebalance {
+            Rebalance::Assign(list) => {
+                let mut offsets = self.state.offsets();
+                for partition in partitions(list) {
+                    offsets.assign(partition);
+                }
+                tracing::info!(partitions = ?names(list), "partitions assigned");
+            }
+            Rebalance::Revoke(list) => {
+                // A lost assignment (the session expired) may already belong to another
+                // worker: nothing is committed for it.
+                let lost = consumer.assignment_lost();
+                let mut commit = TopicPartitionList::new();
+                let mut abandoned = 0;
+                {
+                    let mut offsets = self.state.offsets();
+                    for partition in partitions(list) {
+                        let (up_to, unsettled) = offsets.revoke(&partition);
+                        abandoned += unsettled;
+                        if let (Some(up_to), false) = (up_to, lost) {
+                            let _ = commit.add_partition_offset(
+                                &partition.topic,
+                                partition.partition,
+                                Offset::Offset(up_to),
+                            );
+                        }
+                    }
+                }
+                self.state.abandoned.inc_by(abandoned as u64);
+                if commit.count() > 0
+                    && let Err(err) = consumer.commit(&commit, CommitMode::Sync)
+                {
+                    self.state.commit_failures.inc();
+                    tracing::warn!(error = %ErrorChain(&err), "could not commit the settled offsets of revoked partitions; their records are redelivered and deduplicated");
+                }
+                tracing::info!(partitions = ?names(list), lost, abandoned, "partitions revoked");
+            }
+            Rebalance::Error(err) => {
+                tracing::warn!(error = %ErrorChain(err), "rebalance failed")
+            }
+        }
+    }
+
+    fn commit_callback(&self, result: KafkaResult<()>, offsets: &TopicPartitionList) {
+        if let Err(err) = result {
+            self.state.commit_failures.inc();
+            tracing::debug!(error = %ErrorChain(&err), "offset commit failed; it is sent again");
+            let mut owned = self.state.offsets();
+            for partition in partitions(offsets) {
+                owned.recommit(&partition);
+            }
+        }
+    }
+}
+
+fn names(list: &TopicPartitionList) -> Vec<String> {
+    partitions(list).iter().map(TopicPartition::name).collect()
+}

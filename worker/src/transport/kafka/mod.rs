@@ -1,0 +1,684 @@
+//! Apache Kafka: a consumer group (cooperative-sticky assignment) → (store) → offset commits of
+//! each partition's contiguous settled prefix.
+//!
+//! - **Client**: librdkafka (bundled, via `rdkafka`); TLS verifies the brokers' certificates and
+//!   host names; SASL PLAIN or SCRAM from the `KAFKA_SASL_*` variables the operator sets from the
+//!   spec's Secret references. Auto-commit is off; `isolation.level` is librdkafka's default
+//!   `read_committed`, so aborted transactions are never delivered.
+//! - **`prepare`** checks that every named topic exists (fatal otherwise, naming
+//!   `spec.source.kafka.topics`), then subscribes (a `topicPattern` is librdkafka's `^` regex).
+//! - **Receive**: the records librdkafka has fetched, up to the batch size (a receive that
+//!   waited for its first record gathers more for up to 100 ms: the pipeline is idle then). The key is
+//!   `kafka:{adapter}:{topic}:{partition}:{offset}`; the record's headers become the event's
+//!   headers and its key the `kafka.key` header. A record without a value (a tombstone) or whose
+//!   header names are not UTF-8 is undecodable: it is dead-lettered.
+//! - **Delivery count**: Kafka has none, so the worker keeps its own in PostgreSQL
+//!   (`switchboard_store::deliveries`): before a batch is handed on, its partitions' *marks* (the
+//!   offset up to which records have been handed to a pipeline) are raised in one statement.
+//!   A record below the mark its partition had before may have been delivered before (a worker
+//!   died, or the partition moved): only such records are counted, by key. A record at or above it
+//!   is a first delivery and writes nothing. So a record that kills every worker it reaches
+//!   still reaches `maxDeliveries`, and the steady state costs one small upsert per batch.
+//! - **Acknowledge**: settled records (stored, duplicate, dead-lettered) are marked in
+//!   [`offsets::Offsets`]; each partition commits only its contiguous settled prefix
+//!   (asynchronously: a failed commit is sent again with the next one, or by `maintain`).
+//! - **Rebalances**: on revoke, the settled prefix of each revoked partition is committed
+//!   (synchronously) before it goes, and nothing is committed for a partition no longer owned
+//!   (a *lost* assignment commits nothing at all). Batches of a revoked partition still in
+//!   flight are abandoned: their acknowledgements are stale, and the new owner's redelivery is
+//!   deduplicated by the idempotency key. Each assignment is an epoch carried by its receipts,
+//!   so a partition assigned back never takes an acknowledgement of its earlier assignment.
+//! - **Dead letters**: produced to `deadLetter.topic` (default `<topic>.dlq`) with `acks=all`
+//!   and idempotence; the key, value and headers byte-identical, plus `x-dlq-reason`,
+//!   `x-dlq-error`, `x-dlq-original-topic/partition/offset` and `x-dlq-delivery-count`. The
+//!   pipeline commits past a dead letter only once its produce is acknowledged.
+//! - **Queue health**: see [`probe`].
+
+mod client;
+mod offsets;
+mod probe;
+
+use std::collections::{BTreeMap, VecDeque};
+use std::panic::AssertUnwindSafe;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use futures::FutureExt as _;
+use futures::StreamExt as _;
+use futures::future::join_all;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::registry::Registry;
+use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer, StreamConsumer};
+use rdkafka::message::{BorrowedMessage, Header, Headers as _, Message as _, OwnedHeaders};
+use rdkafka::producer::{FutureProducer, FutureRecord};
+use rdkafka::{Offset, TopicPartitionList};
+use switchboard_api::{KafkaSource, StartFrom};
+use switchboard_store::{Dedup, Store};
+
+use self::client::{ConsumerState, KafkaContext, Setting, base_config, classify};
+use self::offsets::{Offsets, TopicPartition};
+use self::probe::{KafkaProbe, Topics};
+use crate::metrics::adapter_counter;
+use crate::transport::{Acked, DeadLetter, Message, Position, Transport, TransportError};
+
+/// How long a blocking receive waits for records.
+const RECEIVE_WAIT: Duration = Duration::from_secs(1);
+/// How long a blocking receive gathers more records after its first one.
+const GATHER: Duration = Duration::from_millis(100);
+/// How long a metadata request or a synchronous commit may take.
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long a dead letter may wait for the brokers' acknowledgement.
+const PRODUCE_TIMEOUT: Duration = Duration::from_secs(30);
+/// The error text kept in `x-dlq-error`.
+const MAX_ERROR_BYTES: usize = 2048;
+/// The header holding the record's key among the event's headers.
+const KEY_HEADER: &str = "kafka.key";
+
+/// What the Kafka transport needs.
+#[derive(Debug, Clone)]
+pub struct KafkaSettings {
+    /// `namespace/name`.
+    pub adapter: String,
+    /// The pod's name: the client id the brokers show.
+    pub consumer: String,
+    pub spec: KafkaSource,
+    /// `spec.delivery.deadLetter.topic`; default `<topic>.dlq`.
+    pub dead_letter_topic: Option<String>,
+}
+
+/// What the worker needs to commit one record, and to dead-letter it as it came.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Receipt {
+    pub partition: TopicPartition,
+    pub offset: i64,
+    /// The assignment of the partition the record was delivered under.
+    pub epoch: u64,
+    pub key: Option<Vec<u8>>,
+    /// Whether the record had a value (a tombstone has none).
+    pub has_value: bool,
+    /// How many of the message's headers are the record's own (the key header follows them).
+    pub record_headers: usize,
+    /// Which of those had no value (`null`, not empty).
+    pub null_headers: Vec<usize>,
+}
+
+/// A record fetched and not yet handed on.
+#[derive(Debug)]
+struct Fetched {
+    message: Message<Receipt>,
+    /// Decided once the partition's mark was raised: whether the record may be a redelivery.
+    below_mark: Option<bool>,
+}
+
+/// A Kafka consumer group member.
+pub struct Kafka {
+    source: String,
+    adapter: String,
+    spec: KafkaSource,
+    consumer: Arc<StreamConsumer<KafkaContext>>,
+    state: Arc<ConsumerState>,
+    producer: Option<FutureProducer>,
+    producer_id: String,
+    dead_letter_topic: Option<String>,
+    store: Store,
+    fetched: VecDeque<Fetched>,
+    probe: Arc<BaseConsumer>,
+    lag: Family<probe::PartitionLabels, prometheus_client::metrics::gauge::Gauge>,
+}
+
+impl Kafka {
+    /// Builds the clients (connections are made lazily by librdkafka) and registers the
+    /// transport's metrics in `registry`.
+    pub fn new(
+        settings: KafkaSettings,
+        store: Store,
+        registry: &mut Registry,
+    ) -> Result<Self, TransportError> {
+        let KafkaSettings {
+            adapter,
+            consumer: client_id,
+            spec,
+            dead_letter_topic,
+        } = settings;
+        let group = spec.group_id(&adapter);
+        let session_ms = u64::from(spec.session_timeout_seconds) * 1000;
+        let state = Arc::new(ConsumerState {
+            offsets: Mutex::new(Offsets::default()),
+            rebalances: adapter_counter(
+                registry,
+                "kafka_rebalances",
+                "Partition assignments and revocations this worker took part in",
+                &adapter,
+            ),
+            abandoned: adapter_counter(
+                registry,
+                "kafka_abandoned_records",
+                "Records of revoked partitions still being stored at the revocation (redelivered to the new owner and deduplicated)",
+                &adapter,
+            ),
+            commit_failures: adapter_counter(
+                registry,
+                "kafka_commit_failures",
+                "Offset commits the brokers refused or did not answer (sent again)",
+                &adapter,
+            ),
+        });
+        let lag =
+            Family::<probe::PartitionLabels, prometheus_client::metrics::gauge::Gauge>::default();
+        registry.register(
+            "kafka_partition_lag",
+            "Records of each partition past the group's committed offset (high watermark − committed)",
+            lag.clone(),
+        );
+        let start_from = match spec.start_from {
+            StartFrom::Earliest => "earliest",
+            StartFrom::Latest => "latest",
+        };
+        let mut config = base_config(&spec, &client_id)?;
+        config
+            .set("group.id", &group)
+            .set("partition.assignment.strategy", "cooperative-sticky")
+            .set("enable.auto.commit", "false")
+            .set("enable.auto.offset.store", "false")
+            .set("auto.offset.reset", start_from)
+            .set("session.timeout.ms", session_ms.to_string())
+            .set(
+                "heartbeat.interval.ms",
+                (session_ms / 3).min(3000).to_string(),
+            )
+            .set("enable.partition.eof", "false");
+        let consumer: StreamConsumer<KafkaContext> = config
+            .create_with_context(KafkaContext {
+                state: state.clone(),
+            })
+            .map_err(|err| classify(err, "could not create the Kafka consumer", Setting::Topics))?;
+        let mut probe_config = base_config(&spec, &format!("{client_id}-probe"))?;
+        probe_config
+            .set("group.id", &group)
+            .set("enable.auto.commit", "false")
+            .set("enable.auto.offset.store", "false");
+        let probe: BaseConsumer = probe_config
+            .create()
+            .map_err(|err| classify(err, "could not create the Kafka probe", Setting::Topics))?;
+        Ok(Self {
+            source: format!("kafka:{adapter}"),
+            adapter,
+            spec,
+            consumer: Arc::new(consumer),
+            state,
+            producer: None,
+            producer_id: format!("{client_id}-dlq"),
+            dead_letter_topic,
+            store,
+            fetched: VecDeque::new(),
+            probe: Arc::new(probe),
+            lag,
+        })
+    }
+
+    fn topics(&self) -> Result<Topics, TransportError> {
+        match (&self.spec.topics, &self.spec.topic_pattern) {
+            (Some(topics), _) => Ok(Topics::Named(topics.clone())),
+            (None, Some(pattern)) => {
+                regex::Regex::new(pattern)
+                    .map(Topics::Pattern)
+                    .map_err(|err| {
+                        TransportError::fatal(
+                            "spec.source.kafka.topicPattern",
+                            format!("is not a regular expression: {err}"),
+                            None,
+                        )
+                    })
+            }
+            (None, None) => Err(TransportError::fatal(
+                "spec.source.kafka",
+                "one of topics and topicPattern must be set",
+                None,
+            )),
+        }
+    }
+
+    /// The dead-letter producer, created on the first dead letter.
+    fn producer(&mut self) -> Result<&FutureProducer, TransportError> {
+        if self.producer.is_none() {
+            let mut config = base_config(&self.spec, &self.producer_id)?;
+            config
+                .set("acks", "all")
+                .set("enable.idempotence", "true")
+                .set(
+                    "message.timeout.ms",
+                    PRODUCE_TIMEOUT.as_millis().to_string(),
+                );
+            let producer = config.create().map_err(|err| {
+                classify(
+                    err,
+                    "could not create the dead-letter producer",
+                    Setting::DeadLetterTopic,
+                )
+            })?;
+            self.producer = Some(producer);
+        }
+        Ok(self.producer.as_ref().expect("created above"))
+    }
+
+    /// Turns a fetched record into a message, under the epoch of its partition's assignment.
+    /// `None`: the partition is no longer owned.
+    fn convert(&self, record: &BorrowedMessage<'_>) -> Option<Message<Receipt>> {
+        let partition = TopicPartition {
+            topic: Arc::from(record.topic()),
+            partition: record.partition(),
+        };
+        let epoch = self.state.offsets().epoch(&partition)?;
+        let offset = record.offset();
+        let external_id = format!("{}:{}:{offset}", partition.topic, partition.partition);
+        let key = record.key().map(<[u8]>::to_vec);
+        // rdkafka panics on a header name that is not UTF-8: that record is undecodable.
+        let read = std::panic::catch_unwind(AssertUnwindSafe(|| {
+            let mut headers = Vec::new();
+            let mut null_headers = Vec::new();
+            if let Some(list) = record.headers() {
+                for (index, header) in list.iter().enumerate() {
+                    if header.value.is_none() {
+                        null_headers.push(index);
+                    }
+                    headers.push((
+                        header.key.to_owned(),
+                        header.value.unwrap_or_default().to_vec(),
+                    ));
+                }
+            }
+            (headers, null_headers)
+        }));
+        let (mut headers, null_headers, mut undecodable) = match read {
+            Ok((headers, null_headers)) => (headers, null_headers, None),
+            Err(_) => (
+                Vec::new(),
+                Vec::new(),
+                Some("a header name of the record is not UTF-8".to_owned()),
+            ),
+        };
+        let record_headers = headers.len();
+        if let Some(key) = &key {
+            headers.push((KEY_HEADER.to_owned(), key.clone()));
+        }
+        let has_value = record.payload().is_some();
+        if !has_value && undecodable.is_none() {
+            undecodable = Some("the record has no value (a tombstone)".to_owned());
+        }
+        Some(Message {
+            idempotency_key: format!("{}:{external_id}", self.source),
+            position: Some(Position {
+                partition: partition.name(),
+                value: vec![offset],
+            }),
+            external_id,
+            body: record.payload().unwrap_or_default().to_vec(),
+            headers,
+            delivery_count: 1,
+            enqueued_at_ms: record
+                .timestamp()
+                .to_millis()
+                .and_then(|ms| u64::try_from(ms).ok()),
+            undecodable,
+            receipt: Receipt {
+                partition,
+                offset,
+                epoch,
+                key,
+                has_value,
+                record_headers,
+                null_headers,
+            },
+        })
+    }
+
+    /// Fetches what librdkafka holds, up to `max` records in hand. With `block` (the pipeline
+    /// has nothing in flight), waits a bounded time for the first record, then gathers more for
+    /// up to [`GATHER`]: partitions start fetching at different moments, and records of a
+    /// partition that come a moment later would otherwise wait behind a whole batch. An error is
+    /// returned only when nothing is in hand.
+    async fn fetch(&mut self, max: usize, block: bool) -> Result<(), TransportError> {
+        let consumer = self.consumer.clone();
+        let mut stream = consumer.stream();
+        let mut gather_until = None;
+        if self.fetched.is_empty() && block {
+            gather_until = Some(tokio::time::Instant::now() + RECEIVE_WAIT);
+        }
+        while self.fetched.len() < max {
+            let next = match gather_until {
+                Some(until) => match tokio::time::timeout_at(until, stream.next()).await {
+                    Ok(next) => next,
+                    Err(_elapsed) => break,
+                },
+                None => stream.next().now_or_never().flatten(),
+            };
+            let Some(next) = next else { break };
+            match next {
+                Ok(record) => {
+                    if let Some(message) = self.convert(&record) {
+                        if block && self.fetched.is_empty() {
+                            gather_until = Some(tokio::time::Instant::now() + GATHER);
+                        }
+                        self.fetched.push_back(Fetched {
+                            message,
+                            below_mark: None,
+                        });
+                    }
+                }
+                Err(err) if self.fetched.is_empty() => {
+                    return Err(classify(err, "could not fetch records", Setting::Topics));
+                }
+                Err(err) => {
+                    tracing::debug!(error = %err, "fetch error after records in hand");
+                    break;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Raises the marks of the partitions of the first `count` records in hand and decides which
+    /// of them may be redeliveries.
+    async fn raise_marks(&mut self, count: usize) -> Result<(), TransportError> {
+        let mut marks: BTreeMap<String, i64> = BTreeMap::new();
+        for fetched in self.fetched.iter().take(count) {
+            let receipt = &fetched.message.receipt;
+            let mark = marks.entry(receipt.partition.name()).or_insert(0);
+            *mark = (*mark).max(receipt.offset + 1);
+        }
+        let pairs: Vec<(&str, i64)> = marks
+            .iter()
+            .map(|(name, mark)| (name.as_str(), *mark))
+            .collect();
+        let previous = self
+            .store
+            .raise_delivery_marks(&self.source, &pairs)
+            .await
+            .map_err(|err| TransportError::database("could not raise the delivery marks", err))?;
+        let previous: BTreeMap<&str, Option<i64>> = pairs
+            .iter()
+            .zip(previous)
+            .map(|((name, _), previous)| (*name, previous))
+            .collect();
+        for fetched in self.fetched.iter_mut().take(count) {
+            if fetched.below_mark.is_none() {
+                let receipt = &fetched.message.receipt;
+                let name = receipt.partition.name();
+                let mark = previous.get(name.as_str()).copied().flatten();
+                fetched.below_mark = Some(mark.is_some_and(|mark| receipt.offset < mark));
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Transport for Kafka {
+    type Receipt = Receipt;
+    type Probe = KafkaProbe;
+
+    fn source(&self) -> &str {
+        &self.source
+    }
+
+    fn dedup(&self) -> Dedup {
+        Dedup::NativeId
+    }
+
+    async fn prepare(&mut self) -> Result<(), TransportError> {
+        let topics = self.topics()?;
+        if let Topics::Named(names) = &topics {
+            for name in names {
+                let consumer = self.consumer.clone();
+                let topic = name.clone();
+                let metadata = tokio::task::spawn_blocking(move || {
+                    consumer.fetch_metadata(Some(&topic), REQUEST_TIMEOUT)
+                })
+                .await
+                .map_err(|err| {
+                    TransportError::protocol(format!("the metadata task failed: {err}"))
+                })?
+                .map_err(|err| {
+                    classify(err, "could not read the topic's metadata", Setting::Topics)
+                })?;
+                let missing = metadata
+                    .topics()
+                    .iter()
+                    .find(|topic| topic.name() == name)
+                    .is_none_or(|topic| topic.error().is_some() || topic.partitions().is_empty());
+                if missing {
+                    return Err(TransportError::fatal(
+                        "spec.source.kafka.topics",
+                        format!("the topic {name:?} does not exist"),
+                        None,
+                    ));
+                }
+            }
+        }
+        let subscription: Vec<&str> = match (&self.spec.topics, &self.spec.topic_pattern) {
+            (Some(names), _) => names.iter().map(String::as_str).collect(),
+            (None, Some(pattern)) => vec![pattern.as_str()],
+            (None, None) => Vec::new(),
+        };
+        self.consumer
+            .subscribe(&subscription)
+            .map_err(|err| classify(err, "could not subscribe", Setting::Topics))
+    }
+
+    async fn receive(
+        &mut self,
+        max: usize,
+        block: bool,
+    ) -> Result<Vec<Message<Receipt>>, TransportError> {
+        self.fetch(max, block).await?;
+        // Records of partitions revoked since they were fetched are not handed on.
+        {
+            let offsets = self.state.offsets();
+            self.fetched.retain(|fetched| {
+                let receipt = &fetched.message.receipt;
+                offsets.epoch(&receipt.partition) == Some(receipt.epoch)
+            });
+        }
+        let count = self.fetched.len().min(max);
+        if count == 0 {
+            return Ok(Vec::new());
+        }
+        if self
+            .fetched
+            .iter()
+            .take(count)
+            .any(|f| f.below_mark.is_none())
+        {
+            self.raise_marks(count).await?;
+        }
+        let redelivered: Vec<usize> = (0..count)
+            .filter(|&index| self.fetched[index].below_mark == Some(true))
+            .collect();
+        if !redelivered.is_empty() {
+            let keys: Vec<&str> = redelivered
+                .iter()
+                .map(|&index| self.fetched[index].message.idempotency_key.as_str())
+                .collect();
+            let counts = self
+                .store
+                .count_redeliveries(&self.source, &keys)
+                .await
+                .map_err(|err| TransportError::database("could not count the redeliveries", err))?;
+            for (index, count) in redelivered.into_iter().zip(counts) {
+                self.fetched[index].message.delivery_count = count;
+            }
+        }
+        let mut offsets = self.state.offsets();
+        Ok(self
+            .fetched
+            .drain(..count)
+            .map(|fetched| fetched.message)
+            .filter(|message| {
+                let receipt = &message.receipt;
+                offsets.deliver(&receipt.partition, receipt.epoch, receipt.offset)
+            })
+            .collect())
+    }
+
+    async fn write_dead_letters(
+        &mut self,
+        letters: &[DeadLetter<'_, Receipt>],
+    ) -> Result<(), TransportError> {
+        let default_topic = self.dead_letter_topic.clone();
+        let topics: Vec<String> = letters
+            .iter()
+            .map(|letter| {
+                default_topic
+                    .clone()
+                    .unwrap_or_else(|| format!("{}.dlq", letter.message.receipt.partition.topic))
+            })
+            .collect();
+        let contexts: Vec<[(&str, String); 6]> = letters.iter().map(dead_letter_context).collect();
+        let producer = self.producer()?;
+        let sends = letters
+            .iter()
+            .zip(&topics)
+            .zip(&contexts)
+            .map(|((letter, topic), context)| {
+                let message = letter.message;
+                let receipt = &message.receipt;
+                let mut headers =
+                    OwnedHeaders::new_with_capacity(receipt.record_headers + context.len());
+                for (index, (name, value)) in
+                    message.headers[..receipt.record_headers].iter().enumerate()
+                {
+                    let value =
+                        (!receipt.null_headers.contains(&index)).then_some(value.as_slice());
+                    headers = headers.insert(Header { key: name, value });
+                }
+                for (name, value) in context {
+                    headers = headers.insert(Header {
+                        key: name,
+                        value: Some(value.as_bytes()),
+                    });
+                }
+                let mut record = FutureRecord::<[u8], [u8]>::to(topic).headers(headers);
+                if let Some(key) = &receipt.key {
+                    record = record.key(key.as_slice());
+                }
+                if receipt.has_value {
+                    record = record.payload(message.body.as_slice());
+                }
+                producer.send(record, PRODUCE_TIMEOUT)
+            });
+        for result in join_all(sends).await {
+            if let Err((err, _)) = result {
+                return Err(classify(
+                    err,
+                    "could not produce a dead letter",
+                    Setting::DeadLetterTopic,
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    async fn ack(&mut self, messages: &[&Message<Receipt>]) -> Result<Acked, TransportError> {
+        let mut acked = Acked::all();
+        let commits = {
+            let mut offsets = self.state.offsets();
+            for (index, message) in messages.iter().enumerate() {
+                let receipt = &message.receipt;
+                if !offsets.settle(&receipt.partition, receipt.epoch, receipt.offset) {
+                    acked.stale.push(index);
+                }
+            }
+            offsets.committable()
+        };
+        self.commit(commits, CommitMode::Async)?;
+        Ok(acked)
+    }
+
+    async fn maintain(&mut self) -> Result<(), TransportError> {
+        let commits = self.state.offsets().committable();
+        self.commit(commits, CommitMode::Async)
+    }
+
+    fn maintenance_interval(&self) -> Duration {
+        Duration::from_secs(5)
+    }
+
+    fn probe(&self) -> KafkaProbe {
+        KafkaProbe {
+            consumer: self.probe.clone(),
+            topics: self.topics().unwrap_or(Topics::Named(Vec::new())),
+            adapter: self.adapter.clone(),
+            lag: self.lag.clone(),
+        }
+    }
+
+    async fn shutdown(&mut self) {
+        let commits = self.state.offsets().committable();
+        if let Err(err) = self.commit(commits, CommitMode::Sync) {
+            tracing::warn!(error = %switchboard_telemetry::ErrorChain(&err), "could not commit the settled offsets at shutdown; their records are redelivered and deduplicated");
+        }
+        let unsettled = self.state.offsets().unsettled();
+        if unsettled > 0 {
+            tracing::info!(
+                unsettled,
+                "records left un-committed at shutdown are redelivered"
+            );
+        }
+    }
+}
+
+impl Kafka {
+    /// Commits `commits` (each partition's settled prefix). A commit that cannot be sent marks
+    /// its partitions for the next one.
+    fn commit(
+        &self,
+        commits: Vec<(TopicPartition, i64)>,
+        mode: CommitMode,
+    ) -> Result<(), TransportError> {
+        if commits.is_empty() {
+            return Ok(());
+        }
+        let mut list = TopicPartitionList::new();
+        for (partition, up_to) in &commits {
+            let _ = list.add_partition_offset(
+                &partition.topic,
+                partition.partition,
+                Offset::Offset(*up_to),
+            );
+        }
+        self.consumer.commit(&list, mode).map_err(|err| {
+            self.state.commit_failures.inc();
+            let mut offsets = self.state.offsets();
+            for (partition, _) in &commits {
+                offsets.recommit(partition);
+            }
+            classify(err, "could not commit offsets", Setting::Topics)
+        })
+    }
+}
+
+/// The `x-dlq-*` headers of a dead letter.
+fn dead_letter_context(letter: &DeadLetter<'_, Receipt>) -> [(&'static str, String); 6] {
+    let receipt = &letter.message.receipt;
+    let mut error = letter.error.clone();
+    if error.len() > MAX_ERROR_BYTES {
+        let mut end = MAX_ERROR_BYTES;
+        while !error.is_char_boundary(end) {
+            end -= 1;
+        }
+        error.truncate(end);
+    }
+    [
+        ("x-dlq-reason", letter.reason.as_str().to_owned()),
+        ("x-dlq-error", error),
+        ("x-dlq-original-topic", receipt.partition.topic.to_string()),
+        (
+            "x-dlq-original-partition",
+            receipt.partition.partition.to_string(),
+        ),
+        ("x-dlq-original-offset", receipt.offset.to_string()),
+        (
+            "x-dlq-delivery-count",
+            letter.message.delivery_count.to_string(),
+        ),
+    ]
+}

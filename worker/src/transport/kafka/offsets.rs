@@ -1,0 +1,224 @@
+//! Which records of each owned partition are settled, and how far each partition may be
+//! committed: only the **contiguous prefix** of settled records, whatever the offsets between
+//! them (transaction markers and compaction leave gaps, so offsets are never counted, only the
+//! records delivered, in order).
+//!
+//! Each assignment of a partition gets a new *epoch*, carried by every receipt of the records
+//! delivered under it: an acknowledgement of an earlier epoch (the partition was revoked while
+//! its batch was being stored, and perhaps assigned back since) is stale and commits nothing.
+
+use std::collections::{BTreeMap, VecDeque};
+use std::sync::Arc;
+
+/// One partition of a topic.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct TopicPartition {
+    pub topic: Arc<str>,
+    pub partition: i32,
+}
+
+impl TopicPartition {
+    /// `topic:partition`, the partition's name in the store.
+    pub fn name(&self) -> String {
+        format!("{}:{}", self.topic, self.partition)
+    }
+}
+
+#[derive(Debug)]
+struct Owned {
+    epoch: u64,
+    /// Offsets delivered and not yet part of the committable prefix, in delivery order, each
+    /// with whether it is settled.
+    delivered: VecDeque<(i64, bool)>,
+    /// The offset after the settled prefix (what may be committed), once anything settled.
+    settled_up_to: Option<i64>,
+    /// The offset last sent as a commit.
+    committed: Option<i64>,
+}
+
+/// The owned partitions and their settled records.
+#[derive(Debug, Default)]
+pub struct Offsets {
+    owned: BTreeMap<TopicPartition, Owned>,
+    next_epoch: u64,
+}
+
+impl Offsets {
+    /// `partition` is assigned to this worker: a new epoch (an owned partition keeps its own).
+    pub fn assign(&mut self, partition: TopicPartition) -> u64 {
+        let next_epoch = &mut self.next_epoch;
+        self.owned
+            .entry(partition)
+            .or_insert_with(|| {
+                *next_epoch += 1;
+                Owned {
+                    epoch: *next_epoch,
+                    delivered: VecDeque::new(),
+                    settled_up_to: None,
+                    committed: None,
+                }
+            })
+            .epoch
+    }
+
+    /// `partition` is taken away: returns the offset to commit for it before it goes (the
+    /// settled prefix, if not committed yet) and how many delivered records were not settled
+    /// (abandoned: their acknowledgements will be stale).
+    pub fn revoke(&mut self, partition: &TopicPartition) -> (Option<i64>, usize) {
+        match self.owned.remove(partition) {
+            None => (None, 0),
+            Some(owned) => {
+                let commit = owned
+                    .settled_up_to
+                    .filter(|&up_to| owned.committed < Some(up_to));
+                let abandoned = owned
+                    .delivered
+                    .iter()
+                    .filter(|(_, settled)| !settled)
+                    .count();
+                (commit, abandoned)
+            }
+        }
+    }
+
+    /// The epoch of an owned partition.
+    pub fn epoch(&self, partition: &TopicPartition) -> Option<u64> {
+        self.owned.get(partition).map(|owned| owned.epoch)
+    }
+
+    /// Records `offset` as delivered to the pipeline under `epoch`. `false`: the partition is no
+    /// longer owned under that epoch, or the offset is not past the last one delivered (the
+    /// record must not be handed on).
+    pub fn deliver(&mut self, partition: &TopicPartition, epoch: u64, offset: i64) -> bool {
+        let Some(owned) = self.owned.get_mut(partition).filter(|o| o.epoch == epoch) else {
+            return false;
+        };
+        let last = owned
+            .delivered
+            .back()
+            .map(|(last, _)| *last)
+            .or(owned.settled_up_to.map(|next| next - 1));
+        if last.is_some_and(|last| offset <= last) {
+            return false;
+        }
+        owned.delivered.push_back((offset, false));
+        true
+    }
+
+    /// Marks a delivered record settled (stored, duplicate or dead-lettered). `false`: stale
+    /// (the partition is no longer owned under `epoch`).
+    pub fn settle(&mut self, partition: &TopicPartition, epoch: u64, offset: i64) -> bool {
+        let Some(owned) = self.owned.get_mut(partition).filter(|o| o.epoch == epoch) else {
+            return false;
+        };
+        if let Ok(index) = owned
+            .delivered
+            .binary_search_by_key(&offset, |(offset, _)| *offset)
+        {
+            owned.delivered[index].1 = true;
+        }
+        while let Some(&(offset, true)) = owned.delivered.front() {
+            owned.delivered.pop_front();
+            owned.settled_up_to = Some(offset + 1);
+        }
+        true
+    }
+
+    /// The partitions whose settled prefix moved past their last commit, each with the offset
+    /// to commit; they count as committed from now on (see [`Offsets::recommit`]).
+    pub fn committable(&mut self) -> Vec<(TopicPartition, i64)> {
+        self.owned
+            .iter_mut()
+            .filter_map(|(partition, owned)| {
+                let up_to = owned.settled_up_to?;
+                (owned.committed < Some(up_to)).then(|| {
+                    owned.committed = Some(up_to);
+                    (partition.clone(), up_to)
+                })
+            })
+            .collect()
+    }
+
+    /// A commit of `partition` failed: it is committed again by the next
+    /// [`Offsets::committable`].
+    pub fn recommit(&mut self, partition: &TopicPartition) {
+        if let Some(owned) = self.owned.get_mut(partition) {
+            owned.committed = None;
+        }
+    }
+
+    /// Records delivered and not yet committable, over every owned partition.
+    pub fn unsettled(&self) -> usize {
+        self.owned.values().map(|owned| owned.delivered.len()).sum()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tp(partition: i32) -> TopicPartition {
+        TopicPartition {
+            topic: Arc::from("orders"),
+            partition,
+        }
+    }
+
+    #[test]
+    fn only_the_contiguous_settled_prefix_is_committable_across_offset_gaps() {
+        let mut offsets = Offsets::default();
+        let epoch = offsets.assign(tp(0));
+        // Offsets 3 and 6 are transaction markers: never delivered.
+        for offset in [1, 2, 4, 5, 7] {
+            assert!(offsets.deliver(&tp(0), epoch, offset));
+        }
+        assert!(offsets.settle(&tp(0), epoch, 2));
+        assert_eq!(offsets.committable(), vec![], "1 is not settled yet");
+        assert!(offsets.settle(&tp(0), epoch, 1));
+        assert_eq!(offsets.committable(), vec![(tp(0), 3)]);
+        assert!(offsets.settle(&tp(0), epoch, 5));
+        assert!(offsets.settle(&tp(0), epoch, 7));
+        assert_eq!(offsets.committable(), vec![], "4 holds the rest back");
+        assert!(offsets.settle(&tp(0), epoch, 4));
+        assert_eq!(offsets.committable(), vec![(tp(0), 8)]);
+        assert_eq!(offsets.committable(), vec![], "committed once");
+        assert_eq!(offsets.unsettled(), 0);
+    }
+
+    #[test]
+    fn a_revoked_partition_commits_its_settled_prefix_and_refuses_later_acks() {
+        let mut offsets = Offsets::default();
+        let epoch = offsets.assign(tp(1));
+        for offset in 10..15 {
+            assert!(offsets.deliver(&tp(1), epoch, offset));
+        }
+        assert!(offsets.settle(&tp(1), epoch, 10));
+        assert!(offsets.settle(&tp(1), epoch, 11));
+        assert!(offsets.settle(&tp(1), epoch, 13));
+        assert_eq!(offsets.revoke(&tp(1)), (Some(12), 2));
+        assert!(!offsets.settle(&tp(1), epoch, 12), "no longer owned");
+        assert!(!offsets.deliver(&tp(1), epoch, 15));
+        assert_eq!(offsets.committable(), vec![]);
+        // Assigned back: a new epoch; the old receipts stay stale.
+        let again = offsets.assign(tp(1));
+        assert_ne!(again, epoch);
+        assert!(!offsets.settle(&tp(1), epoch, 12));
+        assert!(offsets.deliver(&tp(1), again, 12));
+        assert!(offsets.settle(&tp(1), again, 12));
+        assert_eq!(offsets.committable(), vec![(tp(1), 13)]);
+    }
+
+    #[test]
+    fn a_failed_commit_is_sent_again_and_nothing_is_delivered_twice() {
+        let mut offsets = Offsets::default();
+        let epoch = offsets.assign(tp(2));
+        assert!(offsets.deliver(&tp(2), epoch, 0));
+        assert!(!offsets.deliver(&tp(2), epoch, 0), "not past the last one");
+        assert!(offsets.settle(&tp(2), epoch, 0));
+        assert!(!offsets.deliver(&tp(2), epoch, 0), "settled already");
+        assert_eq!(offsets.committable(), vec![(tp(2), 1)]);
+        offsets.recommit(&tp(2));
+        assert_eq!(offsets.committable(), vec![(tp(2), 1)]);
+        assert_eq!(offsets.revoke(&tp(2)), (None, 0), "nothing left to commit");
+    }
+}
