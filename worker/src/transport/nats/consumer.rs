@@ -23,6 +23,10 @@ pub fn desired(spec: &NatsSource, max_deliveries: u64) -> pull::Config {
             NatsDeliverPolicy::All => DeliverPolicy::All,
             NatsDeliverPolicy::New => DeliverPolicy::New,
         },
+        // Unlimited: the server's default (1,000) is less than what the workers hold at a large
+        // batchSize (each holds up to four batches), and fetches would then stall. Each worker
+        // bounds what it holds itself.
+        max_ack_pending: -1,
         ..Default::default()
     }
 }
@@ -154,6 +158,7 @@ mod tests {
         assert_eq!(config.ack_policy, AckPolicy::Explicit);
         assert_eq!(config.ack_wait, Duration::from_secs(30));
         assert_eq!(config.max_deliver, 6);
+        assert_eq!(config.max_ack_pending, -1);
         assert_eq!(config.filter_subject, "orders.eu.>");
         assert!(check_existing(&existing(&config), &config, "workers").is_ok());
     }
