@@ -28,7 +28,7 @@ pub struct NatsArgs {
     #[arg(long, default_value_t = 100_000)]
     nats_messages: usize,
     /// The NATS worker's delivery.batchSize (one fetch).
-    #[arg(long, default_value_t = 100)]
+    #[arg(long, default_value_t = 500)]
     nats_batch_size: usize,
     /// Concurrent fetch+ack loops tried for the raw NATS limit (the worker has one fetch and
     /// up to three batches being stored at a time).
@@ -127,6 +127,8 @@ impl BenchBroker for NatsBench {
                 durable_name: Some("raw".to_owned()),
                 ack_policy: AckPolicy::Explicit,
                 ack_wait: Duration::from_secs(30),
+                // As the worker's consumer: the server's 1,000 is less than the loops hold.
+                max_ack_pending: -1,
                 ..Default::default()
             })
             .await?;

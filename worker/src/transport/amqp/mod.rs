@@ -1,5 +1,5 @@
 //! RabbitMQ (AMQP 0-9-1) queues, quorum or classic: `basic.consume` (manual acknowledgement,
-//! prefetch = `batchSize`) → (store) → `basic.ack`.
+//! prefetch = `batchSize` × the batches the pipeline holds) → (store) → `basic.ack`.
 //!
 //! - **Session**: one connection with two channels: the consumer's (QoS, `basic.consume`) and a
 //!   publisher's in confirm mode (dead letters, recounted redeliveries). lapin does not
@@ -61,6 +61,7 @@ pub use self::delivery::Receipt;
 use self::delivery::{AmqpDelivery, Count, Origin, Original};
 use crate::health::now_ms;
 use crate::metrics::{adapter_counter, adapter_gauge};
+use crate::pipeline::IN_FLIGHT;
 use crate::transport::{Acked, DeadLetter, QueueHealth, QueueProbe, Transport, TransportError};
 
 /// How long a blocking receive waits for a first delivery.
@@ -438,7 +439,10 @@ impl Amqp {
             connection.create_channel(),
         )
         .await?;
-        let prefetch = u16::try_from(self.settings.batch_size.max(1)).unwrap_or(u16::MAX);
+        // What the pipeline holds at most: its batches in flight and the one being received.
+        // A prefetch of one batch would make every batch wait for the previous one's ack.
+        let prefetch =
+            u16::try_from(self.settings.batch_size.max(1) * (IN_FLIGHT + 1)).unwrap_or(u16::MAX);
         call(
             names,
             "basic.qos",
