@@ -29,11 +29,18 @@ pub struct Autoscaling {
     pub activation_backlog: u32,
     /// A KEDA TriggerAuthentication in the adapter's namespace giving KEDA its own connection to
     /// the broker. Required for Redis (KEDA takes the address and password as separate
-    /// parameters, not the URL the worker uses). For SQS the default is a TriggerAuthentication
-    /// the operator writes from the source's credential Secret references, or the pod identity.
+    /// parameters, not the URL the worker uses) and RabbitMQ (`host`: the management API's URL,
+    /// which counts unacknowledged messages too). For SQS the default is a TriggerAuthentication
+    /// the operator writes from the source's credential Secret references, or the pod identity;
+    /// for Kafka, one for SASL or TLS.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(min = 1, max = 253))]
     pub trigger_authentication_ref: Option<String>,
+    /// `host:port` of nats-server's HTTP monitoring endpoint, which KEDA reads the consumer's
+    /// pending and unacknowledged counts from. Required for NATS.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 253))]
+    pub nats_monitoring_endpoint: Option<String>,
 }
 
 fn default_min_replicas() -> i32 {

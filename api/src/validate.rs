@@ -76,6 +76,22 @@ impl QueueAdapterSpec {
                 );
             }
         }
+        if self.source.nats.is_some() && autoscaling.nats_monitoring_endpoint.is_none() {
+            fail(
+                "spec.workload.autoscaling.natsMonitoringEndpoint",
+                "is required for NATS: KEDA reads the consumer from nats-server's monitoring \
+                 endpoint"
+                    .into(),
+            );
+        }
+        if self.source.amqp.is_some() && autoscaling.trigger_authentication_ref.is_none() {
+            fail(
+                "spec.workload.autoscaling.triggerAuthenticationRef",
+                "is required for RabbitMQ: KEDA counts held messages through the management \
+                 API, whose URL it takes as host"
+                    .into(),
+            );
+        }
         if let Some(sqs) = &self.source.sqs
             && (sqs.queue_url.is_none() || sqs.keda_region().is_none())
         {

@@ -7,7 +7,9 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 use kube::api::ApiResource;
 use kube::core::GroupVersionKind;
 use serde_json::{Value, json};
-use switchboard_api::{Autoscaling, RedisSource, SqsSource};
+use switchboard_api::{
+    AmqpSource, Autoscaling, KafkaSource, NatsSource, RedisSource, SqsSource, StartFrom,
+};
 
 use crate::build::{ValidAdapter, labels, worker_name};
 
@@ -58,16 +60,24 @@ pub fn autoscaling_objects(valid: &ValidAdapter<'_>, owner: &OwnerReference) -> 
             },
         })
     };
-    let (triggers, trigger_authentication) = match (&spec.source.redis, &spec.source.sqs) {
-        (Some(redis), None) => (redis_triggers(redis, autoscaling), None),
-        (None, Some(sqs)) => {
-            let own = autoscaling
-                .trigger_authentication_ref
-                .is_none()
-                .then(|| sqs_trigger_authentication(sqs));
-            (vec![sqs_trigger(sqs, autoscaling)], own)
-        }
-        _ => return None,
+    let source = &spec.source;
+    let (triggers, trigger_authentication) = if let Some(redis) = &source.redis {
+        (redis_triggers(redis, autoscaling), None)
+    } else if let Some(sqs) = &source.sqs {
+        let own = autoscaling
+            .trigger_authentication_ref
+            .is_none()
+            .then(|| sqs_trigger_authentication(sqs));
+        (vec![sqs_trigger(sqs, autoscaling)], own)
+    } else if let Some(nats) = &source.nats {
+        (vec![nats_trigger(nats, autoscaling)], None)
+    } else if let Some(amqp) = &source.amqp {
+        (vec![rabbitmq_trigger(amqp, autoscaling)], None)
+    } else if let Some(kafka) = &source.kafka {
+        let adapter = valid.adapter.adapter_name();
+        (vec![kafka_trigger(kafka, &adapter, autoscaling)], None)
+    } else {
+        return None;
     };
     let authentication = autoscaling
         .trigger_authentication_ref
@@ -139,6 +149,54 @@ fn sqs_trigger(sqs: &SqsSource, autoscaling: &Autoscaling) -> Value {
         metadata["awsEndpoint"] = json!(endpoint);
     }
     json!({"type": "aws-sqs-queue", "metadata": metadata})
+}
+
+/// The consumer's pending plus unacknowledged messages, from nats-server's monitoring endpoint.
+fn nats_trigger(nats: &NatsSource, autoscaling: &Autoscaling) -> Value {
+    json!({
+        "type": "nats-jetstream",
+        "metadata": {
+            "natsServerMonitoringEndpoint": autoscaling.nats_monitoring_endpoint.clone().unwrap_or_default(),
+            "stream": nats.stream,
+            "consumer": nats.consumer,
+            "lagThreshold": autoscaling.target_backlog_per_replica.to_string(),
+            "activationLagThreshold": autoscaling.activation_backlog.to_string(),
+        },
+    })
+}
+
+/// Ready plus unacknowledged messages, through the management API (`host` comes from the
+/// adapter's TriggerAuthentication).
+fn rabbitmq_trigger(amqp: &AmqpSource, autoscaling: &Autoscaling) -> Value {
+    json!({
+        "type": "rabbitmq",
+        "metadata": {
+            "protocol": "http",
+            "queueName": amqp.queue,
+            "mode": "QueueLength",
+            "value": autoscaling.target_backlog_per_replica.to_string(),
+            "activationValue": autoscaling.activation_backlog.to_string(),
+        },
+    })
+}
+
+/// The group's lag, which counts the records the workers hold: offsets are committed only
+/// after they are stored.
+fn kafka_trigger(kafka: &KafkaSource, adapter: &str, autoscaling: &Autoscaling) -> Value {
+    let mut metadata = json!({
+        "bootstrapServers": kafka.bootstrap_servers,
+        "consumerGroup": kafka.group_id(adapter),
+        "lagThreshold": autoscaling.target_backlog_per_replica.to_string(),
+        "activationLagThreshold": autoscaling.activation_backlog.to_string(),
+        "offsetResetPolicy": match kafka.start_from {
+            StartFrom::Earliest => "earliest",
+            StartFrom::Latest => "latest",
+        },
+    });
+    if let Some([topic]) = kafka.topics.as_deref() {
+        metadata["topic"] = json!(topic);
+    }
+    json!({"type": "kafka", "metadata": metadata})
 }
 
 /// The source's own credential Secrets, or the worker's pod identity (IRSA) without them.

@@ -207,5 +207,120 @@ async fn autoscaling_a_redis_list_or_without_trigger_authentication_is_refused_n
         inverted.contains("maxReplicas must be at least minReplicas"),
         "{inverted}"
     );
+    let nats = refused(
+        adapter_manifest("events", "  workload:\n    autoscaling: {maxReplicas: 3}\n").replace(
+            "redis: {mode: stream, stream: events, urlSecretRef: {name: redis, key: url}}",
+            "nats: {stream: EVENTS, urlSecretRef: {name: nats, key: url}}",
+        ),
+    )
+    .await?;
+    ensure!(
+        nats.contains("natsMonitoringEndpoint is required for NATS"),
+        "{nats}"
+    );
+    Ok(())
+}
+
+/// A QueueAdapter `name` reading `source` (a YAML flow mapping), autoscaled with `autoscaling`.
+fn autoscaled_adapter(name: &str, source: &str, autoscaling: &str) -> String {
+    format!(
+        "apiVersion: switchboard.dev/v1alpha1\n\
+         kind: QueueAdapter\n\
+         metadata: {{name: {name}, namespace: {}}}\n\
+         spec:\n\
+         \x20 source: {source}\n\
+         \x20 target: {{queue: {name}}}\n\
+         \x20 workload:\n\
+         \x20   autoscaling: {autoscaling}\n",
+        OperatorEnv::NAMESPACE
+    )
+}
+
+#[tokio::test]
+async fn nats_rabbitmq_and_kafka_adapters_get_their_brokers_trigger_counting_held_messages()
+-> Result<()> {
+    let env = OperatorEnv::start().await?;
+    env.plane.install_keda_crds().await?;
+    for name in ["nats", "rabbitmq"] {
+        env.plane
+            .put_secret(
+                &env.namespace,
+                name,
+                "url",
+                "scheme://user:not-a-real-secret@host",
+            )
+            .await?;
+    }
+    let operator = env.start_operator("operator-a", &[])?;
+    let cases = [
+        (
+            "events",
+            "{nats: {stream: EVENTS, consumer: workers, urlSecretRef: {name: nats, key: url}}}",
+            "{maxReplicas: 4, targetBacklogPerReplica: 200, natsMonitoringEndpoint: \"nats.shop:8222\"}",
+            json!({
+                "type": "nats-jetstream",
+                "metadata": {
+                    "natsServerMonitoringEndpoint": "nats.shop:8222",
+                    "stream": "EVENTS",
+                    "consumer": "workers",
+                    "lagThreshold": "200",
+                    "activationLagThreshold": "0",
+                },
+            }),
+        ),
+        (
+            "jobs",
+            "{amqp: {queue: jobs, urlSecretRef: {name: rabbitmq, key: url}}}",
+            "{maxReplicas: 4, activationBacklog: 5, triggerAuthenticationRef: rabbitmq-management}",
+            json!({
+                "type": "rabbitmq",
+                "authenticationRef": {"name": "rabbitmq-management"},
+                "metadata": {
+                    "protocol": "http",
+                    "queueName": "jobs",
+                    "mode": "QueueLength",
+                    "value": "100",
+                    "activationValue": "5",
+                },
+            }),
+        ),
+        (
+            "clicks",
+            "{kafka: {bootstrapServers: \"kafka-0:9092\", topics: [clicks], startFrom: latest}}",
+            "{minReplicas: 0, maxReplicas: 6}",
+            json!({
+                "type": "kafka",
+                "metadata": {
+                    "bootstrapServers": "kafka-0:9092",
+                    "consumerGroup": "switchboard-shop-clicks",
+                    "topic": "clicks",
+                    "lagThreshold": "100",
+                    "activationLagThreshold": "0",
+                    "offsetResetPolicy": "latest",
+                },
+            }),
+        ),
+    ];
+    for (name, source, autoscaling, _) in &cases {
+        env.apply_adapter(&autoscaled_adapter(name, source, autoscaling))
+            .await?;
+    }
+    let scaled_objects = keda(&env, "ScaledObject");
+    for (name, _, _, trigger) in cases {
+        let scaled = wait_object(
+            &scaled_objects,
+            &format!("{name}-worker"),
+            &format!("the ScaledObject of {name} exists"),
+            |_| true,
+        )
+        .await
+        .with_context(|| format!("operator log:\n{}", operator.log_tail()))?;
+        // Every field we set survived KEDA's schema.
+        let triggers = &scaled.data["spec"]["triggers"];
+        ensure!(
+            triggers == &json!([trigger]),
+            "{name}: triggers\n{triggers:#}\nexpected\n{trigger:#}"
+        );
+    }
     Ok(())
 }
