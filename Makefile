@@ -69,8 +69,7 @@ kind-down:
 	scripts/kind-down.sh
 
 ## make bench: worker throughput, CPU, latency and memory vs the raw PostgreSQL, Redis, SQS
-## (ElasticMQ) and NATS JetStream limits, in release, against real servers, every phase 3 times, median and spread
-## (ElasticMQ) and RabbitMQ limits, in release, against real servers, every phase 3 times, median and spread
+## (ElasticMQ), NATS JetStream, RabbitMQ and Kafka limits, in release, against real servers, every phase 3 times, median and spread
 ## (docs/PERFORMANCE.md); fails if any entry is not stored exactly once
 bench: deps sqs-server nats-server kafka-server
 	$(CARGO) build --release --workspace --bins
