@@ -9,7 +9,10 @@ use std::time::Duration;
 use anyhow::{Context, Result, ensure};
 use serde_json::{Value, json};
 use switchboard_tests::brokers::envelope::{EnvelopeBroker, HeaderBroker};
-use switchboard_tests::brokers::{RedisListBroker, RedisStreamBroker, SqsBroker};
+use switchboard_tests::brokers::{
+    AmqpClassicBroker, AmqpQuorumBroker, KafkaBroker, NatsBroker, RedisListBroker,
+    RedisStreamBroker, SqsBroker,
+};
 use switchboard_tests::wait::wait_for;
 use switchboard_tests::worker::WorkerProcess;
 use switchboard_tests::{Fixture, source_manifest};
@@ -366,6 +369,10 @@ envelope_suite! {
     with_headers: [
         redis_stream => RedisStreamBroker,
         sqs_standard => SqsBroker,
+        nats => NatsBroker,
+        amqp_quorum => AmqpQuorumBroker,
+        amqp_classic => AmqpClassicBroker,
+        kafka => KafkaBroker,
     ],
     body_only: [
         redis_list => RedisListBroker,

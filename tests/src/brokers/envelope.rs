@@ -5,7 +5,12 @@
 use anyhow::{Context, Result};
 use aws_sdk_sqs::types::MessageAttributeValue;
 
-use super::{BrokerFixture, RedisListBroker, RedisStreamBroker, SqsBroker};
+use super::kafka::Record;
+use super::rabbitmq::text;
+use super::{
+    AmqpBroker, BrokerFixture, KafkaBroker, NatsBroker, RedisListBroker, RedisStreamBroker,
+    SqsBroker,
+};
 use crate::Fixture;
 use crate::brokers::sqs::sqs_error;
 
@@ -118,5 +123,98 @@ impl HeaderBroker for SqsBroker {
             .await
             .map_err(|err| sqs_error(&format!("SendMessage {url}"), err))?;
         Ok(())
+    }
+}
+
+/// The second item of each pair: a header's text without its dead letter's body.
+fn values(letters: Vec<(Vec<u8>, String)>) -> Vec<String> {
+    letters.into_iter().map(|(_, value)| value).collect()
+}
+
+impl EnvelopeBroker for NatsBroker {
+    async fn dead_letter_errors(&self, _fx: &Fixture, name: &str) -> Result<Vec<String>> {
+        Ok(values(
+            self.dead_letters_with(name, "Switchboard-Error").await?,
+        ))
+    }
+}
+
+impl HeaderBroker for NatsBroker {
+    /// A message whose headers are NATS headers, published to the queue's subject.
+    async fn produce_with_headers(
+        &self,
+        _fx: &Fixture,
+        name: &str,
+        body: &[u8],
+        headers: &[(&str, &str)],
+    ) -> Result<()> {
+        let mut map = async_nats::HeaderMap::new();
+        for (header, value) in headers {
+            map.insert(*header, *value);
+        }
+        let subject = Self::subject(name);
+        self.server
+            .jetstream()
+            .publish_with_headers(subject.clone(), map, body.to_vec().into())
+            .await
+            .with_context(|| format!("publishing to {subject}"))?
+            .await
+            .with_context(|| format!("PubAck for {subject}"))?;
+        Ok(())
+    }
+}
+
+impl<const CLASSIC: bool> EnvelopeBroker for AmqpBroker<CLASSIC> {
+    async fn dead_letter_errors(&self, _fx: &Fixture, name: &str) -> Result<Vec<String>> {
+        Ok(values(
+            self.dead_letters_with(name, "x-switchboard-error").await?,
+        ))
+    }
+}
+
+impl<const CLASSIC: bool> HeaderBroker for AmqpBroker<CLASSIC> {
+    /// A message whose headers are string entries of its `headers` table.
+    async fn produce_with_headers(
+        &self,
+        _fx: &Fixture,
+        name: &str,
+        body: &[u8],
+        headers: &[(&str, &str)],
+    ) -> Result<()> {
+        let mut table = lapin::types::FieldTable::default();
+        for (header, value) in headers {
+            table.insert((*header).into(), text(value));
+        }
+        let properties = Self::properties().with_headers(table);
+        self.server
+            .publish(name, [(body.to_vec(), properties)])
+            .await
+    }
+}
+
+impl EnvelopeBroker for KafkaBroker {
+    async fn dead_letter_errors(&self, _fx: &Fixture, name: &str) -> Result<Vec<String>> {
+        Ok(values(self.dead_letters_with(name, "x-dlq-error").await?))
+    }
+}
+
+impl HeaderBroker for KafkaBroker {
+    /// A record without a key whose headers are record headers.
+    async fn produce_with_headers(
+        &self,
+        _fx: &Fixture,
+        name: &str,
+        body: &[u8],
+        headers: &[(&str, &str)],
+    ) -> Result<()> {
+        let record = Record {
+            key: None,
+            value: Some(body.to_vec()),
+            headers: headers
+                .iter()
+                .map(|(header, value)| ((*header).to_owned(), Some(value.as_bytes().to_vec())))
+                .collect(),
+        };
+        self.server.produce_records(name, vec![record]).await
     }
 }

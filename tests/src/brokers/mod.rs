@@ -323,6 +323,30 @@ impl NatsBroker {
     pub fn subject(name: &str) -> String {
         format!("{name}.orders")
     }
+
+    /// Each dead letter of queue `name` with the text of its header `header` (`""` without).
+    pub async fn dead_letters_with(
+        &self,
+        name: &str,
+        header: &str,
+    ) -> Result<Vec<(Vec<u8>, String)>> {
+        let letters = self
+            .server
+            .stream_messages(&format!("{}_DLQ", Self::stream(name)))
+            .await?
+            .unwrap_or_default();
+        Ok(letters
+            .into_iter()
+            .map(|letter| {
+                let value = letter
+                    .headers
+                    .get(header)
+                    .map(|value| value.as_str().to_owned())
+                    .unwrap_or_default();
+                (letter.payload.to_vec(), value)
+            })
+            .collect())
+    }
 }
 
 impl BrokerFixture for NatsBroker {
@@ -369,22 +393,7 @@ impl BrokerFixture for NatsBroker {
     }
 
     async fn dead_letters(&self, _fx: &Fixture, name: &str) -> Result<Vec<(Vec<u8>, String)>> {
-        let letters = self
-            .server
-            .stream_messages(&format!("{}_DLQ", Self::stream(name)))
-            .await?
-            .unwrap_or_default();
-        Ok(letters
-            .into_iter()
-            .map(|letter| {
-                let reason = letter
-                    .headers
-                    .get("Switchboard-Reason")
-                    .map(|value| value.as_str().to_owned())
-                    .unwrap_or_default();
-                (letter.payload.to_vec(), reason)
-            })
-            .collect())
+        self.dead_letters_with(name, "Switchboard-Reason").await
     }
 
     async fn restart(&mut self, _fx: &mut Fixture) -> Result<()> {
@@ -409,6 +418,28 @@ impl<const CLASSIC: bool> AmqpBroker<CLASSIC> {
     } else {
         QueueType::Quorum
     };
+
+    /// Properties with a `message-id` of their own, as a producer would set.
+    pub fn properties() -> lapin::BasicProperties {
+        let id = format!("{:016x}{:016x}", fastrand::u64(..), fastrand::u64(..));
+        lapin::BasicProperties::default().with_message_id(id.into())
+    }
+
+    /// Each dead letter of queue `name` with the text of its header `header` (`""` without).
+    pub async fn dead_letters_with(
+        &self,
+        name: &str,
+        header: &str,
+    ) -> Result<Vec<(Vec<u8>, String)>> {
+        let letters = self.server.peek(&format!("{name}.dlq")).await?;
+        Ok(letters
+            .into_iter()
+            .map(|(body, properties)| {
+                let value = rabbitmq::header(&properties, header).unwrap_or_default();
+                (body, value)
+            })
+            .collect())
+    }
 }
 
 impl<const CLASSIC: bool> BrokerFixture for AmqpBroker<CLASSIC> {
@@ -433,13 +464,7 @@ impl<const CLASSIC: bool> BrokerFixture for AmqpBroker<CLASSIC> {
 
     /// Each message with a `message-id` of its own, as a producer would set.
     async fn produce(&self, _fx: &Fixture, name: &str, bodies: Vec<Vec<u8>>) -> Result<()> {
-        let messages = bodies.into_iter().map(|body| {
-            let id = format!("{:016x}{:016x}", fastrand::u64(..), fastrand::u64(..));
-            (
-                body,
-                lapin::BasicProperties::default().with_message_id(id.into()),
-            )
-        });
+        let messages = bodies.into_iter().map(|body| (body, Self::properties()));
         self.server.publish(name, messages).await
     }
 
@@ -448,15 +473,7 @@ impl<const CLASSIC: bool> BrokerFixture for AmqpBroker<CLASSIC> {
     }
 
     async fn dead_letters(&self, _fx: &Fixture, name: &str) -> Result<Vec<(Vec<u8>, String)>> {
-        let letters = self.server.peek(&format!("{name}.dlq")).await?;
-        Ok(letters
-            .into_iter()
-            .map(|(body, properties)| {
-                let reason =
-                    rabbitmq::header(&properties, "x-switchboard-reason").unwrap_or_default();
-                (body, reason)
-            })
-            .collect())
+        self.dead_letters_with(name, "x-switchboard-reason").await
     }
 
     async fn restart(&mut self, _fx: &mut Fixture) -> Result<()> {
@@ -466,6 +483,26 @@ impl<const CLASSIC: bool> BrokerFixture for AmqpBroker<CLASSIC> {
 
 /// Partitions of every topic the contract suite reads from Kafka.
 pub const KAFKA_PARTITIONS: i32 = 3;
+
+impl KafkaBroker {
+    /// Each dead letter of topic `name` with the text of its header `header` (`""` without).
+    pub async fn dead_letters_with(
+        &self,
+        name: &str,
+        header: &str,
+    ) -> Result<Vec<(Vec<u8>, String)>> {
+        Ok(self
+            .server
+            .read_all(&format!("{name}.dlq"))
+            .await?
+            .into_iter()
+            .map(|letter| {
+                let value = letter.header(header).unwrap_or_default();
+                (letter.value.unwrap_or_default(), value)
+            })
+            .collect())
+    }
+}
 
 impl BrokerFixture for KafkaBroker {
     async fn start(_fx: &Fixture) -> Result<(Self, Vec<(String, String)>)> {
@@ -500,15 +537,7 @@ impl BrokerFixture for KafkaBroker {
     }
 
     async fn dead_letters(&self, _fx: &Fixture, name: &str) -> Result<Vec<(Vec<u8>, String)>> {
-        self.server
-            .read_all(&format!("{name}.dlq"))
-            .await?
-            .into_iter()
-            .map(|letter| {
-                let reason = letter.header("x-dlq-reason").unwrap_or_default();
-                Ok((letter.value.unwrap_or_default(), reason))
-            })
-            .collect()
+        self.dead_letters_with(name, "x-dlq-reason").await
     }
 
     async fn restart(&mut self, _fx: &mut Fixture) -> Result<()> {
