@@ -88,14 +88,30 @@ impl Setup {
     }
 
     async fn wait_settled(&self, expected: i64, workers: &[&WorkerProcess]) -> Result<()> {
-        wait_for(LONG, &format!("{expected} todos and no lag"), || async {
+        let settled = wait_for(LONG, &format!("{expected} todos and no lag"), || async {
             Ok(self.todos().await? >= expected && self.lag().await? == 0)
         })
-        .await
-        .map_err(|err| {
-            let logs: Vec<String> = workers.iter().map(|w| w.log_tail()).collect();
-            err.context(logs.join("\n"))
-        })
+        .await;
+        let Err(err) = settled else { return Ok(()) };
+        // What a stall leaves behind: how far each partition got, and each worker's view.
+        let todos = self.todos().await;
+        let offsets = self
+            .server()
+            .group_offsets(self.name, &kafka_group(self.name))
+            .await;
+        let mut report =
+            format!("todos {todos:?}; (partition, committed, high watermark) {offsets:?}");
+        for worker in workers {
+            let metrics = worker.http_get("/metrics").map(|(_, body)| body);
+            let samples: Vec<&str> = metrics
+                .as_deref()
+                .unwrap_or_default()
+                .lines()
+                .filter(|line| line.starts_with("switchboard_"))
+                .collect();
+            report.push_str(&format!("\n{}\n{}", worker.log_tail(), samples.join("\n")));
+        }
+        Err(err.context(report))
     }
 }
 
