@@ -546,7 +546,13 @@ impl Transport for Nats {
                 &self.settings.spec.stream,
                 message.receipt.subject.as_str(),
             );
-            let headers = dead_letter::headers(message, letter.reason, &letter.error, context);
+            let headers = dead_letter::headers(
+                message,
+                letter.reason,
+                &letter.error,
+                &letter.attempts,
+                context,
+            );
             let ack = bound
                 .js
                 .publish_with_headers(subject, headers, message.body.clone().into())
@@ -780,6 +786,7 @@ impl QueueProbe for NatsProbe {
             pending: Some(info.num_ack_pending as u64),
             oldest_pending_age,
             dead_letters,
+            oldest_dead_letter_age: None,
         })
     }
 }

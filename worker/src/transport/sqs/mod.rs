@@ -48,6 +48,7 @@ mod client;
 mod dead_letter;
 mod delete_plan;
 mod in_flight;
+pub mod reader;
 mod receive;
 
 use std::time::{Duration, Instant};
@@ -616,6 +617,7 @@ impl QueueProbe for SqsProbe {
             pending: numbers.get(&NotVisible).copied(),
             oldest_pending_age: Some(self.held.oldest_age(now_ms())),
             dead_letters,
+            oldest_dead_letter_age: None,
         })
     }
 }
@@ -800,7 +802,13 @@ impl Transport for Sqs {
         let built: Vec<dead_letter::Letter> = letters
             .iter()
             .map(|letter| {
-                dead_letter::letter(letter.message, letter.reason, &letter.error, context)
+                dead_letter::letter(
+                    letter.message,
+                    letter.reason,
+                    &letter.error,
+                    &letter.attempts,
+                    context,
+                )
             })
             .collect();
         for range in dead_letter::batches(&built, queues.dead_letter_max_bytes) {
