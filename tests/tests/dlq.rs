@@ -11,6 +11,7 @@ use base64::Engine as _;
 use nix::sys::signal::Signal;
 use sha2::{Digest, Sha256};
 use switchboard_tests::brokers::sqs::{ElasticMq, sqs_error};
+use switchboard_tests::todos_lock::{TodosLock, wait_blocked_on_lock};
 use switchboard_tests::wait::wait_for;
 use switchboard_tests::worker::worker_binary;
 use switchboard_tests::{Fixture, source_manifest};
@@ -59,10 +60,6 @@ trait Case: Sized {
     fn queue(&self) -> &str;
 }
 
-fn bodies_of(bodies: &[Vec<u8>]) -> impl Iterator<Item = Vec<u8>> + use<> {
-    bodies.to_vec().into_iter()
-}
-
 struct StreamCase {
     fx: Fixture,
     name: String,
@@ -95,11 +92,13 @@ impl Case for StreamCase {
     }
 
     async fn send(&self, bodies: &[Vec<u8>]) -> Result<()> {
-        self.fx.produce(&self.name, bodies_of(bodies)).map(drop)
+        self.fx
+            .produce(&self.name, bodies.iter().cloned())
+            .map(drop)
     }
 
     async fn send_overdue(&self, bodies: &[Vec<u8>]) -> Result<()> {
-        let ids = self.fx.produce(&self.name, bodies_of(bodies))?;
+        let ids = self.fx.produce(&self.name, bodies.iter().cloned())?;
         let mut conn = self.fx.redis.connection()?;
         redis::cmd("XREADGROUP")
             .arg("GROUP")
@@ -153,7 +152,7 @@ impl Case for ListCase {
     }
 
     async fn send(&self, bodies: &[Vec<u8>]) -> Result<()> {
-        self.fx.push(&self.name, bodies_of(bodies))
+        self.fx.push(&self.name, bodies.iter().cloned())
     }
 
     async fn send_overdue(&self, bodies: &[Vec<u8>]) -> Result<()> {
@@ -228,7 +227,7 @@ impl Case for SqsCase {
 
     async fn send(&self, bodies: &[Vec<u8>]) -> Result<()> {
         self.mq
-            .send_bodies(&self.queue_url, bodies_of(bodies))
+            .send_bodies(&self.queue_url, bodies.iter().cloned())
             .await
             .map(drop)
     }
@@ -670,3 +669,74 @@ macro_rules! dlq_suite {
 dlq_suite!(redis_stream, StreamCase, binary: true);
 dlq_suite!(redis_list, ListCase, binary: true);
 dlq_suite!(sqs, SqsCase, binary: false);
+
+/// The attempts survive a worker that dies with the message: a redelivery is recorded when it
+/// is received, before it is stored, and the dead letter the message finally becomes carries it.
+#[tokio::test]
+async fn attempts_of_a_worker_that_died_with_the_message_travel_with_its_dead_letter() -> Result<()>
+{
+    let case = StreamCase::start("crashed").await?;
+    let fx = case.fx();
+    let manifest = case.manifest(false)?;
+    let file = path_text(&manifest)?.to_owned();
+    // Delivered once to a consumer that died: the next worker receives its second delivery.
+    let ids = fx.produce("crashed", overdue_bodies("crashed")[..1].to_vec())?;
+    let mut conn = fx.redis.connection()?;
+    redis::cmd("XREADGROUP")
+        .arg("GROUP")
+        .arg("switchboard")
+        .arg("ghost-0")
+        .arg("STREAMS")
+        .arg("crashed")
+        .arg(">")
+        .query::<redis::Value>(&mut conn)?;
+    let lock = TodosLock::take(&fx.env.database_url).await?;
+    let doomed = fx.worker(&manifest, "doomed")?;
+    // It took the entry over, recorded the delivery and is storing it behind the lock.
+    wait_blocked_on_lock(fx, &doomed).await?;
+    doomed.kill()?;
+    fx.wait_disconnected("doomed").await?;
+    lock.release().await?;
+    // One more consumer takes it and dies: the next worker sees the fourth delivery.
+    redis::cmd("XCLAIM")
+        .arg("crashed")
+        .arg("switchboard")
+        .arg("ghost-1")
+        .arg(0)
+        .arg(&ids[0])
+        .query::<redis::Value>(&mut conn)?;
+    let _survivor = fx.worker(&manifest, "survivor")?;
+    wait_for(LONG, "the entry is dead-lettered", || async {
+        Ok(case.dead_letters().await? == 1)
+    })
+    .await?;
+    let letters = list_json(&case, &file)?;
+    let attempts = &letters[0]["attempts"];
+    ensure!(attempts["total"] == 4, "four deliveries: {attempts}");
+    let recent = attempts["recent"].as_array().context("attempts")?;
+    let summary: Vec<(u64, &str, &str)> = recent
+        .iter()
+        .map(|attempt| {
+            (
+                attempt["delivery"].as_u64().unwrap_or_default(),
+                attempt["consumer"].as_str().unwrap_or_default(),
+                attempt["outcome"].as_str().unwrap_or_default(),
+            )
+        })
+        .collect();
+    ensure!(
+        summary
+            == [
+                (2, "doomed", "unsettled"),
+                (4, "survivor", "max_deliveries")
+            ],
+        "the dead worker's attempt and the last one: {attempts}"
+    );
+    wait_for(LONG, "the recorded attempts are forgotten", || async {
+        let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM deliveries")
+            .fetch_one(fx.pool())
+            .await?;
+        Ok(rows == 0)
+    })
+    .await
+}

@@ -436,6 +436,7 @@ async fn run_source(
                 spec: sqs.clone(),
                 dead_letter_queue_url: dead_letter.queue_url.clone(),
                 batch_size,
+                dead_letter_retention: dead_letter.retention(),
             };
             let transport = Sqs::new(settings, &mut registry).await?;
             drive(transport, registry, sqs, deps, probes).await
@@ -455,6 +456,7 @@ async fn run_source(
                 connector,
                 dead_letter_subject: dead_letter.subject.clone(),
                 max_deliveries: u64::from(spec.delivery.max_deliveries),
+                dead_letter_retention: dead_letter.retention(),
             };
             let transport = Nats::new(settings, &mut registry);
             drive(transport, registry, nats, deps, probes).await

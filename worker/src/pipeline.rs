@@ -267,11 +267,43 @@ impl StoreContext {
         Ok(Some(outcomes))
     }
 
+    /// Runs `op` against the database, retrying while it is unavailable. `Ok(None)`: shutdown
+    /// interrupted a retry; `Err`: a statement PostgreSQL can never run. Any other refusal is
+    /// logged (`what` says what could not be done) and answered with `fallback`.
+    async fn retrying<T, F>(
+        &self,
+        what: &str,
+        mut op: impl FnMut() -> F,
+        fallback: impl FnOnce() -> T,
+    ) -> Result<Option<T>, StoreError>
+    where
+        F: std::future::Future<Output = Result<T, StoreError>>,
+    {
+        loop {
+            let started = Instant::now();
+            match op().await {
+                Ok(value) => {
+                    self.database.up();
+                    return Ok(Some(value));
+                }
+                Err(err) if err.is_retryable() => {
+                    if !self.database.back_off(&err, started, &self.cancel).await {
+                        return Ok(None);
+                    }
+                }
+                Err(err) if err.is_fatal() => return Err(err),
+                Err(err) => {
+                    tracing::warn!(error = %ErrorChain(&err), "{what}");
+                    return Ok(Some(fallback()));
+                }
+            }
+        }
+    }
+
     /// Records the receipt of redelivered messages (key, delivery count) before they are
     /// stored, so a message that never settles (its worker dies, or loses its lease) still has
-    /// its attempts when it finally dead-letters. Retries while the database is unavailable;
-    /// `Ok(false)`: shutdown interrupted a retry. A refused statement is logged and skipped:
-    /// the history is context, not the message.
+    /// its attempts when it finally dead-letters. `Ok(false)`: shutdown interrupted a retry. A
+    /// refused statement is logged and skipped: the history is context, not the message.
     async fn record_attempts(&self, redelivered: &[(String, u64)]) -> Result<bool, StoreError> {
         let attempts: Vec<String> = redelivered
             .iter()
@@ -286,72 +318,40 @@ impl StoreContext {
                 attempt,
             })
             .collect();
-        loop {
-            let started = Instant::now();
-            match self.store.record_attempts(&self.source, &records).await {
-                Ok(()) => return Ok(true),
-                Err(err) if err.is_retryable() => {
-                    if !self.database.back_off(&err, started, &self.cancel).await {
-                        return Ok(false);
-                    }
-                }
-                Err(err) if err.is_fatal() => return Err(err),
-                Err(err) => {
-                    tracing::warn!(error = %ErrorChain(&err), "cannot record the attempts of redelivered messages");
-                    return Ok(true);
-                }
-            }
-        }
+        let recorded = self
+            .retrying(
+                "cannot record the attempts of redelivered messages",
+                || self.store.record_attempts(&self.source, &records),
+                || (),
+            )
+            .await?;
+        Ok(recorded.is_some())
     }
 
-    /// The recorded attempts of `keys` (JSON arrays by key). Retries while the database is
-    /// unavailable; `None`: shutdown interrupted a retry. A refused statement gives no history.
+    /// The recorded attempts of `keys` (JSON arrays by key); `None`: shutdown interrupted a
+    /// retry. A refused statement gives no history.
     async fn recorded_attempts(
         &self,
         keys: &[&str],
     ) -> Result<Option<std::collections::HashMap<String, String>>, StoreError> {
-        loop {
-            let started = Instant::now();
-            match self.store.attempts(&self.source, keys).await {
-                Ok(found) => return Ok(Some(found)),
-                Err(err) if err.is_retryable() => {
-                    if !self.database.back_off(&err, started, &self.cancel).await {
-                        return Ok(None);
-                    }
-                }
-                Err(err) if err.is_fatal() => return Err(err),
-                Err(err) => {
-                    tracing::warn!(error = %ErrorChain(&err), "cannot read the attempts of dead-lettered messages");
-                    return Ok(Some(Default::default()));
-                }
-            }
-        }
+        self.retrying(
+            "cannot read the attempts of dead-lettered messages",
+            || self.store.attempts(&self.source, keys),
+            Default::default,
+        )
+        .await
     }
 
     /// Which of `ids` already have an event (native ids only): stored by an earlier delivery
-    /// whose acknowledgement was lost. Retries while the database is unavailable; `None`:
-    /// shutdown interrupted a retry.
+    /// whose acknowledgement was lost. `None`: shutdown interrupted a retry. When it cannot
+    /// tell, they are dead-lettered as if they had never been stored.
     async fn stored_before(&self, ids: &[&str]) -> Result<Option<Vec<bool>>, StoreError> {
-        loop {
-            let started = Instant::now();
-            match self.store.events_exist(&self.source, ids).await {
-                Ok(found) => {
-                    self.database.up();
-                    return Ok(Some(found));
-                }
-                Err(err) if err.is_retryable() => {
-                    if !self.database.back_off(&err, started, &self.cancel).await {
-                        return Ok(None);
-                    }
-                }
-                Err(err) if err.is_fatal() => return Err(err),
-                // Cannot tell: dead-letter them, as if they had never been stored.
-                Err(err) => {
-                    tracing::warn!(error = %ErrorChain(&err), "cannot check whether messages past maxDeliveries were stored");
-                    return Ok(Some(vec![false; ids.len()]));
-                }
-            }
-        }
+        self.retrying(
+            "cannot check whether messages past maxDeliveries were stored",
+            || self.store.events_exist(&self.source, ids),
+            || vec![false; ids.len()],
+        )
+        .await
     }
 
     fn record(&self, outcomes: &Outcomes, origins: &[Origin]) {

@@ -1,9 +1,7 @@
 //! How dead letters are printed: a table and a text page for people, JSON for scripts.
 
-use base64::Engine as _;
-
 use super::{StoredLetter, age};
-use crate::payload::fields_json;
+use crate::payload::{fields_json, insert_body};
 use crate::transport::rfc3339_ms;
 
 /// A short age: `42s`, `17m`, `5h`, `3d`.
@@ -50,14 +48,7 @@ pub fn json(letter: &StoredLetter) -> serde_json::Value {
             .unwrap_or_default(),
         "attempts": letter.attempts,
     });
-    match std::str::from_utf8(&letter.body) {
-        Ok(body) => object["body"] = body.into(),
-        Err(_) => {
-            object["body_base64"] = base64::engine::general_purpose::STANDARD
-                .encode(&letter.body)
-                .into();
-        }
-    }
+    insert_body(&mut object, &letter.body);
     object
 }
 

@@ -9,13 +9,12 @@ pub mod stream;
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use base64::Engine as _;
 use redis::aio::MultiplexedConnection;
 use redis::{AsyncConnectionConfig, Client, FromRedisValue, Value};
 use sha2::{Digest, Sha256};
 
 use super::{DeadLetter, TransportError};
-use crate::payload::fields_json;
+use crate::payload::{fields_json, insert_body};
 
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 pub const CONTROL_TIMEOUT: Duration = Duration::from_secs(10);
@@ -396,14 +395,7 @@ pub fn dead_letter_record<R>(letter: &DeadLetter<'_, R>, origin: Origin<'_>) -> 
         "attempts": letter.attempts,
     });
     record[format!("origin_{}", origin.kind)] = origin.name.into();
-    match std::str::from_utf8(&message.body) {
-        Ok(body) => record["body"] = body.into(),
-        Err(_) => {
-            record["body_base64"] = base64::engine::general_purpose::STANDARD
-                .encode(&message.body)
-                .into();
-        }
-    }
+    insert_body(&mut record, &message.body);
     record.to_string()
 }
 

@@ -93,6 +93,9 @@ pub struct SqsSettings {
     /// `spec.delivery.deadLetter.queueUrl`; default: the queue's URL with `-dlq`.
     pub dead_letter_queue_url: Option<String>,
     pub batch_size: usize,
+    /// `spec.delivery.deadLetter.retentionDays`: the worker warns when the dead-letter queue
+    /// keeps messages for less (SQS's own `MessageRetentionPeriod` decides).
+    pub dead_letter_retention: Duration,
 }
 
 /// The SQS transport's own counters.
@@ -686,6 +689,7 @@ impl Transport for Sqs {
                 &[
                     QueueAttributeName::FifoQueue,
                     QueueAttributeName::MaximumMessageSize,
+                    QueueAttributeName::MessageRetentionPeriod,
                 ],
             )
             .await?;
@@ -694,6 +698,17 @@ impl Transport for Sqs {
             .unwrap_or(DEFAULT_MAX_MESSAGE_BYTES);
 
         let first = self.queues.is_none();
+        let kept = number::<u64>(&dead_letter, QueueAttributeName::MessageRetentionPeriod)
+            .map(Duration::from_secs);
+        if first && let Some(kept) = kept.filter(|kept| *kept < self.settings.dead_letter_retention)
+        {
+            tracing::warn!(
+                dead_letter_queue = %dead_letter_url,
+                retention_seconds = kept.as_secs(),
+                wanted_seconds = self.settings.dead_letter_retention.as_secs(),
+                "the dead-letter queue keeps messages for less than deadLetter.retentionDays: raise its MessageRetentionPeriod (SQS allows at most 14 days)"
+            );
+        }
         if first {
             if let Some(policy) = redrive_policy {
                 tracing::info!(
@@ -970,6 +985,7 @@ mod tests {
             spec: serde_json::from_value(spec).expect("spec"),
             dead_letter_queue_url: None,
             batch_size: 10,
+            dead_letter_retention: Duration::from_secs(14 * 86_400),
         }
     }
 

@@ -7,7 +7,8 @@
 //!
 //! A letter the worker wrote carries its context as `x-dlq-*` attributes and the original
 //! attributes in `x-dlq-attributes`; a letter SQS moved itself (the source queue's
-//! `RedrivePolicy`) is the original message. Redrive sends the body and the original message
+//! `RedrivePolicy`) is the original message: its attempts are the ones the worker recorded in
+//! PostgreSQL (read when `DATABASE_URL` is set). Redrive sends the body and the original message
 //! attributes to the source queue with [`IDEMPOTENCY_KEY_HEADER`] = `sqs:{adapter}:{original
 //! MessageId}`, waits for SQS to accept it, then deletes the letter.
 
@@ -21,11 +22,12 @@ use aws_sdk_sqs::types::{
 use prometheus_client::registry::Registry;
 use sha2::{Digest, Sha256};
 use switchboard_api::QueueAdapter;
+use switchboard_store::Store;
 
 use super::classify::Addressed;
 use super::{Sqs, SqsSettings};
 use crate::dlq::{DeadLetterReader, StoredLetter, headers_from_json, redrive_key};
-use crate::transport::{Attempts, IDEMPOTENCY_KEY_HEADER, Transport, TransportError};
+use crate::transport::{Attempt, Attempts, IDEMPOTENCY_KEY_HEADER, Transport, TransportError};
 
 /// How long a letter read by a command stays hidden from other readers (seconds).
 const HOLD: i32 = 20;
@@ -46,6 +48,8 @@ fn is_system_attribute(name: &str) -> bool {
 #[derive(Debug)]
 pub struct SqsReader {
     sqs: Sqs,
+    /// Where the attempts of letters SQS moved itself are recorded, if `DATABASE_URL` is set.
+    store: Option<Store>,
     /// When each letter of this command was received, by receipt handle.
     read_at: HashMap<String, Instant>,
 }
@@ -75,11 +79,21 @@ impl SqsReader {
             spec,
             dead_letter_queue_url: adapter.spec.delivery.dead_letter.queue_url.clone(),
             batch_size: 10,
+            dead_letter_retention: adapter.spec.delivery.dead_letter.retention(),
         };
         let mut sqs = Sqs::new(settings, &mut Registry::default()).await?;
         sqs.prepare().await?;
+        let store = match std::env::var("DATABASE_URL") {
+            Ok(url) if !url.is_empty() => Some(
+                Store::connect(&url, 1, "switchboard-worker/dlq")
+                    .await
+                    .map_err(|err| TransportError::database("cannot use DATABASE_URL", err))?,
+            ),
+            _ => None,
+        };
         Ok(Self {
             sqs,
+            store,
             read_at: HashMap::new(),
         })
     }
@@ -149,6 +163,42 @@ impl SqsReader {
             id,
             handle,
         })
+    }
+
+    /// The attempts the worker recorded of letters SQS moved itself (they carry none).
+    async fn recorded_attempts(&self, letters: &mut [StoredLetter]) -> Result<(), TransportError> {
+        let Some(store) = &self.store else {
+            return Ok(());
+        };
+        let source = self.sqs.source();
+        let keys: Vec<String> = letters
+            .iter()
+            .filter(|letter| letter.attempts.is_none())
+            .map(|letter| format!("{source}:{}", letter.id))
+            .collect();
+        if keys.is_empty() {
+            return Ok(());
+        }
+        let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
+        let recorded = store
+            .attempts(source, &keys)
+            .await
+            .map_err(|err| TransportError::database("cannot read the recorded attempts", err))?;
+        for letter in letters
+            .iter_mut()
+            .filter(|letter| letter.attempts.is_none())
+        {
+            let Some(json) = recorded.get(&format!("{source}:{}", letter.id)) else {
+                continue;
+            };
+            let recent: Vec<Attempt> = serde_json::from_str(json).unwrap_or_default();
+            letter.delivery_count = recent.iter().map(|attempt| attempt.delivery).max();
+            letter.attempts = Some(Attempts {
+                total: letter.delivery_count.unwrap_or_default(),
+                recent,
+            });
+        }
+        Ok(())
     }
 
     fn source_url(&self) -> &str {
@@ -281,6 +331,7 @@ impl DeadLetterReader for SqsReader {
             letters.extend(messages.into_iter().filter_map(|m| self.letter(m)));
         }
         letters.sort_by_key(|letter| letter.dead_lettered_at_ms);
+        self.recorded_attempts(&mut letters).await?;
         Ok(letters)
     }
 
