@@ -240,9 +240,31 @@ pub struct DeadLetter {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(min = 1, max = 249))]
     pub topic: Option<String>,
+    /// Days dead letters are kept before they are deleted (default 14). Enforced where the
+    /// broker can: Redis streams are trimmed by age (MINID) and Redis lists from their oldest
+    /// end, the NATS dead-letter stream the worker creates keeps messages this long (MaxAge);
+    /// an SQS queue keeps messages for its own MessageRetentionPeriod (at most 14 days; the
+    /// worker warns when it is shorter); for RabbitMQ set `x-message-ttl` on the dead-letter
+    /// queue and for Kafka the topic's `retention.ms`.
+    #[serde(
+        default,
+        rename = "retentionDays",
+        skip_serializing_if = "Option::is_none"
+    )]
+    #[schemars(range(min = 1, max = 3650))]
+    pub retention_days: Option<u32>,
 }
 
+/// Dead letters are kept this many days unless `deadLetter.retentionDays` says otherwise.
+pub const DEFAULT_RETENTION_DAYS: u32 = 14;
+
 impl DeadLetter {
+    /// How long dead letters are kept.
+    pub fn retention(&self) -> std::time::Duration {
+        let days = self.retention_days.unwrap_or(DEFAULT_RETENTION_DAYS);
+        std::time::Duration::from_secs(u64::from(days) * 86_400)
+    }
+
     /// The fields that are set, by their path: each broker refuses the ones of the others.
     pub fn set_fields(&self) -> impl Iterator<Item = &'static str> {
         [

@@ -6,6 +6,12 @@
 //! statement per batch) before the batch is handed on. A message at or above the mark was never
 //! handed to anyone, so it is a first delivery and writes nothing; only a message below it (its
 //! worker died before its offset was committed, or its partition moved) is counted, by key.
+//!
+//! The same rows keep the **attempt history** of every broker's redelivered messages: each
+//! delivery after the first the worker saw of a message is recorded (when, which consumer),
+//! so a message that finally dead-letters carries its attempts even across worker crashes.
+//! The store keeps the attempts as opaque JSON objects, the most recent [`MAX_ATTEMPTS`]; rows
+//! are forgotten once their message is settled and pruned after the dead-letter retention.
 
 use sqlx::Row;
 
@@ -34,7 +40,125 @@ ON CONFLICT (source, key) DO UPDATE SET count = d.count + 1, updated_at = now()
 RETURNING key, count
 "#;
 
+/// How many attempts a row keeps: the most recent ones.
+pub const MAX_ATTEMPTS: i64 = 20;
+
+const RECORD_ATTEMPTS_SQL: &str = r#"
+INSERT INTO deliveries AS d (source, key, count, attempts)
+SELECT $1, t.key, t.count, jsonb_build_array(t.attempt::jsonb)
+FROM unnest($2::text[], $3::bigint[], $4::text[]) AS t(key, count, attempt)
+ON CONFLICT (source, key) DO UPDATE SET
+    count = GREATEST(d.count, EXCLUDED.count),
+    attempts = (
+        SELECT coalesce(jsonb_agg(x.e ORDER BY x.o), '[]'::jsonb)
+        FROM jsonb_array_elements(d.attempts || EXCLUDED.attempts) WITH ORDINALITY AS x(e, o)
+        WHERE x.o > jsonb_array_length(d.attempts || EXCLUDED.attempts) - $5
+    ),
+    updated_at = now()
+"#;
+
+/// One delivery to record: the message's key within its source, its delivery count (this
+/// delivery included) and the attempt as a JSON object's text.
+#[derive(Debug, Clone, Copy)]
+pub struct AttemptRecord<'a> {
+    pub key: &'a str,
+    pub count: u64,
+    pub attempt: &'a str,
+}
+
 impl Store {
+    /// Records one attempt per message (a key given twice keeps its first), keeping each
+    /// message's most recent [`MAX_ATTEMPTS`].
+    pub async fn record_attempts(
+        &self,
+        source: &str,
+        records: &[AttemptRecord<'_>],
+    ) -> Result<(), StoreError> {
+        let mut seen = std::collections::HashSet::new();
+        let records: Vec<&AttemptRecord<'_>> =
+            records.iter().filter(|r| seen.insert(r.key)).collect();
+        let keys: Vec<&str> = records.iter().map(|r| r.key).collect();
+        let counts: Vec<i64> = records
+            .iter()
+            .map(|r| i64::try_from(r.count).unwrap_or(i64::MAX))
+            .collect();
+        let attempts: Vec<&str> = records.iter().map(|r| r.attempt).collect();
+        self.bounded(async |conn| {
+            sqlx::query(RECORD_ATTEMPTS_SQL)
+                .bind(source)
+                .bind(&keys)
+                .bind(&counts)
+                .bind(&attempts)
+                .bind(MAX_ATTEMPTS)
+                .execute(conn)
+                .await
+                .map(drop)
+        })
+        .await
+    }
+
+    /// The recorded attempts of each of `keys` that has any, as a JSON array's text, by key.
+    pub async fn attempts(
+        &self,
+        source: &str,
+        keys: &[&str],
+    ) -> Result<std::collections::HashMap<String, String>, StoreError> {
+        let rows = self
+            .bounded(async |conn| {
+                sqlx::query(
+                    "SELECT key, attempts::text AS attempts FROM deliveries \
+                     WHERE source = $1 AND key = ANY($2::text[])",
+                )
+                .bind(source)
+                .bind(keys)
+                .fetch_all(conn)
+                .await
+            })
+            .await?;
+        rows.iter()
+            .map(|row| {
+                let key: String = row.try_get("key").map_err(StoreError::classify)?;
+                let attempts: String = row.try_get("attempts").map_err(StoreError::classify)?;
+                Ok((key, attempts))
+            })
+            .collect()
+    }
+
+    /// Forgets the delivery counts and attempts of settled messages.
+    pub async fn forget_deliveries(&self, source: &str, keys: &[&str]) -> Result<(), StoreError> {
+        self.bounded(async |conn| {
+            sqlx::query("DELETE FROM deliveries WHERE source = $1 AND key = ANY($2::text[])")
+                .bind(source)
+                .bind(keys)
+                .execute(conn)
+                .await
+                .map(drop)
+        })
+        .await
+    }
+
+    /// Deletes the delivery counts and attempts of `source` untouched for longer than `age`
+    /// (messages that left the broker some other way). Returns how many.
+    pub async fn prune_deliveries(
+        &self,
+        source: &str,
+        age: std::time::Duration,
+    ) -> Result<u64, StoreError> {
+        let seconds = age.as_secs_f64();
+        self.bounded(async |conn| {
+            sqlx::query(
+                "DELETE FROM deliveries WHERE source = $1 \
+                 AND updated_at < now() - make_interval(secs => $2)",
+            )
+            .bind(source)
+            .bind(seconds)
+            .execute(conn)
+            .await
+            .map(|done| done.rows_affected())
+        })
+        .await
+    }
+
     /// Raises the mark of each `(partition, mark)` of `source` to at least `mark` and returns each
     /// one's previous mark (`None`: nothing was handed out from it before), in input order.
     pub async fn raise_delivery_marks(

@@ -13,6 +13,7 @@ mod adapters;
 mod deliveries;
 mod reports;
 pub use adapters::{Mirrored, QueueAdapterRow};
+pub use deliveries::{AttemptRecord, MAX_ATTEMPTS};
 pub use reports::WorkerReport;
 
 use std::time::Duration;

@@ -242,6 +242,7 @@ fn start(fx: &Fixture, script: Script, lease: Option<Duration>) -> Running {
         max_bytes: 1024,
         envelope: Envelope::None,
         abort_after_commits: None,
+        dead_letter_retention: Duration::from_secs(14 * 86_400),
     };
     let pipeline = Pipeline::new(
         transport,

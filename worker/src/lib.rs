@@ -2,6 +2,7 @@
 //! acknowledging each message only after its todo is committed (store-then-ack).
 
 pub mod backoff;
+pub mod dlq;
 pub mod envelope;
 pub mod health;
 pub mod metrics;
@@ -92,6 +93,8 @@ pub enum WorkerError {
     },
     #[error("cannot install signal handlers")]
     Signals(#[source] std::io::Error),
+    #[error(transparent)]
+    Dlq(#[from] dlq::DlqError),
 }
 
 /// Options of `switchboard-worker run`.
@@ -105,7 +108,7 @@ pub struct RunOptions {
     pub database_timeout: Duration,
 }
 
-fn env(name: &'static str) -> Result<String, WorkerError> {
+pub(crate) fn env(name: &'static str) -> Result<String, WorkerError> {
     std::env::var(name)
         .ok()
         .filter(|v| !v.is_empty())
@@ -129,7 +132,7 @@ fn consumer_name(explicit: Option<String>) -> Result<String, WorkerError> {
         .ok_or(WorkerError::NoConsumer)
 }
 
-fn read_adapter(path: &PathBuf) -> Result<QueueAdapter, WorkerError> {
+pub(crate) fn read_adapter(path: &PathBuf) -> Result<QueueAdapter, WorkerError> {
     let yaml = std::fs::read_to_string(path).map_err(|source| WorkerError::ReadManifest {
         path: path.clone(),
         source,
@@ -255,6 +258,7 @@ fn pipeline_settings(spec: &QueueAdapterSpec, adapter: &str, worker: &str) -> Pi
         abort_after_commits: std::env::var(ABORT_AFTER_COMMITS_ENV)
             .ok()
             .and_then(|v| v.parse().ok()),
+        dead_letter_retention: spec.delivery.dead_letter.retention(),
     }
 }
 
@@ -381,6 +385,7 @@ async fn run_source(
                         start_from: redis.start_from,
                         claim_idle,
                         batch_size,
+                        dead_letter_retention: dead_letter.retention(),
                     };
                     let store = deps.store.clone();
                     let transport = RedisStream::new(settings, &url, store, &mut registry)?;
@@ -398,6 +403,7 @@ async fn run_source(
                         consumer,
                         heartbeat_ttl: claim_idle,
                         batch_size,
+                        dead_letter_retention: dead_letter.retention(),
                     };
                     let transport = RedisList::new(settings, &url, &mut registry)?;
                     drive(transport, registry, redis, deps, probes).await
@@ -430,6 +436,7 @@ async fn run_source(
                 spec: sqs.clone(),
                 dead_letter_queue_url: dead_letter.queue_url.clone(),
                 batch_size,
+                dead_letter_retention: dead_letter.retention(),
             };
             let transport = Sqs::new(settings, &mut registry).await?;
             drive(transport, registry, sqs, deps, probes).await
@@ -449,6 +456,7 @@ async fn run_source(
                 connector,
                 dead_letter_subject: dead_letter.subject.clone(),
                 max_deliveries: u64::from(spec.delivery.max_deliveries),
+                dead_letter_retention: dead_letter.retention(),
             };
             let transport = Nats::new(settings, &mut registry);
             drive(transport, registry, nats, deps, probes).await

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use clap::{Parser, Subcommand};
 use switchboard_telemetry::{ErrorChain, init_tracing};
-use switchboard_worker::{RunOptions, migrate, run};
+use switchboard_worker::{RunOptions, dlq, migrate, run};
 
 /// Pulls broker messages into durable PostgreSQL todos (store-then-ack).
 ///
@@ -45,6 +45,9 @@ enum Command {
               value_parser = positive_duration)]
         database_timeout: Duration,
     },
+    /// Inspect, redrive and purge the adapter's dead letters (same manifest and environment).
+    #[command(subcommand)]
+    Dlq(dlq::DlqCommand),
 }
 
 /// A duration above zero, e.g. `30s`.
@@ -60,11 +63,15 @@ fn positive_duration(text: &str) -> Result<Duration, String> {
 #[tokio::main(flavor = "current_thread")]
 async fn main() -> ExitCode {
     let cli = Cli::parse();
-    init_tracing(cli.log_json);
+    // The dlq commands print for people and scripts on stdout, where the log would go.
+    if !matches!(cli.command, Command::Dlq(_)) {
+        init_tracing(cli.log_json);
+    }
     // Two rustls providers are linked (see Cargo.toml); an error only means one is installed.
     let _ = rustls::crypto::ring::default_provider().install_default();
     let result = match cli.command {
         Command::Migrate => migrate().await,
+        Command::Dlq(command) => dlq::run(command).await,
         Command::Run {
             file,
             consumer,

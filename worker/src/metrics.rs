@@ -58,6 +58,7 @@ pub struct Metrics {
     pub pending: Gauge,
     pub oldest_pending_age_seconds: Gauge<f64, AtomicU64>,
     pub dead_letters: Gauge,
+    pub oldest_dead_letter_age_seconds: Gauge<f64, AtomicU64>,
     /// 1 while `/readyz` answers 200 (set on every scrape).
     pub ready: Gauge,
 }
@@ -233,6 +234,13 @@ impl Metrics {
             "Messages in the dead-letter destination (read from the broker)",
             adapter,
         );
+        let oldest_dead_letter_age_seconds = adapter_gauge(
+            r,
+            "oldest_dead_letter_age_seconds",
+            "How long the oldest dead letter has waited to be redriven or purged (0 when there is none; \
+             exported where the broker tells: Redis streams and lists)",
+            adapter,
+        );
         let ready = adapter_gauge(
             r,
             "worker_ready",
@@ -270,6 +278,7 @@ impl Metrics {
             pending,
             oldest_pending_age_seconds,
             dead_letters,
+            oldest_dead_letter_age_seconds,
             ready,
         };
         for reason in PoisonReason::ALL {

@@ -580,6 +580,19 @@ mod tests {
     }
 }
 
+/// Puts `body` into a JSON object losslessly: as `body` when it is UTF-8, else as `body_base64`.
+pub fn insert_body(object: &mut serde_json::Value, body: &[u8]) {
+    use base64::Engine as _;
+    match std::str::from_utf8(body) {
+        Ok(text) => object["body"] = text.into(),
+        Err(_) => {
+            object["body_base64"] = base64::engine::general_purpose::STANDARD
+                .encode(body)
+                .into();
+        }
+    }
+}
+
 /// Encodes message fields as a JSON object's text: UTF-8 values as strings, others as
 /// `{"base64": "…"}` so that nothing is lost.
 pub fn fields_json(fields: &[(String, Vec<u8>)]) -> String {

@@ -17,7 +17,9 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant, SystemTime};
 
 use switchboard_api::{Envelope, PayloadFormat};
-use switchboard_store::{Dedup, IngestBatch, NewEvent, Store, StoreError, Stored, WorkerReport};
+use switchboard_store::{
+    AttemptRecord, Dedup, IngestBatch, NewEvent, Store, StoreError, Stored, WorkerReport,
+};
 use switchboard_telemetry::ErrorChain;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
@@ -28,7 +30,8 @@ use crate::health::{Dependency, Health, now_ms};
 use crate::metrics::Metrics;
 use crate::payload::{Poison, PoisonReason, fields_json, payload_json};
 use crate::transport::{
-    DeadLetter, ErrorKind, Message, Position, QueueHealth, QueueProbe, Transport, TransportError,
+    Attempt, Attempts, DeadLetter, ErrorKind, IDEMPOTENCY_KEY_HEADER, Message, Position,
+    QueueHealth, QueueProbe, Transport, TransportError, UNSETTLED,
 };
 
 /// How long past its own next deadline the loop may be silent before `/healthz` fails.
@@ -55,7 +58,13 @@ pub struct PipelineSettings {
     pub envelope: Envelope,
     /// Testing hook: abort the process after this many commits, before acknowledging.
     pub abort_after_commits: Option<u64>,
+    /// How long dead letters are kept (`deadLetter.retentionDays`): attempts recorded for
+    /// messages that never settled are pruned after it too.
+    pub dead_letter_retention: Duration,
 }
+
+/// How often the attempts of messages that never settled are pruned.
+const PRUNE_INTERVAL: Duration = Duration::from_secs(3600);
 
 #[derive(Debug, Default)]
 struct OutageState {
@@ -151,6 +160,8 @@ pub enum PipelineError {
 struct StoreContext {
     store: Store,
     source: String,
+    /// This worker's consumer name, recorded with each attempt.
+    worker: String,
     queue: String,
     dedup: Dedup,
     database: Monitor,
@@ -220,7 +231,11 @@ impl StoreContext {
         &self,
         events: Vec<NewEvent>,
         origins: Vec<Origin>,
+        redelivered: Vec<(String, u64)>,
     ) -> Result<Option<Outcomes>, StoreError> {
+        if !redelivered.is_empty() && !self.record_attempts(&redelivered).await? {
+            return Ok(None);
+        }
         let positions = highest_positions(origins.iter().filter_map(|o| o.position.as_ref()));
         let outcomes = match self.ingest(&events, &positions).await {
             Ok(None) => return Ok(None),
@@ -252,16 +267,24 @@ impl StoreContext {
         Ok(Some(outcomes))
     }
 
-    /// Which of `ids` already have an event (native ids only): stored by an earlier delivery
-    /// whose acknowledgement was lost. Retries while the database is unavailable; `None`:
-    /// shutdown interrupted a retry.
-    async fn stored_before(&self, ids: &[&str]) -> Result<Option<Vec<bool>>, StoreError> {
+    /// Runs `op` against the database, retrying while it is unavailable. `Ok(None)`: shutdown
+    /// interrupted a retry; `Err`: a statement PostgreSQL can never run. Any other refusal is
+    /// logged (`what` says what could not be done) and answered with `fallback`.
+    async fn retrying<T, F>(
+        &self,
+        what: &str,
+        mut op: impl FnMut() -> F,
+        fallback: impl FnOnce() -> T,
+    ) -> Result<Option<T>, StoreError>
+    where
+        F: std::future::Future<Output = Result<T, StoreError>>,
+    {
         loop {
             let started = Instant::now();
-            match self.store.events_exist(&self.source, ids).await {
-                Ok(found) => {
+            match op().await {
+                Ok(value) => {
                     self.database.up();
-                    return Ok(Some(found));
+                    return Ok(Some(value));
                 }
                 Err(err) if err.is_retryable() => {
                     if !self.database.back_off(&err, started, &self.cancel).await {
@@ -269,13 +292,66 @@ impl StoreContext {
                     }
                 }
                 Err(err) if err.is_fatal() => return Err(err),
-                // Cannot tell: dead-letter them, as if they had never been stored.
                 Err(err) => {
-                    tracing::warn!(error = %ErrorChain(&err), "cannot check whether messages past maxDeliveries were stored");
-                    return Ok(Some(vec![false; ids.len()]));
+                    tracing::warn!(error = %ErrorChain(&err), "{what}");
+                    return Ok(Some(fallback()));
                 }
             }
         }
+    }
+
+    /// Records the receipt of redelivered messages (key, delivery count) before they are
+    /// stored, so a message that never settles (its worker dies, or loses its lease) still has
+    /// its attempts when it finally dead-letters. `Ok(false)`: shutdown interrupted a retry. A
+    /// refused statement is logged and skipped: the history is context, not the message.
+    async fn record_attempts(&self, redelivered: &[(String, u64)]) -> Result<bool, StoreError> {
+        let attempts: Vec<String> = redelivered
+            .iter()
+            .map(|(_, count)| Attempt::new(*count, &self.worker, UNSETTLED, None).to_json())
+            .collect();
+        let records: Vec<AttemptRecord<'_>> = redelivered
+            .iter()
+            .zip(&attempts)
+            .map(|((key, count), attempt)| AttemptRecord {
+                key,
+                count: *count,
+                attempt,
+            })
+            .collect();
+        let recorded = self
+            .retrying(
+                "cannot record the attempts of redelivered messages",
+                || self.store.record_attempts(&self.source, &records),
+                || (),
+            )
+            .await?;
+        Ok(recorded.is_some())
+    }
+
+    /// The recorded attempts of `keys` (JSON arrays by key); `None`: shutdown interrupted a
+    /// retry. A refused statement gives no history.
+    async fn recorded_attempts(
+        &self,
+        keys: &[&str],
+    ) -> Result<Option<std::collections::HashMap<String, String>>, StoreError> {
+        self.retrying(
+            "cannot read the attempts of dead-lettered messages",
+            || self.store.attempts(&self.source, keys),
+            Default::default,
+        )
+        .await
+    }
+
+    /// Which of `ids` already have an event (native ids only): stored by an earlier delivery
+    /// whose acknowledgement was lost. `None`: shutdown interrupted a retry. When it cannot
+    /// tell, they are dead-lettered as if they had never been stored.
+    async fn stored_before(&self, ids: &[&str]) -> Result<Option<Vec<bool>>, StoreError> {
+        self.retrying(
+            "cannot check whether messages past maxDeliveries were stored",
+            || self.store.events_exist(&self.source, ids),
+            || vec![false; ids.len()],
+        )
+        .await
     }
 
     fn record(&self, outcomes: &Outcomes, origins: &[Origin]) {
@@ -344,6 +420,8 @@ pub struct Pipeline<T: Transport> {
     /// Whether the pipeline counts deliveries against `maxDeliveries` (not when the broker
     /// dead-letters by count itself).
     count_deliveries: bool,
+    /// When the attempts of messages that never settled are next pruned.
+    next_prune: Instant,
 }
 
 /// What became of a broker operation that did not succeed.
@@ -368,6 +446,7 @@ impl<T: Transport> Pipeline<T> {
         let context = Arc::new(StoreContext {
             store,
             source: transport.source().to_owned(),
+            worker: settings.worker.clone(),
             queue: settings.queue.clone(),
             // An envelope's event id is a native id, whatever the broker has.
             dedup: match settings.envelope {
@@ -388,6 +467,7 @@ impl<T: Transport> Pipeline<T> {
             cancel,
             commits: 0,
             count_deliveries: true,
+            next_prune: Instant::now(),
         }
     }
 
@@ -586,6 +666,10 @@ impl<T: Transport> Pipeline<T> {
                 return Err(PipelineError::Broker(err));
             }
         }
+        if Instant::now() >= self.next_prune {
+            self.next_prune = Instant::now() + PRUNE_INTERVAL;
+            self.spawn_prune();
+        }
         let context = self.context.clone();
         loop {
             let attempted = Instant::now();
@@ -607,6 +691,53 @@ impl<T: Transport> Pipeline<T> {
         }
     }
 
+    /// Prunes, on its own task, the attempts of messages last seen longer ago than the
+    /// dead-letter retention (they left the broker without settling here: purged, expired).
+    fn spawn_prune(&self) {
+        let context = self.context.clone();
+        let retention = self.settings.dead_letter_retention;
+        tokio::spawn(async move {
+            match context
+                .store
+                .prune_deliveries(&context.source, retention)
+                .await
+            {
+                Ok(0) => {}
+                Ok(pruned) => tracing::info!(
+                    pruned,
+                    "pruned the attempts of messages not seen within the dead-letter retention"
+                ),
+                Err(err) => {
+                    tracing::debug!(error = %ErrorChain(&err), "cannot prune recorded attempts")
+                }
+            }
+        });
+    }
+
+    /// Forgets, on its own task, the recorded attempts of settled messages (only redelivered
+    /// ones have any). Best effort: what is left is pruned after the retention.
+    fn spawn_forget(&self, settled: &[&Message<T::Receipt>]) {
+        let keys: Vec<String> = settled
+            .iter()
+            .filter(|message| message.delivery_count > 1)
+            .map(|message| message.idempotency_key.clone())
+            .collect();
+        if keys.is_empty() {
+            return;
+        }
+        let context = self.context.clone();
+        tokio::spawn(async move {
+            let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
+            if let Err(err) = context
+                .store
+                .forget_deliveries(&context.source, &keys)
+                .await
+            {
+                tracing::debug!(error = %ErrorChain(&err), "cannot forget the attempts of settled messages");
+            }
+        });
+    }
+
     /// Classifies a received batch and starts storing what can be stored.
     fn start(&self, batch: Vec<Message<T::Receipt>>) -> InFlight<T::Receipt> {
         let settings = &self.settings;
@@ -620,6 +751,7 @@ impl<T: Transport> Pipeline<T> {
         let mut stored = Vec::with_capacity(batch.len());
         let mut events = Vec::with_capacity(batch.len());
         let mut origins = Vec::with_capacity(batch.len());
+        let mut redelivered = Vec::new();
         for (index, message) in batch.iter().enumerate() {
             if let Some(detail) = &message.undecodable {
                 poison.push((
@@ -652,6 +784,9 @@ impl<T: Transport> Pipeline<T> {
                         position: message.position.clone(),
                         enqueued_at_ms: message.enqueued_at_ms,
                     });
+                    if message.delivery_count > 1 {
+                        redelivered.push((message.idempotency_key.clone(), message.delivery_count));
+                    }
                     stored.push(index);
                 }
                 Err(verdict) => poison.push((index, verdict)),
@@ -659,7 +794,7 @@ impl<T: Transport> Pipeline<T> {
         }
         let task = (!events.is_empty()).then(|| {
             let context = self.context.clone();
-            tokio::spawn(async move { context.store_events(events, origins).await })
+            tokio::spawn(async move { context.store_events(events, origins, redelivered).await })
         });
         InFlight {
             batch,
@@ -671,6 +806,27 @@ impl<T: Transport> Pipeline<T> {
                 .lease()
                 .map(|lease| Instant::now() + lease / 2),
         }
+    }
+
+    /// The external id and idempotency key of `message` without an envelope: its own, or for a
+    /// redriven copy on a broker with native ids, the original's (its
+    /// [`IDEMPOTENCY_KEY_HEADER`], when that names this source).
+    fn identity(&self, message: &Message<T::Receipt>) -> (String, String) {
+        let source = &self.context.source;
+        let redriven = (self.context.dedup == Dedup::NativeId)
+            .then(|| {
+                message
+                    .headers
+                    .iter()
+                    .find(|(name, _)| name == IDEMPOTENCY_KEY_HEADER)
+            })
+            .flatten()
+            .and_then(|(_, value)| std::str::from_utf8(value).ok())
+            .and_then(|key| {
+                let id = key.strip_prefix(source.as_str())?.strip_prefix(':')?;
+                (!id.is_empty()).then(|| (id.to_owned(), key.to_owned()))
+            });
+        redriven.unwrap_or_else(|| (message.external_id.clone(), message.idempotency_key.clone()))
     }
 
     /// The event to store for `message`: its body and headers, or what its envelope holds.
@@ -686,9 +842,10 @@ impl<T: Transport> Pipeline<T> {
             headers,
         } = match settings.envelope {
             Envelope::None => {
+                let (external_id, idempotency_key) = self.identity(message);
                 return Ok(NewEvent {
-                    external_id: message.external_id.clone(),
-                    idempotency_key: message.idempotency_key.clone(),
+                    external_id,
+                    idempotency_key,
                     payload: payload_json(&message.body, settings.format, settings.max_bytes)?,
                     headers: fields_json(&message.headers),
                 });
@@ -834,18 +991,17 @@ impl<T: Transport> Pipeline<T> {
             return Ok(());
         }
 
-        let letters: Vec<DeadLetter<'_, T::Receipt>> = settled
+        let poison: Vec<(&Message<T::Receipt>, &Poison)> = settled
             .iter()
             .zip(&batch)
             .filter_map(|(settled, message)| match settled {
-                Some(Settled::Poison(verdict)) => Some(DeadLetter {
-                    message,
-                    reason: verdict.reason,
-                    error: verdict.detail.clone(),
-                }),
+                Some(Settled::Poison(verdict)) => Some((message, verdict)),
                 _ => None,
             })
             .collect();
+        let Some(letters) = self.with_attempts(&poison).await? else {
+            return Ok(());
+        };
         if !letters.is_empty() {
             match self
                 .broker_op(async |transport| transport.write_dead_letters(&letters).await)
@@ -878,9 +1034,63 @@ impl<T: Transport> Pipeline<T> {
             .zip(&batch)
             .filter_map(|(settled, message)| settled.is_some().then_some(message))
             .collect();
+        self.spawn_forget(&acks);
         self.acknowledge(acks).await?;
         self.health.progressed();
         Ok(())
+    }
+
+    /// The dead letters of `poison`, each with its recorded attempts and this last one.
+    /// `None`: shutdown interrupted reading them (the batch is left un-acknowledged).
+    async fn with_attempts<'m>(
+        &self,
+        poison: &[(&'m Message<T::Receipt>, &Poison)],
+    ) -> Result<Option<Vec<DeadLetter<'m, T::Receipt>>>, PipelineError> {
+        if poison.is_empty() {
+            return Ok(Some(Vec::new()));
+        }
+        // Only redeliveries have recorded attempts: poison on its first delivery needs no
+        // database.
+        let keys: Vec<&str> = poison
+            .iter()
+            .filter(|(message, _)| message.delivery_count > 1)
+            .map(|(message, _)| message.idempotency_key.as_str())
+            .collect();
+        let recorded = if keys.is_empty() {
+            Default::default()
+        } else {
+            match self
+                .context
+                .recorded_attempts(&keys)
+                .await
+                .map_err(PipelineError::Database)?
+            {
+                Some(recorded) => recorded,
+                None => return Ok(None),
+            }
+        };
+        Ok(Some(
+            poison
+                .iter()
+                .map(|(message, verdict)| {
+                    let last = Attempt::new(
+                        message.delivery_count,
+                        &self.settings.worker,
+                        verdict.reason.as_str(),
+                        Some(&verdict.detail),
+                    );
+                    DeadLetter {
+                        message,
+                        reason: verdict.reason,
+                        error: verdict.detail.clone(),
+                        attempts: Attempts::ending_with(
+                            recorded.get(&message.idempotency_key).map(String::as_str),
+                            last,
+                        ),
+                    }
+                })
+                .collect(),
+        ))
     }
 
     /// Past maxDeliveries but stored already (a crash between an earlier commit and its ack):
@@ -914,7 +1124,7 @@ impl<T: Transport> Pipeline<T> {
             .filter_map(|index| {
                 let message = &batch[index];
                 match self.settings.envelope {
-                    Envelope::None => Some(message.external_id.clone()),
+                    Envelope::None => Some(self.identity(message).0),
                     Envelope::CloudEvents | Envelope::Sns => {
                         self.new_event(message).ok().map(|event| event.external_id)
                     }
@@ -1064,5 +1274,10 @@ fn record_queue_health(metrics: &Metrics, queue: QueueHealth) {
         .set(queue.oldest_pending_age.unwrap_or_default().as_secs_f64());
     if let Some(dead_letters) = queue.dead_letters {
         metrics.dead_letters.set(gauge(Some(dead_letters)));
+    }
+    if let Some(age) = queue.oldest_dead_letter_age {
+        metrics
+            .oldest_dead_letter_age_seconds
+            .set(age.as_secs_f64());
     }
 }

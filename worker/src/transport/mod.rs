@@ -57,12 +57,88 @@ pub struct Message<R> {
     pub undecodable: Option<String>,
 }
 
-/// A message to move to the dead-letter destination, with why.
+/// A message to move to the dead-letter destination, with why and the attempts it went through.
 #[derive(Debug, Clone)]
 pub struct DeadLetter<'a, R> {
     pub message: &'a Message<R>,
     pub reason: PoisonReason,
     pub error: String,
+    pub attempts: Attempts,
+}
+
+/// The header (stream field, message attribute) in which a redriven message carries its
+/// original idempotency key (`switchboard-worker dlq redrive`): on a broker with native ids the
+/// copy put back has a new id, and the key makes it deduplicate against the original. The
+/// worker honours it only when it names the worker's own source (`{kind}:{adapter}:…`).
+pub const IDEMPOTENCY_KEY_HEADER: &str = "x-switchboard-idempotency-key";
+
+/// How many attempts a dead letter carries: the most recent ones ([`Attempts::total`] counts
+/// them all).
+pub const MAX_ATTEMPTS: usize = switchboard_store::MAX_ATTEMPTS as usize;
+/// The error text kept per attempt.
+const MAX_ATTEMPT_ERROR_BYTES: usize = 512;
+
+/// One delivery of a message the worker saw.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Attempt {
+    /// Which delivery this was (1 is the first), as the broker counted it.
+    pub delivery: u64,
+    /// When the worker received it (RFC 3339).
+    pub at: String,
+    pub consumer: String,
+    /// `unsettled` (delivered, then neither stored nor dead-lettered: the worker stopped,
+    /// crashed or lost the lease), or the dead-letter reason for the last attempt.
+    pub outcome: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}
+
+/// What an attempt recorded at receive time says until its message settles.
+pub const UNSETTLED: &str = "unsettled";
+
+impl Attempt {
+    pub fn new(delivery: u64, consumer: &str, outcome: &str, error: Option<&str>) -> Self {
+        Self {
+            delivery,
+            at: humantime::format_rfc3339_millis(std::time::SystemTime::now()).to_string(),
+            consumer: consumer.to_owned(),
+            outcome: outcome.to_owned(),
+            error: error.map(|error| truncate(error, MAX_ATTEMPT_ERROR_BYTES)),
+        }
+    }
+
+    pub fn to_json(&self) -> String {
+        serde_json::to_string(self).unwrap_or_default()
+    }
+}
+
+/// The attempts a dead letter carries: the most recent [`MAX_ATTEMPTS`] the worker saw (a first
+/// delivery that was never settled is counted but not recorded: recording every first delivery
+/// would cost a write per message), and how many deliveries there were in all.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Attempts {
+    pub total: u64,
+    pub recent: Vec<Attempt>,
+}
+
+impl Attempts {
+    /// The recorded attempts (a JSON array's text, as the store keeps them) followed by `last`,
+    /// which replaces a recorded attempt of the same delivery.
+    pub fn ending_with(recorded: Option<&str>, last: Attempt) -> Self {
+        let mut recent: Vec<Attempt> = recorded
+            .and_then(|text| serde_json::from_str::<Vec<Attempt>>(text).ok())
+            .unwrap_or_default();
+        recent.retain(|attempt| attempt.delivery < last.delivery);
+        let total = last.delivery;
+        recent.push(last);
+        let skip = recent.len().saturating_sub(MAX_ATTEMPTS);
+        recent.drain(..skip);
+        Self { total, recent }
+    }
+
+    pub fn to_json(&self) -> String {
+        serde_json::to_string(self).unwrap_or_default()
+    }
 }
 
 /// What a broker says about its queue, for the gauges.
@@ -76,6 +152,8 @@ pub struct QueueHealth {
     pub oldest_pending_age: Option<Duration>,
     /// Messages in the dead-letter destination.
     pub dead_letters: Option<u64>,
+    /// How long the oldest dead letter has been there, where the broker tells.
+    pub oldest_dead_letter_age: Option<Duration>,
 }
 
 /// What to do about a failure.

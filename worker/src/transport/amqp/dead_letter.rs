@@ -6,6 +6,7 @@ use lapin::types::{AMQPValue, FieldTable, LongString};
 
 use super::delivery::{OWN_COUNT_HEADER, Original};
 use crate::payload::PoisonReason;
+use crate::transport::Attempts;
 
 /// The error text kept in `x-switchboard-error`.
 const MAX_ERROR_BYTES: usize = 2048;
@@ -29,6 +30,7 @@ pub struct LetterContext<'a> {
     pub delivery_count: u64,
     /// When the broker accepted the message (Unix ms), if the publisher said.
     pub first_seen_ms: Option<u64>,
+    pub attempts: &'a Attempts,
 }
 
 fn text(value: &str) -> AMQPValue {
@@ -84,6 +86,7 @@ pub fn properties(
     set("x-switchboard-last-seen", text(context.last_seen));
     set("x-switchboard-queue", text(context.queue));
     set("x-switchboard-consumer", text(context.consumer));
+    set("x-switchboard-attempts", text(&letter.attempts.to_json()));
     set("x-switchboard-original-exchange", text(&original.exchange));
     set(
         "x-switchboard-original-routing-key",
@@ -127,6 +130,7 @@ mod tests {
             error: &"x".repeat(5000),
             delivery_count: 3,
             first_seen_ms: Some(0),
+            attempts: &Attempts::default(),
         };
         let context = WriteContext {
             queue: "orders",

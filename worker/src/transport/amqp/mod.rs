@@ -712,6 +712,7 @@ async fn publish_dead_letters(
                 error: &letter.error,
                 delivery_count: message.delivery_count,
                 first_seen_ms: message.enqueued_at_ms,
+                attempts: &letter.attempts,
             },
             context,
         );
@@ -992,6 +993,7 @@ impl QueueProbe for AmqpProbe {
             pending: Some(self.held.count.load(Ordering::Relaxed)),
             oldest_pending_age: Some(self.held.oldest_age()),
             dead_letters,
+            oldest_dead_letter_age: None,
         })
     }
 }

@@ -532,7 +532,7 @@ impl Transport for Kafka {
                     .unwrap_or_else(|| format!("{}.dlq", letter.message.receipt.partition.topic))
             })
             .collect();
-        let contexts: Vec<[(&str, String); 6]> = letters.iter().map(dead_letter_context).collect();
+        let contexts: Vec<[(&str, String); 7]> = letters.iter().map(dead_letter_context).collect();
         let producer = self.producer()?;
         let sends = letters
             .iter()
@@ -657,7 +657,7 @@ impl Kafka {
 }
 
 /// The `x-dlq-*` headers of a dead letter.
-fn dead_letter_context(letter: &DeadLetter<'_, Receipt>) -> [(&'static str, String); 6] {
+fn dead_letter_context(letter: &DeadLetter<'_, Receipt>) -> [(&'static str, String); 7] {
     let receipt = &letter.message.receipt;
     let mut error = letter.error.clone();
     if error.len() > MAX_ERROR_BYTES {
@@ -680,5 +680,6 @@ fn dead_letter_context(letter: &DeadLetter<'_, Receipt>) -> [(&'static str, Stri
             "x-dlq-delivery-count",
             letter.message.delivery_count.to_string(),
         ),
+        ("x-dlq-attempts", letter.attempts.to_json()),
     ]
 }

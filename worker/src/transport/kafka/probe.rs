@@ -78,6 +78,7 @@ impl QueueProbe for KafkaProbe {
             oldest_pending_age: oldest.map(|ms| Duration::from_millis(now_ms().saturating_sub(ms))),
             // A dead-letter topic's depth is not a count Kafka keeps (retention, not consumption).
             dead_letters: None,
+            oldest_dead_letter_age: None,
         })
     }
 }

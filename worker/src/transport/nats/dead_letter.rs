@@ -5,7 +5,7 @@ use async_nats::HeaderMap;
 
 use super::NatsDelivery;
 use crate::payload::PoisonReason;
-use crate::transport::{rfc3339_ms, truncate};
+use crate::transport::{Attempts, rfc3339_ms, truncate};
 
 /// The error text kept in `Switchboard-Error`.
 const MAX_ERROR_BYTES: usize = 2048;
@@ -34,6 +34,7 @@ pub fn headers(
     message: &NatsDelivery,
     reason: PoisonReason,
     error: &str,
+    attempts: &Attempts,
     context: WriteContext<'_>,
 ) -> HeaderMap {
     let mut headers = HeaderMap::new();
@@ -67,6 +68,7 @@ pub fn headers(
     }
     headers.insert("Switchboard-Last-Seen", context.last_seen);
     headers.insert("Switchboard-Consumer", header_text(context.consumer));
+    headers.insert("Switchboard-Attempts", header_text(&attempts.to_json()));
     if let Some((_, id)) = message
         .headers
         .iter()
@@ -123,7 +125,13 @@ mod tests {
             last_seen: "2026-12-01T17:00:00.000Z",
         };
         let error = format!("line one\r\nline two {}", "x".repeat(5000));
-        let headers = headers(&message(), PoisonReason::InvalidJson, &error, context);
+        let headers = headers(
+            &message(),
+            PoisonReason::InvalidJson,
+            &error,
+            &Attempts::default(),
+            context,
+        );
         let get = |name: &str| headers.get(name).map(|v| v.as_str().to_owned());
         assert_eq!(get("Switchboard-Reason").as_deref(), Some("invalid_json"));
         assert_eq!(get("Switchboard-Delivery-Count").as_deref(), Some("3"));

@@ -6,7 +6,7 @@
 //!   `NATS_TOKEN`, from the Secret refs (see `connect.rs`). Refused credentials are fatal; the
 //!   client reconnects by itself after the first connection.
 //! - **`prepare`** reads the stream (missing: fatal), makes sure a stream holds the dead-letter
-//!   subject (creating `<stream>_DLQ`, 14 days, if none does; the source stream itself is
+//!   subject (creating `<stream>_DLQ`, kept `deadLetter.retentionDays`, if none does; the source stream itself is
 //!   refused) and binds the consumer: created if missing, refused if an existing one differs
 //!   in a setting that matters (`consumer.rs`).
 //! - **Receive**: one `fetch` of up to the batch size; when the loop may block it waits at most
@@ -66,7 +66,6 @@ const ACK_TIMEOUT: Duration = Duration::from_secs(5);
 /// How often `maintain` (a no-op) and the queue-health probe run.
 const MAINTENANCE_INTERVAL: Duration = Duration::from_secs(5);
 /// How long the dead-letter stream the worker creates keeps messages.
-const DEAD_LETTER_RETENTION: Duration = Duration::from_secs(14 * 24 * 3600);
 const DEAD_LETTER_SETTING: &str = "spec.delivery.deadLetter.subject";
 const STREAM_SETTING: &str = "spec.source.nats.stream";
 const CONSUMER_SETTING: &str = "spec.source.nats.consumer";
@@ -84,6 +83,9 @@ pub struct NatsSettings {
     pub dead_letter_subject: Option<String>,
     /// `spec.delivery.maxDeliveries`.
     pub max_deliveries: u64,
+    /// `spec.delivery.deadLetter.retentionDays`: the MaxAge of a dead-letter stream the worker
+    /// creates.
+    pub dead_letter_retention: Duration,
 }
 
 /// What the server needs to acknowledge one delivery, and where it came from.
@@ -280,7 +282,7 @@ impl Nats {
                 js.create_stream(stream::Config {
                     name: name.clone(),
                     subjects: vec![captured.clone()],
-                    max_age: DEAD_LETTER_RETENTION,
+                    max_age: self.settings.dead_letter_retention,
                     storage: stream::StorageType::File,
                     ..Default::default()
                 })
@@ -295,7 +297,7 @@ impl Nats {
                     }
                     _ => TransportError::transient("could not create the dead-letter stream", err),
                 })?;
-                tracing::info!(stream = %name, subject = %captured, "created the dead-letter stream (messages kept 14 days)");
+                tracing::info!(stream = %name, subject = %captured, max_age = ?self.settings.dead_letter_retention, "created the dead-letter stream (messages kept deadLetter.retentionDays)");
                 self.dead_letter_stream = Some(DeadLetterStream {
                     name,
                     subjects: captured,
@@ -546,7 +548,13 @@ impl Transport for Nats {
                 &self.settings.spec.stream,
                 message.receipt.subject.as_str(),
             );
-            let headers = dead_letter::headers(message, letter.reason, &letter.error, context);
+            let headers = dead_letter::headers(
+                message,
+                letter.reason,
+                &letter.error,
+                &letter.attempts,
+                context,
+            );
             let ack = bound
                 .js
                 .publish_with_headers(subject, headers, message.body.clone().into())
@@ -780,6 +788,7 @@ impl QueueProbe for NatsProbe {
             pending: Some(info.num_ack_pending as u64),
             oldest_pending_age,
             dead_letters,
+            oldest_dead_letter_age: None,
         })
     }
 }

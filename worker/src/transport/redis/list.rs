@@ -22,7 +22,7 @@ use tokio::task::JoinHandle;
 
 use super::{
     BLOCK, CONTROL_TIMEOUT, Connection, NamedKey, Origin, array, body_hash, dead_letter_record,
-    integer, open, text,
+    integer, open, record_time_ms, text,
 };
 use crate::health::now_ms;
 use crate::metrics::adapter_counter;
@@ -45,6 +45,8 @@ pub struct ListSettings {
     pub heartbeat_ttl: Duration,
     pub dead_letter_list: String,
     pub batch_size: usize,
+    /// Dead letters older than this are deleted (`deadLetter.retentionDays`).
+    pub dead_letter_retention: Duration,
 }
 
 /// The Redis reliable-list transport.
@@ -309,6 +311,41 @@ impl RedisList {
         Ok(())
     }
 
+    /// Deletes dead letters older than the retention from the list's oldest (right) end, at
+    /// most a batch per call.
+    async fn trim_expired_dead_letters(&mut self) -> Result<(), TransportError> {
+        let retention =
+            u64::try_from(self.settings.dead_letter_retention.as_millis()).unwrap_or(u64::MAX);
+        let Some(cutoff) = now_ms().checked_sub(retention) else {
+            return Ok(());
+        };
+        let mut trimmed = 0;
+        while trimmed < self.settings.batch_size {
+            let mut oldest = redis::cmd("LINDEX");
+            oldest.arg(&self.settings.dead_letter_list).arg(-1);
+            let Value::BulkString(record) = self.control.query("LINDEX", &oldest).await? else {
+                break;
+            };
+            if record_time_ms(&record).is_none_or(|at| at >= cutoff) {
+                break;
+            }
+            let mut remove = redis::cmd("LREM");
+            remove
+                .arg(&self.settings.dead_letter_list)
+                .arg(-1)
+                .arg(&record);
+            self.control.query("LREM", &remove).await?;
+            trimmed += 1;
+        }
+        if trimmed > 0 {
+            tracing::info!(
+                trimmed,
+                "deleted dead letters older than deadLetter.retentionDays"
+            );
+        }
+        Ok(())
+    }
+
     /// The own processing list first (after a start or a failure), then new items.
     async fn take_items(&mut self, max: usize, block: bool) -> Result<Vec<Item>, TransportError> {
         if self.replay {
@@ -395,6 +432,15 @@ impl QueueProbe for ListProbe {
         }
         let mut lengths: Vec<u64> = self.conn.pipeline("LLEN", &pipe).await?;
         let dead_letters = (!lengths.is_empty()).then(|| lengths.remove(0));
+        // Dead letters are pushed on the left: the oldest is the rightmost.
+        let mut oldest_letter = redis::cmd("LINDEX");
+        oldest_letter.arg(&self.dead_letter_list).arg(-1);
+        let oldest_dead_letter_age = match self.conn.query("LINDEX", &oldest_letter).await? {
+            Value::BulkString(record) => {
+                record_time_ms(&record).map(|ms| Duration::from_millis(now_ms().saturating_sub(ms)))
+            }
+            _ => Some(Duration::ZERO),
+        };
         // First delivery times of every body delivered and not yet stored.
         let mut first_seen = redis::cmd("HVALS");
         first_seen.arg(&self.first_seen);
@@ -410,6 +456,7 @@ impl QueueProbe for ListProbe {
                 oldest.map_or(0, |ms| now_ms().saturating_sub(ms)),
             )),
             dead_letters,
+            oldest_dead_letter_age,
         })
     }
 }
@@ -480,7 +527,8 @@ impl Transport for RedisList {
     }
 
     async fn maintain(&mut self) -> Result<(), TransportError> {
-        self.reap_dead_consumers().await
+        self.reap_dead_consumers().await?;
+        self.trim_expired_dead_letters().await
     }
 
     fn maintenance_interval(&self) -> Duration {

@@ -4,17 +4,17 @@
 
 pub mod list;
 pub mod pubsub;
+pub mod reader;
 pub mod stream;
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use base64::Engine as _;
 use redis::aio::MultiplexedConnection;
 use redis::{AsyncConnectionConfig, Client, FromRedisValue, Value};
 use sha2::{Digest, Sha256};
 
 use super::{DeadLetter, TransportError};
-use crate::payload::fields_json;
+use crate::payload::{fields_json, insert_body};
 
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 pub const CONTROL_TIMEOUT: Duration = Duration::from_secs(10);
@@ -371,8 +371,15 @@ pub struct Origin<'a> {
     pub consumer: &'a str,
 }
 
+/// When a dead-letter record (list and pub/sub modes) was written (Unix ms): its `last_seen`.
+pub fn record_time_ms(record: &[u8]) -> Option<u64> {
+    let record: serde_json::Value = serde_json::from_slice(record).ok()?;
+    let at = humantime::parse_rfc3339(record.get("last_seen")?.as_str()?).ok()?;
+    u64::try_from(at.duration_since(UNIX_EPOCH).ok()?.as_millis()).ok()
+}
+
 /// A dead letter as one JSON document (list and pub/sub modes): the body byte-for-byte (as
-/// `body` when UTF-8, else `body_base64`) and its context.
+/// `body` when UTF-8, else `body_base64`), its context and its attempts.
 pub fn dead_letter_record<R>(letter: &DeadLetter<'_, R>, origin: Origin<'_>) -> String {
     let message = letter.message;
     let mut record = serde_json::json!({
@@ -385,16 +392,10 @@ pub fn dead_letter_record<R>(letter: &DeadLetter<'_, R>, origin: Origin<'_>) -> 
         "last_seen": now_rfc3339(),
         "headers": serde_json::from_str::<serde_json::Value>(&fields_json(&message.headers))
             .unwrap_or_default(),
+        "attempts": letter.attempts,
     });
     record[format!("origin_{}", origin.kind)] = origin.name.into();
-    match std::str::from_utf8(&message.body) {
-        Ok(body) => record["body"] = body.into(),
-        Err(_) => {
-            record["body_base64"] = base64::engine::general_purpose::STANDARD
-                .encode(&message.body)
-                .into();
-        }
-    }
+    insert_body(&mut record, &message.body);
     record.to_string()
 }
 
@@ -425,6 +426,7 @@ mod tests {
             message: &message,
             reason: PoisonReason::NotUtf8,
             error: "not UTF-8".into(),
+            attempts: crate::transport::Attempts::default(),
         };
         let origin = Origin {
             kind: "list",

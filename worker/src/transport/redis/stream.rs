@@ -88,6 +88,8 @@ pub struct StreamSettings {
     pub claim_idle: Duration,
     pub dead_letter_stream: String,
     pub batch_size: usize,
+    /// Dead letters older than this are trimmed (`deadLetter.retentionDays`).
+    pub dead_letter_retention: Duration,
 }
 
 impl StreamSettings {
@@ -107,9 +109,9 @@ impl StreamSettings {
 /// One stream entry as Redis returned it, field names and values as raw bytes (Redis allows any
 /// bytes in both); `fields` is `None` for an entry deleted from the stream while it was pending.
 #[derive(Debug)]
-struct RawEntry {
-    id: String,
-    fields: Option<Vec<(Vec<u8>, Vec<u8>)>>,
+pub(super) struct RawEntry {
+    pub(super) id: String,
+    pub(super) fields: Option<Vec<(Vec<u8>, Vec<u8>)>>,
 }
 
 /// The Redis stream transport.
@@ -136,7 +138,7 @@ fn is_nogroup(err: &TransportError) -> bool {
 const PARTITION: &str = "";
 
 /// `ms-seq` → (ms, seq).
-fn parse_id(id: &str) -> Option<(u64, u64)> {
+pub(super) fn parse_id(id: &str) -> Option<(u64, u64)> {
     let (ms, seq) = id.split_once('-')?;
     Some((ms.parse().ok()?, seq.parse().ok()?))
 }
@@ -170,7 +172,10 @@ fn into_text(value: Value) -> Option<String> {
 }
 
 /// Stream entries, taken out of the reply without copying their bytes.
-fn parse_entries(command: &'static str, value: Value) -> Result<Vec<RawEntry>, TransportError> {
+pub(super) fn parse_entries(
+    command: &'static str,
+    value: Value,
+) -> Result<Vec<RawEntry>, TransportError> {
     let items = into_array(value).ok_or_else(|| protocol(command, "entries are not an array"))?;
     items
         .into_iter()
@@ -536,6 +541,27 @@ impl RedisStream {
         Ok(())
     }
 
+    /// Trims dead letters older than the retention (`XTRIM … MINID`: entry ids are times).
+    async fn trim_expired_dead_letters(&mut self) -> Result<(), TransportError> {
+        let retention =
+            u64::try_from(self.settings.dead_letter_retention.as_millis()).unwrap_or(u64::MAX);
+        let Some(cutoff) = now_ms().checked_sub(retention) else {
+            return Ok(());
+        };
+        let mut cmd = redis::cmd("XTRIM");
+        cmd.arg(&self.settings.dead_letter_stream)
+            .arg("MINID")
+            .arg(cutoff);
+        let trimmed = integer(&self.control("XTRIM", &cmd).await?).unwrap_or(0);
+        if trimmed > 0 {
+            tracing::info!(
+                trimmed,
+                "deleted dead letters older than deadLetter.retentionDays"
+            );
+        }
+        Ok(())
+    }
+
     /// Removes other consumers that hold no pending entries and have been idle well beyond a
     /// blocking read. A consumer with pending entries is never removed.
     async fn remove_idle_consumers(&mut self) -> Result<(), TransportError> {
@@ -582,13 +608,30 @@ pub struct StreamProbe {
 
 impl StreamProbe {
     /// The age of the first entry after the group's last-delivered id (the oldest not yet
-    /// delivered) into its gauge; returns the dead-letter stream's length.
+    /// delivered) into its gauge; returns the dead-letter stream's length and the age of its
+    /// oldest entry.
     async fn record_waiting_and_count_dead_letters(
         &mut self,
         last_delivered: Option<String>,
-    ) -> Result<Option<u64>, TransportError> {
+    ) -> Result<(Option<u64>, Option<Duration>), TransportError> {
+        let age_of = |reply: Option<&Value>| {
+            reply
+                .and_then(array)
+                .and_then(|entries| entries.first())
+                .and_then(array)
+                .and_then(|entry| entry.first())
+                .and_then(text)
+                .and_then(|id| parse_id(&id))
+                .map(|(ms, _)| Duration::from_millis(now_ms().saturating_sub(ms)))
+        };
         let mut pipe = redis::pipe();
         pipe.cmd("XLEN").arg(&self.dead_letter_stream);
+        pipe.cmd("XRANGE")
+            .arg(&self.dead_letter_stream)
+            .arg("-")
+            .arg("+")
+            .arg("COUNT")
+            .arg(1);
         if let Some(last) = &last_delivered {
             pipe.cmd("XRANGE")
                 .arg(&self.stream)
@@ -599,20 +642,11 @@ impl StreamProbe {
         }
         let replies: Vec<Value> = self.conn.pipeline("XLEN+XRANGE", &pipe).await?;
         if last_delivered.is_some() {
-            let first_waiting = replies
-                .get(1)
-                .and_then(array)
-                .and_then(|entries| entries.first())
-                .and_then(array)
-                .and_then(|entry| entry.first())
-                .and_then(text)
-                .and_then(|id| parse_id(&id));
-            let age = first_waiting.map_or(Duration::ZERO, |(ms, _)| {
-                Duration::from_millis(now_ms().saturating_sub(ms))
-            });
+            let age = age_of(replies.get(2)).unwrap_or(Duration::ZERO);
             self.oldest_waiting_age_seconds.set(age.as_secs_f64());
         }
-        Ok(replies.first().and_then(integer))
+        let count = replies.first().and_then(integer);
+        Ok((count, age_of(replies.get(1)).or(Some(Duration::ZERO))))
     }
 }
 
@@ -635,7 +669,7 @@ impl QueueProbe for StreamProbe {
         let last_delivered = group
             .as_ref()
             .and_then(|info| info.get("last-delivered-id").and_then(|v| text(v)));
-        let dead_letters = self
+        let (dead_letters, oldest_dead_letter_age) = self
             .record_waiting_and_count_dead_letters(last_delivered)
             .await?;
         let backlog = group
@@ -651,6 +685,7 @@ impl QueueProbe for StreamProbe {
             Err(err) if is_nogroup(&err) => {
                 return Ok(QueueHealth {
                     dead_letters,
+                    oldest_dead_letter_age,
                     ..QueueHealth::default()
                 });
             }
@@ -666,6 +701,7 @@ impl QueueProbe for StreamProbe {
             pending,
             oldest_pending_age: oldest_pending_age.or(Some(Duration::ZERO)),
             dead_letters,
+            oldest_dead_letter_age,
         })
     }
 }
@@ -759,6 +795,8 @@ impl Transport for RedisStream {
                 .arg(first_seen)
                 .arg("last_seen")
                 .arg(&last_seen)
+                .arg("attempts")
+                .arg(letter.attempts.to_json())
                 .ignore();
         }
         self.control.pipeline::<()>("XADD", &pipe).await
@@ -767,7 +805,8 @@ impl Transport for RedisStream {
     async fn maintain(&mut self) -> Result<(), TransportError> {
         let result = async {
             self.reclaim_idle_entries().await?;
-            self.remove_idle_consumers().await
+            self.remove_idle_consumers().await?;
+            self.trim_expired_dead_letters().await
         }
         .await;
         match result {

@@ -1,5 +1,7 @@
 //! Dead letters as `SendMessageBatch` entries: the body byte-identical, the context as message
-//! attributes (SQS allows ten per message), within the queue's size limit.
+//! attributes (SQS allows ten per message: nine of context and the attempts, or, when one had
+//! to be dropped to fit the size limit, `x-dlq-dropped` naming them), within the queue's size
+//! limit.
 
 use aws_sdk_sqs::error::BuildError;
 use aws_sdk_sqs::types::{MessageAttributeValue, SendMessageBatchRequestEntry};
@@ -7,7 +9,7 @@ use aws_sdk_sqs::types::{MessageAttributeValue, SendMessageBatchRequestEntry};
 use super::delete_plan::BATCH_LIMIT;
 use super::receive::SqsDelivery;
 use crate::payload::{PoisonReason, fields_json};
-use crate::transport::{rfc3339_ms, truncate};
+use crate::transport::{Attempts, rfc3339_ms, truncate};
 
 /// SQS's default (and ElasticMQ's strict) limit on one message, attributes included, and on
 /// the sum of one batch call's messages.
@@ -20,7 +22,8 @@ const MISSING_BODY: &str = "(the SQS message had no body)";
 
 /// Context attributes, in the order they are dropped when a dead letter would exceed the
 /// size limit: the long ones first.
-const DROP_ORDER: [&str; 9] = [
+const DROP_ORDER: [&str; 10] = [
+    "x-dlq-attempts",
     "x-dlq-attributes",
     "x-dlq-error",
     "x-dlq-origin",
@@ -107,6 +110,7 @@ pub fn letter(
     message: &SqsDelivery,
     reason: PoisonReason,
     error: &str,
+    attempts: &Attempts,
     context: WriteContext<'_>,
 ) -> Letter {
     let body = if message.body.is_empty() {
@@ -137,6 +141,7 @@ pub fn letter(
         ("x-dlq-message-id", "String", message.external_id.clone()),
         ("x-dlq-consumer", "String", sqs_text(context.consumer)),
         ("x-dlq-attributes", "String", fields_json(&message.headers)),
+        ("x-dlq-attempts", "String", sqs_text(&attempts.to_json())),
     ];
     // SQS refuses empty attribute values.
     attributes.retain(|(_, _, value)| !value.is_empty());
@@ -254,6 +259,7 @@ mod tests {
             &message("{\"id\": 1} ", headers),
             PoisonReason::InvalidJson,
             "expected value",
+            &Attempts::default(),
             context(true, DEFAULT_MAX_MESSAGE_BYTES),
         );
         assert_eq!(letter.body, "{\"id\": 1} ");
@@ -275,6 +281,7 @@ mod tests {
             &message("x", Vec::new()),
             PoisonReason::Oversize,
             "",
+            &Attempts::default(),
             context(false, DEFAULT_MAX_MESSAGE_BYTES),
         );
         assert_eq!(standard.group, None);
@@ -294,16 +301,18 @@ mod tests {
             &message(&body, headers),
             PoisonReason::Oversize,
             &"e".repeat(5000),
+            &Attempts::default(),
             context(false, max),
         );
         assert!(letter.size() <= max, "{} > {max}", letter.size());
         assert_eq!(letter.body, body);
+        assert_eq!(attribute(&letter, "x-dlq-attempts"), None);
         assert_eq!(attribute(&letter, "x-dlq-attributes"), None);
         assert_eq!(attribute(&letter, "x-dlq-error"), None);
         assert_eq!(attribute(&letter, "x-dlq-reason"), Some("oversize"));
         assert_eq!(
             attribute(&letter, "x-dlq-dropped"),
-            Some("x-dlq-attributes,x-dlq-error")
+            Some("x-dlq-attempts,x-dlq-attributes,x-dlq-error")
         );
     }
 
@@ -313,6 +322,7 @@ mod tests {
             &message(&"b".repeat(100), Vec::new()),
             PoisonReason::Oversize,
             "too big",
+            &Attempts::default(),
             context(false, 50),
         );
         assert_eq!(letter.body.len(), 100);
@@ -325,6 +335,7 @@ mod tests {
             &message("x", Vec::new()),
             PoisonReason::Rejected,
             &format!("bad\u{0}byte {}", "é".repeat(3000)),
+            &Attempts::default(),
             context(false, DEFAULT_MAX_MESSAGE_BYTES),
         );
         let error = attribute(&letter, "x-dlq-error").expect("error");
@@ -339,6 +350,7 @@ mod tests {
             &message("x", Vec::new()),
             PoisonReason::Rejected,
             "e",
+            &Attempts::default(),
             context(false, DEFAULT_MAX_MESSAGE_BYTES),
         );
         let letters = vec![small.clone(); 23];

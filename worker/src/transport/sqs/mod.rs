@@ -48,6 +48,7 @@ mod client;
 mod dead_letter;
 mod delete_plan;
 mod in_flight;
+pub mod reader;
 mod receive;
 
 use std::time::{Duration, Instant};
@@ -92,6 +93,9 @@ pub struct SqsSettings {
     /// `spec.delivery.deadLetter.queueUrl`; default: the queue's URL with `-dlq`.
     pub dead_letter_queue_url: Option<String>,
     pub batch_size: usize,
+    /// `spec.delivery.deadLetter.retentionDays`: the worker warns when the dead-letter queue
+    /// keeps messages for less (SQS's own `MessageRetentionPeriod` decides).
+    pub dead_letter_retention: Duration,
 }
 
 /// The SQS transport's own counters.
@@ -616,6 +620,7 @@ impl QueueProbe for SqsProbe {
             pending: numbers.get(&NotVisible).copied(),
             oldest_pending_age: Some(self.held.oldest_age(now_ms())),
             dead_letters,
+            oldest_dead_letter_age: None,
         })
     }
 }
@@ -684,6 +689,7 @@ impl Transport for Sqs {
                 &[
                     QueueAttributeName::FifoQueue,
                     QueueAttributeName::MaximumMessageSize,
+                    QueueAttributeName::MessageRetentionPeriod,
                 ],
             )
             .await?;
@@ -692,6 +698,17 @@ impl Transport for Sqs {
             .unwrap_or(DEFAULT_MAX_MESSAGE_BYTES);
 
         let first = self.queues.is_none();
+        let kept = number::<u64>(&dead_letter, QueueAttributeName::MessageRetentionPeriod)
+            .map(Duration::from_secs);
+        if first && let Some(kept) = kept.filter(|kept| *kept < self.settings.dead_letter_retention)
+        {
+            tracing::warn!(
+                dead_letter_queue = %dead_letter_url,
+                retention_seconds = kept.as_secs(),
+                wanted_seconds = self.settings.dead_letter_retention.as_secs(),
+                "the dead-letter queue keeps messages for less than deadLetter.retentionDays: raise its MessageRetentionPeriod (SQS allows at most 14 days)"
+            );
+        }
         if first {
             if let Some(policy) = redrive_policy {
                 tracing::info!(
@@ -800,7 +817,13 @@ impl Transport for Sqs {
         let built: Vec<dead_letter::Letter> = letters
             .iter()
             .map(|letter| {
-                dead_letter::letter(letter.message, letter.reason, &letter.error, context)
+                dead_letter::letter(
+                    letter.message,
+                    letter.reason,
+                    &letter.error,
+                    &letter.attempts,
+                    context,
+                )
             })
             .collect();
         for range in dead_letter::batches(&built, queues.dead_letter_max_bytes) {
@@ -962,6 +985,7 @@ mod tests {
             spec: serde_json::from_value(spec).expect("spec"),
             dead_letter_queue_url: None,
             batch_size: 10,
+            dead_letter_retention: Duration::from_secs(14 * 86_400),
         }
     }
 

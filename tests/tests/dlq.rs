@@ -1,0 +1,742 @@
+//! `switchboard-worker dlq` end to end, for Redis streams, Redis lists and SQS (ElasticMQ): the
+//! real worker binary dead-letters poison and messages delivered too often, then the real `dlq`
+//! commands list, show, redrive (also when killed half-way) and purge them.
+
+use std::path::PathBuf;
+use std::process::{Command, Output, Stdio};
+use std::time::Duration;
+
+use anyhow::{Context, Result, ensure};
+use base64::Engine as _;
+use nix::sys::signal::Signal;
+use sha2::{Digest, Sha256};
+use switchboard_tests::brokers::sqs::{ElasticMq, sqs_error};
+use switchboard_tests::todos_lock::{TodosLock, wait_blocked_on_lock};
+use switchboard_tests::wait::wait_for;
+use switchboard_tests::worker::worker_binary;
+use switchboard_tests::{Fixture, source_manifest};
+
+const LONG: Duration = Duration::from_secs(120);
+/// Messages dead-lettered as poison (invalid JSON under `format: json`) per test.
+const POISON: usize = 10;
+/// Messages dead-lettered after too many deliveries per test.
+const OVERDUE: usize = 5;
+/// `maxDeliveries` of the strict manifest.
+const MAX_DELIVERIES: u32 = 3;
+
+/// Bodies that are not JSON (poison under `format: json`, stored as JSON strings under `auto`).
+fn poison_bodies(tag: &str) -> Vec<Vec<u8>> {
+    (0..POISON)
+        .map(|i| format!("not json {tag} #{i} \"quoted\" ünïcode").into_bytes())
+        .collect()
+}
+
+/// Valid JSON bodies, dead-lettered only because they were delivered too often.
+fn overdue_bodies(tag: &str) -> Vec<Vec<u8>> {
+    (0..OVERDUE)
+        .map(|i| format!(r#"{{"{tag}":{i}}}"#).into_bytes())
+        .collect()
+}
+
+/// One broker under test: its queues, how to deliver to it, how to count its dead letters.
+#[allow(async_fn_in_trait)]
+trait Case: Sized {
+    async fn start(name: &str) -> Result<Self>;
+    fn fx(&self) -> &Fixture;
+    /// The manifest: `fixed: false` is strict (JSON, `maxDeliveries` 3), `fixed: true` the one
+    /// after the fix (any payload, `maxDeliveries` 10). Same adapter, same file.
+    fn manifest(&self, fixed: bool) -> Result<PathBuf>;
+    async fn send(&self, bodies: &[Vec<u8>]) -> Result<()>;
+    /// Sends `bodies` and has each delivered `MAX_DELIVERIES` times to consumers that die
+    /// before the worker ever sees them.
+    async fn send_overdue(&self, bodies: &[Vec<u8>]) -> Result<()>;
+    /// Dead letters in the destination (SQS: visible and in flight).
+    async fn dead_letters(&self) -> Result<u64>;
+    /// Until every dead letter can be read again (SQS hides what a killed command read).
+    async fn settle(&self) -> Result<()> {
+        Ok(())
+    }
+    /// The todo queue.
+    fn queue(&self) -> &str;
+}
+
+struct StreamCase {
+    fx: Fixture,
+    name: String,
+}
+
+impl Case for StreamCase {
+    async fn start(name: &str) -> Result<Self> {
+        let fx = Fixture::start().await?;
+        let mut conn = fx.redis.connection()?;
+        redis::cmd("XGROUP")
+            .arg("CREATE")
+            .arg(name)
+            .arg("switchboard")
+            .arg("0")
+            .arg("MKSTREAM")
+            .query::<()>(&mut conn)?;
+        Ok(Self {
+            fx,
+            name: name.to_owned(),
+        })
+    }
+
+    fn fx(&self) -> &Fixture {
+        &self.fx
+    }
+
+    fn manifest(&self, fixed: bool) -> Result<PathBuf> {
+        let (delivery, payload) = manifest_settings(fixed);
+        self.fx.stream_adapter(&self.name, &delivery, payload)
+    }
+
+    async fn send(&self, bodies: &[Vec<u8>]) -> Result<()> {
+        self.fx
+            .produce(&self.name, bodies.iter().cloned())
+            .map(drop)
+    }
+
+    async fn send_overdue(&self, bodies: &[Vec<u8>]) -> Result<()> {
+        let ids = self.fx.produce(&self.name, bodies.iter().cloned())?;
+        let mut conn = self.fx.redis.connection()?;
+        redis::cmd("XREADGROUP")
+            .arg("GROUP")
+            .arg("switchboard")
+            .arg("ghost-0")
+            .arg("STREAMS")
+            .arg(&self.name)
+            .arg(">")
+            .query::<redis::Value>(&mut conn)?;
+        for ghost in 1..MAX_DELIVERIES {
+            redis::cmd("XCLAIM")
+                .arg(&self.name)
+                .arg("switchboard")
+                .arg(format!("ghost-{ghost}"))
+                .arg(0)
+                .arg(&ids)
+                .query::<redis::Value>(&mut conn)?;
+        }
+        Ok(())
+    }
+
+    async fn dead_letters(&self) -> Result<u64> {
+        self.fx.xlen(&format!("{}.dlq", self.name))
+    }
+
+    fn queue(&self) -> &str {
+        &self.name
+    }
+}
+
+struct ListCase {
+    fx: Fixture,
+    name: String,
+}
+
+impl Case for ListCase {
+    async fn start(name: &str) -> Result<Self> {
+        Ok(Self {
+            fx: Fixture::start().await?,
+            name: name.to_owned(),
+        })
+    }
+
+    fn fx(&self) -> &Fixture {
+        &self.fx
+    }
+
+    fn manifest(&self, fixed: bool) -> Result<PathBuf> {
+        let (delivery, payload) = manifest_settings(fixed);
+        self.fx.list_adapter(&self.name, &delivery, payload)
+    }
+
+    async fn send(&self, bodies: &[Vec<u8>]) -> Result<()> {
+        self.fx.push(&self.name, bodies.iter().cloned())
+    }
+
+    async fn send_overdue(&self, bodies: &[Vec<u8>]) -> Result<()> {
+        // The list transport counts deliveries per body hash: as if dead consumers had taken
+        // each body MAX_DELIVERIES times.
+        let mut conn = self.fx.redis.connection()?;
+        for body in bodies {
+            redis::cmd("HSET")
+                .arg(format!("{}:deliveries", self.name))
+                .arg(hex::encode(Sha256::digest(body)))
+                .arg(MAX_DELIVERIES)
+                .query::<()>(&mut conn)?;
+        }
+        self.send(bodies).await
+    }
+
+    async fn dead_letters(&self) -> Result<u64> {
+        self.fx.llen(&format!("{}.dlq", self.name))
+    }
+
+    fn queue(&self) -> &str {
+        &self.name
+    }
+}
+
+struct SqsCase {
+    fx: Fixture,
+    mq: ElasticMq,
+    name: String,
+    queue_url: String,
+    dlq_url: String,
+}
+
+impl Case for SqsCase {
+    async fn start(name: &str) -> Result<Self> {
+        let mut fx = Fixture::start().await?;
+        for (key, value) in [
+            ("AWS_ACCESS_KEY_ID", "x"),
+            ("AWS_SECRET_ACCESS_KEY", "x"),
+            ("AWS_REGION", "us-east-1"),
+        ] {
+            fx.extra_env.push((key.to_owned(), value.to_owned()));
+        }
+        let mq = ElasticMq::start()?;
+        let queue_url = mq.create_queue(name, &[]).await?;
+        let dlq_url = mq.create_queue(&format!("{name}-dlq"), &[]).await?;
+        Ok(Self {
+            fx,
+            mq,
+            name: name.to_owned(),
+            queue_url,
+            dlq_url,
+        })
+    }
+
+    fn fx(&self) -> &Fixture {
+        &self.fx
+    }
+
+    fn manifest(&self, fixed: bool) -> Result<PathBuf> {
+        let (delivery, payload) = manifest_settings(fixed);
+        let source = format!(
+            "sqs: {{queueUrl: \"{}\", endpoint: \"{}\", waitTimeSeconds: 1}}",
+            self.queue_url,
+            self.mq.endpoint()
+        );
+        self.fx.manifest(
+            &format!("{}.yaml", self.name),
+            &source_manifest(&self.name, &source, &delivery, payload),
+        )
+    }
+
+    async fn send(&self, bodies: &[Vec<u8>]) -> Result<()> {
+        self.mq
+            .send_bodies(&self.queue_url, bodies.iter().cloned())
+            .await
+            .map(drop)
+    }
+
+    async fn send_overdue(&self, bodies: &[Vec<u8>]) -> Result<()> {
+        self.send(bodies).await?;
+        // Received MAX_DELIVERIES times (or more) by a consumer that never deletes them.
+        let client = self.mq.client();
+        let mut receipts: std::collections::HashMap<String, u32> = Default::default();
+        while receipts.len() < bodies.len()
+            || receipts.values().any(|count| *count < MAX_DELIVERIES)
+        {
+            let output = client
+                .receive_message()
+                .queue_url(&self.queue_url)
+                .max_number_of_messages(10)
+                .visibility_timeout(0)
+                .wait_time_seconds(1)
+                .send()
+                .await
+                .map_err(|err| sqs_error("ReceiveMessage", err))?;
+            for message in output.messages.unwrap_or_default() {
+                *receipts
+                    .entry(message.message_id.unwrap_or_default())
+                    .or_default() += 1;
+            }
+        }
+        Ok(())
+    }
+
+    async fn dead_letters(&self) -> Result<u64> {
+        let counts = self.mq.count(&self.dlq_url).await?;
+        Ok(counts.visible + counts.in_flight)
+    }
+
+    async fn settle(&self) -> Result<()> {
+        wait_for(LONG, "every dead letter is visible again", || async {
+            Ok(self.mq.count(&self.dlq_url).await?.in_flight == 0)
+        })
+        .await
+    }
+
+    fn queue(&self) -> &str {
+        &self.name
+    }
+}
+
+fn manifest_settings(fixed: bool) -> (String, &'static str) {
+    if fixed {
+        (
+            "batchSize: 10, maxDeliveries: 10, claimIdleSeconds: 1".to_owned(),
+            "format: auto",
+        )
+    } else {
+        (
+            format!("batchSize: 10, maxDeliveries: {MAX_DELIVERIES}, claimIdleSeconds: 1"),
+            "format: json",
+        )
+    }
+}
+
+/// `switchboard-worker dlq <args>` with the fixture's environment, standard input not a terminal.
+fn dlq_command<C: Case>(case: &C, args: &[&str]) -> Result<Command> {
+    let fx = case.fx();
+    let mut cmd = Command::new(worker_binary()?);
+    cmd.arg("dlq")
+        .args(args)
+        .env("DATABASE_URL", &fx.env.database_url)
+        .env("REDIS_URL", &fx.env.redis_url)
+        .stdin(Stdio::null());
+    for (key, value) in &fx.extra_env {
+        cmd.env(key, value);
+    }
+    Ok(cmd)
+}
+
+/// Runs `dlq <args>` to its end.
+fn dlq<C: Case>(case: &C, args: &[&str]) -> Result<Output> {
+    Ok(dlq_command(case, args)?.output()?)
+}
+
+/// Runs `dlq <args>`, which must succeed; returns its standard output.
+fn dlq_ok<C: Case>(case: &C, args: &[&str]) -> Result<Vec<u8>> {
+    let output = dlq(case, args)?;
+    ensure!(
+        output.status.success(),
+        "dlq {args:?} failed ({:?}):\n{}",
+        output.status,
+        String::from_utf8_lossy(&output.stderr)
+    );
+    Ok(output.stdout)
+}
+
+/// `dlq list -o json`: one object per line.
+fn list_json<C: Case>(case: &C, file: &str) -> Result<Vec<serde_json::Value>> {
+    let stdout = dlq_ok(case, &["list", "--file", file, "-o", "json"])?;
+    String::from_utf8(stdout)?
+        .lines()
+        .map(|line| {
+            let value: serde_json::Value = serde_json::from_str(line)
+                .with_context(|| format!("not one JSON object per line: {line}"))?;
+            ensure!(value.is_object(), "not an object: {line}");
+            Ok(value)
+        })
+        .collect()
+}
+
+/// The body of a `-o json` letter: `body` (UTF-8) or `body_base64`.
+fn body_of(letter: &serde_json::Value) -> Result<Vec<u8>> {
+    match (letter["body"].as_str(), letter["body_base64"].as_str()) {
+        (Some(body), None) => Ok(body.as_bytes().to_vec()),
+        (None, Some(encoded)) => Ok(base64::engine::general_purpose::STANDARD.decode(encoded)?),
+        _ => anyhow::bail!("a letter must have exactly one of body and body_base64: {letter}"),
+    }
+}
+
+fn path_text(path: &std::path::Path) -> Result<&str> {
+    path.to_str().context("temporary paths are UTF-8")
+}
+
+/// Dead-letters `POISON` poison and `OVERDUE` overdue messages with the strict manifest; returns
+/// the manifest path and every body sent.
+async fn dead_letter_fifteen<C: Case>(case: &C, tag: &str) -> Result<(PathBuf, Vec<Vec<u8>>)> {
+    let strict = case.manifest(false)?;
+    let overdue = overdue_bodies(tag);
+    case.send_overdue(&overdue).await?;
+    let poison = poison_bodies(tag);
+    case.send(&poison).await?;
+    let mut worker = case.fx().worker(&strict, "strict")?;
+    wait_for(LONG, "every message is dead-lettered", || async {
+        Ok(case.dead_letters().await? == (POISON + OVERDUE) as u64)
+    })
+    .await
+    .with_context(|| worker.log_tail())?;
+    worker.signal(Signal::SIGTERM)?;
+    let status = worker.wait_exit(Duration::from_secs(30))?;
+    ensure!(status.success(), "the worker stops cleanly: {status:?}");
+    ensure!(
+        case.fx().todo_count(case.queue()).await? == 0,
+        "nothing dead-lettered is stored"
+    );
+    Ok((strict, overdue.into_iter().chain(poison).collect()))
+}
+
+/// Acceptance 1: list shows every letter with its reason; show prints the body byte-identical
+/// and the attempts with timestamps; after the fix, redrive --all makes one todo each and
+/// empties the dead-letter destination.
+async fn listed_shown_and_redriven_into_one_todo_each<C: Case>(name: &str) -> Result<()> {
+    let case = C::start(name).await?;
+    let (manifest, sent) = dead_letter_fifteen(&case, name).await?;
+    let file = path_text(&manifest)?.to_owned();
+
+    let letters = list_json(&case, &file)?;
+    ensure!(letters.len() == POISON + OVERDUE, "15 letters: {letters:?}");
+    let reasons = |wanted: &str| {
+        letters
+            .iter()
+            .filter(|letter| letter["reason"] == wanted)
+            .count()
+    };
+    ensure!(
+        reasons("invalid_json") == POISON && reasons("max_deliveries") == OVERDUE,
+        "reasons: {letters:?}"
+    );
+    let mut bodies: Vec<Vec<u8>> = letters.iter().map(body_of).collect::<Result<_>>()?;
+    let mut expected = sent.clone();
+    bodies.sort();
+    expected.sort();
+    ensure!(bodies == expected, "every body comes back byte-identical");
+
+    let table = String::from_utf8(dlq_ok(&case, &["list", "--file", &file])?)?;
+    ensure!(
+        table.starts_with("ID") && table.contains("LAST ERROR"),
+        "{table}"
+    );
+    ensure!(
+        table.lines().count() == 1 + POISON + OVERDUE,
+        "a header and a row per letter:\n{table}"
+    );
+    let only_overdue = list_json_filtered(&case, &file, "max_deliveries")?;
+    ensure!(only_overdue == OVERDUE, "--reason filters");
+
+    for letter in &letters {
+        let id = letter["id"].as_str().context("id")?;
+        let raw = dlq_ok(&case, &["show", "--file", &file, id, "-o", "raw"])?;
+        ensure!(
+            raw == body_of(letter)?,
+            "show -o raw prints the body as it was"
+        );
+        let page = String::from_utf8(dlq_ok(&case, &["show", "--file", &file, id])?)?;
+        let attempts = &letter["attempts"]["recent"];
+        let last = attempts
+            .as_array()
+            .and_then(|a| a.last())
+            .with_context(|| format!("the letter carries its attempts: {letter}"))?;
+        let at = last["at"].as_str().context("an attempt has a time")?;
+        ensure!(
+            humantime::parse_rfc3339(at).is_ok(),
+            "attempt time {at} is RFC 3339"
+        );
+        ensure!(
+            last["outcome"] == letter["reason"] && last["consumer"] == "strict",
+            "the last attempt is the dead-lettering one: {last}"
+        );
+        ensure!(
+            page.contains("attempts:") && page.contains(at),
+            "show prints the attempts:\n{page}"
+        );
+    }
+
+    let fixed = case.manifest(true)?;
+    let _worker = case.fx().worker(&fixed, "fixed")?;
+    let summary = String::from_utf8(dlq_ok(&case, &["redrive", "--file", &file, "--all"])?)?;
+    ensure!(summary.contains("15 redriven"), "summary line: {summary}");
+    wait_for(LONG, "a todo per redriven letter", || async {
+        Ok(case.fx().todo_count(case.queue()).await? == (POISON + OVERDUE) as i64)
+    })
+    .await?;
+    ensure!(case.dead_letters().await? == 0, "the destination is empty");
+    case.fx()
+        .assert_exactly_once(case.queue(), (POISON + OVERDUE) as i64)
+        .await
+}
+
+fn list_json_filtered<C: Case>(case: &C, file: &str, reason: &str) -> Result<usize> {
+    let stdout = dlq_ok(
+        case,
+        &["list", "--file", file, "-o", "json", "--reason", reason],
+    )?;
+    Ok(String::from_utf8(stdout)?.lines().count())
+}
+
+/// Acceptance 2: a redrive killed half-way, then run again, leaves exactly one todo per
+/// letter, none lost, the destination empty.
+async fn redrive_killed_half_way_then_rerun_leaves_one_todo_each<C: Case>(
+    name: &str,
+) -> Result<()> {
+    let case = C::start(name).await?;
+    let (manifest, _) = dead_letter_fifteen(&case, name).await?;
+    let file = path_text(&manifest)?.to_owned();
+    let fixed = case.manifest(true)?;
+    let _worker = case.fx().worker(&fixed, "fixed")?;
+    let mut slow = dlq_command(
+        &case,
+        &["redrive", "--file", &file, "--all", "--rate", "2/s"],
+    )?
+    .stdout(Stdio::null())
+    .stderr(Stdio::null())
+    .spawn()?;
+    let total = (POISON + OVERDUE) as i64;
+    wait_for(LONG, "a few letters redriven", || async {
+        Ok(case.dead_letters().await? <= (POISON + OVERDUE - 3) as u64)
+    })
+    .await?;
+    // SIGKILL: no chance to finish the letter in hand or to hand anything back.
+    slow.kill()?;
+    slow.wait()?;
+    let left = case.dead_letters().await?;
+    ensure!(left > 0, "killed half-way: {left} letters left");
+    case.settle().await?;
+    let summary = String::from_utf8(dlq_ok(&case, &["redrive", "--file", &file, "--all"])?)?;
+    ensure!(summary.contains("0 failed"), "{summary}");
+    wait_for(LONG, "a todo per letter", || async {
+        Ok(case.fx().todo_count(case.queue()).await? == total)
+    })
+    .await?;
+    ensure!(case.dead_letters().await? == 0, "the destination is empty");
+    case.fx().assert_exactly_once(case.queue(), total).await
+}
+
+/// Acceptance 3: purge --older-than removes only older letters; without --yes and without a
+/// terminal it refuses, saying why, and deletes nothing.
+async fn purge_removes_only_older_letters_and_refuses_unconfirmed<C: Case>(
+    name: &str,
+) -> Result<()> {
+    let case = C::start(name).await?;
+    let strict = case.manifest(false)?;
+    let file = path_text(&strict)?.to_owned();
+    let _worker = case.fx().worker(&strict, "strict")?;
+    let old = poison_bodies("old");
+    case.send(&old[..5]).await?;
+    wait_for(LONG, "the first letters", || async {
+        Ok(case.dead_letters().await? == 5)
+    })
+    .await?;
+    let newest_old = latest_dead_lettered_at(&list_json(&case, &file)?)?;
+    // The next letters are dead-lettered clearly later than the first ones.
+    wait_for(LONG, "two seconds past the first letters", || async {
+        Ok(now_ms() > newest_old + 2_000)
+    })
+    .await?;
+    case.send(&poison_bodies("new")[..5]).await?;
+    wait_for(LONG, "the next letters", || async {
+        Ok(case.dead_letters().await? == 10)
+    })
+    .await?;
+    case.settle().await?;
+    let letters = list_json(&case, &file)?;
+    let oldest_new = letters
+        .iter()
+        .filter(|letter| body_of(letter).is_ok_and(|body| !old.contains(&body)))
+        .filter_map(dead_lettered_at)
+        .min()
+        .context("the new letters have times")?;
+    ensure!(oldest_new > newest_old, "the batches are apart in time");
+    let cutoff = |now: u64| format!("{}ms", now - (newest_old + oldest_new) / 2);
+
+    let refused = dlq(
+        &case,
+        &["purge", "--file", &file, "--older-than", &cutoff(now_ms())],
+    )?;
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    ensure!(
+        !refused.status.success() && stderr.contains("--yes") && stderr.contains("terminal"),
+        "without --yes and a terminal purge refuses: {:?} {stderr}",
+        refused.status
+    );
+    case.settle().await?;
+    ensure!(case.dead_letters().await? == 10, "nothing was deleted");
+
+    let summary = String::from_utf8(dlq_ok(
+        &case,
+        &[
+            "purge",
+            "--file",
+            &file,
+            "--older-than",
+            &cutoff(now_ms()),
+            "--yes",
+        ],
+    )?)?;
+    ensure!(summary.contains("5 dead letters deleted"), "{summary}");
+    case.settle().await?;
+    let left = list_json(&case, &file)?;
+    ensure!(left.len() == 5, "only the older letters are gone: {left:?}");
+    for letter in &left {
+        ensure!(!old.contains(&body_of(letter)?), "an older letter was kept");
+    }
+    Ok(())
+}
+
+fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_millis() as u64
+}
+
+/// When a `-o json` letter was dead-lettered (Unix ms).
+fn dead_lettered_at(letter: &serde_json::Value) -> Option<u64> {
+    let at = humantime::parse_rfc3339(letter["dead_lettered_at"].as_str()?).ok()?;
+    u64::try_from(at.duration_since(std::time::UNIX_EPOCH).ok()?.as_millis()).ok()
+}
+
+fn latest_dead_lettered_at(letters: &[serde_json::Value]) -> Result<u64> {
+    letters
+        .iter()
+        .filter_map(dead_lettered_at)
+        .max()
+        .context("letters have their dead-lettering time")
+}
+
+/// Acceptance 4: `-o json` is one JSON object per line and round-trips bodies, non-UTF-8 ones as
+/// base64 (where the broker carries bytes: SQS bodies are text).
+async fn json_output_round_trips_bodies<C: Case>(name: &str, binary: bool) -> Result<()> {
+    let case = C::start(name).await?;
+    let strict = case.manifest(false)?;
+    let file = path_text(&strict)?.to_owned();
+    let mut sent = poison_bodies(name)[..3].to_vec();
+    sent.push("{\"cut\": ".as_bytes().to_vec());
+    if binary {
+        sent.push(vec![0xff, 0xfe, 0x00, 0x01, b'{']);
+    }
+    case.send(&sent).await?;
+    let _worker = case.fx().worker(&strict, "strict")?;
+    wait_for(LONG, "every message is dead-lettered", || async {
+        Ok(case.dead_letters().await? == sent.len() as u64)
+    })
+    .await?;
+    let letters = list_json(&case, &file)?;
+    let mut bodies: Vec<Vec<u8>> = letters.iter().map(body_of).collect::<Result<_>>()?;
+    bodies.sort();
+    sent.sort();
+    ensure!(bodies == sent, "bodies round-trip: {letters:?}");
+    if binary {
+        let encoded = letters
+            .iter()
+            .filter(|letter| letter.get("body_base64").is_some())
+            .count();
+        ensure!(
+            encoded == 1,
+            "exactly the non-UTF-8 body is base64: {letters:?}"
+        );
+    }
+    for letter in &letters {
+        let id = letter["id"].as_str().context("id")?;
+        let shown: serde_json::Value = serde_json::from_slice(&dlq_ok(
+            &case,
+            &["show", "--file", &file, id, "-o", "json"],
+        )?)?;
+        ensure!(
+            body_of(&shown)? == body_of(letter)?,
+            "show -o json round-trips too"
+        );
+    }
+    Ok(())
+}
+
+macro_rules! dlq_suite {
+    ($module:ident, $case:ty, binary: $binary:expr) => {
+        mod $module {
+            use super::*;
+
+            #[tokio::test]
+            async fn dead_letters_are_listed_shown_and_redriven_into_one_todo_each() -> Result<()> {
+                listed_shown_and_redriven_into_one_todo_each::<$case>("redrive").await
+            }
+
+            #[tokio::test]
+            async fn redrive_killed_half_way_then_run_again_leaves_exactly_one_todo_each()
+            -> Result<()> {
+                redrive_killed_half_way_then_rerun_leaves_one_todo_each::<$case>("killed").await
+            }
+
+            #[tokio::test]
+            async fn purge_removes_only_older_letters_and_refuses_without_yes_or_terminal()
+            -> Result<()> {
+                purge_removes_only_older_letters_and_refuses_unconfirmed::<$case>("purge").await
+            }
+
+            #[tokio::test]
+            async fn json_output_is_one_object_per_line_and_round_trips_bodies() -> Result<()> {
+                json_output_round_trips_bodies::<$case>("json", $binary).await
+            }
+        }
+    };
+}
+
+dlq_suite!(redis_stream, StreamCase, binary: true);
+dlq_suite!(redis_list, ListCase, binary: true);
+dlq_suite!(sqs, SqsCase, binary: false);
+
+/// The attempts survive a worker that dies with the message: a redelivery is recorded when it
+/// is received, before it is stored, and the dead letter the message finally becomes carries it.
+#[tokio::test]
+async fn attempts_of_a_worker_that_died_with_the_message_travel_with_its_dead_letter() -> Result<()>
+{
+    let case = StreamCase::start("crashed").await?;
+    let fx = case.fx();
+    let manifest = case.manifest(false)?;
+    let file = path_text(&manifest)?.to_owned();
+    // Delivered once to a consumer that died: the next worker receives its second delivery.
+    let ids = fx.produce("crashed", overdue_bodies("crashed")[..1].to_vec())?;
+    let mut conn = fx.redis.connection()?;
+    redis::cmd("XREADGROUP")
+        .arg("GROUP")
+        .arg("switchboard")
+        .arg("ghost-0")
+        .arg("STREAMS")
+        .arg("crashed")
+        .arg(">")
+        .query::<redis::Value>(&mut conn)?;
+    let lock = TodosLock::take(&fx.env.database_url).await?;
+    let doomed = fx.worker(&manifest, "doomed")?;
+    // It took the entry over, recorded the delivery and is storing it behind the lock.
+    wait_blocked_on_lock(fx, &doomed).await?;
+    doomed.kill()?;
+    fx.wait_disconnected("doomed").await?;
+    lock.release().await?;
+    // One more consumer takes it and dies: the next worker sees the fourth delivery.
+    redis::cmd("XCLAIM")
+        .arg("crashed")
+        .arg("switchboard")
+        .arg("ghost-1")
+        .arg(0)
+        .arg(&ids[0])
+        .query::<redis::Value>(&mut conn)?;
+    let _survivor = fx.worker(&manifest, "survivor")?;
+    wait_for(LONG, "the entry is dead-lettered", || async {
+        Ok(case.dead_letters().await? == 1)
+    })
+    .await?;
+    let letters = list_json(&case, &file)?;
+    let attempts = &letters[0]["attempts"];
+    ensure!(attempts["total"] == 4, "four deliveries: {attempts}");
+    let recent = attempts["recent"].as_array().context("attempts")?;
+    let summary: Vec<(u64, &str, &str)> = recent
+        .iter()
+        .map(|attempt| {
+            (
+                attempt["delivery"].as_u64().unwrap_or_default(),
+                attempt["consumer"].as_str().unwrap_or_default(),
+                attempt["outcome"].as_str().unwrap_or_default(),
+            )
+        })
+        .collect();
+    ensure!(
+        summary
+            == [
+                (2, "doomed", "unsettled"),
+                (4, "survivor", "max_deliveries")
+            ],
+        "the dead worker's attempt and the last one: {attempts}"
+    );
+    wait_for(LONG, "the recorded attempts are forgotten", || async {
+        let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM deliveries")
+            .fetch_one(fx.pool())
+            .await?;
+        Ok(rows == 0)
+    })
+    .await
+}

@@ -1,0 +1,613 @@
+//! `switchboard-worker dlq`: list, show, redrive and purge an adapter's dead letters, from the
+//! same manifest file and environment (`REDIS_URL`, `AWS_*`, …) the worker runs with, so the
+//! same command works locally and in the pod (`kubectl exec`).
+//!
+//! Each transport implements one small [`DeadLetterReader`]; the commands here filter, print
+//! and pace what the readers find. Redrive is itself store-then-ack: a reader publishes a letter
+//! to the source, waits for the broker's confirmation, and only then removes it from the
+//! dead-letter destination. A crash in between leaves at worst a duplicate, which the
+//! idempotency key collapses (the copy carries its original key in
+//! [`IDEMPOTENCY_KEY_HEADER`](crate::transport::IDEMPOTENCY_KEY_HEADER) where the broker has
+//! native ids).
+
+mod output;
+
+use std::io::{IsTerminal, Write};
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use switchboard_api::{RedisMode, Source};
+
+use crate::transport::redis::reader::{ListReader, StreamReader};
+use crate::transport::sqs::reader::SqsReader;
+use crate::transport::{Attempts, TransportError};
+use crate::{WorkerError, env, read_adapter};
+
+/// One dead letter as a reader found it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StoredLetter {
+    /// The letter's id in its destination: a stream entry id, an SQS message id, the first 16
+    /// hex digits of a list record's SHA-256.
+    pub id: String,
+    /// When it was dead-lettered (Unix ms), where known.
+    pub dead_lettered_at_ms: Option<u64>,
+    pub reason: Option<String>,
+    pub delivery_count: Option<u64>,
+    pub last_error: Option<String>,
+    /// The original body, byte-for-byte.
+    pub body: Vec<u8>,
+    /// The original message's fields, attributes or headers, byte-for-byte.
+    pub headers: Vec<(String, Vec<u8>)>,
+    pub attempts: Option<Attempts>,
+    /// Where it came from, for people (`stream orders, entry 1764…-0`).
+    pub origin: String,
+    /// The original message's id where the broker has native ids: its redriven copy carries
+    /// the key made from it.
+    pub original_id: Option<String>,
+    /// What the reader needs to redrive or remove it (never printed).
+    pub(crate) handle: String,
+}
+
+/// What every transport's dead-letter destination can do.
+#[allow(async_fn_in_trait)]
+pub trait DeadLetterReader {
+    /// The dead-letter destination, for people (`Redis stream orders.dlq`).
+    fn destination(&self) -> String;
+    /// Where redrive puts letters back, for people.
+    fn source(&self) -> String;
+    /// What to know before redriving (ordering, FIFO groups).
+    fn caveats(&self) -> Vec<String>;
+    /// The dead letters, oldest first, at most `limit`.
+    async fn letters(&mut self, limit: usize) -> Result<Vec<StoredLetter>, TransportError>;
+    /// Publishes `letter` to the source, waits for the broker's confirmation, and only then
+    /// removes it from the destination.
+    async fn redrive(&mut self, letter: &StoredLetter) -> Result<(), TransportError>;
+    /// Removes `letters` from the destination.
+    async fn remove(&mut self, letters: &[StoredLetter]) -> Result<(), TransportError>;
+    /// Hands back letters read and neither redriven nor removed (SQS hides what it hands out).
+    async fn release(&mut self, _letters: &[StoredLetter]) -> Result<(), TransportError> {
+        Ok(())
+    }
+}
+
+/// Why a `dlq` command failed.
+#[derive(Debug, thiserror::Error)]
+pub enum DlqError {
+    #[error(transparent)]
+    Transport(#[from] TransportError),
+    #[error("no dead letter with id {0} in {1}")]
+    NotFound(String, String),
+    #[error(
+        "`switchboard-worker dlq` does not read the dead letters of {0} yet (Redis streams and lists, and SQS, it does)"
+    )]
+    Unsupported(&'static str),
+    #[error(
+        "refusing to purge {count} dead letters without confirmation: pass --yes (standard input is not a terminal to ask on)"
+    )]
+    NotConfirmed { count: usize },
+    #[error("{0}")]
+    Usage(String),
+    #[error(
+        "{failed} of {selected} dead letters could not be redriven (see above); run the command again"
+    )]
+    Incomplete { failed: usize, selected: usize },
+    #[error("cannot write the output")]
+    Output(#[source] std::io::Error),
+}
+
+/// The manifest the commands read, as the worker runs it.
+#[derive(Debug, Clone, clap::Args)]
+pub struct Target {
+    /// The QueueAdapter manifest (the YAML you `kubectl apply`, and the worker runs).
+    #[arg(long)]
+    pub file: PathBuf,
+}
+
+/// `dlq list -o …`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum ListFormat {
+    /// A table for people.
+    Table,
+    /// One JSON object per line, the body as `body` (UTF-8) or `body_base64`.
+    Json,
+}
+
+/// `dlq show -o …`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum ShowFormat {
+    /// Context, headers, every attempt, then the body (pretty when it is JSON).
+    Text,
+    /// One JSON object, as `list -o json` prints it.
+    Json,
+    /// The body only, byte-for-byte.
+    Raw,
+}
+
+/// Letters dead-lettered per second, at most (`--rate 10` or `--rate 10/s`).
+fn per_second(text: &str) -> Result<f64, String> {
+    let number = text.strip_suffix("/s").unwrap_or(text);
+    match number.parse::<f64>() {
+        Ok(rate) if rate > 0.0 && rate.is_finite() => Ok(rate),
+        _ => Err("expected a positive number of letters per second, e.g. 10 or 10/s".to_owned()),
+    }
+}
+
+/// `switchboard-worker dlq …`.
+#[derive(Debug, Clone, clap::Subcommand)]
+pub enum DlqCommand {
+    /// List dead letters (oldest first): id, age, reason, delivery count, last error, size.
+    List {
+        #[command(flatten)]
+        target: Target,
+        /// Only letters dead-lettered for this reason (invalid_json, max_deliveries, …).
+        #[arg(long)]
+        reason: Option<String>,
+        /// Only letters dead-lettered within this long (`1h`, `2d`).
+        #[arg(long, value_parser = humantime::parse_duration)]
+        since: Option<Duration>,
+        /// At most this many letters.
+        #[arg(long, default_value_t = 1000)]
+        limit: usize,
+        #[arg(short = 'o', long, value_enum, default_value = "table")]
+        output: ListFormat,
+    },
+    /// Show one dead letter: its context, headers, every attempt and the body.
+    Show {
+        #[command(flatten)]
+        target: Target,
+        /// The letter's id, as `dlq list` prints it.
+        id: String,
+        #[arg(short = 'o', long, value_enum, default_value = "text")]
+        output: ShowFormat,
+    },
+    /// Put dead letters back on the source (publish, wait for the broker, then remove).
+    Redrive {
+        #[command(flatten)]
+        target: Target,
+        /// The letters to redrive, by id.
+        ids: Vec<String>,
+        /// Every letter.
+        #[arg(long, conflicts_with_all = ["ids", "reason"])]
+        all: bool,
+        /// Every letter dead-lettered for this reason.
+        #[arg(long, conflicts_with = "ids")]
+        reason: Option<String>,
+        /// At most this many letters per second (`10` or `10/s`).
+        #[arg(long, value_parser = per_second)]
+        rate: Option<f64>,
+        /// Say what would be redriven, change nothing.
+        #[arg(long)]
+        dry_run: bool,
+    },
+    /// Delete dead letters (all, or those older than --older-than); asks first on a terminal.
+    Purge {
+        #[command(flatten)]
+        target: Target,
+        /// Only letters dead-lettered longer ago than this (`14d`).
+        #[arg(long, value_parser = humantime::parse_duration)]
+        older_than: Option<Duration>,
+        /// Do not ask for confirmation.
+        #[arg(long)]
+        yes: bool,
+    },
+}
+
+impl DlqCommand {
+    fn target(&self) -> &Target {
+        match self {
+            DlqCommand::List { target, .. }
+            | DlqCommand::Show { target, .. }
+            | DlqCommand::Redrive { target, .. }
+            | DlqCommand::Purge { target, .. } => target,
+        }
+    }
+}
+
+/// Runs one `dlq` command against the dead-letter destination of the manifest's adapter.
+pub async fn run(command: DlqCommand) -> Result<(), WorkerError> {
+    let adapter = read_adapter(&command.target().file)?;
+    match &adapter.spec.source {
+        Source {
+            redis: Some(redis), ..
+        } => {
+            let url = env("REDIS_URL")?;
+            match redis.mode {
+                RedisMode::Stream => {
+                    execute(StreamReader::new(&adapter, redis, &url)?, command).await
+                }
+                RedisMode::List => execute(ListReader::new(&adapter, redis, &url)?, command).await,
+                RedisMode::Pubsub => Err(DlqError::Unsupported("Redis pub/sub").into()),
+            }
+        }
+        Source { sqs: Some(_), .. } => execute(SqsReader::new(&adapter).await?, command).await,
+        Source { nats: Some(_), .. } => Err(DlqError::Unsupported("NATS JetStream").into()),
+        Source { amqp: Some(_), .. } => Err(DlqError::Unsupported("AMQP").into()),
+        Source { kafka: Some(_), .. } => Err(DlqError::Unsupported("Kafka").into()),
+        _ => Err(WorkerError::NoSource),
+    }
+}
+
+/// The current time (Unix ms).
+fn now_ms() -> u64 {
+    crate::health::now_ms()
+}
+
+/// How long ago `letter` was dead-lettered, where known.
+fn age(letter: &StoredLetter) -> Option<Duration> {
+    letter
+        .dead_lettered_at_ms
+        .map(|at| Duration::from_millis(now_ms().saturating_sub(at)))
+}
+
+async fn execute<R: DeadLetterReader>(
+    mut reader: R,
+    command: DlqCommand,
+) -> Result<(), WorkerError> {
+    let result = match command {
+        DlqCommand::List {
+            reason,
+            since,
+            limit,
+            output,
+            ..
+        } => list(&mut reader, reason.as_deref(), since, limit, output).await,
+        DlqCommand::Show { id, output, .. } => show(&mut reader, &id, output).await,
+        DlqCommand::Redrive {
+            ids,
+            all,
+            reason,
+            rate,
+            dry_run,
+            ..
+        } => {
+            let selection = match (all, reason, ids.is_empty()) {
+                (true, _, _) => Selection::All,
+                (false, Some(reason), _) => Selection::Reason(reason),
+                (false, None, false) => Selection::Ids(ids),
+                (false, None, true) => {
+                    return Err(DlqError::Usage(
+                        "say what to redrive: letter ids, --reason R or --all".to_owned(),
+                    )
+                    .into());
+                }
+            };
+            redrive(&mut reader, selection, rate, dry_run).await
+        }
+        DlqCommand::Purge {
+            older_than, yes, ..
+        } => purge(&mut reader, older_than, yes).await,
+    };
+    result.map_err(WorkerError::from)
+}
+
+fn stdout_line(line: &str) -> Result<(), DlqError> {
+    let mut out = std::io::stdout().lock();
+    writeln!(out, "{line}").map_err(DlqError::Output)
+}
+
+async fn list<R: DeadLetterReader>(
+    reader: &mut R,
+    reason: Option<&str>,
+    since: Option<Duration>,
+    limit: usize,
+    format: ListFormat,
+) -> Result<(), DlqError> {
+    let letters = reader.letters(usize::MAX).await?;
+    let result = async {
+        let shown: Vec<&StoredLetter> = letters
+            .iter()
+            .filter(|letter| reason.is_none_or(|wanted| letter.reason.as_deref() == Some(wanted)))
+            .filter(|letter| since.is_none_or(|since| age(letter).is_some_and(|age| age <= since)))
+            .take(limit)
+            .collect();
+        match format {
+            ListFormat::Json => {
+                for letter in &shown {
+                    stdout_line(&output::json(letter).to_string())?;
+                }
+            }
+            ListFormat::Table => {
+                stdout_line(&output::table(&shown))?;
+                eprintln!(
+                    "{} of {} dead letters in {}",
+                    shown.len(),
+                    letters.len(),
+                    reader.destination()
+                );
+            }
+        }
+        Ok(())
+    }
+    .await;
+    reader.release(&letters).await?;
+    result
+}
+
+async fn show<R: DeadLetterReader>(
+    reader: &mut R,
+    id: &str,
+    format: ShowFormat,
+) -> Result<(), DlqError> {
+    let letters = reader.letters(usize::MAX).await?;
+    let result = match letters.iter().find(|letter| letter.id == id) {
+        None => Err(DlqError::NotFound(id.to_owned(), reader.destination())),
+        Some(letter) => {
+            let mut out = std::io::stdout().lock();
+            match format {
+                ShowFormat::Json => writeln!(out, "{}", output::json(letter)),
+                ShowFormat::Raw => out.write_all(&letter.body),
+                ShowFormat::Text => out.write_all(&output::text(letter)),
+            }
+            .and_then(|()| out.flush())
+            .map_err(DlqError::Output)
+        }
+    };
+    reader.release(&letters).await?;
+    result
+}
+
+/// What `dlq redrive` puts back.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Selection {
+    All,
+    Reason(String),
+    Ids(Vec<String>),
+}
+
+impl Selection {
+    fn takes(&self, letter: &StoredLetter) -> bool {
+        match self {
+            Selection::All => true,
+            Selection::Reason(reason) => letter.reason.as_deref() == Some(reason.as_str()),
+            Selection::Ids(ids) => ids.contains(&letter.id),
+        }
+    }
+}
+
+/// A progress line on standard error, redrawn in place, when it is a terminal.
+struct Progress {
+    total: usize,
+    shown: bool,
+}
+
+impl Progress {
+    fn new(total: usize) -> Self {
+        Self {
+            total,
+            shown: std::io::stderr().is_terminal() && total > 0,
+        }
+    }
+
+    fn update(&self, done: usize) {
+        if self.shown {
+            let width = 30;
+            let filled = done * width / self.total.max(1);
+            eprint!(
+                "\r[{}{}] {done}/{}",
+                "#".repeat(filled),
+                " ".repeat(width - filled),
+                self.total
+            );
+        }
+    }
+
+    fn finish(&self) {
+        if self.shown {
+            eprintln!();
+        }
+    }
+}
+
+async fn redrive<R: DeadLetterReader>(
+    reader: &mut R,
+    selection: Selection,
+    rate: Option<f64>,
+    dry_run: bool,
+) -> Result<(), DlqError> {
+    let letters = reader.letters(usize::MAX).await?;
+    let (chosen, rest): (Vec<StoredLetter>, Vec<StoredLetter>) = letters
+        .into_iter()
+        .partition(|letter| selection.takes(letter));
+    reader.release(&rest).await?;
+    if let Selection::Ids(ids) = &selection
+        && let Some(missing) = ids.iter().find(|id| !chosen.iter().any(|l| &l.id == *id))
+    {
+        reader.release(&chosen).await?;
+        return Err(DlqError::NotFound(missing.clone(), reader.destination()));
+    }
+    let source = reader.source();
+    if dry_run {
+        for letter in &chosen {
+            stdout_line(&format!(
+                "would redrive {} ({}) to {source}",
+                letter.id,
+                letter.reason.as_deref().unwrap_or("unknown reason")
+            ))?;
+        }
+        reader.release(&chosen).await?;
+        stdout_line(&format!(
+            "dry run: {} dead letters would be redriven from {} to {source}",
+            chosen.len(),
+            reader.destination()
+        ))?;
+        return Ok(());
+    }
+    for caveat in reader.caveats() {
+        eprintln!("note: {caveat}");
+    }
+    let interval = rate.map(|rate| Duration::from_secs_f64(1.0 / rate));
+    let progress = Progress::new(chosen.len());
+    let started = Instant::now();
+    let mut failed = 0;
+    for (index, letter) in chosen.iter().enumerate() {
+        if let Some(interval) = interval {
+            tokio::time::sleep_until((started + interval.mul_f64(index as f64)).into()).await;
+        }
+        if let Err(err) = reader.redrive(letter).await {
+            failed += 1;
+            eprintln!(
+                "\ncannot redrive {}: {}",
+                letter.id,
+                switchboard_telemetry::ErrorChain(&err)
+            );
+            if err.is_fatal() {
+                progress.finish();
+                return Err(err.into());
+            }
+        }
+        progress.update(index + 1);
+    }
+    progress.finish();
+    stdout_line(&format!(
+        "redrive: {} redriven from {} to {source}, {failed} failed, in {:.1}s",
+        chosen.len() - failed,
+        reader.destination(),
+        started.elapsed().as_secs_f64()
+    ))?;
+    if failed > 0 {
+        return Err(DlqError::Incomplete {
+            failed,
+            selected: chosen.len(),
+        });
+    }
+    Ok(())
+}
+
+async fn purge<R: DeadLetterReader>(
+    reader: &mut R,
+    older_than: Option<Duration>,
+    yes: bool,
+) -> Result<(), DlqError> {
+    let letters = reader.letters(usize::MAX).await?;
+    let (doomed, kept): (Vec<StoredLetter>, Vec<StoredLetter>) =
+        letters.into_iter().partition(|letter| {
+            older_than.is_none_or(|older_than| age(letter).is_some_and(|age| age > older_than))
+        });
+    reader.release(&kept).await?;
+    if doomed.is_empty() {
+        stdout_line(&format!(
+            "purge: nothing to delete in {}",
+            reader.destination()
+        ))?;
+        return Ok(());
+    }
+    if !yes {
+        let confirmed = std::io::stdin().is_terminal()
+            && confirm(&format!(
+                "Delete {} dead letters from {} for good? [y/N] ",
+                doomed.len(),
+                reader.destination()
+            ))?;
+        if !confirmed {
+            reader.release(&doomed).await?;
+            if !std::io::stdin().is_terminal() {
+                return Err(DlqError::NotConfirmed {
+                    count: doomed.len(),
+                });
+            }
+            stdout_line("purge: nothing deleted")?;
+            return Ok(());
+        }
+    }
+    reader.remove(&doomed).await?;
+    stdout_line(&format!(
+        "purge: {} dead letters deleted from {}, {} kept",
+        doomed.len(),
+        reader.destination(),
+        kept.len()
+    ))
+}
+
+fn confirm(question: &str) -> Result<bool, DlqError> {
+    eprint!("{question}");
+    std::io::stderr().flush().map_err(DlqError::Output)?;
+    let mut answer = String::new();
+    std::io::stdin()
+        .read_line(&mut answer)
+        .map_err(DlqError::Output)?;
+    Ok(matches!(answer.trim(), "y" | "Y" | "yes"))
+}
+
+/// The idempotency key a redriven copy carries: the one the letter's original already carried
+/// (it was itself a redriven copy), else `{source}:{id}` from its original id.
+pub(crate) fn redrive_key(
+    headers: &[(String, Vec<u8>)],
+    source: &str,
+    original_id: &str,
+) -> String {
+    headers
+        .iter()
+        .find(|(name, _)| name == crate::transport::IDEMPOTENCY_KEY_HEADER)
+        .and_then(|(_, value)| std::str::from_utf8(value).ok())
+        .filter(|key| {
+            key.strip_prefix(source)
+                .is_some_and(|rest| rest.starts_with(':'))
+        })
+        .map_or_else(|| format!("{source}:{original_id}"), str::to_owned)
+}
+
+/// Headers from their JSON form in a dead letter (`{"name": "text" | {"base64": …}}`, as
+/// [`crate::payload::fields_json`] writes them).
+pub(crate) fn headers_from_json(text: &str) -> Vec<(String, Vec<u8>)> {
+    use base64::Engine as _;
+    let Ok(serde_json::Value::Object(object)) = serde_json::from_str(text) else {
+        return Vec::new();
+    };
+    object
+        .into_iter()
+        .filter_map(|(name, value)| {
+            let bytes = match value {
+                serde_json::Value::String(text) => text.into_bytes(),
+                serde_json::Value::Object(encoded) => base64::engine::general_purpose::STANDARD
+                    .decode(encoded.get("base64")?.as_str()?)
+                    .ok()?,
+                _ => return None,
+            };
+            Some((name, bytes))
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rates_read_with_or_without_per_second() {
+        assert_eq!(per_second("10"), Ok(10.0));
+        assert_eq!(per_second("2.5/s"), Ok(2.5));
+        assert!(per_second("0").is_err());
+        assert!(per_second("fast").is_err());
+    }
+
+    #[test]
+    fn a_redriven_key_is_kept_and_a_foreign_one_ignored() {
+        let source = "redis:shop/orders";
+        assert_eq!(redrive_key(&[], source, "1-0"), "redis:shop/orders:1-0");
+        let own = vec![(
+            crate::transport::IDEMPOTENCY_KEY_HEADER.to_owned(),
+            b"redis:shop/orders:0-1".to_vec(),
+        )];
+        assert_eq!(redrive_key(&own, source, "1-0"), "redis:shop/orders:0-1");
+        let foreign = vec![(
+            crate::transport::IDEMPOTENCY_KEY_HEADER.to_owned(),
+            b"redis:shop/ordersX:0-1".to_vec(),
+        )];
+        assert_eq!(
+            redrive_key(&foreign, source, "1-0"),
+            "redis:shop/orders:1-0"
+        );
+    }
+
+    #[test]
+    fn headers_round_trip_through_their_json_form() {
+        let headers = vec![
+            ("kind".to_owned(), b"order".to_vec()),
+            ("raw".to_owned(), vec![0xff, 0x00]),
+        ];
+        let json = crate::payload::fields_json(&headers);
+        let mut back = headers_from_json(&json);
+        back.sort();
+        assert_eq!(back, headers);
+    }
+}

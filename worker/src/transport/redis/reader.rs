@@ -1,0 +1,292 @@
+//! The Redis dead-letter readers (`switchboard-worker dlq`): the dead-letter stream of stream
+//! mode and the dead-letter list of list mode.
+//!
+//! Redrive puts a letter back and removes it in one `MULTI`/`EXEC`: Redis runs both or neither,
+//! so a redrive that is killed never leaves a letter both redriven and still dead. A stream
+//! letter goes back as a new entry (the body in `bodyField`, the original fields, and
+//! [`IDEMPOTENCY_KEY_HEADER`] = `redis:{adapter}:{original entry id}`); a list letter's body is
+//! pushed back as producers push it (its key is its body's hash, so it needs no header).
+
+use redis::Value;
+use sha2::{Digest, Sha256};
+use switchboard_api::{QueueAdapter, RedisSource};
+
+use super::stream::{parse_entries, parse_id};
+use super::{CONTROL_TIMEOUT, Connection, NamedKey, array, open, record_time_ms};
+use crate::dlq::{DeadLetterReader, StoredLetter, headers_from_json, redrive_key};
+use crate::transport::{Attempts, IDEMPOTENCY_KEY_HEADER, TransportError};
+
+/// Letters removed per command of a purge.
+const CHUNK: usize = 500;
+
+/// The dead-letter stream of a stream-mode adapter.
+#[derive(Debug)]
+pub struct StreamReader {
+    conn: Connection,
+    stream: String,
+    dead_letter_stream: String,
+    body_field: String,
+    source: String,
+}
+
+impl StreamReader {
+    pub fn new(
+        adapter: &QueueAdapter,
+        redis: &RedisSource,
+        url: &str,
+    ) -> Result<Self, TransportError> {
+        let stream = redis.stream.clone().unwrap_or_default();
+        let dead_letter_stream = adapter
+            .spec
+            .delivery
+            .dead_letter
+            .stream
+            .clone()
+            .unwrap_or_else(|| format!("{stream}.dlq"));
+        let keys = vec![
+            NamedKey::new(&stream, "spec.source.redis.stream", "stream"),
+            NamedKey::new(
+                &dead_letter_stream,
+                "spec.delivery.deadLetter.stream",
+                "stream",
+            ),
+        ];
+        Ok(Self {
+            conn: Connection::new(open(url)?, CONTROL_TIMEOUT).naming(keys),
+            stream,
+            dead_letter_stream,
+            body_field: redis.body_field.clone(),
+            source: format!("redis:{}", adapter.adapter_name()),
+        })
+    }
+}
+
+/// A dead-letter stream entry as a letter (see `RedisStream::write_dead_letters`).
+fn stream_letter(id: String, fields: Vec<(Vec<u8>, Vec<u8>)>) -> StoredLetter {
+    let field = |name: &str| {
+        fields
+            .iter()
+            .find(|(field, _)| field == name.as_bytes())
+            .map(|(_, value)| value.clone())
+    };
+    let text = |name: &str| field(name).map(|value| String::from_utf8_lossy(&value).into_owned());
+    let original_id = text("origin_id");
+    StoredLetter {
+        dead_lettered_at_ms: parse_id(&id).map(|(ms, _)| ms),
+        reason: text("reason"),
+        delivery_count: text("delivery_count").and_then(|count| count.parse().ok()),
+        last_error: text("last_error"),
+        body: field("body").unwrap_or_default(),
+        headers: text("headers")
+            .map(|json| headers_from_json(&json))
+            .unwrap_or_default(),
+        attempts: text("attempts").and_then(|json| serde_json::from_str::<Attempts>(&json).ok()),
+        origin: format!(
+            "stream {}, entry {}",
+            text("origin_stream").unwrap_or_default(),
+            original_id.as_deref().unwrap_or("?")
+        ),
+        original_id,
+        handle: id.clone(),
+        id,
+    }
+}
+
+impl DeadLetterReader for StreamReader {
+    fn destination(&self) -> String {
+        format!("Redis stream {}", self.dead_letter_stream)
+    }
+
+    fn source(&self) -> String {
+        format!("Redis stream {}", self.stream)
+    }
+
+    fn caveats(&self) -> Vec<String> {
+        vec![format!(
+            "redriven letters (oldest first) are new entries at the end of {}: after what was added since they dead-lettered",
+            self.stream
+        )]
+    }
+
+    async fn letters(&mut self, limit: usize) -> Result<Vec<StoredLetter>, TransportError> {
+        let mut range = redis::cmd("XRANGE");
+        range.arg(&self.dead_letter_stream).arg("-").arg("+");
+        if limit < usize::MAX {
+            range.arg("COUNT").arg(limit);
+        }
+        let entries = parse_entries("XRANGE", self.conn.query("XRANGE", &range).await?)?;
+        Ok(entries
+            .into_iter()
+            .filter_map(|entry| Some(stream_letter(entry.id, entry.fields?)))
+            .collect())
+    }
+
+    async fn redrive(&mut self, letter: &StoredLetter) -> Result<(), TransportError> {
+        let original = letter.original_id.as_deref().unwrap_or(&letter.id);
+        let key = redrive_key(&letter.headers, &self.source, original);
+        let mut pipe = redis::pipe();
+        pipe.atomic();
+        let add = pipe
+            .cmd("XADD")
+            .arg(&self.stream)
+            .arg("*")
+            .arg(&self.body_field)
+            .arg(&letter.body);
+        for (name, value) in &letter.headers {
+            if name != IDEMPOTENCY_KEY_HEADER {
+                add.arg(name).arg(value);
+            }
+        }
+        add.arg(IDEMPOTENCY_KEY_HEADER).arg(&key).ignore();
+        pipe.cmd("XDEL")
+            .arg(&self.dead_letter_stream)
+            .arg(&letter.handle)
+            .ignore();
+        self.conn.pipeline::<()>("XADD+XDEL", &pipe).await
+    }
+
+    async fn remove(&mut self, letters: &[StoredLetter]) -> Result<(), TransportError> {
+        for chunk in letters.chunks(CHUNK) {
+            let mut delete = redis::cmd("XDEL");
+            delete.arg(&self.dead_letter_stream);
+            for letter in chunk {
+                delete.arg(&letter.handle);
+            }
+            self.conn.query("XDEL", &delete).await?;
+        }
+        Ok(())
+    }
+}
+
+/// The dead-letter list of a list-mode adapter.
+#[derive(Debug)]
+pub struct ListReader {
+    conn: Connection,
+    list: String,
+    dead_letter_list: String,
+}
+
+impl ListReader {
+    pub fn new(
+        adapter: &QueueAdapter,
+        redis: &RedisSource,
+        url: &str,
+    ) -> Result<Self, TransportError> {
+        let list = redis.list.clone().unwrap_or_default();
+        let dead_letter_list = adapter
+            .spec
+            .delivery
+            .dead_letter
+            .list
+            .clone()
+            .unwrap_or_else(|| format!("{list}.dlq"));
+        let keys = vec![
+            NamedKey::new(&list, "spec.source.redis.list", "list"),
+            NamedKey::new(&dead_letter_list, "spec.delivery.deadLetter.list", "list"),
+        ];
+        Ok(Self {
+            conn: Connection::new(open(url)?, CONTROL_TIMEOUT).naming(keys),
+            list,
+            dead_letter_list,
+        })
+    }
+}
+
+/// A dead-letter list record (see `dead_letter_record`) as a letter; `None` if it is not one.
+fn list_letter(record: &[u8]) -> Option<StoredLetter> {
+    use base64::Engine as _;
+    let handle = String::from_utf8(record.to_vec()).ok()?;
+    let json: serde_json::Value = serde_json::from_slice(record).ok()?;
+    let text = |name: &str| json.get(name).and_then(|v| v.as_str()).map(str::to_owned);
+    let body = match (text("body"), text("body_base64")) {
+        (Some(body), _) => body.into_bytes(),
+        (None, Some(encoded)) => base64::engine::general_purpose::STANDARD
+            .decode(encoded)
+            .ok()?,
+        (None, None) => return None,
+    };
+    let origin = match (text("origin_list"), text("origin_channel")) {
+        (Some(list), _) => format!("list {list}"),
+        (None, Some(channel)) => format!("channel {channel}"),
+        (None, None) => "?".to_owned(),
+    };
+    Some(StoredLetter {
+        id: hex::encode(&Sha256::digest(record)[..8]),
+        dead_lettered_at_ms: record_time_ms(record),
+        reason: text("reason"),
+        delivery_count: json.get("delivery_count").and_then(|v| v.as_u64()),
+        last_error: text("last_error"),
+        body,
+        headers: json
+            .get("headers")
+            .map(|headers| headers_from_json(&headers.to_string()))
+            .unwrap_or_default(),
+        attempts: json
+            .get("attempts")
+            .and_then(|attempts| serde_json::from_value::<Attempts>(attempts.clone()).ok()),
+        origin,
+        original_id: None,
+        handle,
+    })
+}
+
+impl DeadLetterReader for ListReader {
+    fn destination(&self) -> String {
+        format!("Redis list {}", self.dead_letter_list)
+    }
+
+    fn source(&self) -> String {
+        format!("Redis list {}", self.list)
+    }
+
+    fn caveats(&self) -> Vec<String> {
+        vec![format!(
+            "redriven letters (oldest first) are pushed onto {} as producers push: after what waits there now",
+            self.list
+        )]
+    }
+
+    async fn letters(&mut self, limit: usize) -> Result<Vec<StoredLetter>, TransportError> {
+        // Letters are pushed on the left: the oldest is the rightmost.
+        let mut range = redis::cmd("LRANGE");
+        range.arg(&self.dead_letter_list).arg(0).arg(-1);
+        let reply = self.conn.query("LRANGE", &range).await?;
+        Ok(array(&reply)
+            .unwrap_or_default()
+            .iter()
+            .rev()
+            .filter_map(|value| match value {
+                Value::BulkString(record) => list_letter(record),
+                _ => None,
+            })
+            .take(limit)
+            .collect())
+    }
+
+    async fn redrive(&mut self, letter: &StoredLetter) -> Result<(), TransportError> {
+        let mut pipe = redis::pipe();
+        pipe.atomic();
+        pipe.cmd("LPUSH").arg(&self.list).arg(&letter.body).ignore();
+        pipe.cmd("LREM")
+            .arg(&self.dead_letter_list)
+            .arg(-1)
+            .arg(&letter.handle)
+            .ignore();
+        self.conn.pipeline::<()>("LPUSH+LREM", &pipe).await
+    }
+
+    async fn remove(&mut self, letters: &[StoredLetter]) -> Result<(), TransportError> {
+        for chunk in letters.chunks(CHUNK) {
+            let mut pipe = redis::pipe();
+            for letter in chunk {
+                pipe.cmd("LREM")
+                    .arg(&self.dead_letter_list)
+                    .arg(-1)
+                    .arg(&letter.handle)
+                    .ignore();
+            }
+            self.conn.pipeline::<()>("LREM", &pipe).await?;
+        }
+        Ok(())
+    }
+}

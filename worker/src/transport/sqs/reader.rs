@@ -1,0 +1,400 @@
+//! The SQS dead-letter reader (`switchboard-worker dlq`).
+//!
+//! SQS has no way to look at a queue without receiving from it: the reader receives every
+//! letter with a short visibility timeout ([`HOLD`]), so each is seen once per command, and
+//! hands back what it did not redrive or delete (`ChangeMessageVisibility` 0) when done. A
+//! command that is killed leaves its letters hidden until their visibility expires.
+//!
+//! A letter the worker wrote carries its context as `x-dlq-*` attributes and the original
+//! attributes in `x-dlq-attributes`; a letter SQS moved itself (the source queue's
+//! `RedrivePolicy`) is the original message: its attempts are the ones the worker recorded in
+//! PostgreSQL (read when `DATABASE_URL` is set). Redrive sends the body and the original message
+//! attributes to the source queue with [`IDEMPOTENCY_KEY_HEADER`] = `sqs:{adapter}:{original
+//! MessageId}`, waits for SQS to accept it, then deletes the letter.
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use aws_sdk_sqs::primitives::Blob;
+use aws_sdk_sqs::types::{
+    Message as SqsMessage, MessageAttributeValue, MessageSystemAttributeName,
+};
+use prometheus_client::registry::Registry;
+use sha2::{Digest, Sha256};
+use switchboard_api::QueueAdapter;
+use switchboard_store::Store;
+
+use super::classify::Addressed;
+use super::{Sqs, SqsSettings};
+use crate::dlq::{DeadLetterReader, StoredLetter, headers_from_json, redrive_key};
+use crate::transport::{Attempt, Attempts, IDEMPOTENCY_KEY_HEADER, Transport, TransportError};
+
+/// How long a letter read by a command stays hidden from other readers (seconds).
+const HOLD: i32 = 20;
+/// A letter read longer ago than this is hidden afresh before it is deleted.
+const REFRESH_AFTER: Duration = Duration::from_secs(10);
+/// SQS's limit on message attributes per message.
+const MAX_ATTRIBUTES: usize = 10;
+/// The reason shown for a letter SQS moved itself.
+pub const REDRIVE_POLICY_REASON: &str = "redrive_policy";
+
+/// System attributes the worker keeps among a message's headers: not sent back as message
+/// attributes on redrive.
+fn is_system_attribute(name: &str) -> bool {
+    MessageSystemAttributeName::values().contains(&name)
+}
+
+/// The dead-letter queue of an SQS adapter.
+#[derive(Debug)]
+pub struct SqsReader {
+    sqs: Sqs,
+    /// Where the attempts of letters SQS moved itself are recorded, if `DATABASE_URL` is set.
+    store: Option<Store>,
+    /// When each letter of this command was received, by receipt handle.
+    read_at: HashMap<String, Instant>,
+}
+
+fn text(attributes: &HashMap<String, MessageAttributeValue>, name: &str) -> Option<String> {
+    attributes.get(name).and_then(|v| v.string_value.clone())
+}
+
+fn rfc3339_to_ms(text: &str) -> Option<u64> {
+    let at = humantime::parse_rfc3339(text).ok()?;
+    u64::try_from(at.duration_since(std::time::UNIX_EPOCH).ok()?.as_millis()).ok()
+}
+
+impl SqsReader {
+    /// Connects with the adapter's settings and checks the queues as the worker does.
+    pub async fn new(adapter: &QueueAdapter) -> Result<Self, TransportError> {
+        let Some(spec) = adapter.spec.source.sqs.clone() else {
+            return Err(TransportError::fatal(
+                "spec.source.sqs",
+                "not an SQS adapter",
+                None,
+            ));
+        };
+        let settings = SqsSettings {
+            adapter: adapter.adapter_name(),
+            consumer: "switchboard-worker-dlq".to_owned(),
+            spec,
+            dead_letter_queue_url: adapter.spec.delivery.dead_letter.queue_url.clone(),
+            batch_size: 10,
+            dead_letter_retention: adapter.spec.delivery.dead_letter.retention(),
+        };
+        let mut sqs = Sqs::new(settings, &mut Registry::default()).await?;
+        sqs.prepare().await?;
+        let store = match std::env::var("DATABASE_URL") {
+            Ok(url) if !url.is_empty() => Some(
+                Store::connect(&url, 1, "switchboard-worker/dlq")
+                    .await
+                    .map_err(|err| TransportError::database("cannot use DATABASE_URL", err))?,
+            ),
+            _ => None,
+        };
+        Ok(Self {
+            sqs,
+            store,
+            read_at: HashMap::new(),
+        })
+    }
+
+    fn letter(&mut self, message: SqsMessage) -> Option<StoredLetter> {
+        let handle = message.receipt_handle?;
+        self.read_at.insert(handle.clone(), Instant::now());
+        let attributes = message.message_attributes.unwrap_or_default();
+        let system = message.attributes.unwrap_or_default();
+        let sent = system
+            .get(&MessageSystemAttributeName::SentTimestamp)
+            .and_then(|ms| ms.parse::<u64>().ok());
+        let id = message.message_id.unwrap_or_default();
+        let body = message.body.unwrap_or_default().into_bytes();
+        let Some(reason) = text(&attributes, "x-dlq-reason") else {
+            // Moved by SQS itself: the original message, its attributes its own.
+            let mut headers: Vec<(String, Vec<u8>)> = attributes
+                .into_iter()
+                .filter_map(|(name, value)| {
+                    let bytes = match (value.string_value, value.binary_value) {
+                        (Some(text), _) => text.into_bytes(),
+                        (None, Some(blob)) => blob.into_inner(),
+                        (None, None) => return None,
+                    };
+                    Some((name, bytes))
+                })
+                .collect();
+            headers.sort();
+            return Some(StoredLetter {
+                original_id: Some(id.clone()),
+                id,
+                dead_lettered_at_ms: sent,
+                reason: Some(REDRIVE_POLICY_REASON.to_owned()),
+                delivery_count: None,
+                last_error: Some(
+                    "moved by SQS: received more often than the queue's RedrivePolicy allows"
+                        .to_owned(),
+                ),
+                body,
+                headers,
+                attempts: None,
+                origin: format!("SQS queue {} (RedrivePolicy)", self.source_url()),
+                handle,
+            });
+        };
+        let origin = text(&attributes, "x-dlq-origin").unwrap_or_default();
+        let original_id = text(&attributes, "x-dlq-message-id");
+        Some(StoredLetter {
+            dead_lettered_at_ms: text(&attributes, "x-dlq-last-seen")
+                .and_then(|at| rfc3339_to_ms(&at))
+                .or(sent),
+            reason: Some(reason),
+            delivery_count: text(&attributes, "x-dlq-delivery-count")
+                .and_then(|count| count.parse().ok()),
+            last_error: text(&attributes, "x-dlq-error"),
+            body,
+            headers: text(&attributes, "x-dlq-attributes")
+                .map(|json| headers_from_json(&json))
+                .unwrap_or_default(),
+            attempts: text(&attributes, "x-dlq-attempts")
+                .and_then(|json| serde_json::from_str::<Attempts>(&json).ok()),
+            origin: format!(
+                "SQS queue {origin}, message {}",
+                original_id.as_deref().unwrap_or("?")
+            ),
+            original_id,
+            id,
+            handle,
+        })
+    }
+
+    /// The attempts the worker recorded of letters SQS moved itself (they carry none).
+    async fn recorded_attempts(&self, letters: &mut [StoredLetter]) -> Result<(), TransportError> {
+        let Some(store) = &self.store else {
+            return Ok(());
+        };
+        let source = self.sqs.source();
+        let keys: Vec<String> = letters
+            .iter()
+            .filter(|letter| letter.attempts.is_none())
+            .map(|letter| format!("{source}:{}", letter.id))
+            .collect();
+        if keys.is_empty() {
+            return Ok(());
+        }
+        let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
+        let recorded = store
+            .attempts(source, &keys)
+            .await
+            .map_err(|err| TransportError::database("cannot read the recorded attempts", err))?;
+        for letter in letters
+            .iter_mut()
+            .filter(|letter| letter.attempts.is_none())
+        {
+            let Some(json) = recorded.get(&format!("{source}:{}", letter.id)) else {
+                continue;
+            };
+            let recent: Vec<Attempt> = serde_json::from_str(json).unwrap_or_default();
+            letter.delivery_count = recent.iter().map(|attempt| attempt.delivery).max();
+            letter.attempts = Some(Attempts {
+                total: letter.delivery_count.unwrap_or_default(),
+                recent,
+            });
+        }
+        Ok(())
+    }
+
+    fn source_url(&self) -> &str {
+        self.sqs.queues.as_ref().map_or("?", |q| q.url.as_str())
+    }
+
+    fn dead_letter_url(&self) -> Result<String, TransportError> {
+        Ok(self.sqs.queues()?.dead_letter_url.clone())
+    }
+
+    /// Hides `letter` for another [`HOLD`] if it was read long ago, so its receipt handle is
+    /// still the valid one when it is deleted.
+    async fn refresh(&mut self, letter: &StoredLetter) -> Result<(), TransportError> {
+        let fresh = self
+            .read_at
+            .get(&letter.handle)
+            .is_some_and(|at| at.elapsed() < REFRESH_AFTER);
+        if fresh {
+            return Ok(());
+        }
+        self.visibility(letter, HOLD).await?;
+        self.read_at.insert(letter.handle.clone(), Instant::now());
+        Ok(())
+    }
+
+    async fn visibility(&self, letter: &StoredLetter, seconds: i32) -> Result<(), TransportError> {
+        self.sqs
+            .client
+            .change_message_visibility()
+            .queue_url(self.dead_letter_url()?)
+            .receipt_handle(&letter.handle)
+            .visibility_timeout(seconds)
+            .send()
+            .await
+            .map_err(|err| {
+                self.sqs
+                    .errors
+                    .error("ChangeMessageVisibility", Addressed::DeadLetter, err)
+            })?;
+        Ok(())
+    }
+
+    async fn delete(&mut self, letter: &StoredLetter) -> Result<(), TransportError> {
+        self.refresh(letter).await?;
+        self.sqs
+            .client
+            .delete_message()
+            .queue_url(self.dead_letter_url()?)
+            .receipt_handle(&letter.handle)
+            .send()
+            .await
+            .map_err(|err| {
+                self.sqs
+                    .errors
+                    .error("DeleteMessage", Addressed::DeadLetter, err)
+            })?;
+        self.read_at.remove(&letter.handle);
+        Ok(())
+    }
+}
+
+fn attribute(value: &[u8]) -> Result<MessageAttributeValue, TransportError> {
+    let built = match std::str::from_utf8(value) {
+        Ok(text) => MessageAttributeValue::builder()
+            .data_type("String")
+            .string_value(text)
+            .build(),
+        Err(_) => MessageAttributeValue::builder()
+            .data_type("Binary")
+            .binary_value(Blob::new(value))
+            .build(),
+    };
+    built
+        .map_err(|err| TransportError::protocol(format!("cannot build a message attribute: {err}")))
+}
+
+impl DeadLetterReader for SqsReader {
+    fn destination(&self) -> String {
+        format!(
+            "SQS queue {}",
+            self.sqs
+                .queues
+                .as_ref()
+                .map_or("?", |q| q.dead_letter_url.as_str())
+        )
+    }
+
+    fn source(&self) -> String {
+        format!("SQS queue {}", self.source_url())
+    }
+
+    fn caveats(&self) -> Vec<String> {
+        let fifo = self.sqs.queues.as_ref().is_some_and(|q| q.fifo);
+        vec![if fifo {
+            "the source is a FIFO queue: redriven letters (oldest first) join their MessageGroupId \
+             behind what was sent since they dead-lettered"
+                .to_owned()
+        } else {
+            "a standard SQS queue keeps no order: redriven letters are delivered like new messages"
+                .to_owned()
+        }]
+    }
+
+    async fn letters(&mut self, limit: usize) -> Result<Vec<StoredLetter>, TransportError> {
+        let url = self.dead_letter_url()?;
+        let mut letters = Vec::new();
+        while letters.len() < limit {
+            let want = (limit - letters.len()).min(10);
+            let output = self
+                .sqs
+                .client
+                .receive_message()
+                .queue_url(&url)
+                .max_number_of_messages(i32::try_from(want).unwrap_or(10))
+                .visibility_timeout(HOLD)
+                .wait_time_seconds(0)
+                .message_system_attribute_names(MessageSystemAttributeName::All)
+                .message_attribute_names("All")
+                .send()
+                .await
+                .map_err(|err| {
+                    self.sqs
+                        .errors
+                        .error("ReceiveMessage", Addressed::DeadLetter, err)
+                })?;
+            let messages = output.messages.unwrap_or_default();
+            if messages.is_empty() {
+                break;
+            }
+            letters.extend(messages.into_iter().filter_map(|m| self.letter(m)));
+        }
+        letters.sort_by_key(|letter| letter.dead_lettered_at_ms);
+        self.recorded_attempts(&mut letters).await?;
+        Ok(letters)
+    }
+
+    async fn redrive(&mut self, letter: &StoredLetter) -> Result<(), TransportError> {
+        self.refresh(letter).await?;
+        let queues = self.sqs.queues()?.clone();
+        let original = letter.original_id.as_deref().unwrap_or(&letter.id);
+        let key = redrive_key(&letter.headers, self.sqs.source(), original);
+        let kept: Vec<&(String, Vec<u8>)> = letter
+            .headers
+            .iter()
+            .filter(|(name, _)| !is_system_attribute(name) && name != IDEMPOTENCY_KEY_HEADER)
+            .collect();
+        if kept.len() >= MAX_ATTRIBUTES {
+            return Err(TransportError::protocol(format!(
+                "the letter has {} message attributes: SQS allows {MAX_ATTRIBUTES}, with no room left for {IDEMPOTENCY_KEY_HEADER}",
+                kept.len()
+            )));
+        }
+        let mut send = self
+            .sqs
+            .client
+            .send_message()
+            .queue_url(&queues.url)
+            .message_body(String::from_utf8_lossy(&letter.body))
+            .message_attributes(IDEMPOTENCY_KEY_HEADER, attribute(key.as_bytes())?);
+        for (name, value) in kept {
+            send = send.message_attributes(name, attribute(value)?);
+        }
+        if queues.fifo {
+            let group = letter
+                .headers
+                .iter()
+                .find(|(name, _)| name == "MessageGroupId")
+                .map_or_else(
+                    || "redriven".to_owned(),
+                    |(_, group)| String::from_utf8_lossy(group).into_owned(),
+                );
+            send = send
+                .message_group_id(group)
+                .message_deduplication_id(hex::encode(Sha256::digest(key.as_bytes())));
+        }
+        send.send()
+            .await
+            .map_err(|err| self.sqs.errors.error("SendMessage", Addressed::Source, err))?;
+        self.delete(letter).await
+    }
+
+    async fn remove(&mut self, letters: &[StoredLetter]) -> Result<(), TransportError> {
+        for letter in letters {
+            self.delete(letter).await?;
+        }
+        Ok(())
+    }
+
+    async fn release(&mut self, letters: &[StoredLetter]) -> Result<(), TransportError> {
+        for letter in letters {
+            // Best effort: a letter not handed back reappears when its visibility expires.
+            if let Err(err) = self.visibility(letter, 0).await {
+                tracing::debug!(error = %err, "could not hand a dead letter back");
+            }
+            self.read_at.remove(&letter.handle);
+        }
+        Ok(())
+    }
+}
