@@ -3,7 +3,7 @@ SHELL := /bin/bash
 export CARGO_TARGET_DIR ?= $(HOME)/.cache/switchboard/target
 CARGO ?= cargo
 
-.PHONY: demo demo-k8s control-plane test deps build lint bench helm prometheus sqs-server nats-server kafka-server kind-up kind-demo kind-down
+.PHONY: demo demo-k8s control-plane test deps build lint bench helm prometheus sqs-server nats-server kafka-server hydra kind-up kind-demo kind-down
 
 ## make demo: the whole pipeline locally (ephemeral PostgreSQL + Redis, 20,000 messages, a kill -9 mid-way),
 ## then the Kubernetes path (make demo-k8s)
@@ -17,7 +17,7 @@ demo-k8s: deps build control-plane
 	$(CARGO) run --quiet -p switchboard-tests --bin switchboard-demo-k8s
 
 ## make test: formatting, lints and every test against real servers
-test: deps lint build helm prometheus control-plane sqs-server nats-server kafka-server
+test: deps lint build helm prometheus control-plane sqs-server nats-server kafka-server hydra
 	@set -o pipefail; $(CARGO) test --workspace --no-fail-fast 2>&1 | tee $(CARGO_TARGET_DIR)/test.log; \
 		status=$$?; scripts/test-summary.sh $(CARGO_TARGET_DIR)/test.log; exit $$status
 
@@ -57,6 +57,12 @@ nats-server:
 ## KAFKA_LIB); docs/brokers.md
 kafka-server:
 	scripts/kafka.sh >/dev/null
+
+## make hydra: Ory Hydra (the OAuth2 server issuing the gateway tests' JWT access tokens), built once
+## from the Go module proxy into ~/.cache/switchboard/hydra-<version> (or taken from HYDRA_BIN);
+## docs/brokers.md
+hydra:
+	scripts/hydra.sh >/dev/null
 
 ## make kind-up / kind-demo / kind-down: the kind path for people with Docker (docs/kubernetes.md)
 kind-up:

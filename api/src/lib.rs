@@ -12,6 +12,7 @@ mod validate;
 pub use autoscaling::Autoscaling;
 pub use manifest::{ManifestError, UnknownField, load_manifest};
 pub use source::amqp::{AmqpBinding, AmqpDeclare, AmqpQueueType, AmqpSource};
+pub use source::gateway::{GatewayAuth, GatewaySource, OAuth2ClientCredentials};
 pub use source::kafka::{KafkaSasl, KafkaSource, KafkaTls, SaslMechanism};
 pub use source::nats::{NatsDeliverPolicy, NatsSource};
 pub use source::redis::{RedisMode, RedisSource, StartFrom};

@@ -514,7 +514,7 @@ spec:
         let err = load_manifest(&yaml).expect_err("one broker only");
         assert!(
             err.to_string().contains(
-                "spec.source: exactly one broker must be set (redis, sqs, nats, amqp or kafka)"
+                "spec.source: exactly one broker must be set (redis, sqs, nats, amqp, kafka or gateway)"
             ),
             "{err}"
         );

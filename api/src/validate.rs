@@ -114,7 +114,7 @@ impl QueueAdapterSpec {
         match self.source.broker() {
             None => fail(
                 "spec.source",
-                "exactly one broker must be set (redis, sqs, nats, amqp or kafka)".into(),
+                "exactly one broker must be set (redis, sqs, nats, amqp, kafka or gateway)".into(),
             ),
             Some(broker) => {
                 broker.validate(&self.delivery, &mut |error| errors_of_broker.push(error))

@@ -31,9 +31,29 @@ fn signal_child(child: &Child, signal: Signal) {
 /// Status code and body of `GET path` on 127.0.0.1:`port` (HTTP/1.0: the server closes the
 /// connection after the body).
 pub fn http_get(port: u16, path: &str) -> Result<(u16, String)> {
+    http_exchange(
+        port,
+        &format!("GET {path} HTTP/1.0\r\nHost: localhost\r\n\r\n"),
+    )
+}
+
+/// Status and body of `POST path` with a JSON `body` on 127.0.0.1:`port` (HTTP/1.0).
+pub fn http_post_json(port: u16, path: &str, body: &str) -> Result<(u16, String)> {
+    http_exchange(
+        port,
+        &format!(
+            "POST {path} HTTP/1.0\r\nHost: localhost\r\nContent-Type: application/json\r\n\
+             Content-Length: {}\r\n\r\n{body}",
+            body.len()
+        ),
+    )
+}
+
+/// Status and body of one raw HTTP/1.0 `request` to 127.0.0.1:`port`.
+fn http_exchange(port: u16, request: &str) -> Result<(u16, String)> {
     let mut stream = TcpStream::connect(("127.0.0.1", port))?;
     stream.set_read_timeout(Some(Duration::from_secs(5)))?;
-    write!(stream, "GET {path} HTTP/1.0\r\nHost: localhost\r\n\r\n")?;
+    stream.write_all(request.as_bytes())?;
     let mut response = String::new();
     stream.read_to_string(&mut response)?;
     let status = response

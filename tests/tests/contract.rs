@@ -7,8 +7,8 @@ use std::time::{Duration, Instant};
 use anyhow::{Result, ensure};
 use nix::sys::signal::Signal;
 use switchboard_tests::brokers::{
-    AmqpClassicBroker, AmqpQuorumBroker, BrokerFixture, KafkaBroker, NatsBroker, RedisListBroker,
-    RedisStreamBroker, SqsBroker,
+    AmqpClassicBroker, AmqpQuorumBroker, BrokerFixture, GatewayBroker, KafkaBroker, NatsBroker,
+    RedisListBroker, RedisStreamBroker, SqsBroker,
 };
 use switchboard_tests::wait::wait_for;
 use switchboard_tests::worker::WorkerProcess;
@@ -379,4 +379,5 @@ contract_suite! {
     amqp_quorum => AmqpQuorumBroker,
     amqp_classic => AmqpClassicBroker,
     kafka => KafkaBroker,
+    gateway => GatewayBroker,
 }

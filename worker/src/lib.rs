@@ -29,6 +29,7 @@ use crate::health::Health;
 use crate::metrics::Metrics;
 use crate::pipeline::{Pipeline, PipelineError, PipelineSettings};
 use crate::transport::amqp::{Amqp, AmqpSettings};
+use crate::transport::gateway::{GatewaySettings, GatewayTransport};
 use crate::transport::kafka::{Kafka, KafkaSettings};
 use crate::transport::nats::{Auth, Connector, Nats, NatsSettings};
 use crate::transport::redis::list::{ListSettings, RedisList};
@@ -77,7 +78,9 @@ pub enum WorkerError {
     MissingEnv(&'static str),
     #[error("no consumer name: pass --consumer or set HOSTNAME")]
     NoConsumer,
-    #[error("the manifest has no supported source (spec.source.redis, sqs, nats, amqp or kafka)")]
+    #[error(
+        "the manifest has no supported source (spec.source.redis, sqs, nats, amqp, kafka or gateway)"
+    )]
     NoSource,
     #[error(transparent)]
     Store(#[from] StoreError),
@@ -486,6 +489,18 @@ async fn run_source(
             };
             let transport = Kafka::new(settings, deps.store.clone(), &mut registry)?;
             drive(transport, registry, kafka, deps, probes).await
+        }
+        Source {
+            gateway: Some(gateway),
+            ..
+        } => {
+            let settings = GatewaySettings {
+                adapter: name,
+                consumer,
+                spec: gateway.clone(),
+            };
+            let transport = GatewayTransport::new(settings, &mut registry)?;
+            drive(transport, registry, gateway, deps, probes).await
         }
         _ => Err(WorkerError::NoSource),
     }

@@ -3,6 +3,7 @@
 //! its dead-letter target. [`Source::broker`] is the one place that knows which brokers exist.
 
 pub mod amqp;
+pub mod gateway;
 pub mod kafka;
 pub mod nats;
 pub mod redis;
@@ -13,6 +14,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::{Delivery, DeliveryGuarantee, FieldError, SecretKeyRef};
 use amqp::AmqpSource;
+use gateway::GatewaySource;
 use kafka::KafkaSource;
 use nats::NatsSource;
 use redis::RedisSource;
@@ -21,8 +23,8 @@ use sqs::SqsSource;
 /// The broker to pull from: exactly one key.
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
 #[x_kube(
-    validation = Rule::new("[has(self.redis), has(self.sqs), has(self.nats), has(self.amqp), has(self.kafka)].filter(x, x).size() == 1").message("spec.source: exactly one broker must be set (redis, sqs, nats, amqp or kafka)"),
-    validation = Rule::new("has(self.redis) == has(oldSelf.redis) && has(self.sqs) == has(oldSelf.sqs) && has(self.nats) == has(oldSelf.nats) && has(self.amqp) == has(oldSelf.amqp) && has(self.kafka) == has(oldSelf.kafka)").message("spec.source: the kind of source is immutable; create a new QueueAdapter instead")
+    validation = Rule::new("[has(self.redis), has(self.sqs), has(self.nats), has(self.amqp), has(self.kafka), has(self.gateway)].filter(x, x).size() == 1").message("spec.source: exactly one broker must be set (redis, sqs, nats, amqp, kafka or gateway)"),
+    validation = Rule::new("has(self.redis) == has(oldSelf.redis) && has(self.sqs) == has(oldSelf.sqs) && has(self.nats) == has(oldSelf.nats) && has(self.amqp) == has(oldSelf.amqp) && has(self.kafka) == has(oldSelf.kafka) && has(self.gateway) == has(oldSelf.gateway)").message("spec.source: the kind of source is immutable; create a new QueueAdapter instead")
 )]
 #[serde(rename_all = "camelCase")]
 pub struct Source {
@@ -41,6 +43,9 @@ pub struct Source {
     /// Topics of an Apache Kafka cluster, read by a consumer group.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kafka: Option<KafkaSource>,
+    /// An SQS queue behind an HTTP gateway that takes JWT bearer tokens.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gateway: Option<GatewaySource>,
 }
 
 /// A Secret key the worker reads from its environment.
@@ -61,7 +66,7 @@ pub struct MissingSecret {
 
 /// What every broker's spec tells the operator and the worker.
 pub trait Broker: std::fmt::Debug + Send + Sync {
-    /// The key under `spec.source` (`redis`, `sqs`, `nats`, `amqp`, `kafka`): the status's `source` and the prefix of
+    /// The key under `spec.source` (`redis`, `sqs`, `nats`, `amqp`, `kafka`, `gateway`): the status's `source` and the prefix of
     /// event sources and idempotency keys.
     fn kind(&self) -> &'static str;
     /// The broker-specific mode the status shows (`stream`, `fifo`, …).
@@ -80,24 +85,26 @@ pub trait Broker: std::fmt::Debug + Send + Sync {
 impl Source {
     /// The one broker that is set, if exactly one is.
     pub fn broker(&self) -> Option<&dyn Broker> {
-        let brokers: [Option<&dyn Broker>; 5] = [
+        let brokers: [Option<&dyn Broker>; 6] = [
             self.redis.as_ref().map(|b| b as &dyn Broker),
             self.sqs.as_ref().map(|b| b as &dyn Broker),
             self.nats.as_ref().map(|b| b as &dyn Broker),
             self.amqp.as_ref().map(|b| b as &dyn Broker),
             self.kafka.as_ref().map(|b| b as &dyn Broker),
+            self.gateway.as_ref().map(|b| b as &dyn Broker),
         ];
         only_one(brokers)
     }
 
     /// [`Source::broker`], mutable.
     pub fn broker_mut(&mut self) -> Option<&mut dyn Broker> {
-        let brokers: [Option<&mut dyn Broker>; 5] = [
+        let brokers: [Option<&mut dyn Broker>; 6] = [
             self.redis.as_mut().map(|b| b as &mut dyn Broker),
             self.sqs.as_mut().map(|b| b as &mut dyn Broker),
             self.nats.as_mut().map(|b| b as &mut dyn Broker),
             self.amqp.as_mut().map(|b| b as &mut dyn Broker),
             self.kafka.as_mut().map(|b| b as &mut dyn Broker),
+            self.gateway.as_mut().map(|b| b as &mut dyn Broker),
         ];
         only_one(brokers)
     }

@@ -4,6 +4,8 @@
 //! PostgreSQL (and the Redis the harness always has) come from the [`Fixture`].
 
 pub mod envelope;
+pub mod gateway;
+pub mod hydra;
 pub mod kafka;
 pub mod moto;
 pub mod nats;
@@ -14,6 +16,7 @@ use anyhow::{Context, Result};
 use base64::Engine as _;
 
 use crate::Fixture;
+pub use gateway::GatewayBroker;
 use kafka::KafkaServer;
 use nats::NatsServer;
 use rabbitmq::{QueueType, RabbitMq};

@@ -19,6 +19,7 @@
 //!   connection, so the gauges keep moving while the database is down.
 
 pub mod amqp;
+pub mod gateway;
 pub mod kafka;
 pub mod nats;
 pub mod redis;

@@ -43,11 +43,12 @@
 //!   the group's order without holding the group back. A whole receive that fails returns
 //!   nothing; whatever SQS had handed out is redelivered in order.
 
-mod classify;
+pub(crate) mod classify;
 mod client;
-mod dead_letter;
-mod delete_plan;
-mod in_flight;
+pub(crate) mod dead_letter;
+pub(crate) mod delete_plan;
+pub(crate) mod gather;
+pub(crate) mod in_flight;
 pub mod reader;
 mod receive;
 
@@ -749,52 +750,10 @@ impl Transport for Sqs {
         } else {
             0
         };
-        let max = max.max(1);
-        let mut raw = Vec::new();
-        // A long poll first, alone: concurrent long polls would hold a batch until the last
-        // of them timed out. Only a full answer (the queue is busy) is followed by concurrent
-        // short polls for the rest of the batch.
-        let (first, rest) = if block {
-            (max.min(BATCH_LIMIT), max.saturating_sub(BATCH_LIMIT))
-        } else {
-            (0, max)
-        };
-        if first > 0 {
-            raw = self.receive_once(queues, first, wait).await?;
-            if raw.len() < first {
-                return Ok(self.deliver(queues, raw).await);
-            }
-        }
-        let sizes: Vec<usize> = (0..rest.div_ceil(BATCH_LIMIT))
-            .map(|call| (rest - call * BATCH_LIMIT).min(BATCH_LIMIT))
-            .collect();
-        let calls = sizes
-            .iter()
-            .map(|&count| self.receive_once(queues, count, 0));
-        let mut failure: Option<TransportError> = None;
-        for result in join_all(calls).await {
-            match result {
-                Ok(messages) => raw.extend(messages),
-                // A fatal failure wins; otherwise the first one is kept.
-                Err(err)
-                    if failure
-                        .as_ref()
-                        .is_none_or(|f| !f.is_fatal() && err.is_fatal()) =>
-                {
-                    failure = Some(err);
-                }
-                Err(_) => {}
-            }
-        }
-        match failure {
-            Some(err) if raw.is_empty() || err.is_fatal() => return Err(err),
-            // Some receives succeeded: deliver what they returned (the others' messages, if
-            // SQS handed any out, come back when their visibility expires).
-            Some(err) => {
-                tracing::debug!(error = %switchboard_telemetry::ErrorChain(&err), "one of the concurrent receives failed");
-            }
-            None => {}
-        }
+        let raw = gather::gather(max, block, wait, |count, wait| {
+            self.receive_once(queues, count, wait)
+        })
+        .await?;
         Ok(self.deliver(queues, raw).await)
     }
 

@@ -1,0 +1,261 @@
+//! The gateway transport beyond the contract suite, end to end: the real worker binary, real
+//! PostgreSQL, the test gateway (tests/src/brokers/gateway.rs) in front of a real ElasticMQ,
+//! and tokens from a real Ory Hydra.
+
+use std::time::{Duration, Instant};
+
+use anyhow::{Result, ensure};
+use axum::http::StatusCode;
+use switchboard_tests::brokers::{BrokerFixture, GatewayBroker};
+use switchboard_tests::wait::wait_for;
+use switchboard_tests::worker::WorkerProcess;
+use switchboard_tests::{Fixture, source_manifest};
+
+const LONG: Duration = Duration::from_secs(120);
+
+fn bodies(name: &str, range: std::ops::Range<usize>) -> Vec<Vec<u8>> {
+    range
+        .map(|i| format!(r#"{{"{name}":{i}}}"#).into_bytes())
+        .collect()
+}
+
+/// PostgreSQL, the gateway's peers and queue `name`, with tokens living `token_lifetime`.
+struct Setup {
+    fx: Fixture,
+    broker: GatewayBroker,
+    name: &'static str,
+}
+
+impl Setup {
+    async fn start(name: &'static str, token_lifetime: Duration) -> Result<Self> {
+        let mut fx = Fixture::start().await?;
+        let (broker, env) = GatewayBroker::start_with(token_lifetime)?;
+        fx.extra_env = env;
+        broker.create_queues(name).await?;
+        Ok(Self { fx, broker, name })
+    }
+
+    fn worker(&self) -> Result<WorkerProcess> {
+        let source = self.broker.source(self.name, "visibilityTimeoutSeconds: 2");
+        let manifest = self.fx.manifest(
+            &format!("{}.yaml", self.name),
+            &source_manifest(self.name, &source, "batchSize: 50", ""),
+        )?;
+        self.fx.worker(&manifest, "w1")
+    }
+
+    async fn produce(&self, bodies: Vec<Vec<u8>>) -> Result<()> {
+        self.broker.produce(&self.fx, self.name, bodies).await
+    }
+
+    /// Waits until `expected` todos exist and nothing is left un-acknowledged.
+    async fn wait_settled(&self, expected: i64, worker: &WorkerProcess) -> Result<()> {
+        wait_for(
+            LONG,
+            &format!("{expected} todos, nothing un-acknowledged"),
+            || async {
+                Ok(self.fx.todo_count(self.name).await? >= expected
+                    && self.broker.unacknowledged(&self.fx, self.name).await? == 0)
+            },
+        )
+        .await
+        .map_err(|err| err.context(worker.log_tail()))?;
+        self.fx.assert_exactly_once(self.name, expected).await
+    }
+}
+
+/// Acceptance 2: tokens of a real OAuth2 server living 5 s, a 60 s run with two forced
+/// revocations: no call fails with 401 (a 401 is answered only right after a revocation, and
+/// the retry with a new token succeeds), the token endpoint is called about once per
+/// lifetime, and no token appears in the worker's log or metrics.
+#[tokio::test]
+async fn five_second_tokens_over_a_minute_are_refreshed_before_expiry_without_a_401_storm()
+-> Result<()> {
+    const RUN: Duration = Duration::from_secs(60);
+    const REVOCATIONS: u64 = 2;
+    let setup = Setup::start("tokens", Duration::from_secs(5)).await?;
+    let hooks = setup.broker.gateway.hooks();
+    let worker = setup.worker()?;
+    let started = Instant::now();
+    let mut produced = 0;
+    let mut revoked = 0;
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    while started.elapsed() < RUN {
+        tick.tick().await;
+        setup
+            .produce(bodies("tokens", produced..produced + 10))
+            .await?;
+        produced += 10;
+        let due = started.elapsed().as_secs() / (RUN.as_secs() / (REVOCATIONS + 1));
+        if revoked < REVOCATIONS && due > revoked {
+            ensure!(hooks.revoke_seen_tokens() > 0, "a token was in use");
+            revoked += 1;
+        }
+    }
+    setup.wait_settled(produced as i64, &worker).await?;
+    let elapsed = started.elapsed().as_secs_f64();
+    let log = worker.log();
+    ensure!(
+        !log.contains("refused twice"),
+        "a call failed with 401 after a new token:\n{}",
+        worker.log_tail()
+    );
+    // Each revocation can meet the loop's call and a probe's call in flight at once.
+    let unauthorized = hooks.answered(401);
+    ensure!(
+        unauthorized <= 2 * REVOCATIONS,
+        "{unauthorized} answers 401 for {REVOCATIONS} revocations"
+    );
+    // Hydra says `expires_in: 4` for a 5 s token; refreshed at 90 % of that.
+    let requests = setup.broker.hydra.token_requests()? as f64;
+    let lifetimes = elapsed / 4.0;
+    ensure!(
+        requests >= lifetimes * 0.8 && requests <= lifetimes * 1.5 + REVOCATIONS as f64 + 1.0,
+        "{requests} token requests in {elapsed:.0} s of 4 s tokens"
+    );
+    ensure!(
+        worker.metric(r#"switchboard_gateway_token_requests_total{adapter="test/tokens"}"#)?
+            == requests,
+        "the worker counts its token requests"
+    );
+    let (_, metrics) = worker.http_get("/metrics")?;
+    let tokens = hooks.tokens();
+    ensure!(
+        tokens.len() as f64 >= lifetimes * 0.8,
+        "{} tokens",
+        tokens.len()
+    );
+    for token in tokens {
+        ensure!(!log.contains(&token), "a token is in the worker's log");
+        ensure!(!metrics.contains(&token), "a token is in the metrics");
+    }
+    ensure!(
+        !log.contains(&setup.broker.client.secret),
+        "the client secret is in the worker's log"
+    );
+    println!(
+        "tokens: {produced} messages in {elapsed:.1} s, {requests} token requests, \
+         {unauthorized} answers 401 for {REVOCATIONS} revocations"
+    );
+    Ok(())
+}
+
+/// Acceptance 3: the gateway answers 429 for 5 s and then 503 for 5 s: the worker backs off,
+/// its circuit opens and goes half-open, and every message is stored exactly once.
+#[tokio::test]
+async fn gateway_answering_429_then_503_for_ten_seconds_opens_the_circuit_and_loses_nothing()
+-> Result<()> {
+    let setup = Setup::start("overload", Duration::from_secs(300)).await?;
+    let hooks = setup.broker.gateway.hooks();
+    let worker = setup.worker()?;
+    setup.produce(bodies("overload", 0..200)).await?;
+    setup.wait_settled(200, &worker).await?;
+
+    let outage = Instant::now();
+    hooks.fail_for(StatusCode::TOO_MANY_REQUESTS, Duration::from_secs(5));
+    setup.produce(bodies("overload", 200..400)).await?;
+    wait_for(LONG, "readiness turns false", || async {
+        Ok(worker.http_get("/readyz")?.0 == 503)
+    })
+    .await?;
+    wait_for(LONG, "5 s of 429", || async {
+        Ok(outage.elapsed() >= Duration::from_secs(5))
+    })
+    .await?;
+    hooks.fail_for(StatusCode::SERVICE_UNAVAILABLE, Duration::from_secs(5));
+    wait_for(LONG, "5 s of 503", || async {
+        Ok(outage.elapsed() >= Duration::from_secs(10))
+    })
+    .await?;
+    let refused = hooks.answered(429) + hooks.answered(503);
+    setup.wait_settled(400, &worker).await?;
+    wait_for(LONG, "readiness returns", || async {
+        Ok(worker.http_get("/readyz")?.0 == 200)
+    })
+    .await?;
+
+    let log = worker.log();
+    let at = |needle: &str| log.find(needle);
+    let (Some(open), Some(half_open), Some(closed)) = (
+        at("gateway circuit open"),
+        at("gateway circuit half-open"),
+        at("gateway circuit closed"),
+    ) else {
+        anyhow::bail!(
+            "the circuit did not open, probe and close:\n{}",
+            worker.log_tail()
+        );
+    };
+    ensure!(
+        open < half_open && half_open < closed,
+        "open, then half-open, then closed"
+    );
+    ensure!(
+        worker.metric(r#"switchboard_gateway_circuit_opened_total{adapter="test/overload"}"#)?
+            >= 1.0
+    );
+    // Backoff and the open circuit keep the calls few: no tight loop against the gateway.
+    ensure!(refused >= 5, "the gateway refused calls: {refused}");
+    ensure!(
+        refused <= 60,
+        "{refused} calls refused in 10 s: not backing off"
+    );
+    println!("overload: {refused} calls refused during the 10 s outage");
+    Ok(())
+}
+
+/// Acceptance 3: a 403 (the token is valid, its claims do not allow the queue) degrades the
+/// worker — readiness false, one log line naming the queue and the claims, backoff, no exit —
+/// and it recovers once the grant is fixed.
+#[tokio::test]
+async fn gateway_answering_403_degrades_the_worker_naming_the_queue_and_the_claims() -> Result<()> {
+    let setup = Setup::start("forbidden", Duration::from_secs(300)).await?;
+    let hooks = setup.broker.gateway.hooks();
+    let worker = setup.worker()?;
+    setup.produce(bodies("forbidden", 0..20)).await?;
+    setup.wait_settled(20, &worker).await?;
+
+    hooks.fail_for(StatusCode::FORBIDDEN, Duration::from_secs(300));
+    setup.produce(bodies("forbidden", 20..40)).await?;
+    wait_for(LONG, "readiness turns false", || async {
+        Ok(worker.http_get("/readyz")?.0 == 503)
+    })
+    .await?;
+    let named = |log: &str| {
+        log.lines().any(|line| {
+            line.contains("queue forbidden")
+                && line.contains("403")
+                && line.contains("aud https://gateway.switchboard.test")
+                && line.contains("scopes [sqs]")
+        })
+    };
+    wait_for(
+        LONG,
+        "a log line naming the queue and the claims",
+        || async { Ok(named(&worker.log())) },
+    )
+    .await
+    .map_err(|err| err.context(worker.log_tail()))?;
+    let first = hooks.answered(403);
+    let degraded = Instant::now();
+    wait_for(LONG, "10 s degraded", || async {
+        ensure!(
+            worker.http_get("/healthz")?.0 == 200,
+            "the worker stays up (and live) on a 403"
+        );
+        Ok(degraded.elapsed() >= Duration::from_secs(10))
+    })
+    .await?;
+    let during = hooks.answered(403) - first;
+    ensure!(
+        during <= 30,
+        "{during} calls refused in 10 s: not backing off"
+    );
+
+    hooks.stop_failing();
+    setup.wait_settled(40, &worker).await?;
+    wait_for(LONG, "readiness returns", || async {
+        Ok(worker.http_get("/readyz")?.0 == 200)
+    })
+    .await
+}

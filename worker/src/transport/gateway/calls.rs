@@ -1,0 +1,261 @@
+//! One call of the gateway's protocol, and the one mapping of its answers to what the worker
+//! does (the seed's error table):
+//!
+//! | answer | meaning | the worker |
+//! |---|---|---|
+//! | 2xx | done | — |
+//! | 401 | missing or expired token | invalidates the token, fetches a new one and sends the call once more; a second 401 is an authentication failure: transient (backoff, readiness false, the log names the token endpoint) |
+//! | 403 | the token is valid but its claims do not allow this | transient, naming the queue and the claims to check (the grant can be fixed without a new spec) |
+//! | 404 | the queue does not exist | fatal, naming `spec.source.gateway.queue` |
+//! | 410 | the receipt handle is no longer valid | stale receipt |
+//! | 429, 502, 503, 504, no answer | overloaded or unreachable | transient, counted by the circuit breaker |
+//! | other | — | transient, the gateway's message (redacted) in the log |
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use http_body_util::Full;
+use hyper::body::Bytes;
+use prometheus_client::metrics::counter::Counter;
+use serde::Deserialize;
+use serde::de::DeserializeOwned;
+use switchboard_api::GatewaySource;
+
+use super::breaker::CircuitBreaker;
+use super::http::{Answer, HttpClient};
+use super::token::TokenProvider;
+use crate::transport::TransportError;
+use crate::transport::sqs::classify::redact;
+
+/// A call other than a long poll.
+pub const CALL_TIMEOUT: Duration = Duration::from_secs(10);
+/// How much longer than its `waitTimeSeconds` a long poll may take.
+pub const LONG_POLL_MARGIN: Duration = Duration::from_secs(10);
+
+/// An error answer: `{"error": code, "message": text}`.
+#[derive(Debug, Default, Deserialize)]
+struct Refusal {
+    #[serde(default)]
+    error: String,
+    #[serde(default)]
+    message: String,
+}
+
+/// The gateway refused a call (the source of a [`TransportError`]).
+#[derive(Debug, thiserror::Error)]
+#[error("HTTP {status} {code}: {message}")]
+pub struct Refused {
+    pub status: u16,
+    pub code: String,
+    pub message: String,
+}
+
+/// What a call needs to say about itself.
+#[derive(Debug, Clone, Copy)]
+pub struct Call<'a> {
+    /// For errors: `receive`, `delete`, …
+    pub name: &'static str,
+    pub method: &'a http::Method,
+    /// `/`, `/dlq`, `/stats`, …
+    pub path: &'static str,
+    pub timeout: Duration,
+}
+
+/// The gateway of one adapter: where it is, which queue, and how calls are authenticated.
+#[derive(Debug, Clone)]
+pub struct Gateway {
+    http: HttpClient,
+    base: String,
+    queue: String,
+    service: String,
+    project: Option<String>,
+    audience: Option<String>,
+    scopes: Vec<String>,
+    tokens: Arc<TokenProvider>,
+    breaker: Arc<CircuitBreaker>,
+    unauthorized: Counter,
+}
+
+impl Gateway {
+    /// `unauthorized` counts 401 answers.
+    pub fn new(
+        spec: &GatewaySource,
+        http: HttpClient,
+        tokens: Arc<TokenProvider>,
+        breaker: Arc<CircuitBreaker>,
+        unauthorized: Counter,
+    ) -> Self {
+        let oauth2 = spec.auth.oauth2.as_ref();
+        Self {
+            http,
+            base: spec.url.trim_end_matches('/').to_owned(),
+            queue: spec.queue.clone(),
+            service: spec.service.clone(),
+            project: spec.project.clone(),
+            audience: oauth2.and_then(|o| o.audience.clone()),
+            scopes: oauth2.map(|o| o.scopes.clone()).unwrap_or_default(),
+            tokens,
+            breaker,
+            unauthorized,
+        }
+    }
+
+    pub fn queue(&self) -> &str {
+        &self.queue
+    }
+
+    pub fn project(&self) -> Option<&str> {
+        self.project.as_deref()
+    }
+
+    pub fn service(&self) -> &str {
+        &self.service
+    }
+
+    /// Sends `call` with query `query` (the queue is added) and JSON `body`, and decodes a
+    /// JSON answer (`()` for none).
+    pub async fn call<T: DeserializeOwned>(
+        &self,
+        call: Call<'_>,
+        query: &[(&str, String)],
+        body: Option<&serde_json::Value>,
+    ) -> Result<T, TransportError> {
+        let answer = self.exchange(call, query, body).await?;
+        let body = if answer.body.is_empty() {
+            &b"null"[..]
+        } else {
+            &answer.body[..]
+        };
+        serde_json::from_slice(body).map_err(|err| {
+            TransportError::protocol(format!(
+                "the gateway's answer to {} is not what the protocol says: {err}",
+                call.name
+            ))
+        })
+    }
+
+    /// The call's answer, once it is a success; the error table otherwise.
+    async fn exchange(
+        &self,
+        call: Call<'_>,
+        query: &[(&str, String)],
+        body: Option<&serde_json::Value>,
+    ) -> Result<Answer, TransportError> {
+        let url = {
+            let mut encoded = form_urlencoded::Serializer::new(String::new());
+            encoded
+                .append_pair("X-Service", &self.service)
+                .append_pair("queue", &self.queue);
+            for (name, value) in query {
+                encoded.append_pair(name, value);
+            }
+            format!("{}{}?{}", self.base, call.path, encoded.finish())
+        };
+        let body = body.map(|b| Bytes::from(b.to_string())).unwrap_or_default();
+        let mut retried = false;
+        loop {
+            let token = self.tokens.token().await?;
+            let request = http::Request::builder()
+                .method(call.method.clone())
+                .uri(url.as_str())
+                .header("x-service", &self.service)
+                .header("authorization", format!("Bearer {}", token.expose()))
+                .header("content-type", "application/json")
+                .header("accept", "application/json")
+                .body(Full::new(body.clone()))
+                .map_err(|err| {
+                    TransportError::fatal(
+                        "spec.source.gateway.url",
+                        format!("not a usable URL: {err}"),
+                        None,
+                    )
+                })?;
+            let permit = self.breaker.admit()?;
+            let answer = match self.http.send(request, call.timeout).await {
+                Ok(answer) => answer,
+                Err(err) => {
+                    permit.failed();
+                    return Err(TransportError::transient(
+                        format!("gateway {} got no answer", call.name),
+                        err,
+                    ));
+                }
+            };
+            if matches!(answer.status, 429 | 502 | 503 | 504) {
+                permit.failed();
+            } else {
+                permit.succeeded();
+            }
+            if answer.status == 401 {
+                self.unauthorized.inc();
+                if !retried && self.tokens.refreshes() {
+                    self.tokens.invalidate(&token).await;
+                    retried = true;
+                    continue;
+                }
+            }
+            if (200..300).contains(&answer.status) {
+                return Ok(answer);
+            }
+            return Err(self.refusal(call, &answer));
+        }
+    }
+
+    /// The error table (see the module).
+    fn refusal(&self, call: Call<'_>, answer: &Answer) -> TransportError {
+        let parsed: Refusal = serde_json::from_slice(&answer.body).unwrap_or_default();
+        let refused = Refused {
+            status: answer.status,
+            code: parsed.error,
+            message: redact(&parsed.message),
+        };
+        let queue = &self.queue;
+        match answer.status {
+            401 => TransportError::transient(
+                format!(
+                    "gateway {}: the bearer token was refused twice (401); check the token \
+                     (GATEWAY_TOKEN) or the OAuth2 client and its token endpoint",
+                    call.name
+                ),
+                refused,
+            ),
+            403 => TransportError::transient(
+                format!(
+                    "gateway {}: queue {queue} (X-Service {}) is not allowed to this token (403); \
+                     check the token's claims in the OAuth2 server: aud {}, scopes [{}]",
+                    call.name,
+                    self.service,
+                    self.audience.as_deref().unwrap_or("(not requested)"),
+                    self.scopes.join(" "),
+                ),
+                refused,
+            ),
+            404 if refused.code.contains("Queue") || refused.code.is_empty() => {
+                TransportError::fatal(
+                    "spec.source.gateway.queue",
+                    format!(
+                        "gateway {}: queue {queue} does not exist behind {} (404)",
+                        call.name, self.base
+                    ),
+                    Some(Box::new(refused)),
+                )
+            }
+            404 => TransportError::fatal(
+                "spec.source.gateway.url",
+                format!(
+                    "gateway {}: {} has no {} (404): is it the gateway's base URL?",
+                    call.name, self.base, call.path
+                ),
+                Some(Box::new(refused)),
+            ),
+            410 => TransportError::stale(
+                format!(
+                    "gateway {}: the receipt handle is no longer valid",
+                    call.name
+                ),
+                Some(Box::new(refused)),
+            ),
+            _ => TransportError::transient(format!("gateway {} failed", call.name), refused),
+        }
+    }
+}
