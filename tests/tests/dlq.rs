@@ -800,3 +800,44 @@ async fn redis_dead_letters_past_the_retention_are_trimmed_and_younger_ones_kept
     );
     Ok(())
 }
+
+/// A redriven copy carries its original key: when the original was stored after all, the copy
+/// makes no second todo; a key naming another source is not honoured.
+#[tokio::test]
+async fn a_copy_carrying_its_original_key_makes_no_second_todo() -> Result<()> {
+    let case = StreamCase::start("copied").await?;
+    let fx = case.fx();
+    let ids = fx.produce("copied", overdue_bodies("copied")[..1].to_vec())?;
+    let _worker = fx.worker(&case.manifest(false)?, "w1")?;
+    wait_for(LONG, "the original is stored", || async {
+        Ok(fx.todo_count("copied").await? == 1)
+    })
+    .await?;
+    let mut conn = fx.redis.connection()?;
+    for key in [
+        format!("redis:test/copied:{}", ids[0]),
+        format!("redis:test/other:{}", ids[0]),
+    ] {
+        redis::cmd("XADD")
+            .arg("copied")
+            .arg("*")
+            .arg("body")
+            .arg(&overdue_bodies("copied")[0])
+            .arg(switchboard_worker::transport::IDEMPOTENCY_KEY_HEADER)
+            .arg(key)
+            .query::<String>(&mut conn)?;
+    }
+    wait_for(LONG, "both copies are settled", || async {
+        Ok(fx.pending("copied", "switchboard")? == 0 && fx.todo_count("copied").await? == 2)
+    })
+    .await?;
+    let keys: Vec<String> =
+        sqlx::query_scalar("SELECT idempotency_key FROM todos WHERE queue = 'copied' ORDER BY id")
+            .fetch_all(fx.pool())
+            .await?;
+    ensure!(
+        keys[0] == format!("redis:test/copied:{}", ids[0]) && keys[1] != keys[0],
+        "the own-source copy deduplicated, the foreign one did not: {keys:?}"
+    );
+    Ok(())
+}
