@@ -740,3 +740,104 @@ async fn attempts_of_a_worker_that_died_with_the_message_travel_with_its_dead_le
     })
     .await
 }
+
+/// `deadLetter.retentionDays`: the worker trims dead letters older than it from a Redis
+/// dead-letter stream and list, keeps younger ones, and exports the oldest one's age.
+#[tokio::test]
+async fn redis_dead_letters_past_the_retention_are_trimmed_and_younger_ones_kept() -> Result<()> {
+    let stream = StreamCase::start("kept").await?;
+    let mut conn = stream.fx().redis.connection()?;
+    for id in ["1000-0", "*"] {
+        redis::cmd("XADD")
+            .arg("kept.dlq")
+            .arg(id)
+            .arg("body")
+            .arg(id)
+            .arg("reason")
+            .arg("invalid_json")
+            .query::<String>(&mut conn)?;
+    }
+    let worker = stream.fx().worker(&stream.manifest(false)?, "trimmer")?;
+    wait_for(LONG, "the old stream letter is trimmed", || async {
+        Ok(stream.dead_letters().await? == 1)
+    })
+    .await?;
+    let left = stream.fx().stream_entries("kept.dlq")?;
+    ensure!(
+        left[0].get("body") != Some(&b"1000-0".to_vec()),
+        "the young letter is kept"
+    );
+    wait_for(LONG, "the oldest dead letter's age is exported", || async {
+        let age =
+            worker.metric(r#"switchboard_oldest_dead_letter_age_seconds{adapter="test/kept"}"#)?;
+        Ok(age > 0.0 && age < 3600.0)
+    })
+    .await?;
+
+    let list = ListCase::start("kept").await?;
+    let old = serde_json::json!({"body": "old", "reason": "invalid_json", "last_seen": "2020-01-01T00:00:00.000Z"});
+    let young = serde_json::json!({"body": "young", "reason": "invalid_json", "last_seen": humantime::format_rfc3339_millis(std::time::SystemTime::now()).to_string()});
+    let mut conn = list.fx().redis.connection()?;
+    // Dead letters are pushed on the left: the oldest is the rightmost.
+    redis::cmd("LPUSH")
+        .arg("kept.dlq")
+        .arg(old.to_string())
+        .arg(young.to_string())
+        .query::<()>(&mut conn)?;
+    let _worker = list.fx().worker(&list.manifest(false)?, "trimmer")?;
+    wait_for(LONG, "the old list letter is trimmed", || async {
+        Ok(list.dead_letters().await? == 1)
+    })
+    .await?;
+    let left: Vec<String> = redis::cmd("LRANGE")
+        .arg("kept.dlq")
+        .arg(0)
+        .arg(-1)
+        .query(&mut conn)?;
+    ensure!(
+        left == [young.to_string()],
+        "the young letter is kept: {left:?}"
+    );
+    Ok(())
+}
+
+/// A redriven copy carries its original key: when the original was stored after all, the copy
+/// makes no second todo; a key naming another source is not honoured.
+#[tokio::test]
+async fn a_copy_carrying_its_original_key_makes_no_second_todo() -> Result<()> {
+    let case = StreamCase::start("copied").await?;
+    let fx = case.fx();
+    let ids = fx.produce("copied", overdue_bodies("copied")[..1].to_vec())?;
+    let _worker = fx.worker(&case.manifest(false)?, "w1")?;
+    wait_for(LONG, "the original is stored", || async {
+        Ok(fx.todo_count("copied").await? == 1)
+    })
+    .await?;
+    let mut conn = fx.redis.connection()?;
+    for key in [
+        format!("redis:test/copied:{}", ids[0]),
+        format!("redis:test/other:{}", ids[0]),
+    ] {
+        redis::cmd("XADD")
+            .arg("copied")
+            .arg("*")
+            .arg("body")
+            .arg(&overdue_bodies("copied")[0])
+            .arg(switchboard_worker::transport::IDEMPOTENCY_KEY_HEADER)
+            .arg(key)
+            .query::<String>(&mut conn)?;
+    }
+    wait_for(LONG, "both copies are settled", || async {
+        Ok(fx.pending("copied", "switchboard")? == 0 && fx.todo_count("copied").await? == 2)
+    })
+    .await?;
+    let keys: Vec<String> =
+        sqlx::query_scalar("SELECT idempotency_key FROM todos WHERE queue = 'copied' ORDER BY id")
+            .fetch_all(fx.pool())
+            .await?;
+    ensure!(
+        keys[0] == format!("redis:test/copied:{}", ids[0]) && keys[1] != keys[0],
+        "the own-source copy deduplicated, the foreign one did not: {keys:?}"
+    );
+    Ok(())
+}

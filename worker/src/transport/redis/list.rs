@@ -528,7 +528,12 @@ impl Transport for RedisList {
 
     async fn maintain(&mut self) -> Result<(), TransportError> {
         self.reap_dead_consumers().await?;
-        self.trim_expired_dead_letters().await
+        // Housekeeping: a failure is tried again next time (a dead-letter key of the wrong type
+        // stops the worker when a dead letter is written, not before).
+        if let Err(err) = self.trim_expired_dead_letters().await {
+            tracing::debug!(error = %err, "cannot trim the dead-letter list");
+        }
+        Ok(())
     }
 
     fn maintenance_interval(&self) -> Duration {

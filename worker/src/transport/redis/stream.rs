@@ -806,7 +806,12 @@ impl Transport for RedisStream {
         let result = async {
             self.reclaim_idle_entries().await?;
             self.remove_idle_consumers().await?;
-            self.trim_expired_dead_letters().await
+            // Housekeeping: a failure is tried again next time (a dead-letter key of the wrong
+            // type stops the worker when a dead letter is written, not before).
+            if let Err(err) = self.trim_expired_dead_letters().await {
+                tracing::debug!(error = %err, "cannot trim the dead-letter stream");
+            }
+            Ok(())
         }
         .await;
         match result {
