@@ -377,7 +377,13 @@ impl Transport for GatewayTransport {
             .iter()
             .map(|letter| {
                 let message = letter.message;
-                let built = dead_letter::letter(message, letter.reason, &letter.error, context);
+                let built = dead_letter::letter(
+                    message,
+                    letter.reason,
+                    &letter.error,
+                    &letter.attempts,
+                    context,
+                );
                 let values: serde_json::Map<String, serde_json::Value> = built
                     .attributes
                     .into_iter()
@@ -521,6 +527,7 @@ impl QueueProbe for GatewayProbe {
             pending: stats.in_flight_messages,
             oldest_pending_age: Some(self.held.oldest_age(now_ms())),
             dead_letters: stats.dead_letter_messages,
+            oldest_dead_letter_age: None,
         })
     }
 }
