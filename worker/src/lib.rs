@@ -7,6 +7,7 @@ pub mod health;
 pub mod metrics;
 pub mod payload;
 pub mod pipeline;
+pub mod send;
 pub mod transport;
 
 use std::net::SocketAddr;
@@ -95,6 +96,10 @@ pub enum WorkerError {
     },
     #[error("cannot install signal handlers")]
     Signals(#[source] std::io::Error),
+    #[error("`send` supports gateway sources (spec.source.gateway) only")]
+    SendUnsupported,
+    #[error("cannot read the message body from standard input")]
+    Stdin(#[source] std::io::Error),
 }
 
 /// Options of `switchboard-worker run`.
