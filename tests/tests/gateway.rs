@@ -119,10 +119,10 @@ async fn five_second_tokens_over_a_minute_are_refreshed_before_expiry_without_a_
     );
     // A revocation meets every call in flight with the old token (up to 16 concurrent
     // deletes of a batch, a long poll, a probe): each gets one 401 and succeeds on its retry.
+    // None at all when the token was due for its refresh anyway.
     let unauthorized = hooks.answered(401);
     ensure!(
-        per_revocation.len() == REVOCATIONS as usize
-            && per_revocation.iter().all(|&n| (1..=18).contains(&n)),
+        per_revocation.len() == REVOCATIONS as usize && per_revocation.iter().all(|&n| n <= 18),
         "401 answers per revocation: {per_revocation:?}"
     );
     // Hydra says `expires_in: 4` for a 5 s token; refreshed at 90 % of that.

@@ -508,6 +508,11 @@ fn bad_request(message: String) -> Failure {
     Failure(StatusCode::BAD_REQUEST, "InvalidRequest", message)
 }
 
+/// A JSON request body, or 400.
+fn json_body<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, Failure> {
+    serde_json::from_slice(body).map_err(|err| bad_request(err.to_string()))
+}
+
 #[derive(Debug, Deserialize)]
 #[serde(rename_all = "camelCase")]
 struct SendRequest {
@@ -552,8 +557,7 @@ async fn send(
     body: axum::body::Bytes,
 ) -> Answer {
     shared.admit(&headers, &query).await?;
-    let request: SendRequest =
-        serde_json::from_slice(&body).map_err(|err| bad_request(err.to_string()))?;
+    let request: SendRequest = json_body(&body)?;
     let url = shared.queue_url(query.get("queue")).await?;
     send_message(
         &shared,
@@ -648,8 +652,7 @@ async fn receipt_call(
     delete: bool,
 ) -> Answer {
     shared.admit(headers, query).await?;
-    let request: ReceiptRequest =
-        serde_json::from_slice(body).map_err(|err| bad_request(err.to_string()))?;
+    let request: ReceiptRequest = json_body(body)?;
     let url = shared.queue_url(query.get("queue")).await?;
     if delete {
         shared
@@ -710,8 +713,7 @@ async fn dead_letter(
     body: axum::body::Bytes,
 ) -> Answer {
     shared.admit(&headers, &query).await?;
-    let request: DeadLetterRequest =
-        serde_json::from_slice(&body).map_err(|err| bad_request(err.to_string()))?;
+    let request: DeadLetterRequest = json_body(&body)?;
     let dead_letter_queue = query.get("queue").map(|queue| format!("{queue}-dlq"));
     let url = shared.queue_url(dead_letter_queue.as_ref()).await?;
     let mut attributes = request.message_attributes.values;
