@@ -102,6 +102,14 @@ impl QueueAdapterSpec {
                     .into(),
             );
         }
+        if self.source.gateway.is_some() {
+            fail(
+                field,
+                "is not available for source gateway: KEDA has no scaler for the gateway's \
+                 protocol"
+                    .into(),
+            );
+        }
     }
 
     /// Checks the rules of the CRD schema and its CEL validations.

@@ -79,6 +79,10 @@ async fn five_second_tokens_over_a_minute_are_refreshed_before_expiry_without_a_
     let started = Instant::now();
     let mut produced = 0;
     let mut revoked = 0;
+    // 401 answers are allowed only in the 3 s after a revocation: none from expiry.
+    let mut settled_401 = hooks.answered(401);
+    let mut last_revocation: Option<Instant> = None;
+    let mut per_revocation = Vec::new();
     let mut tick = tokio::time::interval(Duration::from_secs(1));
     while started.elapsed() < RUN {
         tick.tick().await;
@@ -86,10 +90,23 @@ async fn five_second_tokens_over_a_minute_are_refreshed_before_expiry_without_a_
             .produce(bodies("tokens", produced..produced + 10))
             .await?;
         produced += 10;
+        match last_revocation {
+            Some(at) if at.elapsed() < Duration::from_secs(3) => {}
+            Some(_) => {
+                per_revocation.push(hooks.answered(401) - settled_401);
+                settled_401 = hooks.answered(401);
+                last_revocation = None;
+            }
+            None => ensure!(
+                hooks.answered(401) == settled_401,
+                "a 401 without a revocation (a token used past its expiry)"
+            ),
+        }
         let due = started.elapsed().as_secs() / (RUN.as_secs() / (REVOCATIONS + 1));
-        if revoked < REVOCATIONS && due > revoked {
+        if revoked < REVOCATIONS && due > revoked && last_revocation.is_none() {
             ensure!(hooks.revoke_seen_tokens() > 0, "a token was in use");
             revoked += 1;
+            last_revocation = Some(Instant::now());
         }
     }
     setup.wait_settled(produced as i64, &worker).await?;
@@ -100,11 +117,13 @@ async fn five_second_tokens_over_a_minute_are_refreshed_before_expiry_without_a_
         "a call failed with 401 after a new token:\n{}",
         worker.log_tail()
     );
-    // Each revocation can meet the loop's call and a probe's call in flight at once.
+    // A revocation meets every call in flight with the old token (up to 16 concurrent
+    // deletes of a batch, a long poll, a probe): each gets one 401 and succeeds on its retry.
+    // None at all when the token was due for its refresh anyway.
     let unauthorized = hooks.answered(401);
     ensure!(
-        unauthorized <= 2 * REVOCATIONS,
-        "{unauthorized} answers 401 for {REVOCATIONS} revocations"
+        per_revocation.len() == REVOCATIONS as usize && per_revocation.iter().all(|&n| n <= 18),
+        "401 answers per revocation: {per_revocation:?}"
     );
     // Hydra says `expires_in: 4` for a 5 s token; refreshed at 90 % of that.
     let requests = setup.broker.hydra.token_requests()? as f64;
@@ -135,7 +154,7 @@ async fn five_second_tokens_over_a_minute_are_refreshed_before_expiry_without_a_
     );
     println!(
         "tokens: {produced} messages in {elapsed:.1} s, {requests} token requests, \
-         {unauthorized} answers 401 for {REVOCATIONS} revocations"
+         {unauthorized} answers 401 ({per_revocation:?} per revocation), none failed"
     );
     Ok(())
 }
@@ -247,10 +266,12 @@ async fn gateway_answering_403_degrades_the_worker_naming_the_queue_and_the_clai
     })
     .await?;
     let during = hooks.answered(403) - first;
+    // Backing off: a tight loop would be hundreds a second.
     ensure!(
-        during <= 30,
+        during <= 60,
         "{during} calls refused in 10 s: not backing off"
     );
+    println!("forbidden: {during} calls refused in 10 s of 403");
 
     hooks.stop_failing();
     setup.wait_settled(40, &worker).await?;
@@ -258,4 +279,62 @@ async fn gateway_answering_403_degrades_the_worker_naming_the_queue_and_the_clai
         Ok(worker.http_get("/readyz")?.0 == 200)
     })
     .await
+}
+
+/// Acceptance 4: `switchboard-worker send --file MANIFEST --attr k=v < body` through the
+/// gateway, into a todo whose event carries the body and the attributes.
+#[tokio::test]
+async fn send_round_trip_through_the_gateway_ends_in_one_todo() -> Result<()> {
+    let setup = Setup::start("sent", Duration::from_secs(300)).await?;
+    let worker = setup.worker()?;
+    let manifest = setup.fx.manifest(
+        "sent.yaml",
+        &source_manifest(
+            "sent",
+            &setup.broker.source("sent", "visibilityTimeoutSeconds: 2"),
+            "batchSize: 50",
+            "",
+        ),
+    )?;
+    let mut send = std::process::Command::new(switchboard_tests::worker::worker_binary()?);
+    send.args(["send", "--file"])
+        .arg(&manifest)
+        .args(["--attr", "source=obsidian", "--attr", "level=L0"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped());
+    for (name, value) in &setup.fx.extra_env {
+        send.env(name, value);
+    }
+    let mut child = send.spawn()?;
+    {
+        use std::io::Write as _;
+        let mut stdin = child.stdin.take().expect("piped");
+        stdin.write_all(br#"{"content":"hello world"}"#)?;
+    }
+    let output = child.wait_with_output()?;
+    ensure!(
+        output.status.success(),
+        "send failed: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let message_id = String::from_utf8(output.stdout)?.trim().to_owned();
+    ensure!(!message_id.is_empty(), "send prints the message id");
+    setup.wait_settled(1, &worker).await?;
+    let (key, payload, headers): (String, serde_json::Value, serde_json::Value) = sqlx::query_as(
+        "SELECT t.idempotency_key, e.payload, e.headers FROM todos t JOIN events e ON e.id = t.event_id WHERE t.queue = 'sent'",
+    )
+    .fetch_one(setup.fx.pool())
+    .await?;
+    ensure!(key == format!("gateway:test/sent:{message_id}"), "{key}");
+    ensure!(
+        payload == serde_json::json!({"content": "hello world"}),
+        "{payload}"
+    );
+    let text = headers.to_string();
+    ensure!(
+        text.contains("obsidian") && text.contains("L0") && text.contains("chunk_id"),
+        "the attributes are the event's headers: {text}"
+    );
+    Ok(())
 }

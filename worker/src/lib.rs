@@ -8,6 +8,7 @@ pub mod health;
 pub mod metrics;
 pub mod payload;
 pub mod pipeline;
+pub mod send;
 pub mod transport;
 
 use std::net::SocketAddr;
@@ -98,6 +99,10 @@ pub enum WorkerError {
     Signals(#[source] std::io::Error),
     #[error(transparent)]
     Dlq(#[from] dlq::DlqError),
+    #[error("`send` supports gateway sources (spec.source.gateway) only")]
+    SendUnsupported,
+    #[error("cannot read the message body from standard input")]
+    Stdin(#[source] std::io::Error),
 }
 
 /// Options of `switchboard-worker run`.

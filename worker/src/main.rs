@@ -5,7 +5,8 @@ use std::time::Duration;
 
 use clap::{Parser, Subcommand};
 use switchboard_telemetry::{ErrorChain, init_tracing};
-use switchboard_worker::{RunOptions, dlq, migrate, run};
+use switchboard_worker::send::{SendOptions, send};
+use switchboard_worker::{RunOptions, WorkerError, dlq, migrate, run};
 
 /// Pulls broker messages into durable PostgreSQL todos (store-then-ack).
 ///
@@ -25,6 +26,15 @@ struct Cli {
 enum Command {
     /// Apply the database migrations (idempotent; safe to run concurrently).
     Migrate,
+    /// Send the body on standard input as one message to the manifest's source; prints its id.
+    Send {
+        /// The QueueAdapter manifest.
+        #[arg(long)]
+        file: PathBuf,
+        /// A message attribute, `name=value` (repeatable).
+        #[arg(long = "attr", value_parser = attribute)]
+        attributes: Vec<(String, String)>,
+    },
     /// Run the store-then-ack loop for one QueueAdapter manifest.
     Run {
         /// The QueueAdapter manifest (the YAML you would `kubectl apply`).
@@ -50,6 +60,14 @@ enum Command {
     Dlq(dlq::DlqCommand),
 }
 
+/// `name=value`.
+fn attribute(text: &str) -> Result<(String, String), String> {
+    match text.split_once('=') {
+        Some((name, value)) if !name.is_empty() => Ok((name.to_owned(), value.to_owned())),
+        _ => Err("expected name=value".to_owned()),
+    }
+}
+
 /// A duration above zero, e.g. `30s`.
 fn positive_duration(text: &str) -> Result<Duration, String> {
     match humantime::parse_duration(text) {
@@ -57,6 +75,15 @@ fn positive_duration(text: &str) -> Result<Duration, String> {
         Ok(duration) => Ok(duration),
         Err(err) => Err(err.to_string()),
     }
+}
+
+/// `send` with the body read from standard input; prints the message id.
+async fn send_stdin(options: SendOptions) -> Result<(), WorkerError> {
+    let mut body = Vec::new();
+    std::io::Read::read_to_end(&mut std::io::stdin(), &mut body).map_err(WorkerError::Stdin)?;
+    let id = send(options, body).await?;
+    println!("{id}");
+    Ok(())
 }
 
 // One thread: the worker waits on I/O; the CPU is better left to PostgreSQL and Redis.
@@ -72,6 +99,7 @@ async fn main() -> ExitCode {
     let result = match cli.command {
         Command::Migrate => migrate().await,
         Command::Dlq(command) => dlq::run(command).await,
+        Command::Send { file, attributes } => send_stdin(SendOptions { file, attributes }).await,
         Command::Run {
             file,
             consumer,

@@ -112,12 +112,15 @@ impl Hooks {
     }
 }
 
+/// An RSA public key: modulus and exponent, big-endian.
+type RsaKey = (Vec<u8>, Vec<u8>);
+
 struct Shared {
     config: GatewayConfig,
     sqs: Client,
     hooks: Arc<Hooks>,
-    /// RSA public keys (n, e) by key id.
-    keys: Mutex<HashMap<String, (Vec<u8>, Vec<u8>)>>,
+    /// RSA public keys by key id.
+    keys: Mutex<HashMap<String, RsaKey>>,
 }
 
 /// The gateway, serving on a fixed loopback port on its own thread and runtime.
@@ -373,7 +376,7 @@ impl Shared {
         Ok(claims)
     }
 
-    fn key(&self, kid: &str) -> Option<(Vec<u8>, Vec<u8>)> {
+    fn key(&self, kid: &str) -> Option<RsaKey> {
         lock(&self.keys).get(kid).cloned()
     }
 
@@ -505,6 +508,11 @@ fn bad_request(message: String) -> Failure {
     Failure(StatusCode::BAD_REQUEST, "InvalidRequest", message)
 }
 
+/// A JSON request body, or 400.
+fn json_body<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, Failure> {
+    serde_json::from_slice(body).map_err(|err| bad_request(err.to_string()))
+}
+
 #[derive(Debug, Deserialize)]
 #[serde(rename_all = "camelCase")]
 struct SendRequest {
@@ -549,8 +557,7 @@ async fn send(
     body: axum::body::Bytes,
 ) -> Answer {
     shared.admit(&headers, &query).await?;
-    let request: SendRequest =
-        serde_json::from_slice(&body).map_err(|err| bad_request(err.to_string()))?;
+    let request: SendRequest = json_body(&body)?;
     let url = shared.queue_url(query.get("queue")).await?;
     send_message(
         &shared,
@@ -636,8 +643,39 @@ struct ReceiptRequest {
     visibility_timeout_seconds: i32,
 }
 
-fn receipt_request(body: &[u8]) -> Result<ReceiptRequest, Failure> {
-    serde_json::from_slice(body).map_err(|err| bad_request(err.to_string()))
+/// Deletes the message of a receipt handle (`delete`), or sets its visibility.
+async fn receipt_call(
+    shared: &Shared,
+    query: &HashMap<String, String>,
+    headers: &HeaderMap,
+    body: &[u8],
+    delete: bool,
+) -> Answer {
+    shared.admit(headers, query).await?;
+    let request: ReceiptRequest = json_body(body)?;
+    let url = shared.queue_url(query.get("queue")).await?;
+    if delete {
+        shared
+            .sqs
+            .delete_message()
+            .queue_url(&url)
+            .receipt_handle(&request.receipt_handle)
+            .send()
+            .await
+            .map_err(|err| sqs_failure(&err))?;
+        shared.hooks.deleted.fetch_add(1, Ordering::Relaxed);
+    } else {
+        shared
+            .sqs
+            .change_message_visibility()
+            .queue_url(&url)
+            .receipt_handle(&request.receipt_handle)
+            .visibility_timeout(request.visibility_timeout_seconds)
+            .send()
+            .await
+            .map_err(|err| sqs_failure(&err))?;
+    }
+    shared.ok(StatusCode::NO_CONTENT, None)
 }
 
 async fn delete(
@@ -646,19 +684,7 @@ async fn delete(
     headers: HeaderMap,
     body: axum::body::Bytes,
 ) -> Answer {
-    shared.admit(&headers, &query).await?;
-    let request = receipt_request(&body)?;
-    let url = shared.queue_url(query.get("queue")).await?;
-    shared
-        .sqs
-        .delete_message()
-        .queue_url(&url)
-        .receipt_handle(&request.receipt_handle)
-        .send()
-        .await
-        .map_err(|err| sqs_failure(&err))?;
-    shared.hooks.deleted.fetch_add(1, Ordering::Relaxed);
-    shared.ok(StatusCode::NO_CONTENT, None)
+    receipt_call(&shared, &query, &headers, &body, true).await
 }
 
 async fn visibility(
@@ -667,19 +693,7 @@ async fn visibility(
     headers: HeaderMap,
     body: axum::body::Bytes,
 ) -> Answer {
-    shared.admit(&headers, &query).await?;
-    let request = receipt_request(&body)?;
-    let url = shared.queue_url(query.get("queue")).await?;
-    shared
-        .sqs
-        .change_message_visibility()
-        .queue_url(&url)
-        .receipt_handle(&request.receipt_handle)
-        .visibility_timeout(request.visibility_timeout_seconds)
-        .send()
-        .await
-        .map_err(|err| sqs_failure(&err))?;
-    shared.ok(StatusCode::NO_CONTENT, None)
+    receipt_call(&shared, &query, &headers, &body, false).await
 }
 
 #[derive(Debug, Deserialize)]
@@ -699,8 +713,7 @@ async fn dead_letter(
     body: axum::body::Bytes,
 ) -> Answer {
     shared.admit(&headers, &query).await?;
-    let request: DeadLetterRequest =
-        serde_json::from_slice(&body).map_err(|err| bad_request(err.to_string()))?;
+    let request: DeadLetterRequest = json_body(&body)?;
     let dead_letter_queue = query.get("queue").map(|queue| format!("{queue}-dlq"));
     let url = shared.queue_url(dead_letter_queue.as_ref()).await?;
     let mut attributes = request.message_attributes.values;

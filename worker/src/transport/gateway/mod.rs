@@ -60,7 +60,7 @@ use crate::transport::{
 
 /// The visibility timeout receives ask for when the spec does not say.
 const DEFAULT_VISIBILITY_SECONDS: u32 = 30;
-/// How often `maintain` (a no-op) and the queue-health probe run.
+/// How often `maintain` (a stats call) and the queue-health probe run.
 const MAINTENANCE_INTERVAL: Duration = Duration::from_secs(5);
 /// Calls of one acknowledgement, lease extension or dead-letter write in flight at once.
 const CONCURRENT_CALLS: usize = 16;
@@ -211,6 +211,53 @@ pub fn connect(
             adapter,
         ),
     ))
+}
+
+/// The protocol's answer to a send.
+#[derive(Debug, Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct Sent {
+    message_id: String,
+}
+
+/// Sends one message to the adapter's queue (the seed's `send_chunk`): the body base64,
+/// `attributes` with a fresh `chunk_id` and the spec's `project`. Returns its messageId.
+pub async fn send_message(
+    spec: &GatewaySource,
+    adapter: &str,
+    body: &[u8],
+    attributes: &[(String, String)],
+) -> Result<String, TransportError> {
+    let calls = connect(spec, adapter, &mut Registry::default())?;
+    let mut values = serde_json::Map::new();
+    let chunk_id = format!(
+        "{:08x}-{:04x}-4{:03x}-{:04x}-{:012x}",
+        fastrand::u32(..),
+        fastrand::u16(..),
+        fastrand::u16(..0x1000),
+        0x8000 | fastrand::u16(..0x4000),
+        fastrand::u64(..1 << 48)
+    );
+    values.insert("chunk_id".into(), chunk_id.into());
+    if let Some(project) = calls.project() {
+        values.insert("project".into(), project.into());
+    }
+    for (name, value) in attributes {
+        values.insert(name.clone(), value.clone().into());
+    }
+    let request = json!({
+        "messageBody": STANDARD.encode(body),
+        "messageAttributes": {"values": values},
+        "delaySeconds": 0,
+    });
+    let call = Call {
+        name: "send",
+        method: &::http::Method::POST,
+        path: "/",
+        timeout: CALL_TIMEOUT,
+    };
+    let sent: Sent = calls.call(call, &[], Some(&request)).await?;
+    Ok(sent.message_id)
 }
 
 /// The gateway transport.
@@ -477,8 +524,10 @@ impl Transport for GatewayTransport {
         Ok(())
     }
 
+    /// Checks the queue through the gateway (`GET /stats`): a gateway that refuses the token
+    /// (403) keeps the worker degraded between batches too.
     async fn maintain(&mut self) -> Result<(), TransportError> {
-        Ok(())
+        stats(&self.calls).await.map(drop)
     }
 
     fn maintenance_interval(&self) -> Duration {
