@@ -136,6 +136,7 @@ pub struct ConsumerState {
     pub rebalances: Counter,
     pub abandoned: Counter,
     pub commit_failures: Counter,
+    pub fetch_restarts: Counter,
 }
 
 impl ConsumerState {

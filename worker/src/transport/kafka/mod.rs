@@ -61,6 +61,10 @@ use self::probe::{KafkaProbe, Topics};
 use crate::metrics::adapter_counter;
 use crate::transport::{Acked, DeadLetter, Message, Position, Transport, TransportError};
 
+/// How long an owned partition with a backlog may deliver nothing, with nothing of it in flight,
+/// before its fetch is restarted: librdkafka can leave a partition assigned after a cooperative
+/// rebalance without ever fetching it (its lag then grows until the worker restarts).
+const STALLED_AFTER: Duration = Duration::from_secs(30);
 /// How long a blocking receive waits for records.
 const RECEIVE_WAIT: Duration = Duration::from_secs(1);
 /// How long a blocking receive gathers more records after its first one.
@@ -160,6 +164,12 @@ impl Kafka {
                 registry,
                 "kafka_commit_failures",
                 "Offset commits the brokers refused or did not answer (sent again)",
+                &adapter,
+            ),
+            fetch_restarts: adapter_counter(
+                registry,
+                "kafka_fetch_restarts",
+                "Fetches restarted of partitions that held a backlog and delivered nothing",
                 &adapter,
             ),
         });
@@ -595,7 +605,9 @@ impl Transport for Kafka {
 
     async fn maintain(&mut self) -> Result<(), TransportError> {
         let commits = self.state.offsets().committable();
-        self.commit(commits, CommitMode::Async)
+        self.commit(commits, CommitMode::Async)?;
+        self.restart_stalled_fetches().await;
+        Ok(())
     }
 
     fn maintenance_interval(&self) -> Duration {
@@ -627,6 +639,91 @@ impl Transport for Kafka {
 }
 
 impl Kafka {
+    /// Restarts the fetch of owned partitions that hold a backlog (the probe's lag) but delivered
+    /// nothing for [`STALLED_AFTER`] with nothing in flight: from the offset after their settled
+    /// prefix, else from the group's committed offset (read by the probe's client). A partition
+    /// with no committed offset is left to `auto.offset.reset`; a restart that fails is tried
+    /// again at the next maintenance.
+    async fn restart_stalled_fetches(&mut self) {
+        let idle = self.state.offsets().idle(STALLED_AFTER);
+        let stalled: Vec<(TopicPartition, Option<i64>)> = idle
+            .into_iter()
+            .filter(|(partition, _)| {
+                let labels = probe::PartitionLabels {
+                    adapter: self.adapter.clone(),
+                    topic: partition.topic.to_string(),
+                    partition: partition.partition.to_string(),
+                };
+                self.lag.get_or_create(&labels).get() > 0
+            })
+            .collect();
+        if stalled.is_empty() {
+            return;
+        }
+        let mut unknown = TopicPartitionList::new();
+        for (partition, _) in stalled.iter().filter(|(_, from)| from.is_none()) {
+            unknown.add_partition(&partition.topic, partition.partition);
+        }
+        let probe = self.probe.clone();
+        let committed = match tokio::task::spawn_blocking(move || match unknown.count() {
+            0 => Ok(unknown),
+            _ => probe.committed_offsets(unknown, REQUEST_TIMEOUT),
+        })
+        .await
+        {
+            Ok(Ok(committed)) => committed,
+            Ok(Err(err)) => {
+                tracing::debug!(error = %switchboard_telemetry::ErrorChain(&err), "could not read the committed offsets of stalled partitions");
+                return;
+            }
+            Err(err) => {
+                tracing::debug!(error = %err, "the committed-offsets task failed");
+                return;
+            }
+        };
+        let mut restart = TopicPartitionList::new();
+        for (partition, from) in &stalled {
+            let offset = match from {
+                Some(from) => Offset::Offset(*from),
+                None => committed
+                    .find_partition(&partition.topic, partition.partition)
+                    .map_or(Offset::Invalid, |element| element.offset()),
+            };
+            if let Offset::Offset(offset) = offset {
+                tracing::warn!(
+                    partition = %partition.name(),
+                    offset,
+                    idle_seconds = STALLED_AFTER.as_secs(),
+                    "a partition with a backlog delivered nothing: restarting its fetch"
+                );
+                let _ = restart.add_partition_offset(
+                    &partition.topic,
+                    partition.partition,
+                    Offset::Offset(offset),
+                );
+            }
+        }
+        if restart.count() == 0 {
+            return;
+        }
+        let restarted = self
+            .consumer
+            .incremental_unassign(&restart)
+            .and_then(|()| self.consumer.incremental_assign(&restart));
+        match restarted {
+            Ok(()) => {
+                let mut offsets = self.state.offsets();
+                for (partition, _) in &stalled {
+                    offsets.restarted(partition);
+                }
+                self.state.fetch_restarts.inc_by(restart.count() as u64);
+            }
+            Err(err) => {
+                tracing::warn!(error = %switchboard_telemetry::ErrorChain(&err), "could not restart the fetch of stalled partitions; tried again later")
+            }
+        }
+    }
+
     /// Commits `commits` (each partition's settled prefix). A commit that cannot be sent marks
     /// its partitions for the next one.
     fn commit(

@@ -9,6 +9,7 @@
 
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 /// One partition of a topic.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -34,6 +35,8 @@ struct Owned {
     settled_up_to: Option<i64>,
     /// The offset last sent as a commit.
     committed: Option<i64>,
+    /// When the partition last delivered a record (or was assigned, or its fetch restarted).
+    last_delivery: Instant,
 }
 
 /// The owned partitions and their settled records.
@@ -56,6 +59,7 @@ impl Offsets {
                     delivered: VecDeque::new(),
                     settled_up_to: None,
                     committed: None,
+                    last_delivery: Instant::now(),
                 }
             })
             .epoch
@@ -102,7 +106,27 @@ impl Offsets {
             return false;
         }
         owned.delivered.push_back((offset, false));
+        owned.last_delivery = Instant::now();
         true
+    }
+
+    /// Owned partitions with nothing in flight that delivered nothing for `idle`, each with the
+    /// offset after its settled prefix (`None`: nothing settled since it was assigned).
+    pub fn idle(&self, idle: Duration) -> Vec<(TopicPartition, Option<i64>)> {
+        self.owned
+            .iter()
+            .filter(|(_, owned)| {
+                owned.delivered.is_empty() && owned.last_delivery.elapsed() >= idle
+            })
+            .map(|(partition, owned)| (partition.clone(), owned.settled_up_to))
+            .collect()
+    }
+
+    /// The fetch of `partition` was restarted: it is not idle from now.
+    pub fn restarted(&mut self, partition: &TopicPartition) {
+        if let Some(owned) = self.owned.get_mut(partition) {
+            owned.last_delivery = Instant::now();
+        }
     }
 
     /// Marks a delivered record settled (stored, duplicate or dead-lettered). `false`: stale
@@ -206,6 +230,31 @@ mod tests {
         assert!(offsets.deliver(&tp(1), again, 12));
         assert!(offsets.settle(&tp(1), again, 12));
         assert_eq!(offsets.committable(), vec![(tp(1), 13)]);
+    }
+
+    #[test]
+    fn only_partitions_with_nothing_in_flight_are_idle_with_where_to_fetch_from() {
+        let mut offsets = Offsets::default();
+        let epoch = offsets.assign(tp(0));
+        offsets.assign(tp(1));
+        assert!(offsets.deliver(&tp(0), epoch, 7));
+        assert_eq!(
+            offsets.idle(Duration::ZERO),
+            vec![(tp(1), None)],
+            "7 is in flight"
+        );
+        assert!(offsets.settle(&tp(0), epoch, 7));
+        assert_eq!(
+            offsets.idle(Duration::ZERO),
+            vec![(tp(0), Some(8)), (tp(1), None)]
+        );
+        assert_eq!(
+            offsets.idle(Duration::from_secs(3600)),
+            vec![],
+            "both just started"
+        );
+        offsets.restarted(&tp(1));
+        assert_eq!(offsets.idle(Duration::from_secs(3600)), vec![]);
     }
 
     #[test]
