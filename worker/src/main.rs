@@ -8,6 +8,11 @@ use switchboard_telemetry::{ErrorChain, init_tracing};
 use switchboard_worker::send::{SendOptions, send};
 use switchboard_worker::{RunOptions, WorkerError, dlq, migrate, run};
 
+/// Every message allocates and frees a few small buffers on its way from the broker to the
+/// database; mimalloc does that at a fraction of glibc's cost (docs/PERFORMANCE.md).
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 /// Pulls broker messages into durable PostgreSQL todos (store-then-ack).
 ///
 /// Secrets come from the environment only: DATABASE_URL, REDIS_URL, AWS_ACCESS_KEY_ID,

@@ -28,8 +28,9 @@ pub struct AmqpArgs {
     /// Messages published to a quorum queue of RabbitMQ per AMQP phase (0: no AMQP phases).
     #[arg(long, default_value_t = 100_000)]
     amqp_messages: usize,
-    /// The AMQP worker's delivery.batchSize (its prefetch).
-    #[arg(long, default_value_t = 100)]
+    /// The AMQP worker's delivery.batchSize (the raw loop's prefetch; the worker's is this times
+    /// its batches in flight), 500 like the other brokers' rows.
+    #[arg(long, default_value_t = 500)]
     amqp_batch_size: usize,
     /// Concurrent consume + ack(multiple) channels tried for the raw AMQP limit (1 = the
     /// worker's one consumer).

@@ -533,12 +533,15 @@ impl Amqp {
         let mut failure = None;
         while buffer.len() + buffered.len() < max {
             let until = gather_until.unwrap_or(started + BLOCK);
-            let next = if block && until > Instant::now() {
-                tokio::time::timeout_at(until.into(), session.consumer.next())
-                    .await
-                    .ok()
-            } else {
-                session.consumer.next().now_or_never()
+            // A delivery already buffered is taken without arming a timer.
+            let next = match session.consumer.next().now_or_never() {
+                Some(next) => Some(next),
+                None if block && until > Instant::now() => {
+                    tokio::time::timeout_at(until.into(), session.consumer.next())
+                        .await
+                        .ok()
+                }
+                None => None,
             };
             match next {
                 None => break,

@@ -77,6 +77,10 @@ const PRODUCE_TIMEOUT: Duration = Duration::from_secs(30);
 const MAX_ERROR_BYTES: usize = 2048;
 /// The header holding the record's key among the event's headers.
 const KEY_HEADER: &str = "kafka.key";
+/// How far librdkafka fetches ahead of the pipeline: records per partition
+/// (`queued.min.messages`) and KiB in all (`queued.max.messages.kbytes`).
+const PREFETCH_RECORDS: u32 = 10_000;
+const PREFETCH_KIB: u32 = 8 * 1024;
 
 /// What the Kafka transport needs.
 #[derive(Debug, Clone)]
@@ -196,7 +200,12 @@ impl Kafka {
                 "heartbeat.interval.ms",
                 (session_ms / 3).min(3000).to_string(),
             )
-            .set("enable.partition.eof", "false");
+            .set("enable.partition.eof", "false")
+            // librdkafka prefetches up to 100,000 records or 64 MiB per partition by default;
+            // a fraction of a second of what one worker stores is plenty, and keeps the pod
+            // within its memory limit.
+            .set("queued.min.messages", PREFETCH_RECORDS.to_string())
+            .set("queued.max.messages.kbytes", PREFETCH_KIB.to_string());
         let consumer: StreamConsumer<KafkaContext> = config
             .create_with_context(KafkaContext {
                 state: state.clone(),
