@@ -97,6 +97,11 @@ impl Hooks {
         count
     }
 
+    /// How many valid tokens were presented since the last revocation.
+    pub fn seen_tokens(&self) -> usize {
+        lock(&self.seen).len()
+    }
+
     /// The bearer tokens presented so far.
     pub fn tokens(&self) -> Vec<String> {
         lock(&self.tokens).iter().cloned().collect()

@@ -3,8 +3,9 @@
 //!
 //! - **Calls** (`calls.rs`): every call carries `X-Service` (header and query) and
 //!   `Authorization: Bearer <JWT>` from the token provider (`token.rs`: static, or OAuth2
-//!   client credentials, cached and refreshed before expiry, one refresh at a time, 401 →
-//!   invalidate and retry once); the seed's error table decides what a refusal means; a
+//!   client credentials, cached and refreshed before expiry, one refresh at a time, a 401 on
+//!   the current token → invalidate and retry once, on an older token → retry with the
+//!   current one); the seed's error table decides what a refusal means; a
 //!   circuit breaker (`breaker.rs`) stops calling a gateway that is overloaded or unreachable.
 //!   TLS is verified (the web roots, plus `GATEWAY_CA_PEM`).
 //! - **`prepare`** checks `GET /health`, then `GET /stats` of the queue: a missing queue is
@@ -44,7 +45,7 @@ use switchboard_api::source::gateway::CA_ENV;
 use switchboard_store::Dedup;
 
 use self::breaker::CircuitBreaker;
-use self::calls::{CALL_TIMEOUT, Call, Gateway as Calls, LONG_POLL_MARGIN};
+use self::calls::{AuthCounters, CALL_TIMEOUT, Call, Gateway as Calls, LONG_POLL_MARGIN};
 use self::http::HttpClient;
 use self::token::{TokenProvider, TokenSource};
 use super::sqs::Receipt;
@@ -184,6 +185,12 @@ pub fn connect(
             "Requests to the OAuth2 token endpoint",
             adapter,
         ),
+        adapter_counter(
+            registry,
+            "gateway_token_refreshes_forced",
+            "Token requests made because the gateway refused the current token (401)",
+            adapter,
+        ),
     );
     let breaker = CircuitBreaker::new(
         adapter_gauge(
@@ -204,12 +211,20 @@ pub fn connect(
         http,
         Arc::new(tokens),
         Arc::new(breaker),
-        adapter_counter(
-            registry,
-            "gateway_unauthorized",
-            "Gateway answers 401 (each followed by one retry with a new token)",
-            adapter,
-        ),
+        AuthCounters {
+            unauthorized: adapter_counter(
+                registry,
+                "gateway_unauthorized",
+                "Gateway answers 401 (each followed by a retry, unless it is an auth failure)",
+                adapter,
+            ),
+            failures: adapter_counter(
+                registry,
+                "gateway_auth_failures",
+                "Gateway calls that failed with 401 after their retry with a new token",
+                adapter,
+            ),
+        },
     ))
 }
 
