@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Result, ensure};
 use axum::http::StatusCode;
 use switchboard_tests::brokers::{BrokerFixture, GatewayBroker};
+use switchboard_tests::send::round_trip;
 use switchboard_tests::wait::wait_for;
 use switchboard_tests::worker::WorkerProcess;
 use switchboard_tests::{Fixture, source_manifest};
@@ -314,56 +315,5 @@ async fn gateway_answering_403_degrades_the_worker_naming_the_queue_and_the_clai
 /// gateway, into a todo whose event carries the body and the attributes.
 #[tokio::test]
 async fn send_round_trip_through_the_gateway_ends_in_one_todo() -> Result<()> {
-    let setup = Setup::start("sent", Duration::from_secs(300)).await?;
-    let worker = setup.worker()?;
-    let manifest = setup.fx.manifest(
-        "sent.yaml",
-        &source_manifest(
-            "sent",
-            &setup.broker.source("sent", "visibilityTimeoutSeconds: 2"),
-            "batchSize: 50",
-            "",
-        ),
-    )?;
-    let mut send = std::process::Command::new(switchboard_tests::worker::worker_binary()?);
-    send.args(["send", "--file"])
-        .arg(&manifest)
-        .args(["--attr", "source=obsidian", "--attr", "level=L0"])
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped());
-    for (name, value) in &setup.fx.extra_env {
-        send.env(name, value);
-    }
-    let mut child = send.spawn()?;
-    {
-        use std::io::Write as _;
-        let mut stdin = child.stdin.take().expect("piped");
-        stdin.write_all(br#"{"content":"hello world"}"#)?;
-    }
-    let output = child.wait_with_output()?;
-    ensure!(
-        output.status.success(),
-        "send failed: {}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    let message_id = String::from_utf8(output.stdout)?.trim().to_owned();
-    ensure!(!message_id.is_empty(), "send prints the message id");
-    setup.wait_settled(1, &worker).await?;
-    let (key, payload, headers): (String, serde_json::Value, serde_json::Value) = sqlx::query_as(
-        "SELECT t.idempotency_key, e.payload, e.headers FROM todos t JOIN events e ON e.id = t.event_id WHERE t.queue = 'sent'",
-    )
-    .fetch_one(setup.fx.pool())
-    .await?;
-    ensure!(key == format!("gateway:test/sent:{message_id}"), "{key}");
-    ensure!(
-        payload == serde_json::json!({"content": "hello world"}),
-        "{payload}"
-    );
-    let text = headers.to_string();
-    ensure!(
-        text.contains("obsidian") && text.contains("L0") && text.contains("chunk_id"),
-        "the attributes are the event's headers: {text}"
-    );
-    Ok(())
+    round_trip::<GatewayBroker>("gateway").await
 }

@@ -236,7 +236,7 @@ struct Sent {
 }
 
 /// Sends one message to the adapter's queue (the seed's `send_chunk`): the body base64,
-/// `attributes` with a fresh `chunk_id` and the spec's `project`. Returns its messageId.
+/// `attributes` with the spec's `project`. Returns its messageId.
 pub async fn send_message(
     spec: &GatewaySource,
     adapter: &str,
@@ -245,15 +245,6 @@ pub async fn send_message(
 ) -> Result<String, TransportError> {
     let calls = connect(spec, adapter, &mut Registry::default())?;
     let mut values = serde_json::Map::new();
-    let chunk_id = format!(
-        "{:08x}-{:04x}-4{:03x}-{:04x}-{:012x}",
-        fastrand::u32(..),
-        fastrand::u16(..),
-        fastrand::u16(..0x1000),
-        0x8000 | fastrand::u16(..0x4000),
-        fastrand::u64(..1 << 48)
-    );
-    values.insert("chunk_id".into(), chunk_id.into());
     if let Some(project) = calls.project() {
         values.insert("project".into(), project.into());
     }
