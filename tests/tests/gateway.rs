@@ -4,8 +4,10 @@
 
 use std::time::{Duration, Instant};
 
-use anyhow::{Result, ensure};
+use anyhow::{Context, Result, ensure};
 use axum::http::StatusCode;
+use switchboard_api::source::gateway::CA_ENV;
+use switchboard_tests::brokers::gateway::TestCa;
 use switchboard_tests::brokers::{BrokerFixture, GatewayBroker};
 use switchboard_tests::send::round_trip;
 use switchboard_tests::wait::wait_for;
@@ -13,6 +15,8 @@ use switchboard_tests::worker::WorkerProcess;
 use switchboard_tests::{Fixture, source_manifest};
 
 const LONG: Duration = Duration::from_secs(120);
+/// A misconfigured worker exits within this.
+const FATAL_EXIT: Duration = Duration::from_secs(30);
 
 fn bodies(name: &str, range: std::ops::Range<usize>) -> Vec<Vec<u8>> {
     range
@@ -28,21 +32,37 @@ struct Setup {
 }
 
 impl Setup {
-    async fn start(name: &'static str, token_lifetime: Duration) -> Result<Self> {
+    async fn start(
+        name: &'static str,
+        token_lifetime: Duration,
+        ca: Option<&TestCa>,
+    ) -> Result<Self> {
         let mut fx = Fixture::start().await?;
-        let (broker, env) = GatewayBroker::start_with(token_lifetime)?;
+        let (broker, env) = GatewayBroker::start_with(token_lifetime, ca)?;
         fx.extra_env = env;
         broker.create_queues(name).await?;
         Ok(Self { fx, broker, name })
     }
 
     fn worker(&self) -> Result<WorkerProcess> {
-        let source = self.broker.source(self.name, "visibilityTimeoutSeconds: 2");
+        self.worker_with("w1", "", &[])
+    }
+
+    /// Worker `consumer` with more `gateway` fields (`tls: …`) and environment.
+    fn worker_with(
+        &self,
+        consumer: &str,
+        more: &str,
+        env: &[(&str, &str)],
+    ) -> Result<WorkerProcess> {
+        let source = self
+            .broker
+            .source(self.name, &format!("visibilityTimeoutSeconds: 2{more}"));
         let manifest = self.fx.manifest(
-            &format!("{}.yaml", self.name),
+            &format!("{}-{consumer}.yaml", self.name),
             &source_manifest(self.name, &source, "batchSize: 50", ""),
         )?;
-        self.fx.worker(&manifest, "w1")
+        self.fx.worker_with(&manifest, consumer, env)
     }
 
     async fn produce(&self, bodies: Vec<Vec<u8>>) -> Result<()> {
@@ -77,7 +97,7 @@ async fn five_second_tokens_over_a_minute_are_refreshed_before_expiry_without_a_
     const REVOCATIONS: u64 = 2;
     /// How long after a revocation the calls in flight with the revoked token are answered.
     const SETTLE: Duration = Duration::from_secs(3);
-    let setup = Setup::start("tokens", Duration::from_secs(5)).await?;
+    let setup = Setup::start("tokens", Duration::from_secs(5), None).await?;
     let hooks = setup.broker.gateway.hooks();
     let worker = setup.worker()?;
     let metric =
@@ -194,7 +214,7 @@ async fn five_second_tokens_over_a_minute_are_refreshed_before_expiry_without_a_
 #[tokio::test]
 async fn gateway_answering_429_then_503_for_ten_seconds_opens_the_circuit_and_loses_nothing()
 -> Result<()> {
-    let setup = Setup::start("overload", Duration::from_secs(300)).await?;
+    let setup = Setup::start("overload", Duration::from_secs(300), None).await?;
     let hooks = setup.broker.gateway.hooks();
     let worker = setup.worker()?;
     setup.produce(bodies("overload", 0..200)).await?;
@@ -258,7 +278,7 @@ async fn gateway_answering_429_then_503_for_ten_seconds_opens_the_circuit_and_lo
 /// and it recovers once the grant is fixed.
 #[tokio::test]
 async fn gateway_answering_403_degrades_the_worker_naming_the_queue_and_the_claims() -> Result<()> {
-    let setup = Setup::start("forbidden", Duration::from_secs(300)).await?;
+    let setup = Setup::start("forbidden", Duration::from_secs(300), None).await?;
     let hooks = setup.broker.gateway.hooks();
     let worker = setup.worker()?;
     setup.produce(bodies("forbidden", 0..20)).await?;
@@ -316,4 +336,55 @@ async fn gateway_answering_403_degrades_the_worker_naming_the_queue_and_the_clai
 #[tokio::test]
 async fn send_round_trip_through_the_gateway_ends_in_one_todo() -> Result<()> {
     round_trip::<GatewayBroker>("gateway").await
+}
+
+/// TLS with a custom CA (`spec.source.gateway.tls`): the gateway serves HTTPS only, with a
+/// certificate of a CA generated here. Without the CA the worker exits non-zero naming
+/// `spec.source.gateway.tls`, having sent nothing to the unverified peer; with it (the file
+/// `GATEWAY_CA_FILE` names, as the operator mounts it) the messages become todos.
+#[tokio::test]
+async fn gateway_over_tls_is_trusted_with_its_custom_ca_and_refused_without_it() -> Result<()> {
+    let ca = TestCa::generate()?;
+    let setup = Setup::start("tls", Duration::from_secs(300), Some(&ca)).await?;
+    let hooks = setup.broker.gateway.hooks();
+    ensure!(setup.broker.gateway.url().starts_with("https://127.0.0.1:"));
+    setup.produce(bodies("tls", 0..20)).await?;
+
+    let mut untrusted = setup.worker_with("untrusted", "", &[])?;
+    let status = untrusted.wait_exit(FATAL_EXIT)?;
+    let log = untrusted.log();
+    ensure!(
+        !status.success() && status.code().is_some(),
+        "without the CA: expected a non-zero exit, got {status:?}\n{log}"
+    );
+    ensure!(
+        log.lines()
+            .any(|line| line.contains("spec.source.gateway.tls")
+                && line.contains("not trusted")
+                && line.contains("caConfigMapRef or caSecretRef")),
+        "the log names the TLS setting:\n{log}"
+    );
+    ensure!(
+        hooks.handshake_failures() >= 1,
+        "the worker refused the certificate in the handshake"
+    );
+    ensure!(
+        hooks.tokens().is_empty(),
+        "no request reached the unverified peer"
+    );
+    ensure!(setup.fx.todo_count("tls").await? == 0, "nothing stored");
+
+    let ca_file = setup.fx.manifest("gateway-ca.crt", &ca.ca_pem)?;
+    let ca_file = ca_file.to_str().context("a UTF-8 path")?;
+    let worker = setup.worker_with(
+        "w1",
+        ", tls: {caConfigMapRef: {name: gateway-ca, key: ca.crt}}",
+        &[(CA_ENV, ca_file)],
+    )?;
+    setup.wait_settled(20, &worker).await?;
+    ensure!(
+        !hooks.tokens().is_empty(),
+        "the worker called the gateway over TLS"
+    );
+    Ok(())
 }

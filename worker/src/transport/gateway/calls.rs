@@ -187,10 +187,7 @@ impl Gateway {
                 Ok(answer) => answer,
                 Err(err) => {
                     permit.failed();
-                    return Err(TransportError::transient(
-                        format!("gateway {} got no answer", call.name),
-                        err,
-                    ));
+                    return Err(err.error(&format!("gateway {}", call.name), &self.base));
                 }
             };
             if matches!(answer.status, 429 | 502 | 503 | 504) {

@@ -7,7 +7,8 @@
 //!   the current token → invalidate and retry once, on an older token → retry with the
 //!   current one); the seed's error table decides what a refusal means; a
 //!   circuit breaker (`breaker.rs`) stops calling a gateway that is overloaded or unreachable.
-//!   TLS is verified (the web roots, plus `GATEWAY_CA_PEM`).
+//!   TLS is always verified (the web roots, plus the CA of `spec.source.gateway.tls`, a file
+//!   the operator mounts and names in `GATEWAY_CA_FILE`).
 //! - **`prepare`** checks `GET /health`, then `GET /stats` of the queue: a missing queue is
 //!   fatal (naming `spec.source.gateway.queue`), a refused token is not.
 //! - **Receive**: long polls of at most ten messages, a larger batch gathered from concurrent
@@ -41,12 +42,11 @@ use prometheus_client::registry::Registry;
 use serde::Deserialize;
 use serde_json::json;
 use switchboard_api::GatewaySource;
-use switchboard_api::source::gateway::CA_ENV;
 use switchboard_store::Dedup;
 
 use self::breaker::CircuitBreaker;
 use self::calls::{AuthCounters, CALL_TIMEOUT, Call, Gateway as Calls, LONG_POLL_MARGIN};
-use self::http::HttpClient;
+use self::http::{HttpClient, extra_ca};
 use self::token::{TokenProvider, TokenSource};
 use super::sqs::Receipt;
 use super::sqs::dead_letter::{self, DEFAULT_MAX_MESSAGE_BYTES, WriteContext};
@@ -174,7 +174,7 @@ pub fn connect(
     adapter: &str,
     registry: &mut Registry,
 ) -> Result<Calls, TransportError> {
-    let http = HttpClient::new(std::env::var(CA_ENV).ok().as_deref())?;
+    let http = HttpClient::new(extra_ca(spec.tls.is_some())?.as_deref())?;
     let source = TokenSource::from_spec(&spec.auth)?;
     let tokens = TokenProvider::new(
         source,

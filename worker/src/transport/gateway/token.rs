@@ -244,7 +244,7 @@ impl TokenProvider {
             .http
             .send(request, TOKEN_TIMEOUT)
             .await
-            .map_err(|err| TransportError::transient("the OAuth2 token request failed", err))?;
+            .map_err(|err| err.error("the OAuth2 token request", &credentials.token_url))?;
         match answer.status {
             200 => {
                 let granted: Granted = serde_json::from_slice(&answer.body).map_err(|err| {
