@@ -889,4 +889,60 @@ mod tests {
             "{err}"
         );
     }
+
+    #[test]
+    fn gateway_ca_config_map_is_mounted_read_only_and_named_by_its_env() {
+        let objects = build_fixture(
+            "apiVersion: switchboard.dev/v1alpha1\n\
+             kind: QueueAdapter\n\
+             metadata: {name: orders, namespace: shop, uid: 1b4e28ba}\n\
+             spec:\n\
+             \x20 source:\n\
+             \x20   gateway:\n\
+             \x20     url: https://gw.example\n\
+             \x20     queue: orders\n\
+             \x20     auth: {tokenSecretRef: {name: gw, key: token}}\n\
+             \x20     tls: {caConfigMapRef: {name: gateway-ca, key: ca-bundle.pem}}\n\
+             \x20 target: {queue: orders}\n",
+        );
+        let pod = pod_spec(&objects);
+        let volume = pod
+            .volumes
+            .iter()
+            .flatten()
+            .find(|v| v.name == "gateway-ca")
+            .expect("the CA volume");
+        let map = volume.config_map.as_ref().expect("from the ConfigMap");
+        assert_eq!(map.name, "gateway-ca");
+        assert_eq!(map.default_mode, Some(0o444));
+        let items: Vec<(&str, &str)> = map
+            .items
+            .iter()
+            .flatten()
+            .map(|item| (item.key.as_str(), item.path.as_str()))
+            .collect();
+        assert_eq!(items, [("ca-bundle.pem", "ca.crt")]);
+        let container = &pod.containers[0];
+        let mount = container
+            .volume_mounts
+            .iter()
+            .flatten()
+            .find(|m| m.name == "gateway-ca")
+            .expect("mounted");
+        assert_eq!(
+            (mount.mount_path.as_str(), mount.read_only),
+            ("/etc/switchboard-gateway-ca", Some(true))
+        );
+        let env = container
+            .env
+            .iter()
+            .flatten()
+            .find(|e| e.name == "GATEWAY_CA_FILE")
+            .expect("GATEWAY_CA_FILE");
+        assert_eq!(
+            env.value.as_deref(),
+            Some("/etc/switchboard-gateway-ca/ca.crt")
+        );
+        assert_eq!(env_secret(container, "GATEWAY_TOKEN").name, "gw");
+    }
 }
