@@ -12,12 +12,14 @@ mod validate;
 pub use autoscaling::Autoscaling;
 pub use manifest::{ManifestError, UnknownField, load_manifest};
 pub use source::amqp::{AmqpBinding, AmqpDeclare, AmqpQueueType, AmqpSource};
-pub use source::gateway::{GatewayAuth, GatewaySource, OAuth2ClientCredentials};
+pub use source::gateway::{
+    ConfigMapKeyRef, GatewayAuth, GatewaySource, GatewayTls, OAuth2ClientCredentials,
+};
 pub use source::kafka::{KafkaSasl, KafkaSource, KafkaTls, SaslMechanism};
 pub use source::nats::{NatsDeliverPolicy, NatsSource};
 pub use source::redis::{RedisMode, RedisSource, StartFrom};
 pub use source::sqs::SqsSource;
-pub use source::{Broker, MissingSecret, SecretEnv, Source};
+pub use source::{Broker, FileSource, MissingSecret, MountedFile, SecretEnv, Source};
 pub use validate::{FieldError, InvalidSpec};
 
 use k8s_openapi::api::core::v1::ResourceRequirements;

@@ -6,8 +6,9 @@ use std::collections::BTreeMap;
 use k8s_openapi::api::apps::v1::{Deployment, DeploymentSpec};
 use k8s_openapi::api::core::v1::{
     Capabilities, ConfigMap, ConfigMapVolumeSource, Container, ContainerPort, EnvVar, EnvVarSource,
-    HTTPGetAction, ObjectFieldSelector, PodSecurityContext, PodSpec, PodTemplateSpec, Probe,
-    SeccompProfile, SecretKeySelector, SecurityContext, Volume, VolumeMount,
+    HTTPGetAction, KeyToPath, ObjectFieldSelector, PodSecurityContext, PodSpec, PodTemplateSpec,
+    Probe, SeccompProfile, SecretKeySelector, SecretVolumeSource, SecurityContext, Volume,
+    VolumeMount,
 };
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta, OwnerReference};
 
@@ -16,7 +17,8 @@ use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use kube::Resource;
 use sha2::{Digest, Sha256};
 use switchboard_api::{
-    Broker, InvalidSpec, MissingSecret, QueueAdapter, QueueAdapterSpec, SecretEnv, SecretKeyRef,
+    Broker, FileSource, InvalidSpec, MissingSecret, MountedFile, QueueAdapter, QueueAdapterSpec,
+    SecretEnv, SecretKeyRef,
 };
 
 /// The one field manager every write of the operator uses.
@@ -326,6 +328,43 @@ fn secret_env(name: &str, secret: &SecretKeyRef) -> EnvVar {
     }
 }
 
+/// The volume of a file the worker reads: only its key, as the file's name, read-only.
+fn file_volume(file: &MountedFile<'_>) -> Volume {
+    let items = |key: &str| {
+        Some(vec![KeyToPath {
+            key: key.to_owned(),
+            path: file.file.to_owned(),
+            mode: None,
+        }])
+    };
+    let (config_map, secret) = match file.source {
+        FileSource::ConfigMap { name, key } => (
+            Some(ConfigMapVolumeSource {
+                name: name.to_owned(),
+                items: items(key),
+                default_mode: Some(0o444),
+                optional: Some(false),
+            }),
+            None,
+        ),
+        FileSource::Secret(secret) => (
+            None,
+            Some(SecretVolumeSource {
+                secret_name: Some(secret.name.clone()),
+                items: items(&secret.key),
+                default_mode: Some(0o444),
+                optional: Some(false),
+            }),
+        ),
+    };
+    Volume {
+        name: file.volume.to_owned(),
+        config_map,
+        secret,
+        ..Volume::default()
+    }
+}
+
 fn http_probe(path: &str, period_seconds: i32) -> Probe {
     Probe {
         http_get: Some(HTTPGetAction {
@@ -357,8 +396,15 @@ fn worker_container(valid: &ValidAdapter<'_>, settings: &WorkerSettings) -> Cont
         .broker_secrets
         .iter()
         .map(|secret| secret_env(secret.env, secret.secret));
+    let files = valid.broker.mounted_files();
+    let file_env = files.iter().map(|file| EnvVar {
+        name: file.env.to_owned(),
+        value: Some(format!("{}/{}", file.dir, file.file)),
+        ..EnvVar::default()
+    });
     let env = std::iter::once(hostname)
         .chain(broker_env)
+        .chain(file_env)
         .chain([
             secret_env("DATABASE_URL", valid.database_secret),
             EnvVar {
@@ -402,12 +448,17 @@ fn worker_container(valid: &ValidAdapter<'_>, settings: &WorkerSettings) -> Cont
             }),
             ..SecurityContext::default()
         }),
-        volume_mounts: Some(vec![VolumeMount {
-            name: "manifest".to_owned(),
-            mount_path: MANIFEST_DIR.to_owned(),
-            read_only: Some(true),
-            ..VolumeMount::default()
-        }]),
+        volume_mounts: Some(
+            std::iter::once(("manifest", MANIFEST_DIR))
+                .chain(files.iter().map(|file| (file.volume, file.dir)))
+                .map(|(name, dir)| VolumeMount {
+                    name: name.to_owned(),
+                    mount_path: dir.to_owned(),
+                    read_only: Some(true),
+                    ..VolumeMount::default()
+                })
+                .collect(),
+        ),
         ..Container::default()
     }
 }
@@ -457,15 +508,19 @@ pub fn build(
             }),
             ..PodSecurityContext::default()
         }),
-        volumes: Some(vec![Volume {
-            name: "manifest".to_owned(),
-            config_map: Some(ConfigMapVolumeSource {
-                name: name.clone(),
-                default_mode: Some(0o444),
-                ..ConfigMapVolumeSource::default()
-            }),
-            ..Volume::default()
-        }]),
+        volumes: Some(
+            std::iter::once(Volume {
+                name: "manifest".to_owned(),
+                config_map: Some(ConfigMapVolumeSource {
+                    name: name.clone(),
+                    default_mode: Some(0o444),
+                    ..ConfigMapVolumeSource::default()
+                }),
+                ..Volume::default()
+            })
+            .chain(valid.broker.mounted_files().iter().map(file_volume))
+            .collect(),
+        ),
         ..PodSpec::default()
     };
     let deployment = Deployment {
@@ -833,5 +888,61 @@ mod tests {
             err.to_string().contains("spec.source.redis.urlSecretRef"),
             "{err}"
         );
+    }
+
+    #[test]
+    fn gateway_ca_config_map_is_mounted_read_only_and_named_by_its_env() {
+        let objects = build_fixture(
+            "apiVersion: switchboard.dev/v1alpha1\n\
+             kind: QueueAdapter\n\
+             metadata: {name: orders, namespace: shop, uid: 1b4e28ba}\n\
+             spec:\n\
+             \x20 source:\n\
+             \x20   gateway:\n\
+             \x20     url: https://gw.example\n\
+             \x20     queue: orders\n\
+             \x20     auth: {tokenSecretRef: {name: gw, key: token}}\n\
+             \x20     tls: {caConfigMapRef: {name: gateway-ca, key: ca-bundle.pem}}\n\
+             \x20 target: {queue: orders}\n",
+        );
+        let pod = pod_spec(&objects);
+        let volume = pod
+            .volumes
+            .iter()
+            .flatten()
+            .find(|v| v.name == "gateway-ca")
+            .expect("the CA volume");
+        let map = volume.config_map.as_ref().expect("from the ConfigMap");
+        assert_eq!(map.name, "gateway-ca");
+        assert_eq!(map.default_mode, Some(0o444));
+        let items: Vec<(&str, &str)> = map
+            .items
+            .iter()
+            .flatten()
+            .map(|item| (item.key.as_str(), item.path.as_str()))
+            .collect();
+        assert_eq!(items, [("ca-bundle.pem", "ca.crt")]);
+        let container = &pod.containers[0];
+        let mount = container
+            .volume_mounts
+            .iter()
+            .flatten()
+            .find(|m| m.name == "gateway-ca")
+            .expect("mounted");
+        assert_eq!(
+            (mount.mount_path.as_str(), mount.read_only),
+            ("/etc/switchboard-gateway-ca", Some(true))
+        );
+        let env = container
+            .env
+            .iter()
+            .flatten()
+            .find(|e| e.name == "GATEWAY_CA_FILE")
+            .expect("GATEWAY_CA_FILE");
+        assert_eq!(
+            env.value.as_deref(),
+            Some("/etc/switchboard-gateway-ca/ca.crt")
+        );
+        assert_eq!(env_secret(container, "GATEWAY_TOKEN").name, "gw");
     }
 }

@@ -5,6 +5,7 @@ pub mod brokers;
 pub mod control_plane;
 pub mod helm;
 pub mod prometheus;
+pub mod send;
 pub mod servers;
 pub mod todos_lock;
 pub mod wait;

@@ -9,8 +9,10 @@ use anyhow::{Context, Result, ensure};
 use aws_sdk_sqs::Client;
 use aws_sdk_sqs::types::Message;
 use nix::sys::signal::Signal;
+use switchboard_tests::brokers::SqsBroker;
 use switchboard_tests::brokers::moto::Moto;
 use switchboard_tests::brokers::sqs::{ElasticMq, sqs_error};
+use switchboard_tests::send::round_trip;
 use switchboard_tests::todos_lock::{TodosLock, wait_blocked_on_lock};
 use switchboard_tests::wait::wait_for;
 use switchboard_tests::worker::WorkerProcess;
@@ -346,6 +348,14 @@ async fn delete_of_an_expired_receipt_counts_as_stale_and_never_blocks_the_loop(
         worker.log_tail()
     );
     Ok(())
+}
+
+/// `switchboard-worker send --file MANIFEST --attr k=v < body` into a real ElasticMQ queue,
+/// through the SQS transport's own client, into a todo whose event carries the body and the
+/// attributes.
+#[tokio::test]
+async fn send_round_trip_through_sqs_ends_in_one_todo() -> Result<()> {
+    round_trip::<SqsBroker>("sqs").await
 }
 
 #[tokio::test]

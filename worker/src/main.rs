@@ -95,8 +95,8 @@ async fn send_stdin(options: SendOptions) -> Result<(), WorkerError> {
 #[tokio::main(flavor = "current_thread")]
 async fn main() -> ExitCode {
     let cli = Cli::parse();
-    // The dlq commands print for people and scripts on stdout, where the log would go.
-    if !matches!(cli.command, Command::Dlq(_)) {
+    // The dlq and send commands print for people and scripts on stdout, where the log would go.
+    if !matches!(cli.command, Command::Dlq(_) | Command::Send { .. }) {
         init_tracing(cli.log_json);
     }
     // Two rustls providers are linked (see Cargo.toml); an error only means one is installed.

@@ -5,16 +5,20 @@ use kube::KubeSchema;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-use super::{Broker, MissingSecret, SecretEnv};
+use super::{Broker, FileSource, MissingSecret, MountedFile, SecretEnv};
 use crate::{Delivery, DeliveryGuarantee, FieldError, SecretKeyRef};
 
 /// The environment variable holding a static bearer token.
 pub const TOKEN_ENV: &str = "GATEWAY_TOKEN";
 /// The environment variable holding the OAuth2 client secret.
 pub const CLIENT_SECRET_ENV: &str = "GATEWAY_CLIENT_SECRET";
-/// The environment variable holding extra CA certificates (PEM) the gateway's and the token
-/// endpoint's certificates may chain to.
-pub const CA_ENV: &str = "GATEWAY_CA_PEM";
+/// The environment variable holding the path of a file of extra CA certificates (PEM) the
+/// gateway's and the token endpoint's certificates may chain to.
+pub const CA_ENV: &str = "GATEWAY_CA_FILE";
+/// Where the operator mounts `tls`'s CA in the worker pod, read-only.
+pub const CA_DIR: &str = "/etc/switchboard-gateway-ca";
+/// The file name of the CA in [`CA_DIR`].
+pub const CA_FILE: &str = "ca.crt";
 
 /// How the worker reads from the gateway.
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
@@ -23,8 +27,8 @@ pub const CA_ENV: &str = "GATEWAY_CA_PEM";
 )]
 #[serde(rename_all = "camelCase")]
 pub struct GatewaySource {
-    /// The gateway's base URL (`https://api.example.com`). Certificates are verified against
-    /// the public web roots and `caSecretRef`.
+    /// The gateway's base URL (`https://api.example.com`). Certificates are always verified:
+    /// against the public web roots and `tls`'s CA.
     #[schemars(length(min = 1, max = 2048), regex(pattern = r"^https?://"))]
     pub url: String,
     /// The queue behind the gateway (`orders`). Cannot be changed after creation.
@@ -41,10 +45,9 @@ pub struct GatewaySource {
     pub service: String,
     /// How the worker authenticates: a static token, or OAuth2 client credentials.
     pub auth: GatewayAuth,
-    /// The Secret key holding extra CA certificates in PEM (`GATEWAY_CA_PEM` in the pod), for a
-    /// gateway or token endpoint with a private CA.
+    /// A private CA the gateway's and the token endpoint's certificates may chain to.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub ca_secret_ref: Option<SecretKeyRef>,
+    pub tls: Option<GatewayTls>,
     /// How long a received message stays hidden from other consumers. Default: the queue's.
     /// While a batch is still being stored past half of it, the worker extends it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -54,6 +57,34 @@ pub struct GatewaySource {
     #[serde(default = "default_wait_time_seconds")]
     #[schemars(range(min = 1, max = 20))]
     pub wait_time_seconds: u32,
+}
+
+/// TLS to the gateway and the token endpoint, always verified: the CA given here is trusted in
+/// addition to the public web roots.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[x_kube(
+    validation = Rule::new("has(self.caConfigMapRef) != has(self.caSecretRef)").message("spec.source.gateway.tls: exactly one of caConfigMapRef and caSecretRef must be set")
+)]
+#[serde(rename_all = "camelCase")]
+pub struct GatewayTls {
+    /// The ConfigMap key holding the CA certificates (PEM), mounted read-only in the worker pod
+    /// (`GATEWAY_CA_FILE` is its path).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ca_config_map_ref: Option<ConfigMapKeyRef>,
+    /// The Secret key holding the CA certificates (PEM), mounted read-only in the worker pod.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ca_secret_ref: Option<SecretKeyRef>,
+}
+
+/// A key of a ConfigMap in the adapter's namespace.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+pub struct ConfigMapKeyRef {
+    /// The ConfigMap's name.
+    #[schemars(length(min = 1, max = 253))]
+    pub name: String,
+    /// The key within the ConfigMap.
+    #[schemars(length(min = 1, max = 253))]
+    pub key: String,
 }
 
 /// Exactly one way to get a bearer token.
@@ -134,14 +165,31 @@ impl Broker for GatewaySource {
                 });
             }
         };
-        let mut env = vec![credential];
-        if let Some(ca) = &self.ca_secret_ref {
-            env.push(SecretEnv {
-                env: CA_ENV,
-                secret: ca,
-            });
-        }
-        Ok(env)
+        Ok(vec![credential])
+    }
+
+    fn mounted_files(&self) -> Vec<MountedFile<'_>> {
+        let source = match &self.tls {
+            Some(GatewayTls {
+                ca_config_map_ref: Some(map),
+                ..
+            }) => FileSource::ConfigMap {
+                name: &map.name,
+                key: &map.key,
+            },
+            Some(GatewayTls {
+                ca_secret_ref: Some(secret),
+                ..
+            }) => FileSource::Secret(secret),
+            _ => return Vec::new(),
+        };
+        vec![MountedFile {
+            env: CA_ENV,
+            volume: "gateway-ca",
+            dir: CA_DIR,
+            file: CA_FILE,
+            source,
+        }]
     }
 
     fn strip_secrets(&mut self) {
@@ -149,7 +197,9 @@ impl Broker for GatewaySource {
         if let Some(oauth2) = &mut self.auth.oauth2 {
             oauth2.client_secret_ref = None;
         }
-        self.ca_secret_ref = None;
+        if let Some(tls) = &mut self.tls {
+            tls.ca_secret_ref = None;
+        }
     }
 
     fn validate(&self, delivery: &Delivery, fail: &mut dyn FnMut(FieldError)) {
@@ -196,6 +246,14 @@ impl Broker for GatewaySource {
                 "exactly one of tokenSecretRef and oauth2 must be set",
             ),
         }
+        if let Some(tls) = &self.tls
+            && tls.ca_config_map_ref.is_some() == tls.ca_secret_ref.is_some()
+        {
+            error(
+                "spec.source.gateway.tls",
+                "exactly one of caConfigMapRef and caSecretRef must be set",
+            );
+        }
         if !(1..=20).contains(&self.wait_time_seconds) {
             error("spec.source.gateway.waitTimeSeconds", "must be 1 to 20");
         }
@@ -223,4 +281,54 @@ fn default_service() -> String {
 
 fn default_wait_time_seconds() -> u32 {
     20
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn source(tls: &str) -> GatewaySource {
+        serde_yaml_ng::from_str(&format!(
+            "{{url: 'https://gw.example', queue: orders, auth: {{tokenSecretRef: {{name: t, key: k}}}}{tls}}}"
+        ))
+        .expect("a gateway source")
+    }
+
+    fn errors(source: &GatewaySource) -> Vec<&'static str> {
+        let mut fields = Vec::new();
+        source.validate(&Delivery::default(), &mut |error| fields.push(error.field));
+        fields
+    }
+
+    #[test]
+    fn tls_takes_exactly_one_ca_and_mounts_it_read_only_as_a_file() {
+        assert!(source("").mounted_files().is_empty());
+        let map = source(", tls: {caConfigMapRef: {name: gateway-ca, key: ca.crt}}");
+        assert!(errors(&map).is_empty());
+        assert_eq!(
+            map.mounted_files(),
+            [MountedFile {
+                env: CA_ENV,
+                volume: "gateway-ca",
+                dir: CA_DIR,
+                file: CA_FILE,
+                source: FileSource::ConfigMap {
+                    name: "gateway-ca",
+                    key: "ca.crt"
+                },
+            }]
+        );
+        let secret = source(", tls: {caSecretRef: {name: ca, key: pem}}");
+        assert!(errors(&secret).is_empty());
+        assert!(matches!(
+            secret.mounted_files()[0].source,
+            FileSource::Secret(SecretKeyRef { name, key }) if name == "ca" && key == "pem"
+        ));
+        for tls in [
+            ", tls: {}",
+            ", tls: {caSecretRef: {name: a, key: b}, caConfigMapRef: {name: a, key: b}}",
+        ] {
+            assert_eq!(errors(&source(tls)), ["spec.source.gateway.tls"], "{tls}");
+        }
+    }
 }

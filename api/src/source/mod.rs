@@ -56,6 +56,26 @@ pub struct SecretEnv<'a> {
     pub secret: &'a SecretKeyRef,
 }
 
+/// A file the worker reads, mounted read-only from a ConfigMap or Secret key (a CA bundle).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MountedFile<'a> {
+    /// The environment variable holding the file's path.
+    pub env: &'static str,
+    /// The pod volume's name.
+    pub volume: &'static str,
+    /// Where the volume is mounted, and the file's name in it.
+    pub dir: &'static str,
+    pub file: &'static str,
+    pub source: FileSource<'a>,
+}
+
+/// Where a [`MountedFile`] comes from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FileSource<'a> {
+    ConfigMap { name: &'a str, key: &'a str },
+    Secret(&'a SecretKeyRef),
+}
+
 /// A Secret reference the worker needs in Kubernetes and the spec lacks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 #[error("{field} is required in Kubernetes: the worker reads {env} from that Secret")]
@@ -75,6 +95,10 @@ pub trait Broker: std::fmt::Debug + Send + Sync {
     /// The Secret keys the worker reads, each with the environment variable it becomes.
     /// Fails when a reference the worker needs in Kubernetes is missing.
     fn secret_env(&self) -> Result<Vec<SecretEnv<'_>>, MissingSecret>;
+    /// The files the worker reads, mounted from ConfigMap or Secret keys.
+    fn mounted_files(&self) -> Vec<MountedFile<'_>> {
+        Vec::new()
+    }
     /// Removes every Secret reference (for copies kept outside Kubernetes, such as the
     /// `adapters.config` row).
     fn strip_secrets(&mut self);

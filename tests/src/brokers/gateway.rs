@@ -20,8 +20,12 @@
 //!
 //! A missing queue is 404 `QueueDoesNotExist`, an unreachable SQS 502. Bodies are stored in
 //! SQS as the base64 text the sender gave, so any bytes survive the round trip.
+//!
+//! With a [`TestCa`] the gateway serves HTTPS only, with a certificate for `127.0.0.1` issued
+//! by that CA (generated in the test, trusted by nothing else).
 
 use std::collections::{BTreeMap, HashMap, HashSet};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -47,6 +51,90 @@ use super::{BrokerFixture, SqsBroker};
 use crate::Fixture;
 use crate::servers::http_get;
 
+/// A CA made for one test and the certificate of the gateway (`127.0.0.1`, `localhost`) it
+/// issued.
+pub struct TestCa {
+    /// The CA's certificate, PEM: what a client must trust.
+    pub ca_pem: String,
+    server: Arc<rustls::ServerConfig>,
+}
+
+impl std::fmt::Debug for TestCa {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TestCa").finish_non_exhaustive()
+    }
+}
+
+impl TestCa {
+    pub fn generate() -> Result<Self> {
+        use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, KeyPair, KeyUsagePurpose};
+        let ca_key = KeyPair::generate()?;
+        let mut ca = CertificateParams::new(Vec::<String>::new())?;
+        ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        ca.distinguished_name
+            .push(DnType::CommonName, "switchboard test CA");
+        ca.key_usages = vec![
+            KeyUsagePurpose::KeyCertSign,
+            KeyUsagePurpose::DigitalSignature,
+        ];
+        let ca = ca.self_signed(&ca_key)?;
+        let key = KeyPair::generate()?;
+        let mut leaf = CertificateParams::new(vec!["localhost".to_owned()])?;
+        leaf.subject_alt_names
+            .push(rcgen::SanType::IpAddress(IpAddr::V4(Ipv4Addr::LOCALHOST)));
+        leaf.distinguished_name
+            .push(DnType::CommonName, "switchboard test gateway");
+        let leaf = leaf.signed_by(&key, &ca, &ca_key)?;
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let server = rustls::ServerConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()?
+            .with_no_client_auth()
+            .with_single_cert(
+                vec![leaf.der().clone()],
+                rustls::pki_types::PrivateKeyDer::Pkcs8(key.serialize_der().into()),
+            )?;
+        Ok(Self {
+            ca_pem: ca.pem(),
+            server: Arc::new(server),
+        })
+    }
+}
+
+/// Accepts TLS connections only: a client that refuses the certificate never gets to send a
+/// request (counted in [`Hooks::handshake_failures`]).
+struct TlsListener {
+    tcp: tokio::net::TcpListener,
+    acceptor: tokio_rustls::TlsAcceptor,
+    hooks: Arc<Hooks>,
+}
+
+impl axum::serve::Listener for TlsListener {
+    type Io = tokio_rustls::server::TlsStream<tokio::net::TcpStream>;
+    type Addr = SocketAddr;
+
+    async fn accept(&mut self) -> (Self::Io, Self::Addr) {
+        loop {
+            let Ok((stream, addr)) = self.tcp.accept().await else {
+                continue;
+            };
+            let handshake =
+                tokio::time::timeout(Duration::from_secs(5), self.acceptor.accept(stream)).await;
+            match handshake {
+                Ok(Ok(tls)) => return (tls, addr),
+                _ => {
+                    self.hooks
+                        .handshake_failures
+                        .fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        }
+    }
+
+    fn local_addr(&self) -> std::io::Result<Self::Addr> {
+        self.tcp.local_addr()
+    }
+}
+
 /// What the gateway checks in every token.
 #[derive(Debug, Clone)]
 pub struct GatewayConfig {
@@ -56,6 +144,8 @@ pub struct GatewayConfig {
     pub jwks_port: u16,
     /// The audience every token must name in `aud`.
     pub audience: String,
+    /// HTTPS with this CA's certificate; plain HTTP without.
+    pub tls: Option<Arc<rustls::ServerConfig>>,
 }
 
 /// What the tests can make the gateway do, and what it counts. Survives restarts.
@@ -72,6 +162,8 @@ pub struct Hooks {
     answers: Mutex<BTreeMap<u16, u64>>,
     /// Messages deleted through the gateway.
     deleted: AtomicU64,
+    /// TLS handshakes that failed (a client that does not trust the certificate).
+    handshake_failures: AtomicU64,
 }
 
 fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -97,9 +189,19 @@ impl Hooks {
         count
     }
 
+    /// How many valid tokens were presented since the last revocation.
+    pub fn seen_tokens(&self) -> usize {
+        lock(&self.seen).len()
+    }
+
     /// The bearer tokens presented so far.
     pub fn tokens(&self) -> Vec<String> {
         lock(&self.tokens).iter().cloned().collect()
+    }
+
+    /// How many TLS handshakes failed.
+    pub fn handshake_failures(&self) -> u64 {
+        self.handshake_failures.load(Ordering::Relaxed)
     }
 
     /// How many calls were answered with `status`.
@@ -156,9 +258,14 @@ impl Gateway {
         Ok(gateway)
     }
 
-    /// `http://127.0.0.1:PORT`; the same across restarts.
+    /// `http://127.0.0.1:PORT` (`https://` with TLS); the same across restarts.
     pub fn url(&self) -> String {
-        format!("http://127.0.0.1:{}", self.port)
+        let scheme = if self.shared.config.tls.is_some() {
+            "https"
+        } else {
+            "http"
+        };
+        format!("{scheme}://127.0.0.1:{}", self.port)
     }
 
     pub fn hooks(&self) -> Arc<Hooks> {
@@ -205,10 +312,17 @@ impl Gateway {
                         .route("/stats", get(stats))
                         .route("/purge", axum::routing::delete(purge))
                         .route("/health", get(health))
-                        .with_state(shared);
-                    tokio::select! {
-                        _ = axum::serve(listener, app) => {}
-                        _ = stopped => {}
+                        .with_state(shared.clone());
+                    match shared.config.tls.clone() {
+                        None => serve_until(listener, app, stopped).await,
+                        Some(config) => {
+                            let listener = TlsListener {
+                                tcp: listener,
+                                acceptor: tokio_rustls::TlsAcceptor::from(config),
+                                hooks: shared.hooks.clone(),
+                            };
+                            serve_until(listener, app, stopped).await;
+                        }
                     }
                 });
                 // Dropping the runtime ends every connection task.
@@ -216,6 +330,18 @@ impl Gateway {
             })?;
         self.running = Some((stop, thread));
         Ok(())
+    }
+}
+
+/// Serves `app` on `listener` until `stopped`.
+async fn serve_until<L>(listener: L, app: axum::Router, stopped: oneshot::Receiver<()>)
+where
+    L: axum::serve::Listener,
+    L::Addr: std::fmt::Debug,
+{
+    tokio::select! {
+        _ = axum::serve(listener, app) => {}
+        _ = stopped => {}
     }
 }
 
@@ -854,8 +980,12 @@ pub struct GatewayBroker {
 
 impl GatewayBroker {
     /// ElasticMQ, Hydra issuing tokens that live `token_lifetime`, one client, and the
-    /// gateway; with the environment a worker needs (the client secret).
-    pub fn start_with(token_lifetime: Duration) -> Result<(Self, Vec<(String, String)>)> {
+    /// gateway (over HTTPS with `ca`'s certificate, if given); with the environment a worker
+    /// needs (the client secret).
+    pub fn start_with(
+        token_lifetime: Duration,
+        ca: Option<&TestCa>,
+    ) -> Result<(Self, Vec<(String, String)>)> {
         let sqs = SqsBroker {
             server: ElasticMq::start()?,
         };
@@ -865,6 +995,7 @@ impl GatewayBroker {
             sqs_endpoint: sqs.server.endpoint(),
             jwks_port: hydra.public_port(),
             audience: AUDIENCE.to_owned(),
+            tls: ca.map(|ca| ca.server.clone()),
         })?;
         let env = vec![(
             switchboard_api::source::gateway::CLIENT_SECRET_ENV.to_owned(),
@@ -913,7 +1044,7 @@ impl GatewayBroker {
 
 impl BrokerFixture for GatewayBroker {
     async fn start(_fx: &Fixture) -> Result<(Self, Vec<(String, String)>)> {
-        Self::start_with(CONTRACT_TOKEN_LIFETIME)
+        Self::start_with(CONTRACT_TOKEN_LIFETIME, None)
     }
 
     async fn create(&self, _fx: &Fixture, name: &str) -> Result<String> {

@@ -1,7 +1,8 @@
 //! A kubelet stand-in: runs the first container of a Deployment's pod template as a local process,
-//! the way a kubelet would start it — ConfigMap volumes written to a folder and the container's
-//! mount paths in its arguments pointed there, `env` resolved from literal values, Secrets,
-//! ConfigMaps and the downward API, and nothing else from the test's environment.
+//! the way a kubelet would start it — ConfigMap and Secret volumes (all keys, or their `items`)
+//! written to a folder and the container's mount paths in its arguments and `env` values
+//! pointed there, `env` resolved from literal values, Secrets, ConfigMaps and the downward API,
+//! and nothing else from the test's environment.
 //!
 //! Two deliberate differences, because the process shares the host's network and file system:
 //! the metrics port is remapped to a free loopback port (`--metrics-addr`), and the container's
@@ -35,16 +36,29 @@ pub struct LocalPod {
     log: PathBuf,
 }
 
-async fn secret_value(client: &Client, namespace: &str, name: &str, key: &str) -> Result<String> {
+async fn secret_data(
+    client: &Client,
+    namespace: &str,
+    name: &str,
+) -> Result<BTreeMap<String, Vec<u8>>> {
     let secret = Api::<Secret>::namespaced(client.clone(), namespace)
         .get(name)
         .await
         .with_context(|| format!("Secret {namespace}/{name}"))?;
-    let value = secret
+    Ok(secret
         .data
-        .and_then(|mut d| d.remove(key))
+        .unwrap_or_default()
+        .into_iter()
+        .map(|(key, value)| (key, value.0))
+        .collect())
+}
+
+async fn secret_value(client: &Client, namespace: &str, name: &str, key: &str) -> Result<String> {
+    let value = secret_data(client, namespace, name)
+        .await?
+        .remove(key)
         .with_context(|| format!("Secret {namespace}/{name} has no key {key}"))?;
-    Ok(String::from_utf8(value.0)?)
+    Ok(String::from_utf8(value)?)
 }
 
 async fn config_map(
@@ -88,7 +102,7 @@ async fn resolve_env(
     }
 }
 
-/// Writes each ConfigMap volume to a folder; returns mount path → local folder.
+/// Writes each ConfigMap or Secret volume to a folder; returns mount path → local folder.
 async fn mount_volumes(
     client: &Client,
     namespace: &str,
@@ -104,20 +118,64 @@ async fn mount_volumes(
             .flatten()
             .find(|v| v.name == mount.name)
             .with_context(|| format!("volume {} is not defined", mount.name))?;
-        let source = volume.config_map.as_ref().with_context(|| {
-            format!(
-                "volume {}: only ConfigMap volumes are supported",
-                volume.name
-            )
-        })?;
+        let (data, items): (BTreeMap<String, Vec<u8>>, _) =
+            match (&volume.config_map, &volume.secret) {
+                (Some(source), _) => (
+                    config_map(client, namespace, &source.name)
+                        .await?
+                        .into_iter()
+                        .map(|(key, value)| (key, value.into_bytes()))
+                        .collect(),
+                    source.items.as_ref(),
+                ),
+                (None, Some(source)) => {
+                    let name = source
+                        .secret_name
+                        .as_deref()
+                        .context("a Secret volume without name")?;
+                    (
+                        secret_data(client, namespace, name).await?,
+                        source.items.as_ref(),
+                    )
+                }
+                (None, None) => bail!(
+                    "volume {}: only ConfigMap and Secret volumes are supported",
+                    volume.name
+                ),
+            };
         let local = root.join(&volume.name);
         std::fs::create_dir_all(&local)?;
-        for (key, value) in config_map(client, namespace, &source.name).await? {
-            std::fs::write(local.join(key), value)?;
+        let files: Vec<(&String, &Vec<u8>)> = match items {
+            Some(items) => items
+                .iter()
+                .map(|item| {
+                    let value = data
+                        .get(&item.key)
+                        .with_context(|| format!("volume {}: no key {}", volume.name, item.key))?;
+                    Ok((&item.path, value))
+                })
+                .collect::<Result<_>>()?,
+            None => data.iter().collect(),
+        };
+        for (path, value) in files {
+            std::fs::write(local.join(path), value)?;
         }
         mounts.push((mount.mount_path.clone(), local));
     }
     Ok(mounts)
+}
+
+/// `text` with a mount path at its start (a whole path: `/etc/a` is not the start of
+/// `/etc/ab`) pointed at the mount's local folder.
+fn local_path(mounts: &[(String, PathBuf)], text: &str) -> String {
+    mounts
+        .iter()
+        .find_map(|(path, local)| {
+            text.strip_prefix(path.as_str())
+                .filter(|rest| rest.is_empty() || rest.starts_with('/'))
+                .map(|rest| format!("{}{rest}", local.display()))
+        })
+        .unwrap_or_else(|| text.to_owned())
 }
 
 impl LocalPod {
@@ -146,24 +204,14 @@ impl LocalPod {
             .args
             .iter()
             .flatten()
-            .map(|arg| {
-                mounts
-                    .iter()
-                    .find_map(|(path, local)| {
-                        arg.strip_prefix(path.as_str())
-                            .map(|rest| format!("{}{rest}", local.display()))
-                    })
-                    .unwrap_or_else(|| arg.clone())
-            })
+            .map(|arg| local_path(&mounts, arg))
             .collect();
         let metrics_addr: SocketAddr = format!("127.0.0.1:{}", free_port()?).parse()?;
         args.extend(["--metrics-addr".to_owned(), metrics_addr.to_string()]);
         let mut env = BTreeMap::new();
         for var in container.env.iter().flatten() {
-            env.insert(
-                var.name.clone(),
-                resolve_env(client, namespace, pod_name, var).await?,
-            );
+            let value = resolve_env(client, namespace, pod_name, var).await?;
+            env.insert(var.name.clone(), local_path(&mounts, &value));
         }
         let log = log_dir.join(format!("pod-{pod_name}.log"));
         let child = spawn_logged(

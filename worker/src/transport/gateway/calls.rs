@@ -4,7 +4,7 @@
 //! | answer | meaning | the worker |
 //! |---|---|---|
 //! | 2xx | done | — |
-//! | 401 | missing or expired token | invalidates the token, fetches a new one and sends the call once more; a second 401 is an authentication failure: transient (backoff, readiness false, the log names the token endpoint) |
+//! | 401 | missing, expired or revoked token | on the current token: invalidates it, fetches a new one (one fetch for all the calls refused) and sends the call once more; on an older one (replaced while the call was in flight): sends it again with the current token; a 401 on the token fetched after the call's own refusal is an authentication failure: transient (backoff, readiness false, the log names the token endpoint), counted by `…_gateway_auth_failures_total` |
 //! | 403 | the token is valid but its claims do not allow this | transient, naming the queue and the claims to check (the grant can be fixed without a new spec) |
 //! | 404 | the queue does not exist | fatal, naming `spec.source.gateway.queue` |
 //! | 410 | the receipt handle is no longer valid | stale receipt |
@@ -23,7 +23,7 @@ use switchboard_api::GatewaySource;
 
 use super::breaker::CircuitBreaker;
 use super::http::{Answer, HttpClient};
-use super::token::TokenProvider;
+use super::token::{AfterRefusal, TokenProvider};
 use crate::transport::TransportError;
 use crate::transport::sqs::classify::redact;
 
@@ -31,6 +31,8 @@ use crate::transport::sqs::classify::redact;
 pub const CALL_TIMEOUT: Duration = Duration::from_secs(10);
 /// How much longer than its `waitTimeSeconds` a long poll may take.
 pub const LONG_POLL_MARGIN: Duration = Duration::from_secs(10);
+/// The most times one call is sent with a token (an outdated one, the current one, a new one).
+const MAX_SENDS: u32 = 3;
 
 /// An error answer: `{"error": code, "message": text}`.
 #[derive(Debug, Default, Deserialize)]
@@ -73,17 +75,25 @@ pub struct Gateway {
     scopes: Vec<String>,
     tokens: Arc<TokenProvider>,
     breaker: Arc<CircuitBreaker>,
-    unauthorized: Counter,
+    counters: AuthCounters,
+}
+
+/// What the calls count of authentication.
+#[derive(Debug, Clone)]
+pub struct AuthCounters {
+    /// 401 answers (each followed by a retry, unless it is an auth failure).
+    pub unauthorized: Counter,
+    /// Calls that failed with 401 after their retry.
+    pub failures: Counter,
 }
 
 impl Gateway {
-    /// `unauthorized` counts 401 answers.
     pub fn new(
         spec: &GatewaySource,
         http: HttpClient,
         tokens: Arc<TokenProvider>,
         breaker: Arc<CircuitBreaker>,
-        unauthorized: Counter,
+        counters: AuthCounters,
     ) -> Self {
         let oauth2 = spec.auth.oauth2.as_ref();
         Self {
@@ -96,7 +106,7 @@ impl Gateway {
             scopes: oauth2.map(|o| o.scopes.clone()).unwrap_or_default(),
             tokens,
             breaker,
-            unauthorized,
+            counters,
         }
     }
 
@@ -152,14 +162,16 @@ impl Gateway {
             format!("{}{}?{}", self.base, call.path, encoded.finish())
         };
         let body = body.map(|b| Bytes::from(b.to_string())).unwrap_or_default();
-        let mut retried = false;
+        let mut sends = 0;
+        let mut renewed = false;
         loop {
-            let token = self.tokens.token().await?;
+            let issued = self.tokens.token().await?;
+            sends += 1;
             let request = http::Request::builder()
                 .method(call.method.clone())
                 .uri(url.as_str())
                 .header("x-service", &self.service)
-                .header("authorization", format!("Bearer {}", token.expose()))
+                .header("authorization", format!("Bearer {}", issued.token.expose()))
                 .header("content-type", "application/json")
                 .header("accept", "application/json")
                 .body(Full::new(body.clone()))
@@ -175,10 +187,7 @@ impl Gateway {
                 Ok(answer) => answer,
                 Err(err) => {
                     permit.failed();
-                    return Err(TransportError::transient(
-                        format!("gateway {} got no answer", call.name),
-                        err,
-                    ));
+                    return Err(err.error(&format!("gateway {}", call.name), &self.base));
                 }
             };
             if matches!(answer.status, 429 | 502 | 503 | 504) {
@@ -187,12 +196,19 @@ impl Gateway {
                 permit.succeeded();
             }
             if answer.status == 401 {
-                self.unauthorized.inc();
-                if !retried && self.tokens.refreshes() {
-                    self.tokens.invalidate(&token).await;
-                    retried = true;
+                self.counters.unauthorized.inc();
+                let retry = match self.tokens.refused(issued.generation, !renewed).await {
+                    AfterRefusal::Outdated => true,
+                    AfterRefusal::Invalidated => {
+                        renewed = true;
+                        true
+                    }
+                    AfterRefusal::Kept => false,
+                };
+                if retry && sends < MAX_SENDS {
                     continue;
                 }
+                self.counters.failures.inc();
             }
             if (200..300).contains(&answer.status) {
                 return Ok(answer);

@@ -3,10 +3,12 @@
 //!
 //! - **Calls** (`calls.rs`): every call carries `X-Service` (header and query) and
 //!   `Authorization: Bearer <JWT>` from the token provider (`token.rs`: static, or OAuth2
-//!   client credentials, cached and refreshed before expiry, one refresh at a time, 401 →
-//!   invalidate and retry once); the seed's error table decides what a refusal means; a
+//!   client credentials, cached and refreshed before expiry, one refresh at a time, a 401 on
+//!   the current token → invalidate and retry once, on an older token → retry with the
+//!   current one); the seed's error table decides what a refusal means; a
 //!   circuit breaker (`breaker.rs`) stops calling a gateway that is overloaded or unreachable.
-//!   TLS is verified (the web roots, plus `GATEWAY_CA_PEM`).
+//!   TLS is always verified (the web roots, plus the CA of `spec.source.gateway.tls`, a file
+//!   the operator mounts and names in `GATEWAY_CA_FILE`).
 //! - **`prepare`** checks `GET /health`, then `GET /stats` of the queue: a missing queue is
 //!   fatal (naming `spec.source.gateway.queue`), a refused token is not.
 //! - **Receive**: long polls of at most ten messages, a larger batch gathered from concurrent
@@ -40,12 +42,11 @@ use prometheus_client::registry::Registry;
 use serde::Deserialize;
 use serde_json::json;
 use switchboard_api::GatewaySource;
-use switchboard_api::source::gateway::CA_ENV;
 use switchboard_store::Dedup;
 
 use self::breaker::CircuitBreaker;
-use self::calls::{CALL_TIMEOUT, Call, Gateway as Calls, LONG_POLL_MARGIN};
-use self::http::HttpClient;
+use self::calls::{AuthCounters, CALL_TIMEOUT, Call, Gateway as Calls, LONG_POLL_MARGIN};
+use self::http::{HttpClient, extra_ca};
 use self::token::{TokenProvider, TokenSource};
 use super::sqs::Receipt;
 use super::sqs::dead_letter::{self, DEFAULT_MAX_MESSAGE_BYTES, WriteContext};
@@ -173,7 +174,7 @@ pub fn connect(
     adapter: &str,
     registry: &mut Registry,
 ) -> Result<Calls, TransportError> {
-    let http = HttpClient::new(std::env::var(CA_ENV).ok().as_deref())?;
+    let http = HttpClient::new(extra_ca(spec.tls.is_some())?.as_deref())?;
     let source = TokenSource::from_spec(&spec.auth)?;
     let tokens = TokenProvider::new(
         source,
@@ -182,6 +183,12 @@ pub fn connect(
             registry,
             "gateway_token_requests",
             "Requests to the OAuth2 token endpoint",
+            adapter,
+        ),
+        adapter_counter(
+            registry,
+            "gateway_token_refreshes_forced",
+            "Token requests made because the gateway refused the current token (401)",
             adapter,
         ),
     );
@@ -204,12 +211,20 @@ pub fn connect(
         http,
         Arc::new(tokens),
         Arc::new(breaker),
-        adapter_counter(
-            registry,
-            "gateway_unauthorized",
-            "Gateway answers 401 (each followed by one retry with a new token)",
-            adapter,
-        ),
+        AuthCounters {
+            unauthorized: adapter_counter(
+                registry,
+                "gateway_unauthorized",
+                "Gateway answers 401 (each followed by a retry, unless it is an auth failure)",
+                adapter,
+            ),
+            failures: adapter_counter(
+                registry,
+                "gateway_auth_failures",
+                "Gateway calls that failed with 401 after their retry with a new token",
+                adapter,
+            ),
+        },
     ))
 }
 
@@ -221,7 +236,7 @@ struct Sent {
 }
 
 /// Sends one message to the adapter's queue (the seed's `send_chunk`): the body base64,
-/// `attributes` with a fresh `chunk_id` and the spec's `project`. Returns its messageId.
+/// `attributes` with the spec's `project`. Returns its messageId.
 pub async fn send_message(
     spec: &GatewaySource,
     adapter: &str,
@@ -230,15 +245,6 @@ pub async fn send_message(
 ) -> Result<String, TransportError> {
     let calls = connect(spec, adapter, &mut Registry::default())?;
     let mut values = serde_json::Map::new();
-    let chunk_id = format!(
-        "{:08x}-{:04x}-4{:03x}-{:04x}-{:012x}",
-        fastrand::u32(..),
-        fastrand::u16(..),
-        fastrand::u16(..0x1000),
-        0x8000 | fastrand::u16(..0x4000),
-        fastrand::u64(..1 << 48)
-    );
-    values.insert("chunk_id".into(), chunk_id.into());
     if let Some(project) = calls.project() {
         values.insert("project".into(), project.into());
     }

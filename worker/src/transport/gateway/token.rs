@@ -8,8 +8,13 @@
 //!   [`UNKNOWN_LIFETIME`] at most.
 //! - **One refresh at a time**: the cache is behind an async lock held across the refresh;
 //!   callers that arrive meanwhile wait and then take the new token.
-//! - **On a 401** the caller invalidates the token it used ([`TokenProvider::invalidate`]): the
-//!   next call fetches a new one, unless another caller already replaced it.
+//! - **Generations**: every token fetched is one generation newer than the last, and a caller
+//!   gets the generation with the token. **On a 401** the caller reports the generation it
+//!   sent ([`TokenProvider::refused`]): only a 401 on the *current* generation invalidates the
+//!   token, so the one refresh that follows serves every caller; a caller whose 401 was on an
+//!   older generation (it was in flight while the token was replaced) retries with the
+//!   current token without invalidating anything. A revocation thus costs one token request,
+//!   however many calls were in flight with the revoked token.
 //! - **Never logged or exported**: [`Token`] prints as `<token>`; error texts of the token
 //!   endpoint are redacted. The token request follows no redirect (see `http.rs`).
 
@@ -35,7 +40,7 @@ const UNKNOWN_LIFETIME: Duration = Duration::from_secs(60);
 const TOKEN_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// A bearer token; never shown.
-#[derive(Clone, PartialEq, Eq)]
+#[derive(Clone)]
 pub struct Token(String);
 
 impl Token {
@@ -97,11 +102,32 @@ impl TokenSource {
     }
 }
 
+/// A token to send, and its generation (0 for a static token; 1, 2, … as they are fetched).
+#[derive(Debug, Clone)]
+pub struct Issued {
+    pub token: Token,
+    pub generation: u64,
+}
+
 #[derive(Debug)]
 struct Cached {
-    token: Token,
+    issued: Issued,
     /// When the next call fetches a new one.
     refresh_at: Instant,
+    /// The gateway refused it (401): the next fetch is one a refusal forced.
+    refused: bool,
+}
+
+/// What became of a token the gateway refused (401).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AfterRefusal {
+    /// It was of an older generation than the current token: retry with the current one.
+    Outdated,
+    /// It was the current token, now invalidated: the next [`TokenProvider::token`] fetches a
+    /// new one (one fetch for every caller).
+    Invalidated,
+    /// It is still the current token (a static one, or `invalidate` was not asked).
+    Kept,
 }
 
 /// Tokens, cached and refreshed; shared by every call of the transport and its probe.
@@ -111,6 +137,7 @@ pub struct TokenProvider {
     http: HttpClient,
     cache: Mutex<Option<Cached>>,
     fetched: Counter,
+    forced: Counter,
 }
 
 /// The token endpoint's answer.
@@ -127,50 +154,66 @@ pub fn refresh_after(lifetime: Duration) -> Duration {
 }
 
 impl TokenProvider {
-    /// `fetched` counts token requests.
-    pub fn new(source: TokenSource, http: HttpClient, fetched: Counter) -> Self {
+    /// `fetched` counts token requests, `forced` those a refusal (401) of the current token
+    /// caused.
+    pub fn new(source: TokenSource, http: HttpClient, fetched: Counter, forced: Counter) -> Self {
         Self {
             source,
             http,
             cache: Mutex::new(None),
             fetched,
+            forced,
         }
     }
 
     /// A token to use now.
-    pub async fn token(&self) -> Result<Token, TransportError> {
+    pub async fn token(&self) -> Result<Issued, TransportError> {
         let credentials = match &self.source {
-            TokenSource::Static(token) => return Ok(token.clone()),
+            TokenSource::Static(token) => {
+                return Ok(Issued {
+                    token: token.clone(),
+                    generation: 0,
+                });
+            }
             TokenSource::ClientCredentials(credentials) => credentials,
         };
         let mut cache = self.cache.lock().await;
         if let Some(cached) = cache.as_ref()
             && Instant::now() < cached.refresh_at
         {
-            return Ok(cached.token.clone());
+            return Ok(cached.issued.clone());
         }
         let fetched_at = Instant::now();
         let (token, lifetime) = self.fetch(credentials).await?;
         let lifetime = lifetime.unwrap_or(UNKNOWN_LIFETIME);
-        *cache = Some(Cached {
-            token: token.clone(),
-            refresh_at: fetched_at + refresh_after(lifetime),
-        });
-        Ok(token)
-    }
-
-    /// The gateway refused `token`: the next [`TokenProvider::token`] fetches a new one,
-    /// unless the cache already holds another.
-    pub async fn invalidate(&self, token: &Token) {
-        let mut cache = self.cache.lock().await;
-        if cache.as_ref().is_some_and(|cached| &cached.token == token) {
-            *cache = None;
+        if cache.as_ref().is_some_and(|cached| cached.refused) {
+            self.forced.inc();
         }
+        let issued = Issued {
+            token,
+            generation: cache.as_ref().map_or(0, |cached| cached.issued.generation) + 1,
+        };
+        *cache = Some(Cached {
+            issued: issued.clone(),
+            refresh_at: fetched_at + refresh_after(lifetime),
+            refused: false,
+        });
+        Ok(issued)
     }
 
-    /// Whether tokens can be refreshed (a static one cannot).
-    pub fn refreshes(&self) -> bool {
-        matches!(self.source, TokenSource::ClientCredentials(_))
+    /// The gateway refused (401) a token of `generation`. When that is the current token and
+    /// `invalidate`, the next [`TokenProvider::token`] fetches a new one.
+    pub async fn refused(&self, generation: u64, invalidate: bool) -> AfterRefusal {
+        let mut cache = self.cache.lock().await;
+        match cache.as_mut() {
+            Some(cached) if cached.issued.generation > generation => AfterRefusal::Outdated,
+            Some(cached) if invalidate => {
+                cached.refused = true;
+                cached.refresh_at = Instant::now();
+                AfterRefusal::Invalidated
+            }
+            _ => AfterRefusal::Kept,
+        }
     }
 
     async fn fetch(
@@ -201,7 +244,7 @@ impl TokenProvider {
             .http
             .send(request, TOKEN_TIMEOUT)
             .await
-            .map_err(|err| TransportError::transient("the OAuth2 token request failed", err))?;
+            .map_err(|err| err.error("the OAuth2 token request", &credentials.token_url))?;
         match answer.status {
             200 => {
                 let granted: Granted = serde_json::from_slice(&answer.body).map_err(|err| {
@@ -251,6 +294,9 @@ impl TokenProvider {
 
 #[cfg(test)]
 mod tests {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicU64, Ordering};
+
     use super::*;
 
     #[test]
@@ -273,15 +319,118 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn a_static_token_is_used_as_it_is_and_invalidating_it_changes_nothing() {
+    async fn a_static_token_is_used_as_it_is_and_a_refusal_keeps_it() {
         let provider = TokenProvider::new(
             TokenSource::Static(Token("t1".into())),
             HttpClient::new(None).expect("client"),
             Counter::default(),
+            Counter::default(),
         );
-        let token = provider.token().await.expect("token");
-        provider.invalidate(&token).await;
-        assert_eq!(provider.token().await.expect("token").expose(), "t1");
-        assert!(!provider.refreshes());
+        let issued = provider.token().await.expect("token");
+        assert_eq!(
+            provider.refused(issued.generation, true).await,
+            AfterRefusal::Kept
+        );
+        assert_eq!(provider.token().await.expect("token").token.expose(), "t1");
+    }
+
+    /// A token endpoint on a loopback port answering every request with a new token
+    /// (`t1`, `t2`, …) living an hour; counts the requests.
+    async fn token_endpoint() -> (String, Arc<AtomicU64>) {
+        use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let url = format!(
+            "http://{}/oauth2/token",
+            listener.local_addr().expect("addr")
+        );
+        let requests = Arc::new(AtomicU64::new(0));
+        let counted = requests.clone();
+        tokio::spawn(async move {
+            while let Ok((mut stream, _)) = listener.accept().await {
+                let n = counted.fetch_add(1, Ordering::SeqCst) + 1;
+                tokio::spawn(async move {
+                    // The request: headers, then a form body of `content-length` bytes.
+                    let mut request = Vec::new();
+                    let mut buffer = [0u8; 4096];
+                    loop {
+                        let read = stream.read(&mut buffer).await.unwrap_or(0);
+                        request.extend_from_slice(&buffer[..read]);
+                        let text = String::from_utf8_lossy(&request).to_ascii_lowercase();
+                        let complete = text.split_once("\r\n\r\n").is_some_and(|(head, body)| {
+                            head.lines()
+                                .find_map(|line| line.strip_prefix("content-length:"))
+                                .and_then(|length| length.trim().parse::<usize>().ok())
+                                .is_some_and(|length| body.len() >= length)
+                        });
+                        if read == 0 || complete {
+                            break;
+                        }
+                    }
+                    let body = format!(r#"{{"access_token":"t{n}","expires_in":3600}}"#);
+                    let answer = format!(
+                        "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n\
+                         content-length: {}\r\nconnection: close\r\n\r\n{body}",
+                        body.len()
+                    );
+                    let _ = stream.write_all(answer.as_bytes()).await;
+                });
+            }
+        });
+        (url, requests)
+    }
+
+    #[tokio::test]
+    async fn many_refusals_of_one_generation_cost_one_refresh_and_outdated_ones_none() {
+        let (token_url, requests) = token_endpoint().await;
+        let forced = Counter::default();
+        let provider = Arc::new(TokenProvider::new(
+            TokenSource::ClientCredentials(ClientCredentials {
+                token_url,
+                client_id: "worker".into(),
+                client_secret: Token("secret".into()),
+                scopes: vec![],
+                audience: None,
+            }),
+            HttpClient::new(None).expect("client"),
+            Counter::default(),
+            forced.clone(),
+        ));
+        let first = provider.token().await.expect("token");
+        assert_eq!(
+            (first.generation, first.token.expose()),
+            (1, "t1"),
+            "the first token"
+        );
+        // 32 calls in flight with generation 1 all get a 401 at once.
+        let retried = futures::future::join_all((0..32).map(|_| {
+            let provider = provider.clone();
+            async move {
+                let refusal = provider.refused(1, true).await;
+                (refusal, provider.token().await.expect("token"))
+            }
+        }))
+        .await;
+        let invalidated = retried
+            .iter()
+            .filter(|(refusal, _)| *refusal == AfterRefusal::Invalidated)
+            .count();
+        assert!(invalidated >= 1, "the current generation was invalidated");
+        for (_, issued) in &retried {
+            assert_eq!(
+                (issued.generation, issued.token.expose()),
+                (2, "t2"),
+                "every caller retries with the one new token"
+            );
+        }
+        assert_eq!(requests.load(Ordering::SeqCst), 2, "one refresh for all");
+        assert_eq!(forced.get(), 1, "counted as forced by a refusal");
+        // A late 401 of generation 1 (a call that was still in flight) changes nothing.
+        assert_eq!(provider.refused(1, true).await, AfterRefusal::Outdated);
+        assert_eq!(provider.token().await.expect("token").generation, 2);
+        // A 401 on the new token after the caller's one renewal keeps it.
+        assert_eq!(provider.refused(2, false).await, AfterRefusal::Kept);
+        assert_eq!(requests.load(Ordering::SeqCst), 2);
     }
 }

@@ -51,6 +51,7 @@ pub(crate) mod gather;
 pub(crate) mod in_flight;
 pub mod reader;
 mod receive;
+mod send;
 
 use std::time::{Duration, Instant};
 
@@ -64,6 +65,7 @@ use aws_sdk_sqs::types::{
 use futures::future::join_all;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::registry::Registry;
+use switchboard_api::QueueAdapter;
 use switchboard_store::Dedup;
 
 use self::classify::{Addressed, CREDENTIALS_SETTING, ServiceFault};
@@ -218,6 +220,32 @@ impl Sqs {
             credentials_failing_since: None,
             held: InFlight::default(),
         })
+    }
+
+    /// The transport of `adapter` for a command (`dlq`, `send`) run as `consumer`: connected,
+    /// its queues checked as the worker does.
+    pub async fn for_command(
+        adapter: &QueueAdapter,
+        consumer: &str,
+    ) -> Result<Self, TransportError> {
+        let Some(spec) = adapter.spec.source.sqs.clone() else {
+            return Err(TransportError::fatal(
+                "spec.source.sqs",
+                "not an SQS adapter",
+                None,
+            ));
+        };
+        let settings = SqsSettings {
+            adapter: adapter.adapter_name(),
+            consumer: consumer.to_owned(),
+            spec,
+            dead_letter_queue_url: adapter.spec.delivery.dead_letter.queue_url.clone(),
+            batch_size: 10,
+            dead_letter_retention: adapter.spec.delivery.dead_letter.retention(),
+        };
+        let mut sqs = Self::new(settings, &mut Registry::default()).await?;
+        sqs.prepare().await?;
+        Ok(sqs)
     }
 
     fn queues(&self) -> Result<&Queues, TransportError> {

@@ -19,13 +19,12 @@ use aws_sdk_sqs::primitives::Blob;
 use aws_sdk_sqs::types::{
     Message as SqsMessage, MessageAttributeValue, MessageSystemAttributeName,
 };
-use prometheus_client::registry::Registry;
 use sha2::{Digest, Sha256};
 use switchboard_api::QueueAdapter;
 use switchboard_store::Store;
 
+use super::Sqs;
 use super::classify::Addressed;
-use super::{Sqs, SqsSettings};
 use crate::dlq::{DeadLetterReader, StoredLetter, headers_from_json, redrive_key};
 use crate::transport::{Attempt, Attempts, IDEMPOTENCY_KEY_HEADER, Transport, TransportError};
 
@@ -34,7 +33,7 @@ const HOLD: i32 = 20;
 /// A letter read longer ago than this is hidden afresh before it is deleted.
 const REFRESH_AFTER: Duration = Duration::from_secs(10);
 /// SQS's limit on message attributes per message.
-const MAX_ATTRIBUTES: usize = 10;
+pub(super) const MAX_ATTRIBUTES: usize = 10;
 /// The reason shown for a letter SQS moved itself.
 pub const REDRIVE_POLICY_REASON: &str = "redrive_policy";
 
@@ -66,23 +65,7 @@ fn rfc3339_to_ms(text: &str) -> Option<u64> {
 impl SqsReader {
     /// Connects with the adapter's settings and checks the queues as the worker does.
     pub async fn new(adapter: &QueueAdapter) -> Result<Self, TransportError> {
-        let Some(spec) = adapter.spec.source.sqs.clone() else {
-            return Err(TransportError::fatal(
-                "spec.source.sqs",
-                "not an SQS adapter",
-                None,
-            ));
-        };
-        let settings = SqsSettings {
-            adapter: adapter.adapter_name(),
-            consumer: "switchboard-worker-dlq".to_owned(),
-            spec,
-            dead_letter_queue_url: adapter.spec.delivery.dead_letter.queue_url.clone(),
-            batch_size: 10,
-            dead_letter_retention: adapter.spec.delivery.dead_letter.retention(),
-        };
-        let mut sqs = Sqs::new(settings, &mut Registry::default()).await?;
-        sqs.prepare().await?;
+        let sqs = Sqs::for_command(adapter, "switchboard-worker-dlq").await?;
         let store = match std::env::var("DATABASE_URL") {
             Ok(url) if !url.is_empty() => Some(
                 Store::connect(&url, 1, "switchboard-worker/dlq")
@@ -260,7 +243,8 @@ impl SqsReader {
     }
 }
 
-fn attribute(value: &[u8]) -> Result<MessageAttributeValue, TransportError> {
+/// A message attribute: `String` when `value` is UTF-8, `Binary` otherwise.
+pub(super) fn attribute(value: &[u8]) -> Result<MessageAttributeValue, TransportError> {
     let built = match std::str::from_utf8(value) {
         Ok(text) => MessageAttributeValue::builder()
             .data_type("String")
