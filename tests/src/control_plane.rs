@@ -440,22 +440,7 @@ impl ControlPlane {
         key: &str,
         value: &str,
     ) -> Result<()> {
-        let api = Api::<Secret>::namespaced(self.admin().await?, namespace);
-        let secret = Secret {
-            metadata: ObjectMeta {
-                name: Some(name.to_owned()),
-                ..ObjectMeta::default()
-            },
-            data: Some([(key.to_owned(), ByteString(value.as_bytes().to_vec()))].into()),
-            ..Secret::default()
-        };
-        api.patch(
-            name,
-            &PatchParams::apply("switchboard-tests").force(),
-            &Patch::Apply(&secret),
-        )
-        .await?;
-        Ok(())
+        apply_secret(&self.admin().await?, namespace, name, key, value).await
     }
 
     /// Kills both processes now (apiserver first).
@@ -469,6 +454,32 @@ impl Drop for ControlPlane {
     fn drop(&mut self) {
         self.stop();
     }
+}
+
+/// Creates or replaces (server-side apply) Secret `namespace/name` with one `key`.
+pub async fn apply_secret(
+    client: &Client,
+    namespace: &str,
+    name: &str,
+    key: &str,
+    value: &str,
+) -> Result<()> {
+    let secret = Secret {
+        metadata: ObjectMeta {
+            name: Some(name.to_owned()),
+            ..ObjectMeta::default()
+        },
+        data: Some([(key.to_owned(), ByteString(value.as_bytes().to_vec()))].into()),
+        ..Secret::default()
+    };
+    Api::<Secret>::namespaced(client.clone(), namespace)
+        .patch(
+            name,
+            &PatchParams::apply("switchboard-tests").force(),
+            &Patch::Apply(&secret),
+        )
+        .await?;
+    Ok(())
 }
 
 /// Status code and body of an HTTP/1.0 `GET path` to `addr`.
