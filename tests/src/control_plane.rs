@@ -802,6 +802,11 @@ pub fn pod_template(deployment: &Deployment) -> Result<(&PodSpec, &Container)> {
 /// queue `name`, the Redis URL from Secret `redis`, plus `spec_extra` (spec lines, indented by
 /// two spaces).
 pub fn adapter_manifest(name: &str, spec_extra: &str) -> String {
+    adapter_manifest_in(OperatorEnv::NAMESPACE, name, spec_extra)
+}
+
+/// [`adapter_manifest`] in `namespace`.
+pub fn adapter_manifest_in(namespace: &str, name: &str, spec_extra: &str) -> String {
     format!(
         "apiVersion: switchboard.dev/v1alpha1\n\
          kind: QueueAdapter\n\
@@ -810,8 +815,7 @@ pub fn adapter_manifest(name: &str, spec_extra: &str) -> String {
          \x20 source:\n\
          \x20   redis: {{mode: stream, stream: {name}, urlSecretRef: {{name: redis, key: url}}}}\n\
          \x20 target: {{queue: {name}}}\n\
-         {spec_extra}",
-        namespace = OperatorEnv::NAMESPACE
+         {spec_extra}"
     )
 }
 

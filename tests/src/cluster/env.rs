@@ -126,6 +126,15 @@ impl ClusterEnv {
         crate::control_plane::apply_secret(&self.admin().await?, namespace, name, "url", url).await
     }
 
+    /// `kubectl apply -f` of a manifest: its output.
+    pub fn apply(&self, yaml: &str) -> Result<String> {
+        let file = self
+            .fixture
+            .manifest(&format!("apply-{}.yaml", fastrand::u64(..)), yaml)?;
+        self.cluster
+            .kubectl_ok(&["apply", "-f", &file.display().to_string()])
+    }
+
     /// The pods of `namespace` matching `selector`.
     pub async fn pods(&self, namespace: &str, selector: &str) -> Result<Vec<Pod>> {
         Ok(Api::<Pod>::namespaced(self.admin().await?, namespace)
