@@ -26,6 +26,7 @@ use k8s_openapi::api::core::v1::{Node, ServiceAccount};
 use kube::{Api, Client};
 use nix::fcntl::Flock;
 use nix::sys::signal::Signal;
+use tokio::signal::unix::{SignalKind, signal};
 use tokio::sync::RwLock;
 
 use self::host::{HostSnapshot, Record};
@@ -191,6 +192,37 @@ fn kubeconfig(path: &Path, server: &str, ca: &Path, token: &str) -> Result<()> {
     Ok(())
 }
 
+/// On SIGINT (Ctrl-C) or SIGTERM, stops the cluster and restores the host from the record before
+/// the process ends (a panic unwinds into [`Cluster`]'s `Drop`; a SIGKILL leaves the record for
+/// the next start). Installed once per process.
+fn trap_signals() {
+    static TRAP: std::sync::Once = std::sync::Once::new();
+    TRAP.call_once(|| {
+        std::thread::spawn(|| {
+            let Ok(runtime) = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+            else {
+                return;
+            };
+            let signalled = runtime.block_on(async {
+                let mut terminate = signal(SignalKind::terminate())?;
+                tokio::select! {
+                    result = tokio::signal::ctrl_c() => result,
+                    _ = terminate.recv() => Ok(()),
+                }
+            });
+            if signalled.is_ok() {
+                eprintln!("interrupted: stopping the cluster and restoring the host");
+                if let Err(err) = host::cleanup_leftovers() {
+                    eprintln!("restoring the host failed: {err:#}");
+                }
+                std::process::exit(130);
+            }
+        });
+    });
+}
+
 /// A CA and the certificates signed by it, made with openssl.
 struct Pki {
     dir: PathBuf,
@@ -307,6 +339,7 @@ impl Cluster {
             before: HostSnapshot::take()?,
         };
         record.save()?;
+        trap_signals();
         let mut cluster = Self {
             admin_kubeconfig: root.join("admin.kubeconfig"),
             record,
