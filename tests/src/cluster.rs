@@ -31,7 +31,7 @@ use tokio::sync::RwLock;
 
 use self::host::{HostSnapshot, Record};
 use self::net::{Forward, Netns};
-use crate::control_plane::{client, log_tail};
+use crate::control_plane::{self, client, log_tail, token, write_kubeconfig};
 use crate::servers::{stop_child, workspace_path};
 use crate::wait::wait_for;
 
@@ -65,24 +65,12 @@ const LOCK_TIMEOUT: Duration = Duration::from_secs(30 * 60);
 
 /// The folder holding the cluster's binaries.
 pub fn bin_dir() -> Result<PathBuf> {
-    let script = workspace_path("scripts/control-plane.sh");
-    let output = Command::new("bash")
-        .arg(&script)
-        .arg("cluster-bin-dir")
-        .stdin(Stdio::null())
-        .output()
-        .with_context(|| format!("running {}", script.display()))?;
-    let dir = PathBuf::from(String::from_utf8_lossy(&output.stdout).trim());
-    if !output.status.success() || BINARIES.iter().any(|b| !dir.join(b).is_file()) {
-        bail!(
-            "the cluster binaries ({}) are missing and could not be built; run \
-             `make cluster-bins` (scripts/control-plane.sh cluster-bin-dir; needs Go, see \
-             docs/cluster.md) or set KUBEBUILDER_ASSETS to a folder holding all of them.\n{}",
-            BINARIES.join(", "),
-            String::from_utf8_lossy(&output.stderr)
-        );
-    }
-    Ok(dir)
+    control_plane::script_bin_dir(
+        "cluster-bin-dir",
+        &BINARIES,
+        "run `make cluster-bins` (scripts/control-plane.sh cluster-bin-dir; needs Go, see \
+         docs/cluster.md) or set KUBEBUILDER_ASSETS to a folder holding all of them",
+    )
 }
 
 /// Fails naming the install command when a host prerequisite is missing.
@@ -159,10 +147,7 @@ impl Images {
     }
 }
 
-fn random_token() -> String {
-    (0..32).map(|_| fastrand::alphanumeric()).collect()
-}
-
+/// Runs `cmd`, which must succeed.
 fn run(cmd: &mut Command) -> Result<Output> {
     let output = cmd
         .stdin(Stdio::null())
@@ -174,22 +159,6 @@ fn run(cmd: &mut Command) -> Result<Output> {
         String::from_utf8_lossy(&output.stderr)
     );
     Ok(output)
-}
-
-/// A kubeconfig for `token` at `server`.
-fn kubeconfig(path: &Path, server: &str, ca: &Path, token: &str) -> Result<()> {
-    std::fs::write(
-        path,
-        format!(
-            "apiVersion: v1\nkind: Config\n\
-             clusters:\n- name: cluster\n  cluster:\n    server: {server}\n    certificate-authority: {ca}\n\
-             users:\n- name: user\n  user:\n    token: {token}\n\
-             contexts:\n- name: cluster\n  context:\n    cluster: cluster\n    user: user\n\
-             current-context: cluster\n",
-            ca = ca.display()
-        ),
-    )?;
-    Ok(())
 }
 
 /// On SIGINT (Ctrl-C) or SIGTERM, stops the cluster and restores the host from the record before
@@ -330,7 +299,7 @@ impl Cluster {
         let root = std::env::temp_dir().join(format!(
             "switchboard-cluster-{}-{}",
             std::process::id(),
-            random_token()[..6].to_lowercase()
+            token()[..6].to_lowercase()
         ));
         std::fs::create_dir_all(&root)?;
         let record = Record {
@@ -451,7 +420,7 @@ impl Cluster {
             ("scheduler", "system:kube-scheduler", ""),
             ("proxy", "system:kube-proxy", ""),
         ]
-        .map(|(name, user, group)| (name, user, group, random_token()));
+        .map(|(name, user, group)| (name, user, group, token()));
         let csv: String = tokens
             .iter()
             .map(|(_, user, group, token)| match *group {
@@ -462,10 +431,11 @@ impl Cluster {
         std::fs::write(root.join("tokens.csv"), csv)?;
         let inside = format!("https://{NODE_IP}:{API_PORT}");
         for (name, _, _, token) in &tokens {
-            kubeconfig(
+            write_kubeconfig(
                 &root.join(format!("{name}.kubeconfig")),
                 &inside,
                 &pki.path("ca.crt"),
+                name,
                 token,
             )?;
         }
@@ -577,10 +547,11 @@ state = "{state_dir}"
             ],
         )?;
         let api = Forward::into_netns(self.netns()?, format!("{NODE_IP}:{API_PORT}").parse()?)?;
-        kubeconfig(
+        write_kubeconfig(
             &self.admin_kubeconfig,
             &format!("https://{}", api.listen),
             &pki.path("ca.crt"),
+            "admin",
             &tokens[0].3,
         )?;
         self.forwards
@@ -734,23 +705,12 @@ state = "{state_dir}"
 
     /// `kubectl` with the admin kubeconfig.
     pub fn kubectl(&self, args: &[&str]) -> Result<Output> {
-        Ok(Command::new(self.bin.join("kubectl"))
-            .arg("--kubeconfig")
-            .arg(&self.admin_kubeconfig)
-            .args(args)
-            .stdin(Stdio::null())
-            .output()?)
+        control_plane::kubectl(&self.bin, &self.admin_kubeconfig, args)
     }
 
     /// `kubectl` that must succeed; returns its stdout.
     pub fn kubectl_ok(&self, args: &[&str]) -> Result<String> {
-        let output = self.kubectl(args)?;
-        ensure!(
-            output.status.success(),
-            "kubectl {args:?} failed: {}",
-            String::from_utf8_lossy(&output.stderr)
-        );
-        Ok(String::from_utf8(output.stdout)?)
+        control_plane::kubectl_ok(&self.bin, &self.admin_kubeconfig, args)
     }
 
     /// `helm` with the admin kubeconfig and a scratch home, in the workspace root.

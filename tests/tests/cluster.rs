@@ -36,6 +36,21 @@ fn pod_name(pod: &Pod) -> String {
     pod.metadata.name.clone().unwrap_or_default()
 }
 
+/// Waits until the one Ready pod matching `selector` is another than `old`; returns it.
+async fn wait_replaced(
+    env: &ClusterEnv,
+    namespace: &str,
+    selector: &str,
+    old: &Pod,
+) -> Result<Pod> {
+    let mut pods = env
+        .wait_ready_pods(namespace, selector, 1, |pods| {
+            pods.iter().all(|pod| pod_name(pod) != pod_name(old))
+        })
+        .await?;
+    pods.pop().context("one pod")
+}
+
 /// Applies adapter `name` in its own namespace `name` (stream and queue `name` too) and waits
 /// for its one worker pod to be Ready.
 async fn start_adapter(env: &ClusterEnv, name: &str, spec_extra: &str) -> Result<Pod> {
@@ -235,12 +250,7 @@ async fn deleting_a_worker_pod_mid_flow_and_a_rollout_restart_store_every_messag
         &pod_name(&first),
         "--wait=true",
     ])?;
-    let second = env
-        .wait_ready_pods(name, &workers_of(name), 1, |pods| {
-            pods.iter().all(|pod| pod_name(pod) != pod_name(&first))
-        })
-        .await?
-        .remove(0);
+    let second = wait_replaced(&env, name, &workers_of(name), &first).await?;
     let before_restart = producer.produced();
     wait_for(TODO_TIMEOUT, "the replacement stores the flow", || async {
         Ok(env.fixture.todo_count(name).await? >= before_restart as i64)
@@ -254,10 +264,7 @@ async fn deleting_a_worker_pod_mid_flow_and_a_rollout_restart_store_every_messag
         name,
         &format!("deployment/{name}-worker"),
     ])?;
-    env.wait_ready_pods(name, &workers_of(name), 1, |pods| {
-        pods.iter().all(|pod| pod_name(pod) != pod_name(&second))
-    })
-    .await?;
+    wait_replaced(&env, name, &workers_of(name), &second).await?;
     let produced = producer.stop()?;
     wait_todos(&env, name, name, produced as i64)
         .await
@@ -275,10 +282,7 @@ async fn changing_the_referenced_secret_rolls_the_pods_onto_the_new_value() -> R
     // The same Redis, database 1: only a pod that reads the new value sees what comes next.
     let db1 = env.pod_redis_url.replace("/0", "/1");
     env.put_secret(name, "redis", &db1).await?;
-    env.wait_ready_pods(name, &workers_of(name), 1, |pods| {
-        pods.iter().all(|pod| pod_name(pod) != pod_name(&first))
-    })
-    .await?;
+    wait_replaced(&env, name, &workers_of(name), &first).await?;
     let host_db1 = env.fixture.redis.url().replace("/0", "/1");
     let mut redis = redis::Client::open(host_db1.as_str())?.get_connection()?;
     for i in 100..150 {
@@ -370,12 +374,7 @@ async fn a_killed_operator_pod_is_replaced_and_the_replacement_takes_the_lease_a
         "--grace-period=0",
         "--force",
     ])?;
-    let new = env
-        .wait_ready_pods(RELEASE_NAMESPACE, OPERATOR_SELECTOR, 1, |pods| {
-            pods.iter().all(|pod| pod_name(pod) != pod_name(&old))
-        })
-        .await?
-        .remove(0);
+    let new = wait_replaced(&env, RELEASE_NAMESPACE, OPERATOR_SELECTOR, &old).await?;
     wait_for(TODO_TIMEOUT, "the replacement takes the Lease", || async {
         Ok(holder(leases.get_opt(RELEASE).await?) == pod_name(&new))
     })

@@ -8,13 +8,13 @@ use std::time::Duration;
 
 use anyhow::{Context, Result};
 use k8s_openapi::api::core::v1::{Namespace, Pod};
-use kube::api::{ListParams, ObjectMeta, PostParams};
+use kube::api::ListParams;
 use kube::{Api, Client};
 use tokio::sync::OwnedRwLockReadGuard;
 
 use super::{Cluster, SLOT};
 use crate::Fixture;
-use crate::control_plane::condition;
+use crate::control_plane::{condition, create_namespace};
 use crate::helm::{CHART, NAMESPACE, RELEASE};
 use crate::wait::wait_for;
 
@@ -98,19 +98,13 @@ impl ClusterEnv {
     /// Creates namespace `name` (unless it exists) with the Secrets `redis` and
     /// `switchboard-db` (key `url`) pointing at the host's servers as the pods reach them.
     pub async fn namespace(&self, name: &str) -> Result<()> {
-        let api = Api::<Namespace>::all(self.admin().await?);
-        if api.get_opt(name).await?.is_none() {
-            api.create(
-                &PostParams::default(),
-                &Namespace {
-                    metadata: ObjectMeta {
-                        name: Some(name.to_owned()),
-                        ..ObjectMeta::default()
-                    },
-                    ..Namespace::default()
-                },
-            )
-            .await?;
+        let client = self.admin().await?;
+        if Api::<Namespace>::all(client.clone())
+            .get_opt(name)
+            .await?
+            .is_none()
+        {
+            create_namespace(&client, name).await?;
         }
         for (secret, url) in [
             ("redis", &self.pod_redis_url),

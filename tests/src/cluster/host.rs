@@ -22,6 +22,7 @@ use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 use serde::{Deserialize, Serialize};
 
+use crate::servers::processes;
 use crate::wait::wait_until;
 
 /// The kernel settings the kubelet sets (`setupKernelTunables`), restored to their old values.
@@ -71,15 +72,7 @@ pub struct HostSnapshot {
 }
 
 fn lines(program: &str, args: &[&str]) -> Result<Vec<String>> {
-    let output = Command::new(program)
-        .args(args)
-        .output()
-        .with_context(|| format!("running {program}"))?;
-    ensure!(
-        output.status.success(),
-        "{program} {args:?} failed: {}",
-        String::from_utf8_lossy(&output.stderr)
-    );
+    let output = super::run(Command::new(program).args(args))?;
     Ok(String::from_utf8(output.stdout)?
         .lines()
         .map(str::to_owned)
@@ -368,13 +361,9 @@ pub fn cleanup_leftovers() -> Result<()> {
 /// (whose `-address` is the cluster's socket). Zombies have an empty command line.
 fn processes_of(root: &Path) -> Vec<(i32, String)> {
     let root = root.display().to_string();
-    std::fs::read_dir("/proc")
-        .into_iter()
-        .flatten()
-        .flatten()
-        .filter_map(|entry| {
-            let pid: i32 = entry.file_name().to_str()?.parse().ok()?;
-            let cmdline = std::fs::read(entry.path().join("cmdline")).ok()?;
+    processes()
+        .filter_map(|(pid, dir)| {
+            let cmdline = std::fs::read(dir.join("cmdline")).ok()?;
             let cmdline = String::from_utf8_lossy(&cmdline).replace('\0', " ");
             cmdline.contains(&root).then_some((pid, cmdline))
         })

@@ -15,7 +15,7 @@ use std::process::Command;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use anyhow::{Context, Result, ensure};
+use anyhow::{Context, Result};
 use nix::sched::{CloneFlags, setns};
 
 /// A network namespace `/run/netns/<name>`, deleted on drop.
@@ -25,15 +25,7 @@ pub struct Netns {
 }
 
 fn ip(args: &[&str]) -> Result<()> {
-    let output = Command::new("ip")
-        .args(args)
-        .output()
-        .context("running ip (apt-get install -y iproute2)")?;
-    ensure!(
-        output.status.success(),
-        "ip {args:?} failed: {}",
-        String::from_utf8_lossy(&output.stderr)
-    );
+    super::run(Command::new("ip").args(args))?;
     Ok(())
 }
 
