@@ -15,6 +15,7 @@ pub mod host;
 pub mod net;
 
 use std::fs::File;
+use std::os::unix::fs::PermissionsExt;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
@@ -302,6 +303,8 @@ impl Cluster {
             token()[..6].to_lowercase()
         ));
         std::fs::create_dir_all(&root)?;
+        // Tokens, keys and kubeconfigs live here: only for root.
+        std::fs::set_permissions(&root, std::fs::Permissions::from_mode(0o700))?;
         let record = Record {
             netns: format!("sb-{}", std::process::id()),
             root: root.clone(),
