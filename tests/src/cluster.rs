@@ -15,8 +15,8 @@ pub mod host;
 pub mod net;
 
 use std::fs::File;
-use std::os::unix::fs::PermissionsExt;
 use std::net::SocketAddr;
+use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::sync::{Arc, Mutex};
@@ -122,19 +122,9 @@ impl Images {
         let operator = crate::control_plane::operator_binary()?;
         crate::worker::workspace_binary("switchboard-worker")?;
         let dir = operator.parent().context("the binaries have a folder")?;
-        let script = workspace_path("scripts/cluster-image.sh");
-        let output = Command::new("bash")
-            .arg(&script)
-            .arg(dir)
-            .stdin(Stdio::null())
-            .output()
-            .with_context(|| format!("running {}", script.display()))?;
-        ensure!(
-            output.status.success(),
-            "{} failed:\n{}",
-            script.display(),
-            String::from_utf8_lossy(&output.stderr)
-        );
+        let output = run(Command::new("bash")
+            .arg(workspace_path("scripts/cluster-image.sh"))
+            .arg(dir))?;
         let text = String::from_utf8(output.stdout)?;
         let mut images = text.lines().map(|line| -> Result<(String, PathBuf)> {
             let (reference, archive) = line.split_once(' ').context("`<ref> <archive>`")?;
@@ -280,7 +270,8 @@ pub struct Cluster {
     pub images: Images,
     /// From the first daemon's launch to the node being Ready.
     pub started_in: Duration,
-    _lock: Option<Flock<File>>,
+    /// Released after the restore (fields drop after `Drop::drop`).
+    _lock: Flock<File>,
 }
 
 impl Cluster {
@@ -321,17 +312,38 @@ impl Cluster {
             forwards: Mutex::new(Vec::new()),
             images,
             started_in: Duration::ZERO,
-            _lock: Some(lock),
+            _lock: lock,
         };
         let started = Instant::now();
-        cluster.boot().await.with_context(|| {
-            format!(
-                "starting the cluster (logs in {})",
-                cluster.root().display()
-            )
-        })?;
+        if let Err(err) = cluster.boot().await {
+            // The restore deletes the cluster's folder: keep its logs.
+            let kept = cluster.keep_logs();
+            return Err(err.context(format!("starting the cluster (its logs: {kept})")));
+        }
         cluster.started_in = started.elapsed();
         Ok(cluster)
+    }
+
+    /// Copies the daemons' logs to `cluster-state/failed-run/`; says where (or why not).
+    fn keep_logs(&self) -> String {
+        let copy = || -> Result<PathBuf> {
+            let dir = host::state_dir()?.join("failed-run");
+            if dir.exists() {
+                std::fs::remove_dir_all(&dir)?;
+            }
+            std::fs::create_dir_all(&dir)?;
+            for entry in std::fs::read_dir(self.root())? {
+                let path = entry?.path();
+                if path.extension().is_some_and(|e| e == "log") {
+                    std::fs::copy(&path, dir.join(path.file_name().unwrap_or_default()))?;
+                }
+            }
+            Ok(dir)
+        };
+        match copy() {
+            Ok(dir) => dir.display().to_string(),
+            Err(err) => format!("not kept: {err:#}"),
+        }
     }
 
     fn netns(&self) -> Result<&Netns> {
