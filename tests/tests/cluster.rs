@@ -121,8 +121,10 @@ impl Producer {
     }
 }
 
-/// The uid of the first process of `pod`'s first container, read from /proc on the node.
-fn container_uid(env: &ClusterEnv, pod: &Pod) -> Result<String> {
+/// Fails unless the first container of `pod` really runs restricted, as the kernel sees its
+/// process on the node: uid/gid 65532, no capabilities, no_new_privs, a seccomp filter
+/// (RuntimeDefault) and a read-only root file system.
+fn assert_restricted(env: &ClusterEnv, pod: &Pod) -> Result<()> {
     let id = pod
         .status
         .as_ref()
@@ -137,12 +139,43 @@ fn container_uid(env: &ClusterEnv, pod: &Pod) -> Result<String> {
         .find(|line| line.starts_with(id))
         .and_then(|line| line.split_whitespace().nth(1))
         .with_context(|| format!("container {id} is not among the tasks:\n{tasks}"))?;
-    let status = std::fs::read_to_string(Path::new("/proc").join(pid).join("status"))?;
-    let uid = status
+    let proc = Path::new("/proc").join(pid);
+    let status = std::fs::read_to_string(proc.join("status"))?;
+    let field = |name: &str| {
+        status
+            .lines()
+            .find_map(|line| line.strip_prefix(name))
+            .map(|value| value.split_whitespace().collect::<Vec<_>>().join(" "))
+            .unwrap_or_default()
+    };
+    for (name, expected) in [
+        ("Uid:", "65532 65532 65532 65532"),
+        ("Gid:", "65532 65532 65532 65532"),
+        ("CapEff:", "0000000000000000"),
+        ("CapPrm:", "0000000000000000"),
+        ("NoNewPrivs:", "1"),
+        ("Seccomp:", "2"),
+    ] {
+        ensure!(
+            field(name) == expected,
+            "{name} of pod {} is {:?}, not {expected:?}",
+            pod_name(pod),
+            field(name)
+        );
+    }
+    let mounts = std::fs::read_to_string(proc.join("mounts"))?;
+    let root = mounts
         .lines()
-        .find_map(|line| line.strip_prefix("Uid:"))
-        .context("a Uid line")?;
-    Ok(uid.split_whitespace().collect::<Vec<_>>().join(" "))
+        .find(|line| line.split(' ').nth(1) == Some("/"))
+        .context("a root mount")?;
+    ensure!(
+        root.split(' ')
+            .nth(3)
+            .is_some_and(|o| o.split(',').any(|o| o == "ro")),
+        "the root of pod {} is writable: {root}",
+        pod_name(pod)
+    );
+    Ok(())
 }
 
 async fn wait_todos(env: &ClusterEnv, queue: &str, stream: &str, expected: i64) -> Result<()> {
@@ -188,7 +221,7 @@ async fn helm_install_runs_the_operator_and_an_applied_adapter_runs_a_worker_pod
         .context("a securityContext")?;
     ensure!(security.read_only_root_filesystem == Some(true));
     ensure!(security.allow_privilege_escalation == Some(false));
-    ensure!(container_uid(&env, operator)? == "65532 65532 65532 65532");
+    assert_restricted(&env, operator)?;
 
     // examples/orders-stream.yaml as a user applies it (namespace default).
     env.namespace("default").await?;
@@ -205,7 +238,7 @@ async fn helm_install_runs_the_operator_and_an_applied_adapter_runs_a_worker_pod
         .and_then(|s| s.containers.first())
         .and_then(|c| c.image.clone());
     ensure!(image.as_deref() == Some(env.cluster.images.switchboard.0.as_str()));
-    ensure!(container_uid(&env, worker)? == "65532 65532 65532 65532");
+    assert_restricted(&env, worker)?;
 
     produce(&env, "orders", 0..500)?;
     wait_todos(&env, "orders", "orders", 500)
