@@ -16,7 +16,7 @@ use kube::Api;
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 use switchboard_tests::cluster::env::{ClusterEnv, shared};
-use switchboard_tests::cluster::{Cluster, exclusive, host};
+use switchboard_tests::cluster::{Cluster, Images, exclusive, host};
 use switchboard_tests::control_plane::adapter_manifest_in;
 use switchboard_tests::helm::{NAMESPACE as RELEASE_NAMESPACE, RELEASE};
 use switchboard_tests::servers::workspace_path;
@@ -432,6 +432,94 @@ async fn cluster_owner() -> Result<()> {
     start_adapter(&env, "owner", "").await?;
     std::fs::write(ready, env.cluster.root().display().to_string())?;
     std::future::pending::<()>().await;
+    Ok(())
+}
+
+/// `tar -xOf archive member`.
+fn archive_member(archive: &Path, member: &str) -> Result<Vec<u8>> {
+    let output = std::process::Command::new("tar")
+        .arg("-xOf")
+        .arg(archive)
+        .arg(member)
+        .output()?;
+    ensure!(
+        output.status.success(),
+        "tar: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    Ok(output.stdout)
+}
+
+/// The Dockerfile's instruction `keyword`'s argument (the first such line).
+fn dockerfile(keyword: &str) -> Result<String> {
+    let text = std::fs::read_to_string(workspace_path("Dockerfile"))?;
+    text.lines()
+        .find_map(|line| line.strip_prefix(keyword)?.strip_prefix(' '))
+        .map(str::to_owned)
+        .with_context(|| format!("the Dockerfile has no {keyword}"))
+}
+
+#[test]
+fn the_buildah_image_has_the_dockerfiles_user_entrypoint_and_binaries_and_nothing_but_their_libraries()
+-> Result<()> {
+    let images = Images::build()?;
+    let archive = &images.switchboard.1;
+    let blob = |digest: &serde_json::Value| -> Result<Vec<u8>> {
+        let digest = digest.as_str().context("a digest")?;
+        let hex = digest.strip_prefix("sha256:").context("a sha256 digest")?;
+        archive_member(archive, &format!("blobs/sha256/{hex}"))
+    };
+    let index: serde_json::Value = serde_json::from_slice(&archive_member(archive, "index.json")?)?;
+    let manifest: serde_json::Value =
+        serde_json::from_slice(&blob(&index["manifests"][0]["digest"])?)?;
+    let config: serde_json::Value = serde_json::from_slice(&blob(&manifest["config"]["digest"])?)?;
+    ensure!(config["config"]["User"].as_str() == Some(dockerfile("USER")?.as_str()));
+    let entrypoint: Vec<String> = serde_json::from_str(&dockerfile("ENTRYPOINT")?)?;
+    ensure!(config["config"]["Entrypoint"] == serde_json::json!(entrypoint));
+    let copy = dockerfile("COPY --from=build")?;
+    let destination = copy.rsplit(' ').next().context("a COPY destination")?;
+
+    let mut files = Vec::new();
+    let layers = tempfile::tempdir()?;
+    for (i, layer) in manifest["layers"]
+        .as_array()
+        .context("layers")?
+        .iter()
+        .enumerate()
+    {
+        let path = layers.path().join(format!("layer-{i}"));
+        std::fs::write(&path, blob(&layer["digest"])?)?;
+        let output = std::process::Command::new("tar")
+            .arg("-tf")
+            .arg(&path)
+            .output()?;
+        ensure!(
+            output.status.success(),
+            "tar: {}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+        files.extend(
+            String::from_utf8(output.stdout)?
+                .lines()
+                .map(|f| format!("/{}", f.trim_start_matches("./"))),
+        );
+    }
+    for binary in ["switchboard-operator", "switchboard-worker"] {
+        let path = format!("{destination}{binary}");
+        ensure!(
+            files.contains(&path),
+            "{path} is not in the image: {files:?}"
+        );
+    }
+    let others: Vec<&String> = files
+        .iter()
+        .filter(|f| !f.ends_with('/') && !f.starts_with(destination))
+        .filter(|f| !f.contains(".so"))
+        .collect();
+    ensure!(
+        others.is_empty(),
+        "files besides the binaries and their libraries: {others:?}"
+    );
     Ok(())
 }
 
