@@ -221,7 +221,19 @@ async fn helm_install_runs_the_operator_and_an_applied_adapter_runs_a_worker_pod
         .context("a securityContext")?;
     ensure!(security.read_only_root_filesystem == Some(true));
     ensure!(security.allow_privilege_escalation == Some(false));
-    assert_restricted(&env, operator)?;
+    // The operator test running alongside replaces this pod: check whichever is the current one.
+    wait_for(
+        TODO_TIMEOUT,
+        "the operator's container runs restricted",
+        || async {
+            let operators = env
+                .wait_ready_pods(RELEASE_NAMESPACE, OPERATOR_SELECTOR, 1, |_| true)
+                .await?;
+            assert_restricted(&env, &operators[0])?;
+            Ok(true)
+        },
+    )
+    .await?;
 
     // examples/orders-stream.yaml as a user applies it (namespace default).
     env.namespace("default").await?;
@@ -356,7 +368,10 @@ async fn disabling_an_adapter_stops_its_pods_and_deleting_it_collects_its_deploy
     ])?;
     env.wait_ready_pods(name, &workers_of(name), 0, |_| true)
         .await?;
-    ensure!(env.adapter_row_exists(name, name).await?);
+    wait_for(TODO_TIMEOUT, "the adapters row exists", || async {
+        env.adapter_row_exists(name, name).await
+    })
+    .await?;
     env.cluster
         .kubectl_ok(&["delete", "qa", name, "-n", name, "--wait=true"])?;
     let deployments = Api::<Deployment>::namespaced(env.admin().await?, name);
