@@ -191,6 +191,17 @@ async fn wait_todos(env: &ClusterEnv, queue: &str, stream: &str, expected: i64) 
     env.fixture.assert_exactly_once(queue, expected).await
 }
 
+/// Waits until queue `name` holds at least `count` todos.
+async fn wait_stored(env: &ClusterEnv, name: &str, count: usize) -> Result<()> {
+    wait_for(
+        TODO_TIMEOUT,
+        &format!("{count} todos in {name}"),
+        || async { Ok(env.fixture.todo_count(name).await? >= count as i64) },
+    )
+    .await
+    .with_context(|| env.describe(name))
+}
+
 fn produce(env: &ClusterEnv, stream: &str, range: std::ops::Range<usize>) -> Result<()> {
     env.fixture.produce(
         stream,
@@ -281,11 +292,7 @@ async fn deleting_a_worker_pod_mid_flow_and_a_rollout_restart_store_every_messag
     let name = "restarts";
     let first = start_adapter(&env, name, "").await?;
     let producer = Producer::start(&env, name)?;
-    wait_for(TODO_TIMEOUT, "the worker stores the flow", || async {
-        Ok(env.fixture.todo_count(name).await? >= 200)
-    })
-    .await
-    .with_context(|| env.describe(name))?;
+    wait_stored(&env, name, 200).await?;
     // A real SIGTERM and grace period, mid-flow.
     env.cluster.kubectl_ok(&[
         "delete",
@@ -297,11 +304,7 @@ async fn deleting_a_worker_pod_mid_flow_and_a_rollout_restart_store_every_messag
     ])?;
     let second = wait_replaced(&env, name, &workers_of(name), &first).await?;
     let before_restart = producer.produced();
-    wait_for(TODO_TIMEOUT, "the replacement stores the flow", || async {
-        Ok(env.fixture.todo_count(name).await? >= before_restart as i64)
-    })
-    .await
-    .with_context(|| env.describe(name))?;
+    wait_stored(&env, name, before_restart).await?;
     env.cluster.kubectl_ok(&[
         "rollout",
         "restart",
