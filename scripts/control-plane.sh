@@ -2,12 +2,16 @@
 # Build (once) and locate a real etcd + kube-apiserver + kubectl for local, Docker-free
 # integration tests (the "envtest" shape: no kubelet, just the API server and its store).
 #
-#   scripts/control-plane.sh bin-dir   # prints a directory holding etcd, kube-apiserver, kubectl
+#   scripts/control-plane.sh bin-dir           # prints a directory holding etcd, kube-apiserver, kubectl
+#   scripts/control-plane.sh cluster-bin-dir   # … plus kubelet, kube-controller-manager,
+#                                              # kube-scheduler and kube-proxy (the real-cluster tier)
 #
 # Binaries are built from the Go module proxy into a version-keyed cache outside the repo:
 #   ${SWITCHBOARD_CACHE:-$HOME/.cache/switchboard}/control-plane/k8s-v<K8S>-etcd-v<ETCD>/bin
 # If KUBEBUILDER_ASSETS names a folder holding etcd and kube-apiserver, that folder is used and
-# nothing is built (except kubectl, when the folder lacks it).
+# nothing is built (except kubectl, when the folder lacks it). For cluster-bin-dir it is used when
+# it holds all seven binaries. The cluster binaries share the wrapper module and Go build cache of
+# kube-apiserver, so their common packages compile once.
 #
 # Progress goes to stderr; stdout carries only the resulting path. See docs/control-plane.md.
 set -euo pipefail
@@ -26,10 +30,12 @@ die() { printf '[control-plane] error: %s\n' "$*" >&2; exit 1; }
 
 usage() {
   cat >&2 <<EOF
-usage: $0 bin-dir
+usage: $0 bin-dir | cluster-bin-dir
 
-  bin-dir   print a directory containing etcd, kube-apiserver and kubectl
-            (building them into the cache if missing; ~6-25 min cold, 2 cores)
+  bin-dir          print a directory containing etcd, kube-apiserver and kubectl
+                   (building them into the cache if missing; ~6-25 min cold, 2 cores)
+  cluster-bin-dir  the same directory, also holding kubelet, kube-controller-manager,
+                   kube-scheduler and kube-proxy (docs/cluster.md)
 
 environment:
   K8S_VERSION        Kubernetes version to build        (default 1.34.4)
@@ -39,6 +45,10 @@ environment:
   GO                 go binary to use                   (default: go on PATH, /usr/local/go/bin/go)
 EOF
 }
+
+# The binaries built from k8s.io/kubernetes (one wrapper module, one Go build cache).
+K8S_BINARIES=(kube-apiserver kubectl kubelet kube-controller-manager kube-scheduler kube-proxy)
+CLUSTER_BINARIES=(etcd "${K8S_BINARIES[@]}")
 
 # Staging modules are versioned v0.<minor>.<patch> alongside k8s.io/kubernetes v1.<minor>.<patch>.
 STAGING_VERSION="v0.${K8S_VERSION#*.}"
@@ -114,9 +124,10 @@ prepare_k8s_wrapper() {
   mv -f "$dir/go.mod.tmp" "$dir/go.mod"
   rm -f "$dir/go.sum"
   # Resolve the full module graph (adds requirements and go.sum entries for these packages).
-  log "resolving dependencies of kube-apiserver and kubectl"
-  (cd "$dir" && gocmd get "k8s.io/kubernetes/cmd/kube-apiserver@v${K8S_VERSION}" \
-                           "k8s.io/kubernetes/cmd/kubectl@v${K8S_VERSION}") >&2
+  log "resolving dependencies of ${K8S_BINARIES[*]}"
+  local packages=() name
+  for name in "${K8S_BINARIES[@]}"; do packages+=("k8s.io/kubernetes/cmd/$name@v${K8S_VERSION}"); done
+  (cd "$dir" && gocmd get "${packages[@]}") >&2
 }
 
 # Build one main package of the wrapper module into $BIN_DIR/<name>, atomically.
@@ -185,7 +196,8 @@ ensure_built() { # <names...>: build whichever of them is missing from $BIN_DIR
   for n in "${missing[@]}"; do
     case "$n" in
       etcd) build_etcd ;;
-      kube-apiserver | kubectl) k8s+=("$n") ;;
+      kube-apiserver | kubectl | kubelet | kube-controller-manager | kube-scheduler | kube-proxy)
+        k8s+=("$n") ;;
       *) die "unknown binary $n" ;;
     esac
   done
@@ -221,8 +233,26 @@ cmd_bin_dir() {
   echo "$BIN_DIR"
 }
 
+cmd_cluster_bin_dir() {
+  if [[ -n "${KUBEBUILDER_ASSETS:-}" ]]; then
+    local assets n complete=1
+    assets="$(cd "$KUBEBUILDER_ASSETS" 2>/dev/null && pwd)" \
+      || die "KUBEBUILDER_ASSETS=$KUBEBUILDER_ASSETS is not a directory"
+    for n in "${CLUSTER_BINARIES[@]}"; do have_exe "$assets/$n" || complete=0; done
+    if ((complete)); then
+      log "using KUBEBUILDER_ASSETS=$assets"
+      echo "$assets"
+      return
+    fi
+    log "KUBEBUILDER_ASSETS=$assets lacks one of ${CLUSTER_BINARIES[*]}; ignoring it"
+  fi
+  ensure_built "${CLUSTER_BINARIES[@]}"
+  echo "$BIN_DIR"
+}
+
 case "${1:-}" in
   bin-dir) cmd_bin_dir ;;
+  cluster-bin-dir) cmd_cluster_bin_dir ;;
   -h | --help | help) usage ;;
   *) usage; exit 2 ;;
 esac

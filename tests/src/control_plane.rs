@@ -56,26 +56,36 @@ fn rules_file(path: &str) -> Result<Vec<PolicyRule>> {
 /// The folder holding `etcd`, `kube-apiserver` and `kubectl`: `scripts/control-plane.sh bin-dir`
 /// (which honours `KUBEBUILDER_ASSETS` and otherwise builds them once into a cache).
 pub fn bin_dir() -> Result<PathBuf> {
+    script_bin_dir(
+        "bin-dir",
+        &["etcd", "kube-apiserver", "kubectl"],
+        "run `scripts/control-plane.sh bin-dir` (needs Go; see docs/control-plane.md) or set \
+         KUBEBUILDER_ASSETS to a folder holding etcd and kube-apiserver",
+    )
+}
+
+/// The folder `scripts/control-plane.sh <command>` prints, which must hold `binaries`; else an
+/// error naming them and `how` to get them.
+pub(crate) fn script_bin_dir(command: &str, binaries: &[&str], how: &str) -> Result<PathBuf> {
     let script = workspace_path("scripts/control-plane.sh");
     let output = Command::new("bash")
         .arg(&script)
-        .arg("bin-dir")
+        .arg(command)
         .stdin(Stdio::null())
         .output()
         .with_context(|| format!("running {}", script.display()))?;
     let dir = PathBuf::from(String::from_utf8_lossy(&output.stdout).trim());
-    if !output.status.success() || !dir.join("kube-apiserver").is_file() {
+    if !output.status.success() || binaries.iter().any(|b| !dir.join(b).is_file()) {
         bail!(
-            "the control-plane binaries (etcd, kube-apiserver, kubectl) are missing and could not \
-             be built; run `scripts/control-plane.sh bin-dir` (needs Go; see docs/control-plane.md) \
-             or set KUBEBUILDER_ASSETS to a folder holding etcd and kube-apiserver.\n{}",
+            "the binaries {} are missing and could not be built; {how}.\n{}",
+            binaries.join(", "),
             String::from_utf8_lossy(&output.stderr)
         );
     }
     Ok(dir)
 }
 
-fn token() -> String {
+pub(crate) fn token() -> String {
     (0..32).map(|_| fastrand::alphanumeric()).collect()
 }
 
@@ -105,7 +115,13 @@ pub fn log_tail(path: &Path, lines: usize) -> String {
 }
 
 /// A kubeconfig file for one token.
-fn write_kubeconfig(path: &Path, server: &str, ca: &Path, user: &str, token: &str) -> Result<()> {
+pub(crate) fn write_kubeconfig(
+    path: &Path,
+    server: &str,
+    ca: &Path,
+    user: &str,
+    token: &str,
+) -> Result<()> {
     let yaml = format!(
         "apiVersion: v1\nkind: Config\n\
          clusters:\n- name: local\n  cluster:\n    server: {server}\n    certificate-authority: {ca}\n\
@@ -344,23 +360,12 @@ impl ControlPlane {
 
     /// `kubectl` with the admin kubeconfig.
     pub fn kubectl(&self, args: &[&str]) -> Result<Output> {
-        Ok(Command::new(self.bin.join("kubectl"))
-            .arg("--kubeconfig")
-            .arg(&self.admin_kubeconfig)
-            .args(args)
-            .stdin(Stdio::null())
-            .output()?)
+        kubectl(&self.bin, &self.admin_kubeconfig, args)
     }
 
     /// `kubectl` that must succeed; returns its stdout.
     pub fn kubectl_ok(&self, args: &[&str]) -> Result<String> {
-        let output = self.kubectl(args)?;
-        ensure!(
-            output.status.success(),
-            "kubectl {args:?} failed: {}",
-            String::from_utf8_lossy(&output.stderr)
-        );
-        Ok(String::from_utf8(output.stdout)?)
+        kubectl_ok(&self.bin, &self.admin_kubeconfig, args)
     }
 
     /// Creates the committed CRD and waits until it is Established.
@@ -417,19 +422,7 @@ impl ControlPlane {
 
     /// Creates namespace `name`.
     pub async fn create_namespace(&self, name: &str) -> Result<()> {
-        Api::<Namespace>::all(self.admin().await?)
-            .create(
-                &PostParams::default(),
-                &Namespace {
-                    metadata: ObjectMeta {
-                        name: Some(name.to_owned()),
-                        ..ObjectMeta::default()
-                    },
-                    ..Namespace::default()
-                },
-            )
-            .await?;
-        Ok(())
+        create_namespace(&self.admin().await?, name).await
     }
 
     /// Creates or replaces Secret `namespace/name` with one `key`.
@@ -440,22 +433,7 @@ impl ControlPlane {
         key: &str,
         value: &str,
     ) -> Result<()> {
-        let api = Api::<Secret>::namespaced(self.admin().await?, namespace);
-        let secret = Secret {
-            metadata: ObjectMeta {
-                name: Some(name.to_owned()),
-                ..ObjectMeta::default()
-            },
-            data: Some([(key.to_owned(), ByteString(value.as_bytes().to_vec()))].into()),
-            ..Secret::default()
-        };
-        api.patch(
-            name,
-            &PatchParams::apply("switchboard-tests").force(),
-            &Patch::Apply(&secret),
-        )
-        .await?;
-        Ok(())
+        apply_secret(&self.admin().await?, namespace, name, key, value).await
     }
 
     /// Kills both processes now (apiserver first).
@@ -469,6 +447,70 @@ impl Drop for ControlPlane {
     fn drop(&mut self) {
         self.stop();
     }
+}
+
+/// `<bin>/kubectl --kubeconfig <kubeconfig> args…`.
+pub fn kubectl(bin: &Path, kubeconfig: &Path, args: &[&str]) -> Result<Output> {
+    Ok(Command::new(bin.join("kubectl"))
+        .arg("--kubeconfig")
+        .arg(kubeconfig)
+        .args(args)
+        .stdin(Stdio::null())
+        .output()?)
+}
+
+/// [`kubectl`] that must succeed; returns its stdout.
+pub fn kubectl_ok(bin: &Path, kubeconfig: &Path, args: &[&str]) -> Result<String> {
+    let output = kubectl(bin, kubeconfig, args)?;
+    ensure!(
+        output.status.success(),
+        "kubectl {args:?} failed: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    Ok(String::from_utf8(output.stdout)?)
+}
+
+/// Creates namespace `name`.
+pub async fn create_namespace(client: &Client, name: &str) -> Result<()> {
+    Api::<Namespace>::all(client.clone())
+        .create(
+            &PostParams::default(),
+            &Namespace {
+                metadata: ObjectMeta {
+                    name: Some(name.to_owned()),
+                    ..ObjectMeta::default()
+                },
+                ..Namespace::default()
+            },
+        )
+        .await?;
+    Ok(())
+}
+
+/// Creates or replaces (server-side apply) Secret `namespace/name` with one `key`.
+pub async fn apply_secret(
+    client: &Client,
+    namespace: &str,
+    name: &str,
+    key: &str,
+    value: &str,
+) -> Result<()> {
+    let secret = Secret {
+        metadata: ObjectMeta {
+            name: Some(name.to_owned()),
+            ..ObjectMeta::default()
+        },
+        data: Some([(key.to_owned(), ByteString(value.as_bytes().to_vec()))].into()),
+        ..Secret::default()
+    };
+    Api::<Secret>::namespaced(client.clone(), namespace)
+        .patch(
+            name,
+            &PatchParams::apply("switchboard-tests").force(),
+            &Patch::Apply(&secret),
+        )
+        .await?;
+    Ok(())
 }
 
 /// Status code and body of an HTTP/1.0 `GET path` to `addr`.
@@ -791,6 +833,11 @@ pub fn pod_template(deployment: &Deployment) -> Result<(&PodSpec, &Container)> {
 /// queue `name`, the Redis URL from Secret `redis`, plus `spec_extra` (spec lines, indented by
 /// two spaces).
 pub fn adapter_manifest(name: &str, spec_extra: &str) -> String {
+    adapter_manifest_in(OperatorEnv::NAMESPACE, name, spec_extra)
+}
+
+/// [`adapter_manifest`] in `namespace`.
+pub fn adapter_manifest_in(namespace: &str, name: &str, spec_extra: &str) -> String {
     format!(
         "apiVersion: switchboard.dev/v1alpha1\n\
          kind: QueueAdapter\n\
@@ -799,8 +846,7 @@ pub fn adapter_manifest(name: &str, spec_extra: &str) -> String {
          \x20 source:\n\
          \x20   redis: {{mode: stream, stream: {name}, urlSecretRef: {{name: redis, key: url}}}}\n\
          \x20 target: {{queue: {name}}}\n\
-         {spec_extra}",
-        namespace = OperatorEnv::NAMESPACE
+         {spec_extra}"
     )
 }
 

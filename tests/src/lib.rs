@@ -2,6 +2,7 @@
 //! helpers to produce messages and inspect what landed.
 
 pub mod brokers;
+pub mod cluster;
 pub mod control_plane;
 pub mod helm;
 pub mod prometheus;

@@ -82,15 +82,20 @@ pub(crate) fn stop_child(child: &mut Child, signal: Signal, timeout: Duration) {
     let _ = child.wait();
 }
 
-/// Processes whose parent is `parent`, from `/proc`.
-pub fn children_of(parent: i32) -> Vec<i32> {
+/// Every process as its id and `/proc/<id>` folder.
+pub fn processes() -> impl Iterator<Item = (i32, PathBuf)> {
     std::fs::read_dir("/proc")
         .into_iter()
         .flatten()
         .flatten()
-        .filter_map(|entry| {
-            let pid: i32 = entry.file_name().to_str()?.parse().ok()?;
-            let stat = std::fs::read_to_string(entry.path().join("stat")).ok()?;
+        .filter_map(|entry| Some((entry.file_name().to_str()?.parse().ok()?, entry.path())))
+}
+
+/// Processes whose parent is `parent`, from `/proc`.
+pub fn children_of(parent: i32) -> Vec<i32> {
+    processes()
+        .filter_map(|(pid, dir)| {
+            let stat = std::fs::read_to_string(dir.join("stat")).ok()?;
             // Fields after the parenthesised command name: state, ppid, …
             let ppid: i32 = stat
                 .rsplit_once(')')?
