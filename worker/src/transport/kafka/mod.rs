@@ -205,7 +205,10 @@ impl Kafka {
             // a fraction of a second of what one worker stores is plenty, and keeps the pod
             // within its memory limit.
             .set("queued.min.messages", PREFETCH_RECORDS.to_string())
-            .set("queued.max.messages.kbytes", PREFETCH_KIB.to_string());
+            .set("queued.max.messages.kbytes", PREFETCH_KIB.to_string())
+            // A partition whose prefetch is full is fetched again after this (default 1 s,
+            // which starves a worker that drains its prefetch in a fraction of that).
+            .set("fetch.queue.backoff.ms", "10");
         let consumer: StreamConsumer<KafkaContext> = config
             .create_with_context(KafkaContext {
                 state: state.clone(),
