@@ -836,6 +836,22 @@ pub fn adapter_manifest(name: &str, spec_extra: &str) -> String {
     adapter_manifest_in(OperatorEnv::NAMESPACE, name, spec_extra)
 }
 
+/// QueueAdapter `orders` in [`OperatorEnv::NAMESPACE`] reading `source` (the YAML under
+/// `spec.source`, indented by four spaces) into queue `orders`, 50 messages a batch.
+pub fn orders_adapter(source: &str) -> String {
+    format!(
+        "apiVersion: switchboard.dev/v1alpha1\n\
+         kind: QueueAdapter\n\
+         metadata: {{name: orders, namespace: {namespace}}}\n\
+         spec:\n\
+         \x20 source:\n\
+         {source}\
+         \x20 target: {{queue: orders}}\n\
+         \x20 delivery: {{batchSize: 50}}\n",
+        namespace = OperatorEnv::NAMESPACE
+    )
+}
+
 /// [`adapter_manifest`] in `namespace`.
 pub fn adapter_manifest_in(namespace: &str, name: &str, spec_extra: &str) -> String {
     format!(

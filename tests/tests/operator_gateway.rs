@@ -10,7 +10,9 @@ use switchboard_api::source::gateway::{CA_DIR, CA_ENV, CA_FILE};
 use switchboard_tests::brokers::gateway::{AUDIENCE, SCOPE, TestCa};
 use switchboard_tests::brokers::{BrokerFixture, GatewayBroker};
 use switchboard_tests::control_plane::pod::LocalPod;
-use switchboard_tests::control_plane::{OPERATOR_TIMEOUT, OperatorEnv, pod_template};
+use switchboard_tests::control_plane::{
+    OPERATOR_TIMEOUT, OperatorEnv, orders_adapter, pod_template,
+};
 use switchboard_tests::wait::wait_for;
 
 const MESSAGES: usize = 50;
@@ -29,26 +31,19 @@ async fn gateway_adapter_pod_mounts_its_ca_read_only_and_stores_messages_over_tl
         .put_secret(namespace, "gateway-ca", "ca.pem", &ca.ca_pem)
         .await?;
     let operator = env.start_operator("operator-a", &[])?;
-    env.apply_adapter(&format!(
-        "apiVersion: switchboard.dev/v1alpha1\n\
-         kind: QueueAdapter\n\
-         metadata: {{name: orders, namespace: {namespace}}}\n\
-         spec:\n\
-         \x20 source:\n\
-         \x20   gateway:\n\
+    env.apply_adapter(&orders_adapter(&format!(
+        "\x20   gateway:\n\
          \x20     url: \"{url}\"\n\
          \x20     queue: orders\n\
          \x20     waitTimeSeconds: 1\n\
          \x20     auth: {{oauth2: {{tokenUrl: \"{token_url}\", clientId: \"{client}\", \
          clientSecretRef: {{name: gateway-client, key: secret}}, audience: \"{AUDIENCE}\", \
          scopes: [{SCOPE}]}}}}\n\
-         \x20     tls: {{caSecretRef: {{name: gateway-ca, key: ca.pem}}}}\n\
-         \x20 target: {{queue: orders}}\n\
-         \x20 delivery: {{batchSize: 50}}\n",
+         \x20     tls: {{caSecretRef: {{name: gateway-ca, key: ca.pem}}}}\n",
         url = broker.gateway.url(),
         token_url = broker.hydra.token_url(),
         client = broker.client.id,
-    ))
+    )))
     .await?;
     let deployment = env
         .wait_deployment("orders-worker", "the worker Deployment exists", |_| true)

@@ -6,7 +6,7 @@ use anyhow::{Context, Result, ensure};
 use switchboard_tests::brokers::sqs::ElasticMq;
 use switchboard_tests::control_plane::pod::LocalPod;
 use switchboard_tests::control_plane::{
-    OPERATOR_TIMEOUT, OperatorEnv, adapter_manifest, condition,
+    OPERATOR_TIMEOUT, OperatorEnv, adapter_manifest, condition, orders_adapter,
 };
 use switchboard_tests::wait::wait_for;
 
@@ -15,23 +15,15 @@ const MESSAGES: usize = 200;
 /// QueueAdapter `orders` in [`OperatorEnv::NAMESPACE`] reading `queue_url` on `endpoint`, the
 /// credentials from Secrets `aws-key-id` (key `id`) and `aws-secret` (key `secret`).
 fn sqs_adapter(queue_url: &str, endpoint: &str) -> String {
-    format!(
-        "apiVersion: switchboard.dev/v1alpha1\n\
-         kind: QueueAdapter\n\
-         metadata: {{name: orders, namespace: {namespace}}}\n\
-         spec:\n\
-         \x20 source:\n\
-         \x20   sqs:\n\
+    orders_adapter(&format!(
+        "\x20   sqs:\n\
          \x20     queueUrl: \"{queue_url}\"\n\
          \x20     endpoint: \"{endpoint}\"\n\
          \x20     region: us-east-1\n\
          \x20     waitTimeSeconds: 1\n\
          \x20     accessKeyIdSecretRef: {{name: aws-key-id, key: id}}\n\
-         \x20     secretAccessKeySecretRef: {{name: aws-secret, key: secret}}\n\
-         \x20 target: {{queue: orders}}\n\
-         \x20 delivery: {{batchSize: 50}}\n",
-        namespace = OperatorEnv::NAMESPACE
-    )
+         \x20     secretAccessKeySecretRef: {{name: aws-secret, key: secret}}\n"
+    ))
 }
 
 #[tokio::test]
