@@ -11,6 +11,7 @@ use rdkafka::message::Message as _;
 use rdkafka::{Offset, TopicPartitionList};
 use switchboard_tests::brokers::kafka::KafkaServer;
 use switchboard_tests::brokers::{KAFKA_PARTITIONS, kafka_group};
+use switchboard_tests::wait::wait_for;
 
 use crate::broker::BenchBroker;
 use crate::{PHASE_TIMEOUT, order_body};
@@ -89,11 +90,14 @@ impl BenchBroker for KafkaBench {
                 .collect();
             server.produce(&name, bodies).await?;
         }
-        let lag = server.lag(&name, &kafka_group(&name)).await?;
-        ensure!(
-            lag == u64::try_from(messages)?,
-            "{name}: {lag} of {messages} records after producing"
-        );
+        // The group's coordinator may not be ready yet on a fresh node (NotCoordinator).
+        let expected = u64::try_from(messages)?;
+        wait_for(
+            Duration::from_secs(30),
+            &format!("{name} holds {messages} records for the group"),
+            || async { Ok(server.lag(&name, &kafka_group(&name)).await? == expected) },
+        )
+        .await?;
         Ok(name)
     }
 
