@@ -1,14 +1,14 @@
 //! NATS JetStream in the bench: a stream per phase on a real nats-server; the raw limit is
-//! concurrent fetch(batch) + confirmed-ack loops on a durable pull consumer (the same double
-//! ack the worker sends), without a database.
+//! concurrent fetch(batch) + confirmed-ack loops on a durable pull consumer (the same
+//! acknowledgements the worker sends, the last of each batch confirmed), without a database.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use anyhow::{Context, Result, ensure};
+use async_nats::jetstream::AckKind;
 use async_nats::jetstream::consumer::{AckPolicy, PullConsumer, pull};
-use async_nats::jetstream::{self, AckKind};
 use futures::StreamExt as _;
 use switchboard_tests::brokers::NatsBroker;
 use switchboard_tests::brokers::nats::NatsServer;
@@ -145,7 +145,7 @@ impl BenchBroker for NatsBench {
         Ok((
             acked.load(Ordering::Relaxed),
             format!(
-                "raw nats fetch({})+double ack x{loops}",
+                "raw nats fetch({})+confirmed ack x{loops}",
                 self.args.nats_batch_size
             ),
         ))
@@ -214,8 +214,8 @@ impl BenchBroker for NatsBench {
     }
 }
 
-/// fetch(batch) + acks confirmed by the server (one reply subject per message, then all
-/// replies awaited) until a fetch comes back empty.
+/// fetch(batch) + the acks the worker sends (all but the last as they are, the last confirmed
+/// by the server, which confirms them all) until a fetch comes back empty.
 async fn fetch_ack_loop(
     client: &async_nats::Client,
     consumer: &PullConsumer,
@@ -224,28 +224,20 @@ async fn fetch_ack_loop(
 ) -> Result<()> {
     loop {
         let mut fetched = consumer.fetch().max_messages(batch).messages().await?;
-        let mut messages: Vec<jetstream::Message> = Vec::with_capacity(batch);
+        let mut replies = Vec::with_capacity(batch);
         while let Some(message) = fetched.next().await {
-            messages.push(message.map_err(|err| anyhow::anyhow!("fetch: {err}"))?);
+            let message = message.map_err(|err| anyhow::anyhow!("fetch: {err}"))?;
+            replies.push(message.message.reply.context("no ack subject")?);
         }
-        if messages.is_empty() {
+        let Some(last) = replies.pop() else {
             return Ok(());
+        };
+        for reply in &replies {
+            client.publish(reply.clone(), AckKind::Ack.into()).await?;
         }
-        let inbox = client.new_inbox();
-        let mut replies = client.subscribe(format!("{inbox}.*")).await?;
-        for (index, message) in messages.iter().enumerate() {
-            let reply = message.reply.clone().context("no ack subject")?;
-            client
-                .publish_with_reply(reply, format!("{inbox}.{index}"), AckKind::Ack.into())
-                .await?;
-        }
-        client.flush().await?;
-        for _ in 0..messages.len() {
-            tokio::time::timeout(ACK_TIMEOUT, replies.next())
-                .await
-                .context("an ack was not confirmed in time")?
-                .context("the reply subscription ended")?;
-        }
-        acked.fetch_add(messages.len(), Ordering::Relaxed);
+        tokio::time::timeout(ACK_TIMEOUT, client.request(last, AckKind::Ack.into()))
+            .await
+            .context("the acks were not confirmed in time")??;
+        acked.fetch_add(replies.len() + 1, Ordering::Relaxed);
     }
 }

@@ -17,9 +17,11 @@
 //!   (and re-created if the server lost it) before the next fetch; a consumer that delivers
 //!   nothing for 2 × [`FETCH_EXPIRY`] while the server says messages are pending is re-bound
 //!   as well (`nats_consumer_rebinds_total`).
-//! - **Acknowledge**: `+ACK` (or `+TERM` for a message just dead-lettered) with a reply
-//!   subject, so the server confirms each one ("double ack"); unconfirmed ones are retried by
-//!   the pipeline. **Lease**: AckWait; `+WPI` (in progress) extends it while a batch is stored.
+//! - **Acknowledge**: `+ACK` (or `+TERM` for a message just dead-lettered), the last of a batch
+//!   with a reply subject: the server processes one connection's acknowledgements of a consumer
+//!   in order, so its confirmation of the last confirms the batch ("double ack" at one reply per
+//!   batch); an unconfirmed batch is acknowledged again by the pipeline. **Lease**: AckWait;
+//!   `+WPI` (in progress) extends it while a batch is stored.
 //! - **Dead letters**: published to `deadLetter.subject` (default `<stream>.dlq.<subject>`),
 //!   the body byte-identical, context in `Switchboard-*` headers; every PubAck is awaited
 //!   before the originals are terminated (`dead_letter.rs`).
@@ -359,9 +361,9 @@ impl Nats {
     /// One fetched message, converted; `None` for one without an acknowledgement subject
     /// (never a JetStream delivery: it can be neither acknowledged nor dead-lettered).
     fn convert(&mut self, message: jetstream::Message) -> Option<NatsDelivery> {
-        let (stream, stream_sequence, delivered, published) = match message.info() {
+        let (external_id, stream_sequence, delivered, published) = match message.info() {
             Ok(info) => (
-                info.stream.to_owned(),
+                format!("{}:{}", info.stream, info.stream_sequence),
                 info.stream_sequence,
                 info.delivered,
                 info.published,
@@ -388,7 +390,6 @@ impl Nats {
             "Nats-Subject".to_owned(),
             message.subject.as_bytes().to_vec(),
         ));
-        let external_id = format!("{stream}:{stream_sequence}");
         self.held.insert(stream_sequence, reply.clone());
         Some(Message {
             receipt: Receipt {
@@ -587,77 +588,53 @@ impl Transport for Nats {
         Ok(())
     }
 
+    /// Every acknowledgement but the last is sent as is; the last asks for the server's
+    /// confirmation. The server takes the acknowledgements of one consumer from one connection
+    /// in order, so confirming the last confirms that it processed them all: one reply per
+    /// batch rather than one per message. Without the confirmation (a lost connection, a
+    /// timeout) the whole batch is acknowledged again: acknowledging twice is harmless.
     async fn ack(&mut self, messages: &[&NatsDelivery]) -> Result<Acked, TransportError> {
-        if messages.is_empty() {
+        let Some((last, rest)) = messages.split_last() else {
             return Ok(Acked::all());
-        }
+        };
         let client = self.bound()?.client.clone();
-        let inbox = client.new_inbox();
-        let mut replies = client
-            .subscribe(format!("{inbox}.*"))
-            .await
-            .map_err(|err| TransportError::transient("could not subscribe for ack replies", err))?;
-        for (index, message) in messages.iter().enumerate() {
-            let kind = if self
+        let kind = |message: &NatsDelivery| {
+            if self
                 .dead_lettered
                 .contains(&message.receipt.stream_sequence)
             {
                 AckKind::Term
             } else {
                 AckKind::Ack
-            };
+            }
+        };
+        for message in rest {
             client
-                .publish_with_reply(
-                    message.receipt.reply.clone(),
-                    format!("{inbox}.{index}"),
-                    kind.into(),
-                )
+                .publish(message.receipt.reply.clone(), kind(message).into())
                 .await
                 .map_err(|err| TransportError::transient("could not send acknowledgements", err))?;
         }
-        client
-            .flush()
-            .await
-            .map_err(|err| TransportError::transient("could not send acknowledgements", err))?;
-        let mut confirmed = vec![false; messages.len()];
-        let mut left = messages.len();
-        let deadline = tokio::time::Instant::now() + ACK_TIMEOUT;
-        while left > 0 {
-            let Ok(Some(reply)) = tokio::time::timeout_at(deadline, replies.next()).await else {
-                break;
-            };
-            let index = reply
-                .subject
-                .rsplit('.')
-                .next()
-                .and_then(|token| token.parse::<usize>().ok());
-            if let Some(slot) = index.and_then(|index| confirmed.get_mut(index))
-                && !*slot
-            {
-                *slot = true;
-                left -= 1;
+        let confirmation = client.request(last.receipt.reply.clone(), kind(last).into());
+        match tokio::time::timeout(ACK_TIMEOUT, confirmation).await {
+            Ok(Ok(_)) => {}
+            Ok(Err(err)) => {
+                return Err(TransportError::transient(
+                    "NATS did not confirm the acknowledgements",
+                    err,
+                ));
+            }
+            Err(_elapsed) => {
+                return Err(TransportError::protocol(
+                    "NATS did not confirm the acknowledgements in time",
+                ));
             }
         }
-        let _ = replies.unsubscribe().await;
-        if left == messages.len() {
-            return Err(TransportError::protocol(
-                "NATS confirmed none of the acknowledgements in time",
-            ));
-        }
-        let mut retry = Vec::new();
-        for (index, (message, confirmed)) in messages.iter().zip(confirmed).enumerate() {
+        for message in messages {
             let seq = message.receipt.stream_sequence;
-            if confirmed {
-                self.dead_lettered.remove(&seq);
-                self.held.remove(&seq);
-            } else {
-                retry.push(index);
-            }
+            self.dead_lettered.remove(&seq);
+            self.held.remove(&seq);
         }
-        Ok(Acked {
-            stale: Vec::new(),
-            retry,
-        })
+        Ok(Acked::all())
     }
 
     fn lease(&self) -> Option<Duration> {
