@@ -316,9 +316,11 @@ pub async fn run(options: RunOptions) -> Result<(), WorkerError> {
     tracing::info!(adapter = %name, source = broker.kind(), mode = broker.mode(), guarantee = broker.guarantee().as_str(), "starting");
 
     let consumer = consumer_name(options.consumer)?;
+    // One connection per batch being stored and one for the rest (Kafka's delivery marks,
+    // raised while batches are stored; the health reports).
     let store = Store::connect(
         &env("DATABASE_URL")?,
-        4,
+        pipeline::IN_FLIGHT as u32 + 1,
         &database_application_name(&consumer),
     )
     .await?

@@ -37,8 +37,10 @@ use crate::transport::{
 /// How long past its own next deadline the loop may be silent before `/healthz` fails.
 const LIVENESS_SLACK: Duration = Duration::from_secs(60);
 
-/// Batches stored concurrently. Two keep PostgreSQL busy while the loop receives and acks.
-pub const IN_FLIGHT: usize = 3;
+/// Batches stored concurrently: they keep PostgreSQL busy while the loop waits on the broker
+/// (a NATS acknowledgement's confirmation, a fetch). Three left a quarter of the CPU idle
+/// behind NATS and Kafka on 2 cores (docs/PERFORMANCE.md).
+pub const IN_FLIGHT: usize = 4;
 
 /// How often the worker reads its queue's health and reports it to the operator.
 pub const REPORT_INTERVAL: Duration = Duration::from_secs(5);
