@@ -10,7 +10,8 @@
 //! Up to [`IN_FLIGHT`] batches are stored at once (each in its own transaction, on its own
 //! connection): while one commits, the next is received and starts committing. Batches are
 //! still acknowledged one by one, in the order they were received, each only after its own
-//! commit.
+//! commit; a batch stored before an older one waits for it without counting as a store, so up
+//! to [`HELD`] batches are held.
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, PoisonError};
@@ -41,6 +42,10 @@ const LIVENESS_SLACK: Duration = Duration::from_secs(60);
 /// (a NATS acknowledgement's confirmation, a fetch). Three left a quarter of the CPU idle
 /// behind NATS and Kafka on 2 cores (docs/PERFORMANCE.md).
 pub const IN_FLIGHT: usize = 4;
+
+/// Batches received and not yet acknowledged: those being stored, and stored ones waiting for
+/// an older batch's commit (acknowledgements go in receive order).
+pub const HELD: usize = IN_FLIGHT + 2;
 
 /// How often the worker reads its queue's health and reports it to the operator.
 pub const REPORT_INTERVAL: Duration = Duration::from_secs(5);
@@ -400,6 +405,13 @@ struct InFlight<R> {
     extend_at: Option<Instant>,
 }
 
+impl<R> InFlight<R> {
+    /// Whether its store task is still running.
+    fn storing(&self) -> bool {
+        self.task.as_ref().is_some_and(|task| !task.is_finished())
+    }
+}
+
 /// How one message of a batch was settled.
 enum Settled {
     /// Stored, or a duplicate of a stored message: acknowledge it.
@@ -616,7 +628,12 @@ impl<T: Transport> Pipeline<T> {
                     self.broker.up();
                     let started = self.start(batch);
                     in_flight.push_back(started);
-                    if in_flight.len() >= IN_FLIGHT {
+                    // The oldest batch is settled once stored, or when the stores running
+                    // or the batches held reach their limits; a younger batch already
+                    // stored waits for it without taking a store's place.
+                    let stored = in_flight.front().is_some_and(|oldest| !oldest.storing());
+                    let storing = in_flight.iter().filter(|batch| batch.storing()).count();
+                    if stored || storing >= IN_FLIGHT || in_flight.len() >= HELD {
                         in_flight.pop_front()
                     } else {
                         None

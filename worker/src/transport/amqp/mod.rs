@@ -61,7 +61,7 @@ pub use self::delivery::Receipt;
 use self::delivery::{AmqpDelivery, Count, Origin, Original};
 use crate::health::now_ms;
 use crate::metrics::{adapter_counter, adapter_gauge};
-use crate::pipeline::IN_FLIGHT;
+use crate::pipeline::HELD;
 use crate::transport::{Acked, DeadLetter, QueueHealth, QueueProbe, Transport, TransportError};
 
 /// How long a blocking receive waits for a first delivery.
@@ -442,7 +442,7 @@ impl Amqp {
         // What the pipeline holds at most: its batches in flight and the one being received.
         // A prefetch of one batch would make every batch wait for the previous one's ack.
         let prefetch =
-            u16::try_from(self.settings.batch_size.max(1) * (IN_FLIGHT + 1)).unwrap_or(u16::MAX);
+            u16::try_from(self.settings.batch_size.max(1) * (HELD + 1)).unwrap_or(u16::MAX);
         call(
             names,
             "basic.qos",

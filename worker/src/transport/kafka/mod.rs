@@ -14,15 +14,11 @@
 //!   header names are not UTF-8 is undecodable: it is dead-lettered.
 //! - **Delivery count**: Kafka has none, so the worker keeps its own in PostgreSQL
 //!   (`switchboard_store::deliveries`): before a batch is handed on, its partitions' *marks* (the
-//!   offset up to which records have been taken from librdkafka by a worker) are raised in one
-//!   statement. The transport takes up to two batches at a time and raises the marks of the
-//!   second in the background while the first is stored, so the statement is off the receive
-//!   path. A record below the mark its partition had before may have been delivered before (a
-//!   worker died, or the partition moved): only such records are counted, by key. A record at
-//!   or above it is a first delivery and writes nothing. So a record that kills every worker it
-//!   reaches still reaches `maxDeliveries`, and the steady state costs one small upsert per
-//!   batch. Like SQS's receive count, a delivery counts once the worker took the record: one
-//!   that a dying worker held in its look-ahead is counted once more on its next delivery.
+//!   offset up to which records have been handed to a pipeline) are raised in one statement.
+//!   A record below the mark its partition had before may have been delivered before (a worker
+//!   died, or the partition moved): only such records are counted, by key. A record at or above it
+//!   is a first delivery and writes nothing. So a record that kills every worker it reaches
+//!   still reaches `maxDeliveries`, and the steady state costs one small upsert per batch.
 //! - **Acknowledge**: settled records (stored, duplicate, dead-lettered) are marked in
 //!   [`offsets::Offsets`]; each partition commits only its contiguous settled prefix
 //!   (asynchronously: a failed commit is sent again with the next one, or by `maintain`).
@@ -42,7 +38,7 @@ mod client;
 mod offsets;
 mod probe;
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, VecDeque};
 use std::panic::AssertUnwindSafe;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -57,8 +53,7 @@ use rdkafka::message::{BorrowedMessage, Header, Headers as _, Message as _, Owne
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use rdkafka::{Offset, TopicPartitionList};
 use switchboard_api::{KafkaSource, StartFrom};
-use switchboard_store::{Dedup, Store, StoreError};
-use tokio::task::JoinHandle;
+use switchboard_store::{Dedup, Store};
 
 use self::client::{ConsumerState, KafkaContext, Setting, base_config, classify};
 use self::offsets::{Offsets, TopicPartition};
@@ -85,9 +80,6 @@ const KEY_HEADER: &str = "kafka.key";
 /// How far librdkafka fetches ahead of the pipeline: records per partition
 /// (`queued.min.messages`) and KiB in all (`queued.max.messages.kbytes`).
 const PREFETCH_RECORDS: u32 = 10_000;
-/// Records the transport takes from librdkafka ahead of the pipeline, in batches: the marks of
-/// the next batch are raised while the current one is stored.
-const LOOKAHEAD_BATCHES: usize = 2;
 const PREFETCH_KIB: u32 = 8 * 1024;
 
 /// What the Kafka transport needs.
@@ -122,27 +114,8 @@ pub struct Receipt {
 #[derive(Debug)]
 struct Fetched {
     message: Message<Receipt>,
-    mark: Mark,
-}
-
-/// Where a record in hand stands with its partition's delivery mark.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Mark {
-    /// Not covered by a raised mark yet.
-    Unraised,
-    /// Covered by the raise under way.
-    Raising,
-    /// Covered; `below`: the record lies below the mark its partition had before, so it may
-    /// have been delivered before.
-    Raised { below: bool },
-}
-
-/// A raise of the delivery marks under way, for records in hand not yet handed on.
-#[derive(Debug)]
-struct RaisingMarks {
-    /// The partitions' names, in the order the statement returns their previous marks.
-    partitions: Vec<String>,
-    task: JoinHandle<Result<Vec<Option<i64>>, StoreError>>,
+    /// Decided once the partition's mark was raised: whether the record may be a redelivery.
+    below_mark: Option<bool>,
 }
 
 /// A Kafka consumer group member.
@@ -157,8 +130,6 @@ pub struct Kafka {
     dead_letter_topic: Option<String>,
     store: Store,
     fetched: VecDeque<Fetched>,
-    /// Marks being raised for the records behind the batch last handed on.
-    raising: Option<RaisingMarks>,
     probe: Arc<BaseConsumer>,
     lag: Family<probe::PartitionLabels, prometheus_client::metrics::gauge::Gauge>,
 }
@@ -262,7 +233,6 @@ impl Kafka {
             dead_letter_topic,
             store,
             fetched: VecDeque::new(),
-            raising: None,
             probe: Arc::new(probe),
             lag,
         })
@@ -413,7 +383,7 @@ impl Kafka {
                         }
                         self.fetched.push_back(Fetched {
                             message,
-                            mark: Mark::Unraised,
+                            below_mark: None,
                         });
                     }
                 }
@@ -429,70 +399,35 @@ impl Kafka {
         Ok(())
     }
 
-    /// Starts raising, in the background, the marks of the partitions of every record in hand
-    /// that no raise covers yet (one raise at a time).
-    fn raise_marks_ahead(&mut self) {
-        if self.raising.is_some() {
-            return;
+    /// Raises the marks of the partitions of the first `count` records in hand and decides which
+    /// of them may be redeliveries.
+    async fn raise_marks(&mut self, count: usize) -> Result<(), TransportError> {
+        let mut marks: BTreeMap<String, i64> = BTreeMap::new();
+        for fetched in self.fetched.iter().take(count) {
+            let receipt = &fetched.message.receipt;
+            let mark = marks.entry(receipt.partition.name()).or_insert(0);
+            *mark = (*mark).max(receipt.offset + 1);
         }
-        let mut marks: BTreeMap<&TopicPartition, i64> = BTreeMap::new();
-        for fetched in self.fetched.iter_mut() {
-            if fetched.mark == Mark::Unraised {
+        let pairs: Vec<(&str, i64)> = marks
+            .iter()
+            .map(|(name, mark)| (name.as_str(), *mark))
+            .collect();
+        let previous = self
+            .store
+            .raise_delivery_marks(&self.source, &pairs)
+            .await
+            .map_err(|err| TransportError::database("could not raise the delivery marks", err))?;
+        let previous: BTreeMap<&str, Option<i64>> = pairs
+            .iter()
+            .zip(previous)
+            .map(|((name, _), previous)| (*name, previous))
+            .collect();
+        for fetched in self.fetched.iter_mut().take(count) {
+            if fetched.below_mark.is_none() {
                 let receipt = &fetched.message.receipt;
-                let mark = marks.entry(&receipt.partition).or_insert(0);
-                *mark = (*mark).max(receipt.offset + 1);
-                fetched.mark = Mark::Raising;
-            }
-        }
-        if marks.is_empty() {
-            return;
-        }
-        let (partitions, values): (Vec<String>, Vec<i64>) = marks
-            .into_iter()
-            .map(|(partition, mark)| (partition.name(), mark))
-            .unzip();
-        let (store, source, names) = (self.store.clone(), self.source.clone(), partitions.clone());
-        let task = tokio::spawn(async move {
-            let pairs: Vec<(&str, i64)> = names.iter().map(String::as_str).zip(values).collect();
-            store.raise_delivery_marks(&source, &pairs).await
-        });
-        self.raising = Some(RaisingMarks { partitions, task });
-    }
-
-    /// Waits for the raise under way, if any, and decides for each record it covers whether it
-    /// may be a redelivery. On a failure its records are raised again by the next receive.
-    async fn await_raised_marks(&mut self) -> Result<(), TransportError> {
-        let Some(RaisingMarks { partitions, task }) = self.raising.take() else {
-            return Ok(());
-        };
-        let raised = match task.await {
-            Ok(raised) => raised
-                .map_err(|err| TransportError::database("could not raise the delivery marks", err)),
-            Err(err) => Err(TransportError::protocol(format!(
-                "the task raising the delivery marks failed: {err}"
-            ))),
-        };
-        let previous: HashMap<String, Option<i64>> = match raised {
-            Ok(previous) => partitions.into_iter().zip(previous).collect(),
-            Err(err) => {
-                for fetched in self.fetched.iter_mut() {
-                    if fetched.mark == Mark::Raising {
-                        fetched.mark = Mark::Unraised;
-                    }
-                }
-                return Err(err);
-            }
-        };
-        let mut by_partition: HashMap<&TopicPartition, Option<i64>> = HashMap::new();
-        for fetched in self.fetched.iter_mut() {
-            if fetched.mark == Mark::Raising {
-                let receipt = &fetched.message.receipt;
-                let mark = *by_partition
-                    .entry(&receipt.partition)
-                    .or_insert_with(|| previous.get(&receipt.partition.name()).copied().flatten());
-                fetched.mark = Mark::Raised {
-                    below: mark.is_some_and(|mark| receipt.offset < mark),
-                };
+                let name = receipt.partition.name();
+                let mark = previous.get(name.as_str()).copied().flatten();
+                fetched.below_mark = Some(mark.is_some_and(|mark| receipt.offset < mark));
             }
         }
         Ok(())
@@ -556,7 +491,7 @@ impl Transport for Kafka {
         max: usize,
         block: bool,
     ) -> Result<Vec<Message<Receipt>>, TransportError> {
-        self.fetch(LOOKAHEAD_BATCHES * max, block).await?;
+        self.fetch(max, block).await?;
         // Records of partitions revoked since they were fetched are not handed on.
         {
             let offsets = self.state.offsets();
@@ -569,23 +504,16 @@ impl Transport for Kafka {
         if count == 0 {
             return Ok(Vec::new());
         }
-        // This batch's marks were raised while the previous one was being stored; those of
-        // records not covered then (the first batch, a short look-ahead) are raised now.
-        let unraised = |fetched: &VecDeque<Fetched>| {
-            fetched
-                .iter()
-                .take(count)
-                .any(|f| !matches!(f.mark, Mark::Raised { .. }))
-        };
-        if unraised(&self.fetched) {
-            self.await_raised_marks().await?;
-            if unraised(&self.fetched) {
-                self.raise_marks_ahead();
-                self.await_raised_marks().await?;
-            }
+        if self
+            .fetched
+            .iter()
+            .take(count)
+            .any(|f| f.below_mark.is_none())
+        {
+            self.raise_marks(count).await?;
         }
         let redelivered: Vec<usize> = (0..count)
-            .filter(|&index| self.fetched[index].mark == Mark::Raised { below: true })
+            .filter(|&index| self.fetched[index].below_mark == Some(true))
             .collect();
         if !redelivered.is_empty() {
             let keys: Vec<&str> = redelivered
@@ -601,19 +529,16 @@ impl Transport for Kafka {
                 self.fetched[index].message.delivery_count = count;
             }
         }
-        let batch = {
-            let mut offsets = self.state.offsets();
-            self.fetched
-                .drain(..count)
-                .map(|fetched| fetched.message)
-                .filter(|message| {
-                    let receipt = &message.receipt;
-                    offsets.deliver(&receipt.partition, receipt.epoch, receipt.offset)
-                })
-                .collect()
-        };
-        self.raise_marks_ahead();
-        Ok(batch)
+        let mut offsets = self.state.offsets();
+        Ok(self
+            .fetched
+            .drain(..count)
+            .map(|fetched| fetched.message)
+            .filter(|message| {
+                let receipt = &message.receipt;
+                offsets.deliver(&receipt.partition, receipt.epoch, receipt.offset)
+            })
+            .collect())
     }
 
     async fn write_dead_letters(

@@ -45,7 +45,7 @@ use async_nats::jetstream::context::{
 };
 use async_nats::jetstream::stream::{self, ConsumerErrorKind};
 use async_nats::jetstream::{self, AckKind, ErrorCode};
-use async_nats::{Client, Subject};
+use async_nats::{Client, RequestErrorKind, Subject};
 use futures::StreamExt as _;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::registry::Registry;
@@ -591,13 +591,17 @@ impl Transport for Nats {
     /// Every acknowledgement but the last is sent as is; the last asks for the server's
     /// confirmation. The server takes the acknowledgements of one consumer from one connection
     /// in order, so confirming the last confirms that it processed them all: one reply per
-    /// batch rather than one per message. Without the confirmation (a lost connection, a
-    /// timeout) the whole batch is acknowledged again: acknowledging twice is harmless.
+    /// batch rather than one per message. A reconnection while they were sent (what was
+    /// buffered for the old connection is gone), a timeout or a lost connection: the whole
+    /// batch is acknowledged again, which is harmless. Nobody answering means the consumer is
+    /// gone: its receipts are stale, and it is looked up again before the next fetch.
     async fn ack(&mut self, messages: &[&NatsDelivery]) -> Result<Acked, TransportError> {
         let Some((last, rest)) = messages.split_last() else {
             return Ok(Acked::all());
         };
         let client = self.bound()?.client.clone();
+        let connects = || client.statistics().connects.load(Ordering::Acquire);
+        let connected = connects();
         let kind = |message: &NatsDelivery| {
             if self
                 .dead_lettered
@@ -615,8 +619,18 @@ impl Transport for Nats {
                 .map_err(|err| TransportError::transient("could not send acknowledgements", err))?;
         }
         let confirmation = client.request(last.receipt.reply.clone(), kind(last).into());
-        match tokio::time::timeout(ACK_TIMEOUT, confirmation).await {
-            Ok(Ok(_)) => {}
+        let confirmed = tokio::time::timeout(ACK_TIMEOUT, confirmation).await;
+        let stale = match confirmed {
+            Ok(Ok(_)) if connects() == connected => false,
+            Ok(Ok(_)) => {
+                return Err(TransportError::transient(
+                    "reconnected to NATS while acknowledging a batch",
+                    std::io::Error::other(
+                        "acknowledgements buffered for the old connection may be lost",
+                    ),
+                ));
+            }
+            Ok(Err(err)) if err.kind() == RequestErrorKind::NoResponders => true,
             Ok(Err(err)) => {
                 return Err(TransportError::transient(
                     "NATS did not confirm the acknowledgements",
@@ -628,11 +642,18 @@ impl Transport for Nats {
                     "NATS did not confirm the acknowledgements in time",
                 ));
             }
-        }
+        };
         for message in messages {
             let seq = message.receipt.stream_sequence;
             self.dead_lettered.remove(&seq);
             self.held.remove(&seq);
+        }
+        if stale {
+            self.rebind_due = true;
+            return Err(TransportError::stale(
+                "nothing answers the acknowledgements: the NATS consumer is gone",
+                None,
+            ));
         }
         Ok(Acked::all())
     }
