@@ -28,7 +28,7 @@ use switchboard_api::QueueAdapter;
 use tempfile::TempDir;
 
 use crate::Fixture;
-use crate::servers::{free_port, workspace_path};
+use crate::servers::{free_port, free_ports, workspace_path};
 use crate::wait::wait_for;
 
 /// The operator's default `--lease-name`.
@@ -206,7 +206,7 @@ impl ControlPlane {
                 String::from_utf8_lossy(&output.stderr)
             );
         }
-        let (client_port, peer_port, secure_port) = (free_port()?, free_port()?, free_port()?);
+        let [client_port, peer_port, secure_port] = free_ports()?;
         let started = Instant::now();
         let etcd_url = format!("http://127.0.0.1:{client_port}");
         let etcd = spawn_logged(

@@ -18,8 +18,20 @@ use crate::wait::wait_until;
 
 /// A free TCP port on 127.0.0.1 (bound, then released for the server to take).
 pub fn free_port() -> Result<u16> {
-    let listener = TcpListener::bind("127.0.0.1:0").context("binding a probe port")?;
-    Ok(listener.local_addr()?.port())
+    Ok(free_ports::<1>()?[0])
+}
+
+/// `N` distinct free TCP ports on 127.0.0.1: all are bound at once, then released, so two
+/// picks cannot return the same port (two `free_port` calls can).
+pub fn free_ports<const N: usize>() -> Result<[u16; N]> {
+    let listeners = (0..N)
+        .map(|_| TcpListener::bind("127.0.0.1:0").context("binding a probe port"))
+        .collect::<Result<Vec<_>>>()?;
+    let mut ports = [0; N];
+    for (port, listener) in ports.iter_mut().zip(&listeners) {
+        *port = listener.local_addr()?.port();
+    }
+    Ok(ports)
 }
 
 fn signal_child(child: &Child, signal: Signal) {

@@ -11,7 +11,7 @@ use anyhow::{Context, Result, bail, ensure};
 use nix::sys::signal::Signal;
 use tempfile::TempDir;
 
-use crate::servers::{free_port, http_get, http_post_json, stop_child};
+use crate::servers::{free_ports, http_get, http_post_json, stop_child};
 use crate::wait::wait_until;
 
 /// The Hydra version `scripts/hydra.sh` builds and this harness looks for.
@@ -45,13 +45,26 @@ pub struct Hydra {
 
 impl Hydra {
     /// Starts a server whose access tokens live `token_lifetime`, waiting until it is ready.
-    /// Fails when Hydra is not built (`make hydra`).
+    /// Fails when Hydra is not built (`make hydra`). A port taken by another process between
+    /// being picked and being bound is picked again (up to three tries).
     pub fn start(token_lifetime: Duration) -> Result<Self> {
+        let mut tries = 1;
+        loop {
+            match Self::start_once(token_lifetime) {
+                Err(err) if tries < 3 && format!("{err:#}").contains("address already in use") => {
+                    tries += 1;
+                }
+                started => return started,
+            }
+        }
+    }
+
+    fn start_once(token_lifetime: Duration) -> Result<Self> {
         let binary = binary()?;
         let dir = tempfile::Builder::new()
             .prefix("switchboard-hydra-")
             .tempdir()?;
-        let (public_port, admin_port) = (free_port()?, free_port()?);
+        let [public_port, admin_port] = free_ports()?;
         let log = File::create(dir.path().join(LOG_FILE))?;
         let mut child = Command::new(binary)
             .args(["serve", "all", "--dev"])

@@ -23,7 +23,7 @@ use rdkafka::producer::{FutureProducer, FutureRecord};
 use rdkafka::{Offset, TopicPartitionList};
 use tempfile::TempDir;
 
-use crate::servers::{free_port, stop_child};
+use crate::servers::{free_ports, stop_child};
 use crate::wait::wait_until;
 
 /// The Kafka version `scripts/kafka.sh` installs and this harness looks for.
@@ -72,8 +72,7 @@ impl KafkaServer {
         let dir = tempfile::Builder::new()
             .prefix("switchboard-kafka-")
             .tempdir()?;
-        let port = free_port()?;
-        let controller = free_port()?;
+        let [port, controller] = free_ports()?;
         let properties = dir.path().join("server.properties");
         std::fs::write(&properties, server_properties(dir.path(), port, controller))?;
         std::fs::write(dir.path().join("log4j2.properties"), LOG4J)?;

@@ -24,7 +24,7 @@ use nix::sys::signal::{Signal, kill, killpg};
 use nix::unistd::Pid;
 use tempfile::TempDir;
 
-use crate::servers::{children_of, free_port, stop_child};
+use crate::servers::{children_of, free_ports, stop_child};
 use crate::wait::wait_until;
 
 /// The RabbitMQ version Debian bookworm ships, which the harness was proven with.
@@ -96,12 +96,11 @@ impl RabbitMq {
             dir.path().join("advanced.config"),
             "[{rabbit, [{quorum_tick_interval, 100}]}].\n",
         )?;
-        let amqp_port = free_port()?;
+        let [amqp_port, epmd_port, dist_port] = free_ports()?;
         std::fs::write(
             dir.path().join("rabbitmq.conf"),
             format!("listeners.tcp.default = 127.0.0.1:{amqp_port}\n"),
         )?;
-        let epmd_port = free_port()?;
         let epmd = Command::new("epmd")
             .args(["-port", &epmd_port.to_string(), "-address", "127.0.0.1"])
             .stdin(Stdio::null())
@@ -112,7 +111,7 @@ impl RabbitMq {
         let mut server = Self {
             dir,
             amqp_port,
-            dist_port: free_port()?,
+            dist_port,
             epmd_port,
             epmd: Some(epmd),
             node: None,
