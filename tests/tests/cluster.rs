@@ -183,12 +183,22 @@ async fn wait_todos(env: &ClusterEnv, queue: &str, stream: &str, expected: i64) 
         TODO_TIMEOUT,
         &format!("{expected} todos in {queue}"),
         || async {
-            Ok(env.fixture.todo_count(queue).await? == expected
+            Ok(env.todos(queue).await?.0 == expected
                 && env.fixture.pending(stream, "switchboard")? == 0)
         },
     )
     .await?;
-    env.fixture.assert_exactly_once(queue, expected).await
+    assert_exactly_once(env, queue, expected).await
+}
+
+/// `expected` todos in `queue`, each with its own idempotency key.
+async fn assert_exactly_once(env: &ClusterEnv, queue: &str, expected: i64) -> Result<()> {
+    let (todos, distinct) = env.todos(queue).await?;
+    ensure!(
+        todos == expected && distinct == expected,
+        "expected {expected} todos with distinct keys, found {todos} todos / {distinct} keys"
+    );
+    Ok(())
 }
 
 /// Waits until queue `name` holds at least `count` todos.
@@ -196,7 +206,7 @@ async fn wait_stored(env: &ClusterEnv, name: &str, count: usize) -> Result<()> {
     wait_for(
         TODO_TIMEOUT,
         &format!("{count} todos in {name}"),
-        || async { Ok(env.fixture.todo_count(name).await? >= count as i64) },
+        || async { Ok(env.todos(name).await?.0 >= count as i64) },
     )
     .await
     .with_context(|| env.describe(name))
@@ -344,11 +354,11 @@ async fn changing_the_referenced_secret_rolls_the_pods_onto_the_new_value() -> R
     wait_for(
         TODO_TIMEOUT,
         "the new pod stores database 1's messages",
-        || async { Ok(env.fixture.todo_count(name).await? == 150) },
+        || async { Ok(env.todos(name).await?.0 == 150) },
     )
     .await
     .with_context(|| env.describe(name))?;
-    env.fixture.assert_exactly_once(name, 150).await
+    assert_exactly_once(&env, name, 150).await
 }
 
 #[tokio::test]

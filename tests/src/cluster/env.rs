@@ -10,6 +10,7 @@ use anyhow::{Context, Result};
 use k8s_openapi::api::core::v1::{Namespace, Pod};
 use kube::api::ListParams;
 use kube::{Api, Client};
+use sqlx::{Connection as _, PgConnection};
 use tokio::sync::OwnedRwLockReadGuard;
 
 use super::{Cluster, SLOT};
@@ -204,9 +205,26 @@ impl ClusterEnv {
     pub async fn adapter_row_exists(&self, namespace: &str, name: &str) -> Result<bool> {
         let count: i64 = sqlx::query_scalar("SELECT count(*) FROM adapters WHERE name = $1")
             .bind(format!("{namespace}/{name}"))
-            .fetch_one(self.fixture.pool())
+            .fetch_one(&mut self.connection().await?)
             .await?;
         Ok(count > 0)
+    }
+
+    /// A database connection of the calling test's own. The tests sharing the environment each
+    /// run on a runtime of their own, and the fixture's pool may hand out a connection opened
+    /// on the runtime of a test that has ended ("a Tokio context … is being shutdown").
+    async fn connection(&self) -> Result<PgConnection> {
+        Ok(PgConnection::connect(&self.fixture.postgres.url()).await?)
+    }
+
+    /// The todos of `queue`, and their distinct idempotency keys.
+    pub async fn todos(&self, queue: &str) -> Result<(i64, i64)> {
+        Ok(sqlx::query_as(
+            "SELECT count(*), count(DISTINCT idempotency_key) FROM todos WHERE queue = $1",
+        )
+        .bind(queue)
+        .fetch_one(&mut self.connection().await?)
+        .await?)
     }
 }
 
