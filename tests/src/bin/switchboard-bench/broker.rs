@@ -1,15 +1,15 @@
 //! The brokers measured beside Redis (SQS, and each broker of the family as it joins): every
-//! one gets the same two phases against its own real server, each from a fresh queue preloaded
+//! one gets the same phases against its own real server, each from a fresh queue preloaded
 //! with the same messages — the raw receive + ack limit of the server (no database), and the
-//! worker draining the queue — and one verdict line. A broker joins by implementing
+//! worker draining the queue between two runs of the raw database limit — and one verdict line. A broker joins by implementing
 //! [`BenchBroker`] in a module of its own and one line in `Brokers`.
 
 use std::time::Instant;
 
 use anyhow::{Context, Result, ensure};
 
-use crate::{Bench, Measurement, PHASE_TIMEOUT, Table, ensure_stored_once, seconds_in_store};
-use crate::{status_kib, stop_worker, todo_count, verdict, wait_acked};
+use crate::{Bench, Measurement, PHASE_TIMEOUT, RawMethod, Table, ensure_stored_once};
+use crate::{seconds_in_store, status_kib, stop_worker, todo_count, verdict, wait_acked};
 use switchboard_tests::source_manifest;
 use switchboard_tests::wait::wait_for;
 use switchboard_tests::worker::WorkerProcess;
@@ -147,7 +147,11 @@ impl Bench {
         })
     }
 
-    /// Every phase of `broker` once, unless it is left out.
+    /// Every phase of `broker` once, unless it is left out: its raw limits, then the worker
+    /// between two runs of the raw database limit in batches of the worker's size. This VM's
+    /// speed drifts by tens of percent within a round, so the worker is compared with the
+    /// database limit of the same moment: both runs together, which a steady drift moves as
+    /// much as the worker.
     pub async fn broker_round<B: BenchBroker>(
         &mut self,
         broker: &mut B,
@@ -159,7 +163,19 @@ impl Bench {
         for loops in broker.raw_loops() {
             table.add(self.raw_broker_limit(broker, loops).await?);
         }
-        table.add(self.broker_worker(broker).await?);
+        let connections = self.args.connections.iter().copied().max().unwrap_or(1);
+        let batch_size = broker.batch_size();
+        let before = self
+            .raw_database(RawMethod::WorkerSql, connections, batch_size)
+            .await?;
+        let worker = self.broker_worker(broker).await?;
+        let after = self
+            .raw_database(RawMethod::WorkerSql, connections, batch_size)
+            .await?;
+        let mut around = before.and(&after);
+        around.name = raw_db_around(broker, &before.name);
+        table.add(around);
+        table.add(worker);
         Ok(())
     }
 }
@@ -168,13 +184,14 @@ fn worker_phase(broker: &impl BenchBroker) -> String {
     format!("worker {} batchSize {}", broker.kind(), broker.batch_size())
 }
 
+/// The name of the raw database phase `raw_db` run around `broker`'s worker phase.
+fn raw_db_around(broker: &impl BenchBroker, raw_db: &str) -> String {
+    format!("{}: {raw_db} batch {}", broker.kind(), broker.batch_size())
+}
+
 /// The verdict line of `broker`: the worker against the slower of its raw limit and the raw
-/// database limit, per round.
-pub fn print_broker_verdict(
-    broker: &impl BenchBroker,
-    table: &Table,
-    raw_db: &crate::Row,
-) -> Result<()> {
+/// database limit measured around it, per round.
+pub fn print_broker_verdict(broker: &impl BenchBroker, table: &Table) -> Result<()> {
     let kind = broker.kind();
     if broker.messages() == 0 {
         println!("{kind}: not measured (--{kind}-messages 0)");
@@ -184,6 +201,11 @@ pub fn print_broker_verdict(
     let raw = table
         .best(&format!("raw {kind} "))
         .with_context(|| format!("no raw {kind} run"))?;
+    let raw_db = table
+        .rows
+        .iter()
+        .find(|row| row.name().starts_with(&format!("{kind}: raw DB ")))
+        .with_context(|| format!("no raw database run around the {kind} worker"))?;
     let target = broker.target();
     let ratio = worker.ratio_to_slower(raw, raw_db);
     println!(

@@ -226,6 +226,23 @@ impl Measurement {
     fn micros_per_message(&self, spent: Duration) -> f64 {
         spent.as_secs_f64() * 1e6 / self.messages as f64
     }
+
+    /// Two runs of one phase as one: their messages, time and CPU added up.
+    fn and(&self, other: &Measurement) -> Measurement {
+        Measurement {
+            name: self.name.clone(),
+            messages: self.messages + other.messages,
+            elapsed: self.elapsed + other.elapsed,
+            cpu: CpuSpent {
+                client: self.cpu.client + other.cpu.client,
+                postgres: self.cpu.postgres + other.cpu.postgres,
+                redis: self.cpu.redis + other.cpu.redis,
+                broker: self.cpu.broker + other.cpu.broker,
+            },
+            peak_rss_kib: None,
+            store_share: None,
+        }
+    }
 }
 
 /// Commit latency percentiles of the steady-load run.
@@ -572,10 +589,16 @@ impl Bench {
         })
     }
 
-    /// The same rows the worker stores, with no broker: `connections` loops pulling batches.
-    async fn raw_database(&mut self, method: RawMethod, connections: usize) -> Result<Measurement> {
+    /// The same rows the worker stores, with no broker: `connections` loops pulling batches of
+    /// `batch_size`.
+    async fn raw_database(
+        &mut self,
+        method: RawMethod,
+        connections: usize,
+        batch_size: usize,
+    ) -> Result<Measurement> {
         let entries = self.args.entries;
-        let rows = Arc::new(RawRows::new(entries, self.args.batch_size));
+        let rows = Arc::new(RawRows::new(entries, batch_size));
         let database = self.fresh_database(u32::try_from(connections)?).await?;
         let before = self.cpu_snapshot();
         let started = Instant::now();
@@ -1089,7 +1112,7 @@ impl Table {
 
 fn print_table(table: &Table) {
     println!(
-        "| {:<36} | {:>8} | {:>7} | {:>23} | {:>17} | {:>20} | {:>14} | {:>16} | {:>8} | {:>8} |",
+        "| {:<44} | {:>8} | {:>7} | {:>23} | {:>17} | {:>20} | {:>14} | {:>16} | {:>8} | {:>8} |",
         "phase",
         "messages",
         "seconds",
@@ -1102,7 +1125,7 @@ fn print_table(table: &Table) {
         "in store"
     );
     println!(
-        "|{:-<38}|{:->10}|{:->9}|{:->25}|{:->19}|{:->22}|{:->16}|{:->18}|{:->10}|{:->10}|",
+        "|{:-<46}|{:->10}|{:->9}|{:->25}|{:->19}|{:->22}|{:->16}|{:->18}|{:->10}|{:->10}|",
         "", "", "", "", "", "", "", "", "", ""
     );
     for row in &table.rows {
@@ -1127,7 +1150,7 @@ fn print_table(table: &Table) {
             "-".to_owned()
         };
         println!(
-            "| {:<36} | {:>8} | {:>7.2} | {:>23} | {:>17} | {:>20} | {:>14} | {:>16} | {:>8} | {:>8} |",
+            "| {:<44} | {:>8} | {:>7.2} | {:>23} | {:>17} | {:>20} | {:>14} | {:>16} | {:>8} | {:>8} |",
             row.name(),
             row.runs[0].messages,
             row.stat(|m| m.elapsed.as_secs_f64()).median,
@@ -1183,11 +1206,11 @@ impl Brokers {
         bench.broker_round(&mut self.kafka, table).await
     }
 
-    fn print_verdicts(&self, table: &Table, raw_db: &Row) -> Result<()> {
-        broker::print_broker_verdict(&self.sqs, table, raw_db)?;
-        broker::print_broker_verdict(&self.nats, table, raw_db)?;
-        broker::print_broker_verdict(&self.amqp, table, raw_db)?;
-        broker::print_broker_verdict(&self.kafka, table, raw_db)
+    fn print_verdicts(&self, table: &Table) -> Result<()> {
+        broker::print_broker_verdict(&self.sqs, table)?;
+        broker::print_broker_verdict(&self.nats, table)?;
+        broker::print_broker_verdict(&self.amqp, table)?;
+        broker::print_broker_verdict(&self.kafka, table)
     }
 }
 
@@ -1210,7 +1233,7 @@ async fn round(
     table.add(bench.raw_broker().await?);
     for method in [RawMethod::WorkerSql, RawMethod::CopyStaging] {
         for &count in &connections {
-            table.add(bench.raw_database(method, count).await?);
+            table.add(bench.raw_database(method, count, batch_size).await?);
         }
     }
     for &depth in &depths {
@@ -1328,7 +1351,7 @@ async fn run(args: Args) -> Result<()> {
         }
         Err(_) => println!("list / stream: not measured (--modes has no list)"),
     }
-    brokers.print_verdicts(&table, raw_db)?;
+    brokers.print_verdicts(&table)?;
     println!();
     println!("correctness: every phase stored each entry exactly once with nothing pending");
     println!(

@@ -31,7 +31,7 @@ pub struct NatsArgs {
     #[arg(long, default_value_t = 500)]
     nats_batch_size: usize,
     /// Concurrent fetch+ack loops tried for the raw NATS limit (the worker has one fetch and
-    /// up to three batches being stored at a time).
+    /// up to four batches being stored at a time).
     #[arg(long, value_delimiter = ',', default_value = "1,3")]
     nats_loops: Vec<usize>,
 }
