@@ -597,22 +597,46 @@ pub fn insert_body(object: &mut serde_json::Value, body: &[u8]) {
 /// `{"base64": "…"}` so that nothing is lost.
 pub fn fields_json(fields: &[(String, Vec<u8>)]) -> String {
     use base64::Engine as _;
-    if fields.is_empty() {
-        return "{}".to_owned();
+    // The object a JSON map of them would be, written directly: names in order, the last of
+    // equal names kept (a stable sort keeps equal names in their order).
+    let mut sorted: Vec<&(String, Vec<u8>)> = fields.iter().collect();
+    sorted.sort_by(|a, b| a.0.cmp(&b.0));
+    let mut out = Vec::with_capacity(
+        2 + fields
+            .iter()
+            .map(|(name, value)| name.len() + value.len() + 6)
+            .sum::<usize>(),
+    );
+    out.push(b'{');
+    for (index, (name, value)) in sorted.iter().enumerate() {
+        if sorted.get(index + 1).is_some_and(|next| next.0 == *name) {
+            continue;
+        }
+        if out.len() > 1 {
+            out.push(b',');
+        }
+        write_json_string(&mut out, name);
+        out.push(b':');
+        match std::str::from_utf8(value) {
+            Ok(text) => write_json_string(&mut out, text),
+            Err(_) => {
+                out.extend_from_slice(br#"{"base64":"#);
+                write_json_string(
+                    &mut out,
+                    &base64::engine::general_purpose::STANDARD.encode(value),
+                );
+                out.push(b'}');
+            }
+        }
     }
-    let object: serde_json::Map<String, serde_json::Value> = fields
-        .iter()
-        .map(|(name, value)| {
-            let value = match std::str::from_utf8(value) {
-                Ok(text) => serde_json::Value::String(text.to_owned()),
-                Err(_) => serde_json::json!({
-                    "base64": base64::engine::general_purpose::STANDARD.encode(value)
-                }),
-            };
-            (name.clone(), value)
-        })
-        .collect();
-    serde_json::Value::Object(object).to_string()
+    out.push(b'}');
+    String::from_utf8(out).unwrap_or_default()
+}
+
+/// Appends `text` as a JSON string (quoted and escaped).
+fn write_json_string(out: &mut Vec<u8>, text: &str) {
+    // Writing a `str` into a `Vec` cannot fail.
+    let _ = serde_json::to_writer(out, text);
 }
 
 #[cfg(test)]
@@ -628,5 +652,34 @@ mod fields_tests {
         let json: serde_json::Value = serde_json::from_str(&fields_json(&fields)).expect("json");
         assert_eq!(json["kind"], "order");
         assert_eq!(json["raw"]["base64"], "/wA=");
+    }
+
+    #[test]
+    fn fields_are_written_as_a_json_map_would_write_them() {
+        let fields = vec![
+            ("z".to_owned(), b"last".to_vec()),
+            (
+                "a \"quoted\"\n".to_owned(),
+                "caf\u{e9} \u{1}".as_bytes().to_vec(),
+            ),
+            ("dup".to_owned(), b"first".to_vec()),
+            ("b".to_owned(), vec![0xc3]),
+            ("dup".to_owned(), b"second".to_vec()),
+        ];
+        let map: serde_json::Map<String, serde_json::Value> = fields
+            .iter()
+            .map(|(name, value)| {
+                let value = match std::str::from_utf8(value) {
+                    Ok(text) => serde_json::Value::from(text),
+                    Err(_) => serde_json::json!({ "base64": "ww==" }),
+                };
+                (name.clone(), value)
+            })
+            .collect();
+        assert_eq!(
+            fields_json(&fields),
+            serde_json::Value::Object(map).to_string()
+        );
+        assert_eq!(fields_json(&[]), "{}");
     }
 }

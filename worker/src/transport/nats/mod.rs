@@ -34,7 +34,7 @@ mod connect;
 mod consumer;
 mod dead_letter;
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant, SystemTime};
 
@@ -143,10 +143,10 @@ pub struct Nats {
     /// The stream holding the dead letters, once known.
     dead_letter_stream: Option<DeadLetterStream>,
     /// Stream sequences dead-lettered and not yet terminated.
-    dead_lettered: HashSet<u64>,
+    dead_lettered: BTreeSet<u64>,
     /// Received and not acknowledged (stream sequence → reply subject), for the hand-back at
-    /// shutdown.
-    held: HashMap<u64, Subject>,
+    /// shutdown. Ordered: sequences arrive mostly ascending and leave in the same order.
+    held: BTreeMap<u64, Subject>,
 }
 
 impl Nats {
@@ -177,8 +177,8 @@ impl Nats {
             quiet_since: None,
             dead_letter_ready: false,
             dead_letter_stream: None,
-            dead_lettered: HashSet::new(),
-            held: HashMap::new(),
+            dead_lettered: BTreeSet::new(),
+            held: BTreeMap::new(),
         }
     }
 
