@@ -148,7 +148,8 @@ impl Bench {
     }
 
     /// Every phase of `broker` once, unless it is left out: its raw limits, then the worker
-    /// between two runs of the raw database limit in batches of the worker's size. This VM's
+    /// between two runs of the raw database limit (as many rows as the worker gets messages,
+    /// in batches of the worker's size). This VM's
     /// speed drifts by tens of percent within a round, so the worker is compared with the
     /// database limit of the same moment: both runs together, which a steady drift moves as
     /// much as the worker.
@@ -164,13 +165,13 @@ impl Bench {
             table.add(self.raw_broker_limit(broker, loops).await?);
         }
         let connections = self.args.connections.iter().copied().max().unwrap_or(1);
-        let batch_size = broker.batch_size();
+        let rows = (broker.messages(), broker.batch_size());
         let before = self
-            .raw_database(RawMethod::WorkerSql, connections, batch_size)
+            .raw_database(RawMethod::WorkerSql, connections, rows)
             .await?;
         let worker = self.broker_worker(broker).await?;
         let after = self
-            .raw_database(RawMethod::WorkerSql, connections, batch_size)
+            .raw_database(RawMethod::WorkerSql, connections, rows)
             .await?;
         let mut around = before.and(&after);
         around.name = raw_db_around(broker, &before.name);

@@ -589,15 +589,14 @@ impl Bench {
         })
     }
 
-    /// The same rows the worker stores, with no broker: `connections` loops pulling batches of
-    /// `batch_size`.
+    /// `entries` rows like those the worker stores, with no broker: `connections` loops pulling
+    /// batches of `batch_size`.
     async fn raw_database(
         &mut self,
         method: RawMethod,
         connections: usize,
-        batch_size: usize,
+        (entries, batch_size): (usize, usize),
     ) -> Result<Measurement> {
-        let entries = self.args.entries;
         let rows = Arc::new(RawRows::new(entries, batch_size));
         let database = self.fresh_database(u32::try_from(connections)?).await?;
         let before = self.cpu_snapshot();
@@ -1233,7 +1232,11 @@ async fn round(
     table.add(bench.raw_broker().await?);
     for method in [RawMethod::WorkerSql, RawMethod::CopyStaging] {
         for &count in &connections {
-            table.add(bench.raw_database(method, count, batch_size).await?);
+            table.add(
+                bench
+                    .raw_database(method, count, (entries, batch_size))
+                    .await?,
+            );
         }
     }
     for &depth in &depths {

@@ -27,8 +27,9 @@ pub struct NatsArgs {
     /// Messages published to a JetStream stream per NATS phase (0: no NATS phases).
     #[arg(long, default_value_t = 100_000)]
     nats_messages: usize,
-    /// The NATS worker's delivery.batchSize (one fetch).
-    #[arg(long, default_value_t = 500)]
+    /// The NATS worker's delivery.batchSize (one fetch); the raw database limit it is compared
+    /// with is measured in batches of the same size.
+    #[arg(long, default_value_t = 1000)]
     nats_batch_size: usize,
     /// Concurrent fetch+ack loops tried for the raw NATS limit (the worker has one fetch and
     /// up to four batches being stored at a time).
