@@ -38,7 +38,7 @@ pub struct AmqpArgs {
     amqp_loops: Vec<usize>,
 }
 
-/// A RabbitMQ node, started only when `--amqp-messages` is not 0.
+/// A RabbitMQ node, started for its rounds unless `--amqp-messages` is 0.
 pub struct AmqpBench {
     args: AmqpArgs,
     server: Option<RabbitMq>,
@@ -46,16 +46,12 @@ pub struct AmqpBench {
 }
 
 impl AmqpBench {
-    pub fn start(args: AmqpArgs) -> Result<Self> {
-        let server = match args.amqp_messages {
-            0 => None,
-            _ => Some(RabbitMq::start()?),
-        };
-        Ok(Self {
+    pub fn new(args: AmqpArgs) -> Self {
+        Self {
             args,
-            server,
+            server: None,
             queues_created: 0,
-        })
+        }
     }
 
     fn server(&self) -> Result<&RabbitMq> {
@@ -82,6 +78,15 @@ impl BenchBroker for AmqpBench {
 
     fn target(&self) -> f64 {
         0.7
+    }
+
+    async fn start_server(&mut self) -> Result<()> {
+        self.server = Some(RabbitMq::start()?);
+        Ok(())
+    }
+
+    fn stop_server(&mut self) {
+        self.server = None;
     }
 
     fn server_pid(&self) -> Option<u32> {

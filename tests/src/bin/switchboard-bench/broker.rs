@@ -8,8 +8,9 @@ use std::time::Instant;
 
 use anyhow::{Context, Result, ensure};
 
-use crate::{Bench, Measurement, PHASE_TIMEOUT, RawMethod, Table, ensure_stored_once};
-use crate::{seconds_in_store, status_kib, stop_worker, todo_count, verdict, wait_acked};
+use crate::{Bench, Measurement, PHASE_TIMEOUT, Table, ensure_stored_once};
+use crate::{load_average, seconds_in_store, status_kib, stop_worker, todo_count};
+use crate::{verdict, wait_acked};
 use switchboard_tests::source_manifest;
 use switchboard_tests::wait::wait_for;
 use switchboard_tests::worker::WorkerProcess;
@@ -33,6 +34,12 @@ pub trait BenchBroker {
     /// could reach) the worker must reach.
     fn target(&self) -> f64;
 
+    /// Starts the broker's server.
+    async fn start_server(&mut self) -> Result<()>;
+
+    /// Stops the broker's server.
+    fn stop_server(&mut self);
+
     /// The server's process, whose CPU the table shows.
     fn server_pid(&self) -> Option<u32>;
 
@@ -54,6 +61,36 @@ pub trait BenchBroker {
 }
 
 impl Bench {
+    /// Every round of `broker`, unless it is left out, while its server is the only broker
+    /// server running: started before its first round, stopped after its last. The idle
+    /// servers of the other brokers (JVMs, a BEAM) would take CPU from its phases on a small
+    /// machine, and the broker column shows its server alone.
+    pub async fn broker_rounds<B: BenchBroker>(
+        &mut self,
+        broker: &mut B,
+        table: &mut Table,
+    ) -> Result<()> {
+        if broker.messages() == 0 {
+            return Ok(());
+        }
+        broker.start_server().await?;
+        self.broker_pid = broker.server_pid();
+        let repeats = self.args.repeats;
+        for number in 1..=repeats {
+            let started = Instant::now();
+            self.broker_round(broker, table).await?;
+            eprintln!(
+                "{} round {number} of {repeats} took {:.0} s; load average {}",
+                broker.kind(),
+                started.elapsed().as_secs_f64(),
+                load_average()
+            );
+        }
+        broker.stop_server();
+        self.broker_pid = None;
+        Ok(())
+    }
+
     /// The raw receive + ack limit of `broker` with `loops` concurrent loops.
     pub async fn raw_broker_limit<B: BenchBroker>(
         &self,
@@ -147,35 +184,21 @@ impl Bench {
         })
     }
 
-    /// Every phase of `broker` once, unless it is left out: its raw limits, then the worker
-    /// between two runs of the raw database limit (as many rows as the worker gets messages,
-    /// in batches of the worker's size). This VM's
-    /// speed drifts by tens of percent within a round, so the worker is compared with the
-    /// database limit of the same moment: both runs together, which a steady drift moves as
-    /// much as the worker.
-    pub async fn broker_round<B: BenchBroker>(
+    /// Every phase of `broker` once: its raw limits, then the worker between two runs of its
+    /// raw database limit ([`Bench::raw_database_reference`]).
+    async fn broker_round<B: BenchBroker>(
         &mut self,
         broker: &mut B,
         table: &mut Table,
     ) -> Result<()> {
-        if broker.messages() == 0 {
-            return Ok(());
-        }
         for loops in broker.raw_loops() {
             table.add(self.raw_broker_limit(broker, loops).await?);
         }
-        let connections = self.args.connections.iter().copied().max().unwrap_or(1);
         let rows = (broker.messages(), broker.batch_size());
-        let before = self
-            .raw_database(RawMethod::WorkerSql, connections, rows)
-            .await?;
+        let before = self.raw_database_reference(rows).await?;
         let worker = self.broker_worker(broker).await?;
-        let after = self
-            .raw_database(RawMethod::WorkerSql, connections, rows)
-            .await?;
-        let mut around = before.and(&after);
-        around.name = raw_db_around(broker, &before.name);
-        table.add(around);
+        let after = self.raw_database_reference(rows).await?;
+        table.add(before.around(&after, broker.kind(), broker.batch_size()));
         table.add(worker);
         Ok(())
     }
@@ -183,11 +206,6 @@ impl Bench {
 
 fn worker_phase(broker: &impl BenchBroker) -> String {
     format!("worker {} batchSize {}", broker.kind(), broker.batch_size())
-}
-
-/// The name of the raw database phase `raw_db` run around `broker`'s worker phase.
-fn raw_db_around(broker: &impl BenchBroker, raw_db: &str) -> String {
-    format!("{}: {raw_db} batch {}", broker.kind(), broker.batch_size())
 }
 
 /// The verdict line of `broker`: the worker against the slower of its raw limit and the raw
@@ -202,11 +220,7 @@ pub fn print_broker_verdict(broker: &impl BenchBroker, table: &Table) -> Result<
     let raw = table
         .best(&format!("raw {kind} "))
         .with_context(|| format!("no raw {kind} run"))?;
-    let raw_db = table
-        .rows
-        .iter()
-        .find(|row| row.name().starts_with(&format!("{kind}: raw DB ")))
-        .with_context(|| format!("no raw database run around the {kind} worker"))?;
+    let raw_db = table.raw_db_around(kind)?;
     let target = broker.target();
     let ratio = worker.ratio_to_slower(raw, raw_db);
     println!(

@@ -26,7 +26,7 @@ pub struct KafkaArgs {
     kafka_batch_size: usize,
 }
 
-/// A Kafka node, started only when `--kafka-messages` is not 0.
+/// A Kafka node, started for its rounds unless `--kafka-messages` is 0.
 pub struct KafkaBench {
     args: KafkaArgs,
     server: Option<KafkaServer>,
@@ -34,16 +34,12 @@ pub struct KafkaBench {
 }
 
 impl KafkaBench {
-    pub fn start(args: KafkaArgs) -> Result<Self> {
-        let server = match args.kafka_messages {
-            0 => None,
-            _ => Some(KafkaServer::start()?),
-        };
-        Ok(Self {
+    pub fn new(args: KafkaArgs) -> Self {
+        Self {
             args,
-            server,
+            server: None,
             topics_created: 0,
-        })
+        }
     }
 
     fn server(&self) -> Result<&KafkaServer> {
@@ -71,6 +67,15 @@ impl BenchBroker for KafkaBench {
 
     fn target(&self) -> f64 {
         0.7
+    }
+
+    async fn start_server(&mut self) -> Result<()> {
+        self.server = Some(KafkaServer::start()?);
+        Ok(())
+    }
+
+    fn stop_server(&mut self) {
+        self.server = None;
     }
 
     fn server_pid(&self) -> Option<u32> {

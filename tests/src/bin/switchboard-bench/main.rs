@@ -2,10 +2,12 @@
 //! Redis and the other brokers (SQS on ElasticMQ, …), next to the raw limits of each server, in
 //! one run (see docs/PERFORMANCE.md; every other broker's phases are in `broker.rs`).
 //!
-//! Every phase runs `--repeats` times (3), in rounds (every phase once, then again), and the
-//! table shows the median of each figure with its spread (min–max), so one noisy run does not
-//! decide. Every phase gets a fresh database and a fresh stream, list or queue, and checks its
-//! own result: every entry stored exactly once and nothing left pending, or the bench fails.
+//! Every phase runs `--repeats` times (3), in rounds (every phase once, then again): the Redis
+//! and database rounds first, then each other broker's rounds with its server the only broker
+//! server running. The table shows the median of each figure with its spread (min–max), so
+//! one noisy run does not decide. Every phase gets a fresh database and a fresh stream, list
+//! or queue, and checks its own result: every entry stored exactly once and nothing left
+//! pending, or the bench fails.
 
 use std::ops::Range;
 use std::path::PathBuf;
@@ -25,7 +27,6 @@ use switchboard_tests::{Fixture, adapter_manifest};
 use tokio::task::JoinSet;
 
 use amqp::{AmqpArgs, AmqpBench};
-use broker::BenchBroker as _;
 use kafka::{KafkaArgs, KafkaBench};
 use nats::{NatsArgs, NatsBench};
 use sqs::{SqsArgs, SqsBench};
@@ -202,7 +203,8 @@ struct CpuSpent {
     client: Duration,
     postgres: Duration,
     redis: Duration,
-    /// The servers of the other brokers (ElasticMQ's JVM, …): only the phase's own is busy.
+    /// The server of the broker being measured beside Redis (ElasticMQ's JVM, …), the only
+    /// broker server running.
     broker: Duration,
 }
 
@@ -227,17 +229,18 @@ impl Measurement {
         spent.as_secs_f64() * 1e6 / self.messages as f64
     }
 
-    /// Two runs of one phase as one: their messages, time and CPU added up.
-    fn and(&self, other: &Measurement) -> Measurement {
+    /// This raw database run and `after`, one run each side of the worker phase of `kind` at
+    /// `batch_size`, as one row (`<kind>: raw DB …`): their messages, time and CPU added up.
+    fn around(&self, after: &Measurement, kind: &str, batch_size: usize) -> Measurement {
         Measurement {
-            name: self.name.clone(),
-            messages: self.messages + other.messages,
-            elapsed: self.elapsed + other.elapsed,
+            name: format!("{kind}: {} batch {batch_size}", self.name),
+            messages: self.messages + after.messages,
+            elapsed: self.elapsed + after.elapsed,
             cpu: CpuSpent {
-                client: self.cpu.client + other.cpu.client,
-                postgres: self.cpu.postgres + other.cpu.postgres,
-                redis: self.cpu.redis + other.cpu.redis,
-                broker: self.cpu.broker + other.cpu.broker,
+                client: self.cpu.client + after.cpu.client,
+                postgres: self.cpu.postgres + after.cpu.postgres,
+                redis: self.cpu.redis + after.cpu.redis,
+                broker: self.cpu.broker + after.cpu.broker,
             },
             peak_rss_kib: None,
             store_share: None,
@@ -275,15 +278,15 @@ struct Bench {
     fx: Fixture,
     postgres_pid: u32,
     redis_pid: u32,
-    /// The servers of the brokers measured beside Redis.
-    broker_pids: Vec<u32>,
+    /// The server of the broker being measured beside Redis, if one is running.
+    broker_pid: Option<u32>,
     databases_created: usize,
     /// The current round (1-based): Redis keys carry it, so no round reuses a stream or group.
     round: usize,
 }
 
 impl Bench {
-    async fn start(args: Args, broker_pids: Vec<u32>) -> Result<Self> {
+    async fn start(args: Args) -> Result<Self> {
         // Realistic durability: every commit is flushed to disk before it is acknowledged.
         // Commit timestamps give the latency run the exact commit time of every row.
         let postgres = Postgres::start_with(&[
@@ -300,7 +303,7 @@ impl Bench {
             fx,
             postgres_pid,
             redis_pid,
-            broker_pids,
+            broker_pid: None,
             databases_created: 0,
             round: 0,
         })
@@ -311,11 +314,7 @@ impl Bench {
             bench: cpu_ticks(std::process::id(), false),
             postgres: server_cpu_ticks(self.postgres_pid),
             redis: cpu_ticks(self.redis_pid, false),
-            broker: self
-                .broker_pids
-                .iter()
-                .map(|&pid| cpu_ticks(pid, false))
-                .sum(),
+            broker: self.broker_pid.map_or(0, |pid| cpu_ticks(pid, false)),
         }
     }
 
@@ -587,6 +586,17 @@ impl Bench {
             peak_rss_kib: None,
             store_share: None,
         })
+    }
+
+    /// The raw database limit a worker phase is held against, measured right before and right
+    /// after it: the worker's SQL on the most `--connections`, `rows` = (as many rows as the
+    /// worker gets messages, in batches of the worker's size). This VM's speed drifts by tens
+    /// of percent within a round, so the worker is compared with the limit of the same moment:
+    /// both runs together, which a steady drift moves as much as the worker.
+    async fn raw_database_reference(&mut self, rows: (usize, usize)) -> Result<Measurement> {
+        let connections = self.args.connections.iter().copied().max().unwrap_or(1);
+        self.raw_database(RawMethod::WorkerSql, connections, rows)
+            .await
     }
 
     /// `entries` rows like those the worker stores, with no broker: `connections` loops pulling
@@ -1100,6 +1110,15 @@ impl Table {
             .with_context(|| format!("no phase {name:?} was measured"))
     }
 
+    /// The raw database limit measured around the worker phase of `kind`.
+    fn raw_db_around(&self, kind: &str) -> Result<&Row> {
+        let prefix = format!("{kind}: raw DB ");
+        self.rows
+            .iter()
+            .find(|row| row.name().starts_with(&prefix))
+            .with_context(|| format!("no raw database run around the {kind} worker"))
+    }
+
     /// The row with the best median rate among those whose name starts with `prefix`.
     fn best(&self, prefix: &str) -> Option<&Row> {
         self.rows
@@ -1177,32 +1196,21 @@ struct Brokers {
 }
 
 impl Brokers {
-    async fn start(args: &Args) -> Result<Self> {
-        Ok(Self {
-            sqs: SqsBench::start(args.sqs.clone())?,
-            nats: NatsBench::start(args.nats.clone()).await?,
-            amqp: AmqpBench::start(args.amqp.clone())?,
-            kafka: KafkaBench::start(args.kafka.clone())?,
-        })
+    fn new(args: &Args) -> Self {
+        Self {
+            sqs: SqsBench::new(args.sqs.clone()),
+            nats: NatsBench::new(args.nats.clone()),
+            amqp: AmqpBench::new(args.amqp.clone()),
+            kafka: KafkaBench::new(args.kafka.clone()),
+        }
     }
 
-    fn server_pids(&self) -> Vec<u32> {
-        [
-            self.sqs.server_pid(),
-            self.nats.server_pid(),
-            self.amqp.server_pid(),
-            self.kafka.server_pid(),
-        ]
-        .into_iter()
-        .flatten()
-        .collect()
-    }
-
-    async fn round(&mut self, bench: &mut Bench, table: &mut Table) -> Result<()> {
-        bench.broker_round(&mut self.sqs, table).await?;
-        bench.broker_round(&mut self.nats, table).await?;
-        bench.broker_round(&mut self.amqp, table).await?;
-        bench.broker_round(&mut self.kafka, table).await
+    /// Each broker's rounds in turn, one broker server running at a time.
+    async fn rounds(&mut self, bench: &mut Bench, table: &mut Table) -> Result<()> {
+        bench.broker_rounds(&mut self.sqs, table).await?;
+        bench.broker_rounds(&mut self.nats, table).await?;
+        bench.broker_rounds(&mut self.amqp, table).await?;
+        bench.broker_rounds(&mut self.kafka, table).await
     }
 
     fn print_verdicts(&self, table: &Table) -> Result<()> {
@@ -1213,13 +1221,8 @@ impl Brokers {
     }
 }
 
-/// One round: every phase once, in this order.
-async fn round(
-    bench: &mut Bench,
-    brokers: &mut Brokers,
-    table: &mut Table,
-    latencies: &mut Vec<Latency>,
-) -> Result<()> {
+/// One round of the Redis and database phases: every phase once, in this order.
+async fn round(bench: &mut Bench, table: &mut Table, latencies: &mut Vec<Latency>) -> Result<()> {
     let args = &bench.args;
     let (batch_size, naive_entries, entries, modes) = (
         args.batch_size,
@@ -1243,7 +1246,16 @@ async fn round(
         table.add(bench.pipelined_ceiling(depth).await?);
     }
     for &mode in &modes {
-        table.add(bench.worker_throughput(mode, batch_size, entries).await?);
+        if mode != Mode::Stream {
+            table.add(bench.worker_throughput(mode, batch_size, entries).await?);
+            continue;
+        }
+        // The stream verdict's worker, between two runs of its raw database limit.
+        let before = bench.raw_database_reference((entries, batch_size)).await?;
+        let worker = bench.worker_throughput(mode, batch_size, entries).await?;
+        let after = bench.raw_database_reference((entries, batch_size)).await?;
+        table.add(before.around(&after, mode.as_str(), batch_size));
+        table.add(worker);
     }
     table.add(
         bench
@@ -1257,7 +1269,7 @@ async fn round(
     );
     table.add(steady);
     latencies.push(latency);
-    brokers.round(bench, table).await
+    Ok(())
 }
 
 async fn run(args: Args) -> Result<()> {
@@ -1265,8 +1277,8 @@ async fn run(args: Args) -> Result<()> {
     println!("load average before: {}", load_average());
     ensure!(args.repeats >= 1, "--repeats must be at least 1");
     let started = Instant::now();
-    let mut brokers = Brokers::start(&args).await?;
-    let mut bench = Bench::start(args, brokers.server_pids()).await?;
+    let mut brokers = Brokers::new(&args);
+    let mut bench = Bench::start(args).await?;
     let repeats = bench.args.repeats;
     let mut table = Table::default();
     let mut latencies = Vec::new();
@@ -1274,13 +1286,14 @@ async fn run(args: Args) -> Result<()> {
         let round_started = Instant::now();
         eprintln!("round {number} of {repeats}");
         bench.round = number;
-        round(&mut bench, &mut brokers, &mut table, &mut latencies).await?;
+        round(&mut bench, &mut table, &mut latencies).await?;
         eprintln!(
             "round {number} took {:.0} s; load average {}",
             round_started.elapsed().as_secs_f64(),
             load_average()
         );
     }
+    brokers.rounds(&mut bench, &mut table).await?;
     let args = &bench.args;
     let batch_size = args.batch_size;
 
@@ -1314,7 +1327,8 @@ async fn run(args: Args) -> Result<()> {
     let stream = table.row(&format!("worker stream batchSize {batch_size}"))?;
     let naive = table.row("worker stream batchSize 1")?;
     let vs_naive = stream.ratio_to(naive);
-    let vs_raw = stream.ratio_to(raw_db);
+    let stream_raw_db = table.raw_db_around(Mode::Stream.as_str())?;
+    let vs_raw = stream.ratio_to(stream_raw_db);
     let peak_rss_mib = table
         .rows
         .iter()
@@ -1329,7 +1343,8 @@ async fn run(args: Args) -> Result<()> {
         verdict(vs_naive.median >= 4.0)
     );
     println!(
-        "stream batch {batch_size} / raw DB (1/3):   {:>20}%  target >= 75%    {}",
+        "stream batch {batch_size} / {} (1/3): {:>20}%  target >= 75%    {}",
+        stream_raw_db.name(),
         vs_raw.show(1, 100.0),
         verdict(vs_raw.median >= 0.75)
     );

@@ -37,7 +37,7 @@ pub struct NatsArgs {
     nats_loops: Vec<usize>,
 }
 
-/// nats-server, started only when `--nats-messages` is not 0.
+/// nats-server, started for its rounds unless `--nats-messages` is 0.
 pub struct NatsBench {
     args: NatsArgs,
     server: Option<NatsServer>,
@@ -45,16 +45,12 @@ pub struct NatsBench {
 }
 
 impl NatsBench {
-    pub async fn start(args: NatsArgs) -> Result<Self> {
-        let server = match args.nats_messages {
-            0 => None,
-            _ => Some(NatsServer::start().await?),
-        };
-        Ok(Self {
+    pub fn new(args: NatsArgs) -> Self {
+        Self {
             args,
-            server,
+            server: None,
             streams_created: 0,
-        })
+        }
     }
 
     fn server(&self) -> Result<&NatsServer> {
@@ -81,6 +77,15 @@ impl BenchBroker for NatsBench {
 
     fn target(&self) -> f64 {
         0.7
+    }
+
+    async fn start_server(&mut self) -> Result<()> {
+        self.server = Some(NatsServer::start().await?);
+        Ok(())
+    }
+
+    fn stop_server(&mut self) {
+        self.server = None;
     }
 
     fn server_pid(&self) -> Option<u32> {

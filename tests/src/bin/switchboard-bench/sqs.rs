@@ -35,7 +35,7 @@ pub struct SqsArgs {
     sqs_loops: Vec<usize>,
 }
 
-/// ElasticMQ, started only when `--sqs-messages` is not 0.
+/// ElasticMQ, started for its rounds unless `--sqs-messages` is 0.
 pub struct SqsBench {
     args: SqsArgs,
     server: Option<ElasticMq>,
@@ -43,16 +43,12 @@ pub struct SqsBench {
 }
 
 impl SqsBench {
-    pub fn start(args: SqsArgs) -> Result<Self> {
-        let server = match args.sqs_messages {
-            0 => None,
-            _ => Some(ElasticMq::start()?),
-        };
-        Ok(Self {
+    pub fn new(args: SqsArgs) -> Self {
+        Self {
             args,
-            server,
+            server: None,
             queues_created: 0,
-        })
+        }
     }
 
     fn server(&self) -> Result<&ElasticMq> {
@@ -87,6 +83,15 @@ impl BenchBroker for SqsBench {
     /// ElasticMQ's own CPU is the bound (docs/PERFORMANCE.md), far below the database's.
     fn target(&self) -> f64 {
         0.6
+    }
+
+    async fn start_server(&mut self) -> Result<()> {
+        self.server = Some(ElasticMq::start()?);
+        Ok(())
+    }
+
+    fn stop_server(&mut self) {
+        self.server = None;
     }
 
     fn server_pid(&self) -> Option<u32> {
