@@ -200,6 +200,85 @@ impl Fixture {
         )
     }
 
+    /// The payloads of the todos in `queue`, each as its canonical JSON text, sorted: a
+    /// multiset to compare with what was produced (see [`canonical_json`]).
+    pub async fn stored_payloads(&self, queue: &str) -> Result<Vec<String>> {
+        let payloads: Vec<serde_json::Value> =
+            sqlx::query_scalar("SELECT payload FROM todos WHERE queue = $1")
+                .bind(queue)
+                .fetch_all(self.pool())
+                .await?;
+        let mut texts: Vec<String> = payloads.iter().map(ToString::to_string).collect();
+        texts.sort();
+        Ok(texts)
+    }
+
+    /// Fails unless the todos of `queue` hold exactly the JSON bodies `produced`, each once
+    /// (compared as sets of canonical JSON, not counted), and no two share a key.
+    pub async fn assert_stored_exactly(&self, queue: &str, produced: &[Vec<u8>]) -> Result<()> {
+        let mut expected = produced
+            .iter()
+            .map(|body| canonical_json(body))
+            .collect::<Result<Vec<String>>>()?;
+        expected.sort();
+        let stored = self.stored_payloads(queue).await?;
+        if stored != expected {
+            let missing: Vec<&String> = expected.iter().filter(|e| !stored.contains(e)).collect();
+            let mut seen = std::collections::HashSet::new();
+            let extra: Vec<&String> = stored
+                .iter()
+                .filter(|s| !expected.contains(s) || !seen.insert(*s))
+                .collect();
+            anyhow::bail!(
+                "stored set differs from the produced set: {} produced, {} stored; missing \
+                 (first 10): {:?}; unexpected or stored twice (first 10): {:?}",
+                expected.len(),
+                stored.len(),
+                &missing[..missing.len().min(10)],
+                &extra[..extra.len().min(10)],
+            );
+        }
+        let distinct = self.distinct_keys(queue).await?;
+        anyhow::ensure!(
+            usize::try_from(distinct)? == expected.len(),
+            "{} todos share {distinct} keys",
+            expected.len()
+        );
+        Ok(())
+    }
+
+    /// The dead letters PostgreSQL keeps for adapter `test/{name}` (the ones its broker
+    /// refused): body and reason, oldest first.
+    pub async fn database_dead_letters(&self, name: &str) -> Result<Vec<(Vec<u8>, String)>> {
+        Ok(sqlx::query_as(
+            "SELECT body, reason FROM dead_letters WHERE source LIKE '%:test/' || $1 ORDER BY id",
+        )
+        .bind(name)
+        .fetch_all(self.pool())
+        .await?)
+    }
+
+    /// Turns the whole server read-only (`default_transaction_read_only`, reloaded into every
+    /// session, as a failover or an operator does) or writable again: reads work, writes fail
+    /// with SQLSTATE 25006.
+    pub async fn set_read_only(&self, read_only: bool) -> Result<()> {
+        use sqlx::Connection as _;
+        let mut conn = sqlx::PgConnection::connect(&self.postgres.url()).await?;
+        sqlx::query("SET default_transaction_read_only = off")
+            .execute(&mut conn)
+            .await?;
+        let statement = if read_only {
+            "ALTER SYSTEM SET default_transaction_read_only = on"
+        } else {
+            "ALTER SYSTEM RESET default_transaction_read_only"
+        };
+        sqlx::query(statement).execute(&mut conn).await?;
+        sqlx::query("SELECT pg_reload_conf()")
+            .execute(&mut conn)
+            .await?;
+        Ok(())
+    }
+
     /// Distinct idempotency keys among the todos in `queue`.
     pub async fn distinct_keys(&self, queue: &str) -> Result<i64> {
         Ok(
@@ -329,4 +408,12 @@ pub fn stream_manifest(name: &str, stream: &str, delivery: &str, payload: &str) 
         delivery,
         payload,
     )
+}
+
+/// `body` parsed as JSON and written back in serde_json's canonical form (object keys
+/// sorted), as PostgreSQL's jsonb gives it back.
+pub fn canonical_json(body: &[u8]) -> Result<String> {
+    let value: serde_json::Value =
+        serde_json::from_slice(body).with_context(|| format!("not JSON: {body:?}"))?;
+    Ok(value.to_string())
 }

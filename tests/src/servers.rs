@@ -360,7 +360,7 @@ fn find_on_path(program: &str) -> Option<PathBuf> {
         .find(|path| path.is_file())
 }
 
-/// A redis-server of our own, without persistence.
+/// A redis-server of our own, with an append-only file in its own directory.
 #[derive(Debug)]
 pub struct Redis {
     dir: TempDir,
@@ -392,7 +392,10 @@ impl Redis {
             .args(["--port", &self.port.to_string()])
             .args(["--bind", "127.0.0.1"])
             .args(["--save", ""])
-            .args(["--appendonly", "no"])
+            // The append-only file is written before each reply (fsync left to the kernel), so a
+            // SIGKILLed server ([`Redis::crash`]) keeps every write it confirmed.
+            .args(["--appendonly", "yes"])
+            .args(["--appendfsync", "no"])
             .args(["--daemonize", "no"])
             .arg("--dir")
             .arg(self.dir.path())
@@ -420,12 +423,28 @@ impl Redis {
         self.child.as_ref().map(Child::id)
     }
 
-    /// Kills the server and starts an empty one on the same port (no persistence).
+    /// Kills the server and starts an empty one on the same port (its data deleted, as a
+    /// server without persistence comes back).
     pub fn restart_empty(&mut self) -> Result<()> {
+        self.kill();
+        let aof = self.dir.path().join("appendonlydir");
+        if aof.exists() {
+            std::fs::remove_dir_all(&aof).context("deleting the append-only file")?;
+        }
+        self.start_server()
+    }
+
+    /// SIGKILLs the server, whatever it is doing, and starts it again on the same port and
+    /// append-only file: every write it confirmed survives.
+    pub fn crash(&mut self) -> Result<()> {
+        self.kill();
+        self.start_server()
+    }
+
+    fn kill(&mut self) {
         if let Some(mut child) = self.child.take() {
             stop_child(&mut child, Signal::SIGKILL, Duration::from_secs(10));
         }
-        self.start_server()
     }
 
     /// A blocking connection for test setup and assertions.

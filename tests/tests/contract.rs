@@ -89,34 +89,72 @@ impl<B: BrokerFixture> Contract<B> {
         Ok(())
     }
 
+    /// The stored bodies are exactly `produced` (as sets), nothing is un-acknowledged and
+    /// nothing is dead-lettered, neither at the broker nor in PostgreSQL.
+    async fn assert_stored_exactly(&self, produced: &[Vec<u8>]) -> Result<()> {
+        self.fx.assert_stored_exactly(self.name, produced).await?;
+        let letters = self.broker.dead_letters(&self.fx, self.name).await?;
+        ensure!(letters.is_empty(), "nothing may be dead-lettered: {letters:?}");
+        let kept = self.fx.database_dead_letters(self.name).await?;
+        ensure!(kept.is_empty(), "nothing may be dead-lettered: {kept:?}");
+        ensure!(self.unacknowledged().await? == 0);
+        Ok(())
+    }
+
     fn metric(&self, worker: &WorkerProcess, family: &str) -> Result<f64> {
         worker.metric(&format!(r#"{family}{{adapter="test/{}"}}"#, self.name))
     }
 }
 
-/// ≥ 5 SIGKILLs at random moments, some under new consumer names: every message exactly once.
-async fn chaos_sigkills<B: BrokerFixture>() -> Result<()> {
-    const TOTAL: usize = 3_000;
-    let contract = Contract::<B>::start("chaos").await?;
-    let manifest = contract.manifest("batchSize: 100, maxDeliveries: 20", "")?;
-    contract.produce(bodies(0..TOTAL)).await?;
+/// The chaos run: 5,000 messages produced in waves while workers are SIGKILLed at random
+/// moments (≥ 5, some under new consumer names) and the broker is SIGKILLed twice with batches
+/// in flight; then the set of stored bodies is exactly the set produced, nothing is left
+/// un-acknowledged and nothing is dead-lettered.
+async fn chaos_worker_and_broker_kills<B: BrokerFixture>() -> Result<()> {
+    const TOTAL: usize = 5_000;
+    const WAVES: usize = 7;
+    const BROKER_KILLS: [usize; 2] = [2, 5];
+    let mut contract = Contract::<B>::start("chaos").await?;
+    let manifest = contract.manifest("batchSize: 100, maxDeliveries: 50", "")?;
+    let produced = bodies(0..TOTAL);
+    let wave = TOTAL.div_ceil(WAVES);
     let mut rng = fastrand::Rng::new();
     let mut consumer = "chaos-0".to_owned();
-    for kill in 1..=6 {
+    let (mut worker_kills, mut broker_kills) = (0, 0);
+    for (round, chunk) in produced.chunks(wave).enumerate() {
+        contract.produce(chunk.to_vec()).await?;
         let worker = contract.fx.worker(&manifest, &consumer)?;
-        let target = (contract.todos().await? + rng.i64(50..400)).min(TOTAL as i64 - 1);
+        let stored = contract.todos().await?;
+        let target = (stored + rng.i64(50..300)).min(TOTAL as i64 - 1);
         wait_for(LONG, "progress before the kill", || async {
             Ok(contract.todos().await? >= target)
         })
-        .await?;
+        .await
+        .map_err(|err| err.context(worker.log_tail()))?;
+        if BROKER_KILLS.contains(&round) {
+            // The broker dies under the running worker, with batches in flight.
+            let Contract { fx, broker, .. } = &mut contract;
+            broker.crash(fx).await?;
+            broker_kills += 1;
+            let after = contract.todos().await?;
+            let produced_so_far = ((round + 1) * wave).min(TOTAL) as i64;
+            wait_for(LONG, "progress after the broker came back", || async {
+                let stored = contract.todos().await?;
+                Ok(stored > after || stored >= produced_so_far)
+            })
+            .await
+            .map_err(|err| err.context(worker.log_tail()))?;
+        }
         worker.kill()?;
+        worker_kills += 1;
         if rng.bool() {
-            consumer = format!("chaos-{kill}");
+            consumer = format!("chaos-{round}");
         }
     }
+    ensure!(worker_kills >= 5 && broker_kills >= 2);
     let last = contract.fx.worker(&manifest, "chaos-final")?;
     contract.wait_settled(TOTAL as i64, &last).await?;
-    contract.assert_exactly_once(TOTAL as i64).await
+    contract.assert_stored_exactly(&produced).await
 }
 
 /// A crash after the commit and before the acknowledgement: the redelivery is a duplicate.
@@ -327,6 +365,116 @@ async fn database_outage_is_recovered<B: BrokerFixture>() -> Result<()> {
     .await
 }
 
+/// PostgreSQL turns read-only for 10 s under a flowing worker (reads work, writes fail, as
+/// during a failover): a wait, never poison. Then exactly the produced set is stored.
+async fn database_read_only_is_waited_out<B: BrokerFixture>() -> Result<()> {
+    let contract = Contract::<B>::start("readonly").await?;
+    let manifest = contract.manifest("batchSize: 50", "")?;
+    let produced = bodies(0..1_000);
+    contract.produce(produced[..500].to_vec()).await?;
+    let worker = contract.fx.worker(&manifest, "w1")?;
+    wait_for(LONG, "some progress", || async {
+        Ok(contract.todos().await? >= 100)
+    })
+    .await?;
+    contract.fx.set_read_only(true).await?;
+    contract.produce(produced[500..].to_vec()).await?;
+    let outage = Instant::now();
+    wait_for(Duration::from_secs(20), "10 s read-only", || async {
+        Ok(outage.elapsed() >= Duration::from_secs(10))
+    })
+    .await?;
+    contract.fx.set_read_only(false).await?;
+    contract.wait_settled(1_000, &worker).await?;
+    contract.assert_stored_exactly(&produced).await
+}
+
+/// The source is deleted and created again under a running worker (the broker may re-use its
+/// positions: NATS sequences, Kafka offsets): every new message is stored, none taken for a
+/// redelivery of the old incarnation's.
+async fn recreated_source_is_stored_not_deduplicated<B: BrokerFixture>() -> Result<()> {
+    let contract = Contract::<B>::start("recreated").await?;
+    let manifest = contract.manifest("batchSize: 50", "")?;
+    let produced = bodies(0..400);
+    contract.produce(produced[..100].to_vec()).await?;
+    let worker = contract.fx.worker(&manifest, "w1")?;
+    contract.wait_settled(100, &worker).await?;
+    contract.broker.recreate(&contract.fx, contract.name).await?;
+    contract.produce(produced[100..].to_vec()).await?;
+    contract.wait_settled(400, &worker).await?;
+    contract.assert_stored_exactly(&produced).await
+}
+
+/// A message with a part the client cannot take as text (a header value that is not UTF-8, a
+/// binary key, an attribute that is not a string) between good ones: the good ones are stored,
+/// and it is stored too (that part encoded) or dead-lettered byte-identical, exactly once.
+async fn undecodable_part_spares_the_neighbours<B: BrokerFixture>() -> Result<()> {
+    let contract = Contract::<B>::start("undecodable").await?;
+    let manifest = contract.manifest("batchSize: 20", "")?;
+    let odd = br#"{"odd":true}"#.to_vec();
+    let worker = contract.fx.worker(&manifest, "w1")?;
+    contract.produce(bodies(0..10)).await?;
+    contract
+        .broker
+        .produce_undecodable(&contract.fx, contract.name, odd.clone())
+        .await?;
+    contract.produce(bodies(10..20)).await?;
+    wait_for(LONG, "20 todos and nothing un-acknowledged", || async {
+        Ok(contract.todos().await? >= 20 && contract.unacknowledged().await? == 0)
+    })
+    .await
+    .map_err(|err| err.context(worker.log_tail()))?;
+    let mut letters = contract.broker.dead_letters(&contract.fx, contract.name).await?;
+    letters.extend(contract.fx.database_dead_letters(contract.name).await?);
+    let mut expected = bodies(0..20);
+    match letters.as_slice() {
+        [] => expected.push(odd),
+        [(body, _)] => ensure!(*body == odd, "the dead letter is the odd message: {letters:?}"),
+        _ => anyhow::bail!("one dead letter at most: {letters:?}"),
+    }
+    contract.fx.assert_stored_exactly(contract.name, &expected).await?;
+    ensure!(
+        contract.metric(&worker, "switchboard_messages_redelivered_total")? == 0.0,
+        "no message was redelivered (no connection was dropped for it)\n{}",
+        worker.log_tail()
+    );
+    Ok(())
+}
+
+/// Poison whose dead letter the broker refuses for good: the letter is kept in PostgreSQL's
+/// dead-letter table, byte-identical, and the batch is stored and acknowledged (no wedge).
+async fn refused_dead_letter_is_kept_in_the_database<B: BrokerFixture>() -> Result<()> {
+    let contract = Contract::<B>::start("refused").await?;
+    contract
+        .broker
+        .refuse_dead_letters(&contract.fx, contract.name)
+        .await?;
+    let manifest = contract.manifest("batchSize: 20, maxDeliveries: 5", "format: json")?;
+    let poison = b"{\"order\": broken".to_vec();
+    let mut all = bodies(0..10);
+    all.push(poison.clone());
+    all.extend(bodies(10..20));
+    contract.produce(all).await?;
+    let worker = contract.fx.worker(&manifest, "w1")?;
+    wait_for(LONG, "20 todos, one kept letter, nothing un-acknowledged", || async {
+        Ok(contract.todos().await? >= 20
+            && !contract.fx.database_dead_letters(contract.name).await?.is_empty()
+            && contract.unacknowledged().await? == 0)
+    })
+    .await
+    .map_err(|err| err.context(worker.log_tail()))?;
+    contract
+        .fx
+        .assert_stored_exactly(contract.name, &bodies(0..20))
+        .await?;
+    let kept = contract.fx.database_dead_letters(contract.name).await?;
+    ensure!(
+        kept == vec![(poison, "invalid_json".to_owned())],
+        "one letter kept, byte-identical: {kept:?}"
+    );
+    Ok(())
+}
+
 /// The suite, for one broker.
 macro_rules! contract_suite {
     ($($module:ident => $broker:ty),* $(,)?) => {$(
@@ -334,8 +482,8 @@ macro_rules! contract_suite {
             use super::*;
 
             #[tokio::test]
-            async fn sigkills_at_random_moments_store_every_message_exactly_once() -> Result<()> {
-                chaos_sigkills::<$broker>().await
+            async fn worker_and_broker_sigkills_mid_flow_store_exactly_the_produced_set() -> Result<()> {
+                chaos_worker_and_broker_kills::<$broker>().await
             }
 
             #[tokio::test]
@@ -366,6 +514,26 @@ macro_rules! contract_suite {
             #[tokio::test]
             async fn database_down_for_10_seconds_loses_nothing_and_flips_readiness() -> Result<()> {
                 database_outage_is_recovered::<$broker>().await
+            }
+
+            #[tokio::test]
+            async fn database_read_only_for_10_seconds_is_waited_out_not_dead_lettered() -> Result<()> {
+                database_read_only_is_waited_out::<$broker>().await
+            }
+
+            #[tokio::test]
+            async fn recreated_source_stores_its_new_messages_not_as_duplicates() -> Result<()> {
+                recreated_source_is_stored_not_deduplicated::<$broker>().await
+            }
+
+            #[tokio::test]
+            async fn undecodable_header_key_or_attribute_spares_its_neighbours() -> Result<()> {
+                undecodable_part_spares_the_neighbours::<$broker>().await
+            }
+
+            #[tokio::test]
+            async fn dead_letter_the_broker_refuses_is_kept_in_postgresql() -> Result<()> {
+                refused_dead_letter_is_kept_in_the_database::<$broker>().await
             }
         }
     )*};

@@ -509,7 +509,10 @@ impl<T: Transport> Pipeline<T> {
                     return Ok(value);
                 }
                 Err(err) => match err.kind() {
-                    ErrorKind::Fatal { .. } => return Err(Stopped::Fatal(err)),
+                    // TODO(issue 27): refused dead letters go to PostgreSQL's table.
+                    ErrorKind::Fatal { .. } | ErrorKind::DeadLettersRefused { .. } => {
+                        return Err(Stopped::Fatal(err));
+                    }
                     ErrorKind::StaleReceipt => return Err(Stopped::Stale(err)),
                     ErrorKind::Transient => {
                         let dependency = err.dependency();

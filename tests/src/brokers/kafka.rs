@@ -25,6 +25,8 @@ use tempfile::TempDir;
 
 use crate::servers::{free_ports, stop_child};
 use crate::wait::wait_until;
+use super::BrokerFixture;
+use crate::Fixture;
 
 /// The Kafka version `scripts/kafka.sh` installs and this harness looks for.
 pub const KAFKA_VERSION: &str = "4.4.0";
@@ -442,4 +444,79 @@ fn spawn(dir: &Path, lib: &Path) -> Result<Child> {
         log_path.display(),
         tail.join("\n")
     )))
+}
+
+/// Topics of a real Kafka node (three partitions each), read by one consumer group.
+#[derive(Debug)]
+pub struct KafkaBroker {
+    pub server: KafkaServer,
+}
+
+/// Partitions of every topic the contract suite reads from Kafka.
+pub const KAFKA_PARTITIONS: i32 = 3;
+
+impl KafkaBroker {
+    /// Each dead letter of topic `name` with the text of its header `header` (`""` without).
+    pub async fn dead_letters_with(
+        &self,
+        name: &str,
+        header: &str,
+    ) -> Result<Vec<(Vec<u8>, String)>> {
+        Ok(self
+            .server
+            .read_all(&format!("{name}.dlq"))
+            .await?
+            .into_iter()
+            .map(|letter| {
+                let value = letter.header(header).unwrap_or_default();
+                (letter.value.unwrap_or_default(), value)
+            })
+            .collect())
+    }
+}
+
+impl BrokerFixture for KafkaBroker {
+    async fn start(_fx: &Fixture) -> Result<(Self, Vec<(String, String)>)> {
+        Ok((
+            Self {
+                server: KafkaServer::start()?,
+            },
+            Vec::new(),
+        ))
+    }
+
+    async fn create(&self, _fx: &Fixture, name: &str) -> Result<String> {
+        self.server.create_topic(name, KAFKA_PARTITIONS).await?;
+        self.server.create_topic(&format!("{name}.dlq"), 1).await?;
+        // A short session: a killed worker's partitions move to the next one within seconds.
+        Ok(format!(
+            "kafka: {{bootstrapServers: \"{}\", topics: [{name}], sessionTimeoutSeconds: 6}}",
+            self.server.bootstrap()
+        ))
+    }
+
+    fn delivery(&self) -> &'static str {
+        "claimIdleSeconds: 2"
+    }
+
+    async fn produce(&self, _fx: &Fixture, name: &str, bodies: Vec<Vec<u8>>) -> Result<()> {
+        self.server.produce(name, bodies).await
+    }
+
+    async fn unacknowledged(&self, _fx: &Fixture, name: &str) -> Result<u64> {
+        self.server.lag(name, &kafka_group(name)).await
+    }
+
+    async fn dead_letters(&self, _fx: &Fixture, name: &str) -> Result<Vec<(Vec<u8>, String)>> {
+        self.dead_letters_with(name, "x-dlq-reason").await
+    }
+
+    async fn restart(&mut self, _fx: &mut Fixture) -> Result<()> {
+        self.server.restart()
+    }
+}
+
+/// The default consumer group of adapter `test/{name}`.
+pub fn kafka_group(name: &str) -> String {
+    format!("switchboard-test-{name}")
 }

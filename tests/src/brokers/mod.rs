@@ -17,10 +17,10 @@ use base64::Engine as _;
 
 use crate::Fixture;
 pub use gateway::GatewayBroker;
-use kafka::KafkaServer;
-use nats::NatsServer;
-use rabbitmq::{QueueType, RabbitMq};
-use sqs::ElasticMq;
+pub use kafka::{KAFKA_PARTITIONS, KafkaBroker, kafka_group};
+pub use nats::NatsBroker;
+pub use rabbitmq::{AmqpBroker, AmqpClassicBroker, AmqpQuorumBroker};
+pub use sqs::SqsBroker;
 
 /// One broker (and mode) as the contract suite drives it.
 #[allow(async_fn_in_trait)]
@@ -49,6 +49,38 @@ pub trait BrokerFixture: Sized {
 
     /// Restarts the broker's server: what it persists survives, connections are cut.
     async fn restart(&mut self, fx: &mut Fixture) -> Result<()>;
+
+    /// Kills the broker's server with SIGKILL, whatever it is doing, and starts it again on the
+    /// same data and ports: what it confirmed to a producer or consumer survives (the server
+    /// runs with the durability a production server has), connections are cut mid-operation.
+    async fn crash(&mut self, fx: &mut Fixture) -> Result<()> {
+        let _ = fx;
+        anyhow::bail!("crash is not implemented for this broker yet")
+    }
+
+    /// Deletes source `name` (stream, topic, queue) and creates it again, empty, with the
+    /// same settings, as an operator does after an incident: the broker may re-use positions
+    /// (sequences, offsets) its earlier incarnation gave out.
+    async fn recreate(&self, fx: &Fixture, name: &str) -> Result<()> {
+        let _ = (fx, name);
+        anyhow::bail!("recreate is not implemented for this broker yet")
+    }
+
+    /// Adds one message with `body` and a part that the broker's ordinary client cannot take as
+    /// text (a header value that is not UTF-8, a binary key holding a NUL byte, an attribute
+    /// that is not a string). The worker stores it (that part encoded) or dead-letters it
+    /// byte-identical; either way its neighbours are stored and no connection is dropped.
+    async fn produce_undecodable(&self, fx: &Fixture, name: &str, body: Vec<u8>) -> Result<()> {
+        let _ = (fx, name, body);
+        anyhow::bail!("produce_undecodable is not implemented for this broker yet")
+    }
+
+    /// Makes the dead-letter destination of `name` refuse every letter for good (a size
+    /// limit, a key of the wrong type, …), as a broker's own limits can.
+    async fn refuse_dead_letters(&self, fx: &Fixture, name: &str) -> Result<()> {
+        let _ = (fx, name);
+        anyhow::bail!("refuse_dead_letters is not implemented for this broker yet")
+    }
 }
 
 /// A Redis stream read by a consumer group (the fixture's Redis).
@@ -59,25 +91,7 @@ pub struct RedisStreamBroker;
 #[derive(Debug)]
 pub struct RedisListBroker;
 
-/// A standard SQS queue of a real ElasticMQ server.
-#[derive(Debug)]
-pub struct SqsBroker {
-    pub server: ElasticMq,
-}
-
-/// A NATS JetStream stream of a real nats-server, read by a durable pull consumer.
-#[derive(Debug)]
-pub struct NatsBroker {
-    pub server: NatsServer,
-}
-
-/// Topics of a real Kafka node (three partitions each), read by one consumer group.
-#[derive(Debug)]
-pub struct KafkaBroker {
-    pub server: KafkaServer,
-}
-
-const GROUP: &str = "switchboard";
+pub(crate) const GROUP: &str = "switchboard";
 
 /// `$SWITCHBOARD_CACHE`, else `~/.cache/switchboard`: where the scripts install servers.
 pub(crate) fn cache_dir() -> Result<std::path::PathBuf> {
@@ -136,6 +150,49 @@ impl BrokerFixture for RedisStreamBroker {
     async fn restart(&mut self, fx: &mut Fixture) -> Result<()> {
         fx.redis.restart_empty()
     }
+
+    async fn crash(&mut self, fx: &mut Fixture) -> Result<()> {
+        fx.redis.crash()
+    }
+
+    async fn recreate(&self, fx: &Fixture, name: &str) -> Result<()> {
+        delete_key(fx, name)
+    }
+
+    /// A field whose name and value are not UTF-8 (the value holds a NUL byte).
+    async fn produce_undecodable(&self, fx: &Fixture, name: &str, body: Vec<u8>) -> Result<()> {
+        let mut conn = fx.redis.connection()?;
+        redis::cmd("XADD")
+            .arg(name)
+            .arg("*")
+            .arg("body")
+            .arg(body)
+            .arg(&b"trace\xff"[..])
+            .arg(&b"\x00\xfe\xff binary"[..])
+            .query::<String>(&mut conn)?;
+        Ok(())
+    }
+
+    async fn refuse_dead_letters(&self, fx: &Fixture, name: &str) -> Result<()> {
+        occupy_with_a_string(fx, &format!("{name}.dlq"))
+    }
+}
+
+/// Deletes Redis key `key`.
+fn delete_key(fx: &Fixture, key: &str) -> Result<()> {
+    let mut conn = fx.redis.connection()?;
+    redis::cmd("DEL").arg(key).query::<i64>(&mut conn)?;
+    Ok(())
+}
+
+/// Puts a string at `key`: a stream or list command on it fails with WRONGTYPE, for good.
+fn occupy_with_a_string(fx: &Fixture, key: &str) -> Result<()> {
+    let mut conn = fx.redis.connection()?;
+    redis::cmd("SET")
+        .arg(key)
+        .arg("not a stream or list")
+        .query::<()>(&mut conn)?;
+    Ok(())
 }
 
 /// `field` of the consumer group [`GROUP`] in an XINFO GROUPS reply.
@@ -216,339 +273,23 @@ impl BrokerFixture for RedisListBroker {
     async fn restart(&mut self, fx: &mut Fixture) -> Result<()> {
         fx.redis.restart_empty()
     }
-}
 
-impl BrokerFixture for SqsBroker {
-    async fn start(_fx: &Fixture) -> Result<(Self, Vec<(String, String)>)> {
-        let server = ElasticMq::start()?;
-        let env = [
-            ("AWS_ACCESS_KEY_ID", "test"),
-            ("AWS_SECRET_ACCESS_KEY", "test"),
-            ("AWS_REGION", "us-east-1"),
-        ]
-        .map(|(name, value)| (name.to_owned(), value.to_owned()))
-        .to_vec();
-        Ok((Self { server }, env))
+    async fn crash(&mut self, fx: &mut Fixture) -> Result<()> {
+        fx.redis.crash()
     }
 
-    async fn create(&self, _fx: &Fixture, name: &str) -> Result<String> {
-        use aws_sdk_sqs::types::QueueAttributeName;
-        // Short visibility: a killed worker's messages come back quickly.
-        let visibility = [(QueueAttributeName::VisibilityTimeout, "2")];
-        let url = self.server.create_queue(name, &visibility).await?;
-        self.server
-            .create_queue(&format!("{name}-dlq"), &[])
-            .await?;
-        Ok(format!(
-            "sqs: {{queueUrl: \"{url}\", endpoint: \"{}\", waitTimeSeconds: 1}}",
-            self.server.endpoint()
-        ))
+    async fn recreate(&self, fx: &Fixture, name: &str) -> Result<()> {
+        delete_key(fx, name)
     }
 
-    fn delivery(&self) -> &'static str {
-        "claimIdleSeconds: 2"
+    /// A list item is a body alone: it has no header, key or attribute that could be
+    /// undecodable, so the item is just the body.
+    async fn produce_undecodable(&self, fx: &Fixture, name: &str, body: Vec<u8>) -> Result<()> {
+        fx.push(name, [body])
     }
 
-    async fn produce(&self, _fx: &Fixture, name: &str, bodies: Vec<Vec<u8>>) -> Result<()> {
-        let url = self.url(name);
-        self.server.send_bodies(&url, bodies).await.map(drop)
-    }
-
-    async fn unacknowledged(&self, _fx: &Fixture, name: &str) -> Result<u64> {
-        let counts = self.server.count(&self.url(name)).await?;
-        Ok(counts.visible + counts.in_flight + counts.delayed)
-    }
-
-    async fn dead_letters(&self, _fx: &Fixture, name: &str) -> Result<Vec<(Vec<u8>, String)>> {
-        self.dead_letter_messages(name)
-            .await?
-            .into_iter()
-            .map(|letter| {
-                let reason = SqsBroker::attribute(&letter, "x-dlq-reason");
-                let body = letter.body().context("dead letter without a body")?;
-                Ok((body.as_bytes().to_vec(), reason))
-            })
-            .collect()
-    }
-
-    async fn restart(&mut self, _fx: &mut Fixture) -> Result<()> {
-        self.server.restart()
+    async fn refuse_dead_letters(&self, fx: &Fixture, name: &str) -> Result<()> {
+        occupy_with_a_string(fx, &format!("{name}.dlq"))
     }
 }
 
-impl SqsBroker {
-    /// The URL of queue `name` (ElasticMQ's account is `000000000000`).
-    pub fn url(&self, name: &str) -> String {
-        format!("{}/000000000000/{name}", self.server.endpoint())
-    }
-
-    /// The dead letters of `name` with their attributes. Reading leaves them in place.
-    pub async fn dead_letter_messages(
-        &self,
-        name: &str,
-    ) -> Result<Vec<aws_sdk_sqs::types::Message>> {
-        let url = self.url(&format!("{name}-dlq"));
-        let letters = self.server.receive_all(&url).await?;
-        // Visible again at once: reading dead letters must not hide them from the next read.
-        for letter in &letters {
-            if let Some(receipt) = letter.receipt_handle() {
-                self.server
-                    .client()
-                    .change_message_visibility()
-                    .queue_url(&url)
-                    .receipt_handle(receipt)
-                    .visibility_timeout(0)
-                    .send()
-                    .await?;
-            }
-        }
-        Ok(letters)
-    }
-
-    /// The text of message attribute `name` of `letter`, or `""`.
-    pub fn attribute(letter: &aws_sdk_sqs::types::Message, name: &str) -> String {
-        letter
-            .message_attributes()
-            .and_then(|attributes| attributes.get(name))
-            .and_then(|value| value.string_value())
-            .unwrap_or_default()
-            .to_owned()
-    }
-}
-
-impl NatsBroker {
-    /// The stream of queue `name` (`CHAOS` for `chaos`).
-    pub fn stream(name: &str) -> String {
-        name.to_uppercase()
-    }
-
-    /// The subject messages of queue `name` are published to.
-    pub fn subject(name: &str) -> String {
-        format!("{name}.orders")
-    }
-
-    /// Each dead letter of queue `name` with the text of its header `header` (`""` without).
-    pub async fn dead_letters_with(
-        &self,
-        name: &str,
-        header: &str,
-    ) -> Result<Vec<(Vec<u8>, String)>> {
-        let letters = self
-            .server
-            .stream_messages(&format!("{}_DLQ", Self::stream(name)))
-            .await?
-            .unwrap_or_default();
-        Ok(letters
-            .into_iter()
-            .map(|letter| {
-                let value = letter
-                    .headers
-                    .get(header)
-                    .map(|value| value.as_str().to_owned())
-                    .unwrap_or_default();
-                (letter.payload.to_vec(), value)
-            })
-            .collect())
-    }
-}
-
-impl BrokerFixture for NatsBroker {
-    async fn start(_fx: &Fixture) -> Result<(Self, Vec<(String, String)>)> {
-        let server = NatsServer::start().await?;
-        let env = vec![("NATS_URL".to_owned(), server.url())];
-        Ok((Self { server }, env))
-    }
-
-    async fn create(&self, _fx: &Fixture, name: &str) -> Result<String> {
-        let stream = Self::stream(name);
-        self.server
-            .create_stream(&stream, &[format!("{name}.>")])
-            .await?;
-        // Short AckWait: a killed worker's messages come back quickly.
-        Ok(format!(
-            "nats: {{stream: {stream}, consumer: {GROUP}, ackWaitSeconds: 2}}"
-        ))
-    }
-
-    fn delivery(&self) -> &'static str {
-        "claimIdleSeconds: 2"
-    }
-
-    async fn produce(&self, _fx: &Fixture, name: &str, bodies: Vec<Vec<u8>>) -> Result<()> {
-        self.server.publish(&Self::subject(name), bodies).await
-    }
-
-    async fn unacknowledged(&self, _fx: &Fixture, name: &str) -> Result<u64> {
-        let stream = Self::stream(name);
-        match self.server.consumer_info(&stream, GROUP).await? {
-            Some(info) => Ok(info.num_pending + info.num_ack_pending as u64),
-            // No consumer yet: every message is waiting.
-            None => Ok(self
-                .server
-                .jetstream()
-                .get_stream(&stream)
-                .await?
-                .info()
-                .await?
-                .state
-                .messages),
-        }
-    }
-
-    async fn dead_letters(&self, _fx: &Fixture, name: &str) -> Result<Vec<(Vec<u8>, String)>> {
-        self.dead_letters_with(name, "Switchboard-Reason").await
-    }
-
-    async fn restart(&mut self, _fx: &mut Fixture) -> Result<()> {
-        self.server.restart().await
-    }
-}
-
-/// A durable RabbitMQ queue of a real node, quorum (`CLASSIC = false`) or classic.
-#[derive(Debug)]
-pub struct AmqpBroker<const CLASSIC: bool> {
-    pub server: RabbitMq,
-}
-
-/// A quorum queue: RabbitMQ counts deliveries (`x-delivery-count`).
-pub type AmqpQuorumBroker = AmqpBroker<false>;
-/// A classic queue: the worker counts redeliveries itself.
-pub type AmqpClassicBroker = AmqpBroker<true>;
-
-impl<const CLASSIC: bool> AmqpBroker<CLASSIC> {
-    pub const QUEUE_TYPE: QueueType = if CLASSIC {
-        QueueType::Classic
-    } else {
-        QueueType::Quorum
-    };
-
-    /// Properties with a `message-id` of their own, as a producer would set.
-    pub fn properties() -> lapin::BasicProperties {
-        let id = format!("{:016x}{:016x}", fastrand::u64(..), fastrand::u64(..));
-        lapin::BasicProperties::default().with_message_id(id.into())
-    }
-
-    /// Each dead letter of queue `name` with the text of its header `header` (`""` without).
-    pub async fn dead_letters_with(
-        &self,
-        name: &str,
-        header: &str,
-    ) -> Result<Vec<(Vec<u8>, String)>> {
-        let letters = self.server.peek(&format!("{name}.dlq")).await?;
-        Ok(letters
-            .into_iter()
-            .map(|(body, properties)| {
-                let value = rabbitmq::header(&properties, header).unwrap_or_default();
-                (body, value)
-            })
-            .collect())
-    }
-}
-
-impl<const CLASSIC: bool> BrokerFixture for AmqpBroker<CLASSIC> {
-    async fn start(_fx: &Fixture) -> Result<(Self, Vec<(String, String)>)> {
-        let server = RabbitMq::start()?;
-        let env = vec![("AMQP_URL".to_owned(), server.url())];
-        Ok((Self { server }, env))
-    }
-
-    async fn create(&self, _fx: &Fixture, name: &str) -> Result<String> {
-        let arguments = rabbitmq::queue_arguments(Self::QUEUE_TYPE, &[]);
-        self.server.declare(name, arguments.clone()).await?;
-        self.server
-            .declare(&format!("{name}.dlq"), arguments)
-            .await?;
-        Ok(format!("amqp: {{queue: {name}}}"))
-    }
-
-    fn delivery(&self) -> &'static str {
-        "claimIdleSeconds: 2"
-    }
-
-    /// Each message with a `message-id` of its own, as a producer would set.
-    async fn produce(&self, _fx: &Fixture, name: &str, bodies: Vec<Vec<u8>>) -> Result<()> {
-        let messages = bodies.into_iter().map(|body| (body, Self::properties()));
-        self.server.publish(name, messages).await
-    }
-
-    async fn unacknowledged(&self, _fx: &Fixture, name: &str) -> Result<u64> {
-        self.server.messages(name).await
-    }
-
-    async fn dead_letters(&self, _fx: &Fixture, name: &str) -> Result<Vec<(Vec<u8>, String)>> {
-        self.dead_letters_with(name, "x-switchboard-reason").await
-    }
-
-    async fn restart(&mut self, _fx: &mut Fixture) -> Result<()> {
-        self.server.restart()
-    }
-}
-
-/// Partitions of every topic the contract suite reads from Kafka.
-pub const KAFKA_PARTITIONS: i32 = 3;
-
-impl KafkaBroker {
-    /// Each dead letter of topic `name` with the text of its header `header` (`""` without).
-    pub async fn dead_letters_with(
-        &self,
-        name: &str,
-        header: &str,
-    ) -> Result<Vec<(Vec<u8>, String)>> {
-        Ok(self
-            .server
-            .read_all(&format!("{name}.dlq"))
-            .await?
-            .into_iter()
-            .map(|letter| {
-                let value = letter.header(header).unwrap_or_default();
-                (letter.value.unwrap_or_default(), value)
-            })
-            .collect())
-    }
-}
-
-impl BrokerFixture for KafkaBroker {
-    async fn start(_fx: &Fixture) -> Result<(Self, Vec<(String, String)>)> {
-        Ok((
-            Self {
-                server: KafkaServer::start()?,
-            },
-            Vec::new(),
-        ))
-    }
-
-    async fn create(&self, _fx: &Fixture, name: &str) -> Result<String> {
-        self.server.create_topic(name, KAFKA_PARTITIONS).await?;
-        self.server.create_topic(&format!("{name}.dlq"), 1).await?;
-        // A short session: a killed worker's partitions move to the next one within seconds.
-        Ok(format!(
-            "kafka: {{bootstrapServers: \"{}\", topics: [{name}], sessionTimeoutSeconds: 6}}",
-            self.server.bootstrap()
-        ))
-    }
-
-    fn delivery(&self) -> &'static str {
-        "claimIdleSeconds: 2"
-    }
-
-    async fn produce(&self, _fx: &Fixture, name: &str, bodies: Vec<Vec<u8>>) -> Result<()> {
-        self.server.produce(name, bodies).await
-    }
-
-    async fn unacknowledged(&self, _fx: &Fixture, name: &str) -> Result<u64> {
-        self.server.lag(name, &kafka_group(name)).await
-    }
-
-    async fn dead_letters(&self, _fx: &Fixture, name: &str) -> Result<Vec<(Vec<u8>, String)>> {
-        self.dead_letters_with(name, "x-dlq-reason").await
-    }
-
-    async fn restart(&mut self, _fx: &mut Fixture) -> Result<()> {
-        self.server.restart()
-    }
-}
-
-/// The default consumer group of adapter `test/{name}`.
-pub fn kafka_group(name: &str) -> String {
-    format!("switchboard-test-{name}")
-}

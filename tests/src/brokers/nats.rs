@@ -14,6 +14,8 @@ use tempfile::TempDir;
 use super::cache_dir;
 use crate::servers::stop_child;
 use crate::wait::wait_for;
+use super::{BrokerFixture, GROUP};
+use crate::Fixture;
 
 /// The nats-server version `scripts/nats-server.sh` builds and this harness looks for.
 pub const NATS_SERVER_VERSION: &str = "2.15.2";
@@ -274,5 +276,99 @@ mod tests {
             Some(39857)
         );
         assert_eq!(client_port("{}"), None);
+    }
+}
+
+/// A NATS JetStream stream of a real nats-server, read by a durable pull consumer.
+#[derive(Debug)]
+pub struct NatsBroker {
+    pub server: NatsServer,
+}
+
+impl NatsBroker {
+    /// The stream of queue `name` (`CHAOS` for `chaos`).
+    pub fn stream(name: &str) -> String {
+        name.to_uppercase()
+    }
+
+    /// The subject messages of queue `name` are published to.
+    pub fn subject(name: &str) -> String {
+        format!("{name}.orders")
+    }
+
+    /// Each dead letter of queue `name` with the text of its header `header` (`""` without).
+    pub async fn dead_letters_with(
+        &self,
+        name: &str,
+        header: &str,
+    ) -> Result<Vec<(Vec<u8>, String)>> {
+        let letters = self
+            .server
+            .stream_messages(&format!("{}_DLQ", Self::stream(name)))
+            .await?
+            .unwrap_or_default();
+        Ok(letters
+            .into_iter()
+            .map(|letter| {
+                let value = letter
+                    .headers
+                    .get(header)
+                    .map(|value| value.as_str().to_owned())
+                    .unwrap_or_default();
+                (letter.payload.to_vec(), value)
+            })
+            .collect())
+    }
+}
+
+impl BrokerFixture for NatsBroker {
+    async fn start(_fx: &Fixture) -> Result<(Self, Vec<(String, String)>)> {
+        let server = NatsServer::start().await?;
+        let env = vec![("NATS_URL".to_owned(), server.url())];
+        Ok((Self { server }, env))
+    }
+
+    async fn create(&self, _fx: &Fixture, name: &str) -> Result<String> {
+        let stream = Self::stream(name);
+        self.server
+            .create_stream(&stream, &[format!("{name}.>")])
+            .await?;
+        // Short AckWait: a killed worker's messages come back quickly.
+        Ok(format!(
+            "nats: {{stream: {stream}, consumer: {GROUP}, ackWaitSeconds: 2}}"
+        ))
+    }
+
+    fn delivery(&self) -> &'static str {
+        "claimIdleSeconds: 2"
+    }
+
+    async fn produce(&self, _fx: &Fixture, name: &str, bodies: Vec<Vec<u8>>) -> Result<()> {
+        self.server.publish(&Self::subject(name), bodies).await
+    }
+
+    async fn unacknowledged(&self, _fx: &Fixture, name: &str) -> Result<u64> {
+        let stream = Self::stream(name);
+        match self.server.consumer_info(&stream, GROUP).await? {
+            Some(info) => Ok(info.num_pending + info.num_ack_pending as u64),
+            // No consumer yet: every message is waiting.
+            None => Ok(self
+                .server
+                .jetstream()
+                .get_stream(&stream)
+                .await?
+                .info()
+                .await?
+                .state
+                .messages),
+        }
+    }
+
+    async fn dead_letters(&self, _fx: &Fixture, name: &str) -> Result<Vec<(Vec<u8>, String)>> {
+        self.dead_letters_with(name, "Switchboard-Reason").await
+    }
+
+    async fn restart(&mut self, _fx: &mut Fixture) -> Result<()> {
+        self.server.restart().await
     }
 }

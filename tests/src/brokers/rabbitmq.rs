@@ -26,6 +26,8 @@ use tempfile::TempDir;
 
 use crate::servers::{children_of, free_ports, stop_child};
 use crate::wait::wait_until;
+use super::BrokerFixture;
+use crate::Fixture;
 
 /// The RabbitMQ version Debian bookworm ships, which the harness was proven with.
 pub const RABBITMQ_VERSION: &str = "3.10";
@@ -373,5 +375,85 @@ impl Drop for RabbitMq {
         if let Some(mut epmd) = self.epmd.take() {
             stop_child(&mut epmd, Signal::SIGTERM, Duration::from_secs(5));
         }
+    }
+}
+
+/// A durable RabbitMQ queue of a real node, quorum (`CLASSIC = false`) or classic.
+#[derive(Debug)]
+pub struct AmqpBroker<const CLASSIC: bool> {
+    pub server: RabbitMq,
+}
+
+/// A quorum queue: RabbitMQ counts deliveries (`x-delivery-count`).
+pub type AmqpQuorumBroker = AmqpBroker<false>;
+/// A classic queue: the worker counts redeliveries itself.
+pub type AmqpClassicBroker = AmqpBroker<true>;
+
+impl<const CLASSIC: bool> AmqpBroker<CLASSIC> {
+    pub const QUEUE_TYPE: QueueType = if CLASSIC {
+        QueueType::Classic
+    } else {
+        QueueType::Quorum
+    };
+
+    /// Properties with a `message-id` of their own, as a producer would set.
+    pub fn properties() -> lapin::BasicProperties {
+        let id = format!("{:016x}{:016x}", fastrand::u64(..), fastrand::u64(..));
+        lapin::BasicProperties::default().with_message_id(id.into())
+    }
+
+    /// Each dead letter of queue `name` with the text of its header `header` (`""` without).
+    pub async fn dead_letters_with(
+        &self,
+        name: &str,
+        header: &str,
+    ) -> Result<Vec<(Vec<u8>, String)>> {
+        let letters = self.server.peek(&format!("{name}.dlq")).await?;
+        Ok(letters
+            .into_iter()
+            .map(|(body, properties)| {
+                let value = header(&properties, header).unwrap_or_default();
+                (body, value)
+            })
+            .collect())
+    }
+}
+
+impl<const CLASSIC: bool> BrokerFixture for AmqpBroker<CLASSIC> {
+    async fn start(_fx: &Fixture) -> Result<(Self, Vec<(String, String)>)> {
+        let server = RabbitMq::start()?;
+        let env = vec![("AMQP_URL".to_owned(), server.url())];
+        Ok((Self { server }, env))
+    }
+
+    async fn create(&self, _fx: &Fixture, name: &str) -> Result<String> {
+        let arguments = queue_arguments(Self::QUEUE_TYPE, &[]);
+        self.server.declare(name, arguments.clone()).await?;
+        self.server
+            .declare(&format!("{name}.dlq"), arguments)
+            .await?;
+        Ok(format!("amqp: {{queue: {name}}}"))
+    }
+
+    fn delivery(&self) -> &'static str {
+        "claimIdleSeconds: 2"
+    }
+
+    /// Each message with a `message-id` of its own, as a producer would set.
+    async fn produce(&self, _fx: &Fixture, name: &str, bodies: Vec<Vec<u8>>) -> Result<()> {
+        let messages = bodies.into_iter().map(|body| (body, Self::properties()));
+        self.server.publish(name, messages).await
+    }
+
+    async fn unacknowledged(&self, _fx: &Fixture, name: &str) -> Result<u64> {
+        self.server.messages(name).await
+    }
+
+    async fn dead_letters(&self, _fx: &Fixture, name: &str) -> Result<Vec<(Vec<u8>, String)>> {
+        self.dead_letters_with(name, "x-switchboard-reason").await
+    }
+
+    async fn restart(&mut self, _fx: &mut Fixture) -> Result<()> {
+        self.server.restart()
     }
 }

@@ -24,6 +24,8 @@ use tempfile::TempDir;
 
 use crate::servers::stop_child;
 use crate::wait::wait_until;
+use super::BrokerFixture;
+use crate::Fixture;
 
 /// The ElasticMQ version `scripts/elasticmq.sh` installs and this harness looks for.
 pub const ELASTICMQ_VERSION: &str = "1.7.1";
@@ -494,4 +496,108 @@ pub fn sqs_client(endpoint: &str, region: &str) -> Client {
 /// An SDK error with its whole cause chain (its `Display` alone says only "service error").
 pub fn sqs_error(operation: &str, err: impl std::error::Error) -> anyhow::Error {
     anyhow!("{operation}: {}", DisplayErrorContext(err))
+}
+
+/// A standard SQS queue of a real ElasticMQ server.
+#[derive(Debug)]
+pub struct SqsBroker {
+    pub server: ElasticMq,
+}
+
+impl BrokerFixture for SqsBroker {
+    async fn start(_fx: &Fixture) -> Result<(Self, Vec<(String, String)>)> {
+        let server = ElasticMq::start()?;
+        let env = [
+            ("AWS_ACCESS_KEY_ID", "test"),
+            ("AWS_SECRET_ACCESS_KEY", "test"),
+            ("AWS_REGION", "us-east-1"),
+        ]
+        .map(|(name, value)| (name.to_owned(), value.to_owned()))
+        .to_vec();
+        Ok((Self { server }, env))
+    }
+
+    async fn create(&self, _fx: &Fixture, name: &str) -> Result<String> {
+        use aws_sdk_sqs::types::QueueAttributeName;
+        // Short visibility: a killed worker's messages come back quickly.
+        let visibility = [(QueueAttributeName::VisibilityTimeout, "2")];
+        let url = self.server.create_queue(name, &visibility).await?;
+        self.server
+            .create_queue(&format!("{name}-dlq"), &[])
+            .await?;
+        Ok(format!(
+            "sqs: {{queueUrl: \"{url}\", endpoint: \"{}\", waitTimeSeconds: 1}}",
+            self.server.endpoint()
+        ))
+    }
+
+    fn delivery(&self) -> &'static str {
+        "claimIdleSeconds: 2"
+    }
+
+    async fn produce(&self, _fx: &Fixture, name: &str, bodies: Vec<Vec<u8>>) -> Result<()> {
+        let url = self.url(name);
+        self.server.send_bodies(&url, bodies).await.map(drop)
+    }
+
+    async fn unacknowledged(&self, _fx: &Fixture, name: &str) -> Result<u64> {
+        let counts = self.server.count(&self.url(name)).await?;
+        Ok(counts.visible + counts.in_flight + counts.delayed)
+    }
+
+    async fn dead_letters(&self, _fx: &Fixture, name: &str) -> Result<Vec<(Vec<u8>, String)>> {
+        self.dead_letter_messages(name)
+            .await?
+            .into_iter()
+            .map(|letter| {
+                let reason = SqsBroker::attribute(&letter, "x-dlq-reason");
+                let body = letter.body().context("dead letter without a body")?;
+                Ok((body.as_bytes().to_vec(), reason))
+            })
+            .collect()
+    }
+
+    async fn restart(&mut self, _fx: &mut Fixture) -> Result<()> {
+        self.server.restart()
+    }
+}
+
+impl SqsBroker {
+    /// The URL of queue `name` (ElasticMQ's account is `000000000000`).
+    pub fn url(&self, name: &str) -> String {
+        format!("{}/000000000000/{name}", self.server.endpoint())
+    }
+
+    /// The dead letters of `name` with their attributes. Reading leaves them in place.
+    pub async fn dead_letter_messages(
+        &self,
+        name: &str,
+    ) -> Result<Vec<aws_sdk_sqs::types::Message>> {
+        let url = self.url(&format!("{name}-dlq"));
+        let letters = self.server.receive_all(&url).await?;
+        // Visible again at once: reading dead letters must not hide them from the next read.
+        for letter in &letters {
+            if let Some(receipt) = letter.receipt_handle() {
+                self.server
+                    .client()
+                    .change_message_visibility()
+                    .queue_url(&url)
+                    .receipt_handle(receipt)
+                    .visibility_timeout(0)
+                    .send()
+                    .await?;
+            }
+        }
+        Ok(letters)
+    }
+
+    /// The text of message attribute `name` of `letter`, or `""`.
+    pub fn attribute(letter: &aws_sdk_sqs::types::Message, name: &str) -> String {
+        letter
+            .message_attributes()
+            .and_then(|attributes| attributes.get(name))
+            .and_then(|value| value.string_value())
+            .unwrap_or_default()
+            .to_owned()
+    }
 }

@@ -169,6 +169,11 @@ pub enum ErrorKind {
     /// Misconfiguration that retrying cannot fix (a missing queue, denied credentials, a wrong
     /// region): the worker exits non-zero. `setting` names what to fix.
     Fatal { setting: String },
+    /// The dead-letter destination permanently refused these letters (indexes into the letters
+    /// given to [`Transport::write_dead_letters`]; the others were written): too large for it,
+    /// a publish it rejects however often it is retried. The pipeline keeps them in
+    /// PostgreSQL's dead-letter table instead, so their originals can still be acknowledged.
+    DeadLettersRefused { letters: Vec<usize> },
 }
 
 /// A failure of a broker (or of the database, while the transport reads its checkpoint).
@@ -235,6 +240,21 @@ impl TransportError {
         let context = format!("{setting}: {}", context.into());
         Self::new(
             ErrorKind::Fatal { setting },
+            Dependency::Broker,
+            context,
+            source,
+        )
+    }
+
+    /// The dead-letter destination permanently refused `letters` (indexes into the letters
+    /// given; the others were written); `context` says what the broker answered.
+    pub fn dead_letters_refused(
+        letters: Vec<usize>,
+        context: impl Into<String>,
+        source: Option<Box<dyn std::error::Error + Send + Sync>>,
+    ) -> Self {
+        Self::new(
+            ErrorKind::DeadLettersRefused { letters },
             Dependency::Broker,
             context,
             source,
