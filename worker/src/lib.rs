@@ -473,7 +473,7 @@ async fn run_source(
                 max_deliveries: u64::from(spec.delivery.max_deliveries),
                 dead_letter_retention: dead_letter.retention(),
             };
-            let transport = Nats::new(settings, &mut registry);
+            let transport = Nats::new(settings, deps.store.clone(), &mut registry);
             drive(transport, registry, nats, deps, probes).await
         }
         Source {
