@@ -40,9 +40,11 @@ SELECT previous.mark FROM input LEFT JOIN previous USING (partition) CROSS JOIN 
 ORDER BY input.ord
 "#;
 
+// DISTINCT: a key given twice is one message, counted once (ON CONFLICT DO UPDATE cannot touch
+// a row twice in one statement).
 const COUNT_SQL: &str = r#"
 INSERT INTO deliveries AS d (source, key, count)
-SELECT $1, key, 2 FROM unnest($2::text[]) AS t(key)
+SELECT DISTINCT $1, key, 2 FROM unnest($2::text[]) AS t(key)
 ON CONFLICT (source, key) DO UPDATE SET count = d.count + 1, updated_at = now()
 RETURNING key, count
 "#;
