@@ -412,7 +412,7 @@ impl<const CLASSIC: bool> AmqpBroker<CLASSIC> {
         Ok(letters
             .into_iter()
             .map(|(body, properties)| {
-                let value = header(&properties, header).unwrap_or_default();
+                let value = self::header(&properties, header).unwrap_or_default();
                 (body, value)
             })
             .collect())
