@@ -26,7 +26,7 @@ use tokio::signal::unix::{Signal, SignalKind, signal};
 use tokio_util::sync::CancellationToken;
 
 use crate::backoff::Backoff;
-use crate::health::Health;
+use crate::health::{Dependency, Health};
 use crate::metrics::Metrics;
 use crate::pipeline::{Pipeline, PipelineError, PipelineSettings};
 use crate::transport::amqp::{Amqp, AmqpSettings};
@@ -165,6 +165,7 @@ async fn wait_for_schema(
                 if backoff.attempts() == 0 {
                     tracing::warn!(error = %ErrorChain(&err), "database unavailable at start; retrying with backoff");
                 }
+                health.set_down(Dependency::Database, &ErrorChain(&err).to_string());
                 let delay = backoff.next_delay();
                 // Waiting for the database is not being stuck.
                 health.beat(delay + Duration::from_secs(60));
@@ -284,6 +285,10 @@ impl Probes for WorkerProbes {
 
     fn is_ready(&self) -> bool {
         self.health.is_ready()
+    }
+
+    fn not_ready_because(&self) -> String {
+        self.health.not_ready_because()
     }
 
     fn metrics(&self) -> String {
