@@ -21,7 +21,7 @@ use rdkafka::client::DefaultClientContext;
 use rdkafka::config::ClientConfig;
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::message::{Headers as _, Message as _};
-use rdkafka::producer::{FutureProducer, FutureRecord};
+use rdkafka::producer::{FutureProducer, FutureRecord, Producer as _};
 use rdkafka::{Offset, TopicPartitionList};
 use tempfile::TempDir;
 
@@ -257,6 +257,9 @@ impl KafkaServer {
             .config()
             .set("acks", "all")
             .set("linger.ms", "5")
+            // Up to the broker's own limit (`message.max.bytes` 1048588): records above the
+            // producer's default 1,000,000 bytes, as other clients may send.
+            .set("message.max.bytes", "1048576")
             .create()?;
         let sends = records.iter().map(|record| {
             let mut headers = rdkafka::message::OwnedHeaders::new();
@@ -278,6 +281,28 @@ impl KafkaServer {
         for result in futures::future::join_all(sends).await {
             result.map_err(|(err, _)| anyhow!("producing to {topic}: {err}"))?;
         }
+        Ok(())
+    }
+
+    /// Produces one record per body in a transaction that is then aborted: the records and
+    /// the transaction markers take offsets, and a `read_committed` consumer never sees them.
+    pub async fn produce_aborted(&self, topic: &str, bodies: Vec<Vec<u8>>) -> Result<()> {
+        let producer: FutureProducer = self
+            .config()
+            .set("transactional.id", format!("switchboard-tests-{topic}"))
+            .create()?;
+        producer.init_transactions(REQUEST_TIMEOUT)?;
+        producer.begin_transaction()?;
+        let sends = bodies.iter().map(|body| {
+            producer.send(
+                FutureRecord::<[u8], [u8]>::to(topic).payload(body),
+                REQUEST_TIMEOUT,
+            )
+        });
+        for result in futures::future::join_all(sends).await {
+            result.map_err(|(err, _)| anyhow!("producing to {topic}: {err}"))?;
+        }
+        producer.abort_transaction(REQUEST_TIMEOUT)?;
         Ok(())
     }
 
