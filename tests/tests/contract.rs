@@ -94,7 +94,10 @@ impl<B: BrokerFixture> Contract<B> {
     async fn assert_stored_exactly(&self, produced: &[Vec<u8>]) -> Result<()> {
         self.fx.assert_stored_exactly(self.name, produced).await?;
         let letters = self.broker.dead_letters(&self.fx, self.name).await?;
-        ensure!(letters.is_empty(), "nothing may be dead-lettered: {letters:?}");
+        ensure!(
+            letters.is_empty(),
+            "nothing may be dead-lettered: {letters:?}"
+        );
         let kept = self.fx.database_dead_letters(self.name).await?;
         ensure!(kept.is_empty(), "nothing may be dead-lettered: {kept:?}");
         ensure!(self.unacknowledged().await? == 0);
@@ -399,7 +402,10 @@ async fn recreated_source_is_stored_not_deduplicated<B: BrokerFixture>() -> Resu
     contract.produce(produced[..100].to_vec()).await?;
     let worker = contract.fx.worker(&manifest, "w1")?;
     contract.wait_settled(100, &worker).await?;
-    contract.broker.recreate(&contract.fx, contract.name).await?;
+    contract
+        .broker
+        .recreate(&contract.fx, contract.name)
+        .await?;
     contract.produce(produced[100..].to_vec()).await?;
     contract.wait_settled(400, &worker).await?;
     contract.assert_stored_exactly(&produced).await
@@ -424,15 +430,24 @@ async fn undecodable_part_spares_the_neighbours<B: BrokerFixture>() -> Result<()
     })
     .await
     .map_err(|err| err.context(worker.log_tail()))?;
-    let mut letters = contract.broker.dead_letters(&contract.fx, contract.name).await?;
+    let mut letters = contract
+        .broker
+        .dead_letters(&contract.fx, contract.name)
+        .await?;
     letters.extend(contract.fx.database_dead_letters(contract.name).await?);
     let mut expected = bodies(0..20);
     match letters.as_slice() {
         [] => expected.push(odd),
-        [(body, _)] => ensure!(*body == odd, "the dead letter is the odd message: {letters:?}"),
+        [(body, _)] => ensure!(
+            *body == odd,
+            "the dead letter is the odd message: {letters:?}"
+        ),
         _ => anyhow::bail!("one dead letter at most: {letters:?}"),
     }
-    contract.fx.assert_stored_exactly(contract.name, &expected).await?;
+    contract
+        .fx
+        .assert_stored_exactly(contract.name, &expected)
+        .await?;
     ensure!(
         contract.metric(&worker, "switchboard_messages_redelivered_total")? == 0.0,
         "no message was redelivered (no connection was dropped for it)\n{}",
@@ -456,11 +471,19 @@ async fn refused_dead_letter_is_kept_in_the_database<B: BrokerFixture>() -> Resu
     all.extend(bodies(10..20));
     contract.produce(all).await?;
     let worker = contract.fx.worker(&manifest, "w1")?;
-    wait_for(LONG, "20 todos, one kept letter, nothing un-acknowledged", || async {
-        Ok(contract.todos().await? >= 20
-            && !contract.fx.database_dead_letters(contract.name).await?.is_empty()
-            && contract.unacknowledged().await? == 0)
-    })
+    wait_for(
+        LONG,
+        "20 todos, one kept letter, nothing un-acknowledged",
+        || async {
+            Ok(contract.todos().await? >= 20
+                && !contract
+                    .fx
+                    .database_dead_letters(contract.name)
+                    .await?
+                    .is_empty()
+                && contract.unacknowledged().await? == 0)
+        },
+    )
     .await
     .map_err(|err| err.context(worker.log_tail()))?;
     contract

@@ -292,4 +292,3 @@ impl BrokerFixture for RedisListBroker {
         occupy_with_a_string(fx, &format!("{name}.dlq"))
     }
 }
-

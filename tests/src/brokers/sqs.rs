@@ -22,10 +22,10 @@ use aws_sdk_sqs::types::{
 use nix::sys::signal::Signal;
 use tempfile::TempDir;
 
-use crate::servers::stop_child;
-use crate::wait::wait_until;
 use super::BrokerFixture;
 use crate::Fixture;
+use crate::servers::stop_child;
+use crate::wait::wait_until;
 
 /// The ElasticMQ version `scripts/elasticmq.sh` installs and this harness looks for.
 pub const ELASTICMQ_VERSION: &str = "1.7.1";
