@@ -537,6 +537,13 @@ async fn dead_letter_carries_no_x_delivery_count() -> Result<()> {
     server
         .declare(name, queue_arguments(QueueType::Quorum, &[]))
         .await?;
+    // A classic dead-letter queue: a quorum one would add its own x-delivery-count when read.
+    server
+        .declare(
+            &format!("{name}.dlq"),
+            queue_arguments(QueueType::Classic, &[]),
+        )
+        .await?;
     server
         .publish(name, good_then_poison(with_id("poison-counted")))
         .await?;
@@ -615,7 +622,7 @@ async fn blocked_connection_publishes_one_dead_letter_and_says_so() -> Result<()
     let log = worker.log();
     let reports = log
         .lines()
-        .filter(|line| line.contains("blocked the publishing connection"))
+        .filter(|line| line.contains("RabbitMQ blocked the publishing connection"))
         .count();
     ensure!(
         reports == 1,
@@ -674,11 +681,13 @@ async fn quorum_delivery_limit_below_max_deliveries_is_refused() -> Result<()> {
     Ok(())
 }
 
-/// A classic queue full to its `x-max-length` with `x-overflow: reject-publish` after a worker
-/// crash: every message is a redelivery, and publishing it again with its count is refused.
-/// Storing does not wait on that publish: all 170 are stored, in one session.
+/// A classic queue kept full to its `x-max-length` with `x-overflow: reject-publish` (a producer
+/// tops it up) after a worker crash: the redelivered messages cannot be published again with
+/// their count. Storing does not wait on that publish: every message is stored, in one session.
 #[tokio::test]
 async fn full_classic_queue_after_a_crash_still_stores() -> Result<()> {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
     const TOTAL: usize = 170;
     let mut fx = Fixture::start().await?;
     let server = start(&mut fx).await?;
@@ -703,18 +712,61 @@ async fn full_classic_queue_after_a_crash_still_stores() -> Result<()> {
         .await?;
     let manifest = json_manifest(&fx, name, "batchSize: 50")?;
     fx.crash_after_first_commit(&manifest, "crashing").await?;
+    // The producer keeps the queue full: whatever the worker takes out is refilled.
+    let (stop, filled) = (
+        Arc::new(AtomicBool::new(false)),
+        Arc::new(AtomicU64::new(0)),
+    );
+    let (connection, channel) = server.channel().await?;
+    let producer = tokio::spawn({
+        let (stop, filled) = (stop.clone(), filled.clone());
+        async move {
+            let mut i = 0u64;
+            while !stop.load(Ordering::Relaxed) {
+                i += 1;
+                let confirm = channel
+                    .basic_publish(
+                        "".into(),
+                        name.into(),
+                        lapin::options::BasicPublishOptions::default(),
+                        format!(r#"{{"filler":{i}}}"#).as_bytes(),
+                        with_id(&format!("filler-{i}")).with_delivery_mode(2),
+                    )
+                    .await?
+                    .await?;
+                if confirm.is_ack() {
+                    filled.fetch_add(1, Ordering::Relaxed);
+                } else {
+                    // Refused (full): pace the next attempt.
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+            }
+            anyhow::Ok(())
+        }
+    });
     let worker = fx.worker(&manifest, "survivor")?;
+    let refused = wait_for(
+        LONG,
+        "redeliveries stored without their recount",
+        || async { Ok(counter(&worker, "amqp_redeliveries_not_recounted", name)? > 0.0) },
+    )
+    .await
+    .with_context(|| worker.log_tail());
+    stop.store(true, Ordering::Relaxed);
+    producer.await??;
+    let _ = connection.close(200, "done".into()).await;
+    refused?;
+    let expected = TOTAL as i64 + i64::try_from(filled.load(Ordering::Relaxed))?;
     wait_for(LONG, "every message stored and acknowledged", || async {
-        Ok(fx.todo_count(name).await? == TOTAL as i64 && server.messages(name).await? == 0)
+        Ok(fx.todo_count(name).await? == expected && server.messages(name).await? == 0)
     })
     .await
     .with_context(|| worker.log_tail())?;
-    fx.assert_exactly_once(name, TOTAL as i64).await?;
+    fx.assert_exactly_once(name, expected).await?;
     ensure!(
         counter(&worker, "amqp_sessions_opened", name)? == 1.0,
         "one session, no reconnect loop\n{}",
         worker.log_tail()
     );
-    ensure!(counter(&worker, "amqp_redeliveries_not_recounted", name)? > 0.0);
     Ok(())
 }

@@ -215,7 +215,11 @@ impl Publisher {
             }
             published.refusal =
                 Some("RabbitMQ blocked the publishing connection (a resource alarm)".into());
-            if published.refused.len() < messages.len() {
+            let settled = messages
+                .iter()
+                .filter(|message| self.confirmed.contains_key(message.key))
+                .count();
+            if settled + published.refused.len() < messages.len() {
                 published.retry = Some(TransportError::protocol(format!(
                     "RabbitMQ blocks the publishing connection (a resource alarm: disk or memory): the {what} waits"
                 )));
