@@ -10,6 +10,7 @@ use switchboard_tests::brokers::{
     AmqpClassicBroker, AmqpQuorumBroker, BrokerFixture, GatewayBroker, KafkaBroker, NatsBroker,
     RedisListBroker, RedisStreamBroker, SqsBroker,
 };
+use switchboard_tests::proxy::CuttingProxy;
 use switchboard_tests::wait::wait_for;
 use switchboard_tests::worker::WorkerProcess;
 use switchboard_tests::{Fixture, source_manifest};
@@ -498,6 +499,58 @@ async fn refused_dead_letter_is_kept_in_the_database<B: BrokerFixture>() -> Resu
     Ok(())
 }
 
+/// Every connection between the worker and the broker is reset again and again while batches
+/// flow (a proxy in between cuts them mid-receive, mid-store and mid-acknowledgement): the
+/// worker reconnects each time, and exactly the produced set is stored.
+async fn connections_cut_mid_flow_lose_nothing<B: BrokerFixture>() -> Result<()> {
+    const TOTAL: usize = 2_000;
+    const CUTS: usize = 8;
+    let contract = Contract::<B>::start("cut").await?;
+    let upstream = contract.broker.address(&contract.fx)?;
+    let proxy = CuttingProxy::start(&upstream).await?;
+    let via = |text: &str| text.replace(&upstream, &proxy.address());
+    let name = contract.name;
+    let delivery = format!("{}, batchSize: 10", contract.broker.delivery());
+    let manifest = contract.fx.manifest(
+        &format!("{name}.yaml"),
+        &source_manifest(name, &via(&contract.source), &delivery, ""),
+    )?;
+    // The worker's broker environment, pointed at the proxy.
+    let mut env = vec![("REDIS_URL".to_owned(), via(&contract.fx.env.redis_url))];
+    env.extend(
+        contract
+            .fx
+            .extra_env
+            .iter()
+            .map(|(key, value)| (key.clone(), via(value))),
+    );
+    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+    let produced = bodies(0..TOTAL);
+    let worker = contract.fx.worker_with(&manifest, "w1", &env)?;
+    let mut rng = fastrand::Rng::new();
+    let mut opened_before_cuts = None;
+    // A wave per cut, cut while the wave is being received, stored and acknowledged.
+    for (cut, wave) in produced.chunks(TOTAL / CUTS).enumerate() {
+        let before = contract.todos().await?;
+        contract.produce(wave.to_vec()).await?;
+        let target = before + rng.i64(10..(wave.len() as i64 / 2));
+        wait_for(LONG, &format!("progress before cut {cut}"), || async {
+            Ok(contract.todos().await? >= target)
+        })
+        .await
+        .map_err(|err| err.context(worker.log_tail()))?;
+        opened_before_cuts.get_or_insert(proxy.connections());
+        proxy.cut();
+    }
+    contract.wait_settled(TOTAL as i64, &worker).await?;
+    contract.assert_stored_exactly(&produced).await?;
+    ensure!(
+        Some(proxy.connections()) > opened_before_cuts,
+        "the worker reconnected through the proxy after the cuts"
+    );
+    Ok(())
+}
+
 /// The suite, for one broker.
 macro_rules! contract_suite {
     ($($module:ident => $broker:ty),* $(,)?) => {$(
@@ -557,6 +610,11 @@ macro_rules! contract_suite {
             #[tokio::test]
             async fn dead_letter_the_broker_refuses_is_kept_in_postgresql() -> Result<()> {
                 refused_dead_letter_is_kept_in_the_database::<$broker>().await
+            }
+
+            #[tokio::test]
+            async fn connections_cut_mid_receive_and_mid_ack_lose_nothing() -> Result<()> {
+                connections_cut_mid_flow_lose_nothing::<$broker>().await
             }
         }
     )*};

@@ -504,6 +504,10 @@ impl<const CLASSIC: bool> BrokerFixture for AmqpBroker<CLASSIC> {
         self.server.crash()
     }
 
+    fn address(&self, _fx: &Fixture) -> Result<String> {
+        Ok(format!("127.0.0.1:{}", self.server.amqp_port))
+    }
+
     async fn recreate(&self, _fx: &Fixture, name: &str) -> Result<()> {
         self.server
             .redeclare(name, queue_arguments(Self::QUEUE_TYPE, &[]))
