@@ -277,27 +277,28 @@ impl RabbitMq {
 
     /// Declares a durable queue with `arguments`.
     pub async fn declare(&self, name: &str, arguments: FieldTable) -> Result<()> {
-        let (connection, channel) = self.channel().await?;
-        let options = QueueDeclareOptions {
-            durable: true,
-            ..QueueDeclareOptions::default()
-        };
-        channel
-            .queue_declare(name.into(), options, arguments)
-            .await
-            .with_context(|| format!("declaring queue {name}"))?;
-        let _ = connection.close(200, "done".into()).await;
-        Ok(())
+        self.delete_and_declare(false, name, arguments).await
     }
 
     /// Deletes queue `name` and declares it again, empty, with `arguments`, on one channel
     /// (back to back: a consumer that reconnects finds it).
     pub async fn redeclare(&self, name: &str, arguments: FieldTable) -> Result<()> {
+        self.delete_and_declare(true, name, arguments).await
+    }
+
+    async fn delete_and_declare(
+        &self,
+        delete: bool,
+        name: &str,
+        arguments: FieldTable,
+    ) -> Result<()> {
         let (connection, channel) = self.channel().await?;
-        channel
-            .queue_delete(name.into(), QueueDeleteOptions::default())
-            .await
-            .with_context(|| format!("deleting queue {name}"))?;
+        if delete {
+            channel
+                .queue_delete(name.into(), QueueDeleteOptions::default())
+                .await
+                .with_context(|| format!("deleting queue {name}"))?;
+        }
         let options = QueueDeclareOptions {
             durable: true,
             ..QueueDeclareOptions::default()
@@ -535,8 +536,9 @@ impl<const CLASSIC: bool> BrokerFixture for AmqpBroker<CLASSIC> {
         self.server.publish(name, [(body, properties)]).await
     }
 
-    /// The dead-letter queue holds nothing and refuses every publish (a nack): `x-max-length`
-    /// 0 with `x-overflow: reject-publish`.
+    /// The dead-letter queue holds nothing and refuses every publish (a nack): a classic queue
+    /// (a quorum queue takes one message past its limit) with `x-max-length` 0 and
+    /// `x-overflow: reject-publish`.
     async fn refuse_dead_letters(&self, _fx: &Fixture, name: &str) -> Result<()> {
         let limits = [
             ("x-max-length", AMQPValue::LongLongInt(0)),
@@ -545,7 +547,7 @@ impl<const CLASSIC: bool> BrokerFixture for AmqpBroker<CLASSIC> {
         self.server
             .redeclare(
                 &format!("{name}.dlq"),
-                queue_arguments(Self::QUEUE_TYPE, &limits),
+                queue_arguments(QueueType::Classic, &limits),
             )
             .await
     }

@@ -19,8 +19,8 @@ use lapin::Connection;
 use lapin::options::QueueDeclareOptions;
 use lapin::types::{AMQPValue, FieldTable, LongString};
 
-use super::call;
 use super::classify::{self, Addressed, Names};
+use super::{call, open_channel};
 use crate::transport::TransportError;
 
 /// The queue argument RabbitMQ limits deliveries with (quorum queues).
@@ -95,13 +95,7 @@ pub async fn check(
         ..QueueDeclareOptions::default()
     };
     for _ in 0..MAX_ROUNDS {
-        let channel = call(
-            names,
-            "channel open",
-            Addressed::Connection,
-            connection.create_channel(),
-        )
-        .await?;
+        let channel = open_channel(names, connection).await?;
         let declared = call(
             names,
             "queue declare (argument check)",

@@ -184,6 +184,10 @@ struct Session {
     consumer: Consumer,
     /// Delivery tag → arrival (Unix ms) of every delivery not acknowledged yet.
     outstanding: BTreeMap<u64, u64>,
+    /// The channel's prefetch.
+    prefetch: usize,
+    /// Whether a delivery arrived since the last `maintain`.
+    delivered: bool,
 }
 
 impl Session {
@@ -236,6 +240,39 @@ async fn call<T>(
             "RabbitMQ {what} timed out after {CALL_TIMEOUT:?}"
         ))),
     }
+}
+
+/// Opens a channel on `connection`.
+async fn open_channel(names: &Names, connection: &Connection) -> Result<Channel, TransportError> {
+    call(
+        names,
+        "channel open",
+        Addressed::Connection,
+        connection.create_channel(),
+    )
+    .await
+}
+
+/// The passive declare of `queue` on a channel of its own (a missing queue closes it).
+async fn declare_passive(
+    names: &Names,
+    connection: &Connection,
+    queue: &str,
+) -> Result<lapin::Queue, TransportError> {
+    let channel = open_channel(names, connection).await?;
+    let options = QueueDeclareOptions {
+        passive: true,
+        ..QueueDeclareOptions::default()
+    };
+    let declared = call(
+        names,
+        "queue declare (passive)",
+        Addressed::Queue,
+        channel.queue_declare(queue.into(), options, FieldTable::default()),
+    )
+    .await?;
+    let _ = channel.close(200, "probed".into()).await;
+    Ok(declared)
 }
 
 /// Opens a connection to `url` named `name`.
@@ -328,13 +365,7 @@ impl Amqp {
     async fn declare_queues(&self, connection: &Connection) -> Result<(), TransportError> {
         let names = &self.names;
         let queue = self.settings.spec.queue.as_str();
-        let channel = call(
-            names,
-            "channel open",
-            Addressed::Connection,
-            connection.create_channel(),
-        )
-        .await?;
+        let channel = open_channel(names, connection).await?;
         let queue_type = match &self.settings.spec.declare {
             Some(declare) => {
                 let options = QueueDeclareOptions {
@@ -401,13 +432,7 @@ impl Amqp {
     ) -> Result<(), TransportError> {
         let names = &self.names;
         let queue = self.dead_letter_routing_key.as_str();
-        let channel = call(
-            names,
-            "channel open",
-            Addressed::Connection,
-            connection.create_channel(),
-        )
-        .await?;
+        let channel = open_channel(names, connection).await?;
         let passive = QueueDeclareOptions {
             passive: true,
             ..QueueDeclareOptions::default()
@@ -429,13 +454,7 @@ impl Amqp {
                 ));
             }
         }
-        let channel = call(
-            names,
-            "channel open",
-            Addressed::Connection,
-            connection.create_channel(),
-        )
-        .await?;
+        let channel = open_channel(names, connection).await?;
         let options = QueueDeclareOptions {
             durable: true,
             ..QueueDeclareOptions::default()
@@ -464,13 +483,7 @@ impl Amqp {
             self.settings.max_deliveries,
         )
         .await?;
-        let consume = call(
-            names,
-            "channel open",
-            Addressed::Connection,
-            connection.create_channel(),
-        )
-        .await?;
+        let consume = open_channel(names, &connection).await?;
         // What the pipeline holds at most: its batches in flight and the one being received.
         // A prefetch of one batch would make every batch wait for the previous one's ack.
         let prefetch =
@@ -511,6 +524,8 @@ impl Amqp {
             consume,
             consumer,
             outstanding: BTreeMap::new(),
+            prefetch: usize::from(prefetch),
+            delivered: false,
         });
         self.held.record(&BTreeMap::new());
         Ok(())
@@ -578,6 +593,7 @@ impl Amqp {
                 None => break,
                 Some(Some(Ok(delivery))) => {
                     session.outstanding.insert(delivery.delivery_tag, now_ms());
+                    session.delivered = true;
                     buffered.push(delivery);
                     gather_until.get_or_insert_with(|| Instant::now() + GATHER);
                 }
@@ -915,8 +931,29 @@ impl Transport for Amqp {
     }
 
     /// Reopens a lost session, so that the loop sees an outage as such between receives.
+    /// A queue deleted and declared again under the worker may leave its consumer orphaned
+    /// without a `basic.cancel` (seen with quorum queues): when RabbitMQ lists no consumer of
+    /// the queue at all, the worker subscribes again. (Another worker's consumer hides the loss
+    /// of this one; that worker then consumes.)
     async fn maintain(&mut self) -> Result<(), TransportError> {
-        self.session().await.map(drop)
+        let queue = self.settings.spec.queue.clone();
+        let names = self.names.clone();
+        let session = self.session().await?;
+        let declared = declare_passive(&names, &session.connection, &queue).await?;
+        let idle = !std::mem::take(&mut session.delivered);
+        // Ready messages, room to take them, none taken since the last check, no consumer.
+        if declared.consumer_count() == 0
+            && declared.message_count() > 0
+            && idle
+            && session.outstanding.len() < session.prefetch
+        {
+            tracing::warn!(
+                "RabbitMQ lists no consumer of the queue (was it deleted and declared again?): subscribing again"
+            );
+            self.lose_session();
+            self.session().await?;
+        }
+        Ok(())
     }
 
     fn maintenance_interval(&self) -> Duration {
@@ -969,27 +1006,7 @@ impl AmqpProbe {
         let Some(connection) = self.connection.as_ref() else {
             return Err(TransportError::protocol("no RabbitMQ connection"));
         };
-        let names = &self.names;
-        let channel = call(
-            names,
-            "channel open",
-            Addressed::Connection,
-            connection.create_channel(),
-        )
-        .await?;
-        let options = QueueDeclareOptions {
-            passive: true,
-            ..QueueDeclareOptions::default()
-        };
-        let declared = call(
-            names,
-            "queue declare (passive)",
-            Addressed::Queue,
-            channel.queue_declare(queue.into(), options, FieldTable::default()),
-        )
-        .await?;
-        let _ = channel.close(200, "probed".into()).await;
-        Ok(declared)
+        declare_passive(&self.names, connection, queue).await
     }
 
     async fn read(&mut self) -> Result<lapin::Queue, TransportError> {

@@ -28,7 +28,7 @@ use prometheus_client::metrics::gauge::Gauge;
 use tracing::Instrument as _;
 
 use super::classify::{self, Addressed, Names};
-use super::{CALL_TIMEOUT, call, connect};
+use super::{CALL_TIMEOUT, call, connect, open_channel};
 use crate::transport::TransportError;
 
 /// How long a letter may be refused (nacked, blocked, unconfirmed) before it is handed back as
@@ -122,13 +122,7 @@ impl Publisher {
 
     async fn channel(&self, connection: &Connection) -> Result<Channel, TransportError> {
         let names = &self.names;
-        let channel = call(
-            names,
-            "channel open",
-            Addressed::Connection,
-            connection.create_channel(),
-        )
-        .await?;
+        let channel = open_channel(names, connection).await?;
         call(
             names,
             "confirm select",
