@@ -486,6 +486,7 @@ async fn run_source(
                 dead_letter_exchange: dead_letter.exchange.clone(),
                 dead_letter_routing_key: dead_letter.routing_key.clone(),
                 batch_size,
+                max_deliveries: u64::from(spec.delivery.max_deliveries),
             };
             let transport = Amqp::new(settings, env("AMQP_URL")?, &mut registry)?;
             drive(transport, registry, amqp, deps, probes).await
