@@ -6,6 +6,7 @@ pub mod cluster;
 pub mod control_plane;
 pub mod helm;
 pub mod prometheus;
+pub mod proxy;
 pub mod send;
 pub mod servers;
 pub mod todos_lock;

@@ -10,6 +10,7 @@ use switchboard_tests::brokers::{
     AmqpClassicBroker, AmqpQuorumBroker, BrokerFixture, GatewayBroker, KafkaBroker, NatsBroker,
     RedisListBroker, RedisStreamBroker, SqsBroker,
 };
+use switchboard_tests::proxy::CuttingProxy;
 use switchboard_tests::wait::wait_for;
 use switchboard_tests::worker::WorkerProcess;
 use switchboard_tests::{Fixture, source_manifest};
@@ -94,7 +95,10 @@ impl<B: BrokerFixture> Contract<B> {
     async fn assert_stored_exactly(&self, produced: &[Vec<u8>]) -> Result<()> {
         self.fx.assert_stored_exactly(self.name, produced).await?;
         let letters = self.broker.dead_letters(&self.fx, self.name).await?;
-        ensure!(letters.is_empty(), "nothing may be dead-lettered: {letters:?}");
+        ensure!(
+            letters.is_empty(),
+            "nothing may be dead-lettered: {letters:?}"
+        );
         let kept = self.fx.database_dead_letters(self.name).await?;
         ensure!(kept.is_empty(), "nothing may be dead-lettered: {kept:?}");
         ensure!(self.unacknowledged().await? == 0);
@@ -399,7 +403,10 @@ async fn recreated_source_is_stored_not_deduplicated<B: BrokerFixture>() -> Resu
     contract.produce(produced[..100].to_vec()).await?;
     let worker = contract.fx.worker(&manifest, "w1")?;
     contract.wait_settled(100, &worker).await?;
-    contract.broker.recreate(&contract.fx, contract.name).await?;
+    contract
+        .broker
+        .recreate(&contract.fx, contract.name)
+        .await?;
     contract.produce(produced[100..].to_vec()).await?;
     contract.wait_settled(400, &worker).await?;
     contract.assert_stored_exactly(&produced).await
@@ -424,15 +431,24 @@ async fn undecodable_part_spares_the_neighbours<B: BrokerFixture>() -> Result<()
     })
     .await
     .map_err(|err| err.context(worker.log_tail()))?;
-    let mut letters = contract.broker.dead_letters(&contract.fx, contract.name).await?;
+    let mut letters = contract
+        .broker
+        .dead_letters(&contract.fx, contract.name)
+        .await?;
     letters.extend(contract.fx.database_dead_letters(contract.name).await?);
     let mut expected = bodies(0..20);
     match letters.as_slice() {
         [] => expected.push(odd),
-        [(body, _)] => ensure!(*body == odd, "the dead letter is the odd message: {letters:?}"),
+        [(body, _)] => ensure!(
+            *body == odd,
+            "the dead letter is the odd message: {letters:?}"
+        ),
         _ => anyhow::bail!("one dead letter at most: {letters:?}"),
     }
-    contract.fx.assert_stored_exactly(contract.name, &expected).await?;
+    contract
+        .fx
+        .assert_stored_exactly(contract.name, &expected)
+        .await?;
     ensure!(
         contract.metric(&worker, "switchboard_messages_redelivered_total")? == 0.0,
         "no message was redelivered (no connection was dropped for it)\n{}",
@@ -456,11 +472,19 @@ async fn refused_dead_letter_is_kept_in_the_database<B: BrokerFixture>() -> Resu
     all.extend(bodies(10..20));
     contract.produce(all).await?;
     let worker = contract.fx.worker(&manifest, "w1")?;
-    wait_for(LONG, "20 todos, one kept letter, nothing un-acknowledged", || async {
-        Ok(contract.todos().await? >= 20
-            && !contract.fx.database_dead_letters(contract.name).await?.is_empty()
-            && contract.unacknowledged().await? == 0)
-    })
+    wait_for(
+        LONG,
+        "20 todos, one kept letter, nothing un-acknowledged",
+        || async {
+            Ok(contract.todos().await? >= 20
+                && !contract
+                    .fx
+                    .database_dead_letters(contract.name)
+                    .await?
+                    .is_empty()
+                && contract.unacknowledged().await? == 0)
+        },
+    )
     .await
     .map_err(|err| err.context(worker.log_tail()))?;
     contract
@@ -471,6 +495,58 @@ async fn refused_dead_letter_is_kept_in_the_database<B: BrokerFixture>() -> Resu
     ensure!(
         kept == vec![(poison, "invalid_json".to_owned())],
         "one letter kept, byte-identical: {kept:?}"
+    );
+    Ok(())
+}
+
+/// Every connection between the worker and the broker is reset again and again while batches
+/// flow (a proxy in between cuts them mid-receive, mid-store and mid-acknowledgement): the
+/// worker reconnects each time, and exactly the produced set is stored.
+async fn connections_cut_mid_flow_lose_nothing<B: BrokerFixture>() -> Result<()> {
+    const TOTAL: usize = 2_000;
+    const CUTS: usize = 8;
+    let contract = Contract::<B>::start("cut").await?;
+    let upstream = contract.broker.address(&contract.fx)?;
+    let proxy = CuttingProxy::start(&upstream).await?;
+    let via = |text: &str| text.replace(&upstream, &proxy.address());
+    let name = contract.name;
+    let delivery = format!("{}, batchSize: 10", contract.broker.delivery());
+    let manifest = contract.fx.manifest(
+        &format!("{name}.yaml"),
+        &source_manifest(name, &via(&contract.source), &delivery, ""),
+    )?;
+    // The worker's broker environment, pointed at the proxy.
+    let mut env = vec![("REDIS_URL".to_owned(), via(&contract.fx.env.redis_url))];
+    env.extend(
+        contract
+            .fx
+            .extra_env
+            .iter()
+            .map(|(key, value)| (key.clone(), via(value))),
+    );
+    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+    let produced = bodies(0..TOTAL);
+    let worker = contract.fx.worker_with(&manifest, "w1", &env)?;
+    let mut rng = fastrand::Rng::new();
+    let mut opened_before_cuts = None;
+    // A wave per cut, cut while the wave is being received, stored and acknowledged.
+    for (cut, wave) in produced.chunks(TOTAL / CUTS).enumerate() {
+        let before = contract.todos().await?;
+        contract.produce(wave.to_vec()).await?;
+        let target = before + rng.i64(10..(wave.len() as i64 / 2));
+        wait_for(LONG, &format!("progress before cut {cut}"), || async {
+            Ok(contract.todos().await? >= target)
+        })
+        .await
+        .map_err(|err| err.context(worker.log_tail()))?;
+        opened_before_cuts.get_or_insert(proxy.connections());
+        proxy.cut();
+    }
+    contract.wait_settled(TOTAL as i64, &worker).await?;
+    contract.assert_stored_exactly(&produced).await?;
+    ensure!(
+        Some(proxy.connections()) > opened_before_cuts,
+        "the worker reconnected through the proxy after the cuts"
     );
     Ok(())
 }
@@ -534,6 +610,11 @@ macro_rules! contract_suite {
             #[tokio::test]
             async fn dead_letter_the_broker_refuses_is_kept_in_postgresql() -> Result<()> {
                 refused_dead_letter_is_kept_in_the_database::<$broker>().await
+            }
+
+            #[tokio::test]
+            async fn connections_cut_mid_receive_and_mid_ack_lose_nothing() -> Result<()> {
+                connections_cut_mid_flow_lose_nothing::<$broker>().await
             }
         }
     )*};

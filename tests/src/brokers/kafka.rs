@@ -23,10 +23,10 @@ use rdkafka::producer::{FutureProducer, FutureRecord};
 use rdkafka::{Offset, TopicPartitionList};
 use tempfile::TempDir;
 
-use crate::servers::{free_ports, stop_child};
-use crate::wait::wait_until;
 use super::BrokerFixture;
 use crate::Fixture;
+use crate::servers::{free_ports, stop_child};
+use crate::wait::wait_until;
 
 /// The Kafka version `scripts/kafka.sh` installs and this harness looks for.
 pub const KAFKA_VERSION: &str = "4.4.0";

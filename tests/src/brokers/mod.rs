@@ -75,6 +75,13 @@ pub trait BrokerFixture: Sized {
         anyhow::bail!("produce_undecodable is not implemented for this broker yet")
     }
 
+    /// `host:port` of the server every worker connection goes to (the contract suite puts a
+    /// connection-cutting proxy there, tests/src/proxy.rs).
+    fn address(&self, fx: &Fixture) -> Result<String> {
+        let _ = fx;
+        anyhow::bail!("address is not implemented for this broker yet")
+    }
+
     /// Makes the dead-letter destination of `name` refuse every letter for good (a size
     /// limit, a key of the wrong type, …), as a broker's own limits can.
     async fn refuse_dead_letters(&self, fx: &Fixture, name: &str) -> Result<()> {
@@ -155,11 +162,16 @@ impl BrokerFixture for RedisStreamBroker {
         fx.redis.crash()
     }
 
+    fn address(&self, fx: &Fixture) -> Result<String> {
+        Ok(fx.redis.address())
+    }
+
     async fn recreate(&self, fx: &Fixture, name: &str) -> Result<()> {
         delete_key(fx, name)
     }
 
-    /// A field whose name and value are not UTF-8 (the value holds a NUL byte).
+    /// A field whose value is not UTF-8 and holds a NUL byte (a field *name* that is not
+    /// UTF-8 makes the entry poison, tests/tests/stream.rs).
     async fn produce_undecodable(&self, fx: &Fixture, name: &str, body: Vec<u8>) -> Result<()> {
         let mut conn = fx.redis.connection()?;
         redis::cmd("XADD")
@@ -167,7 +179,7 @@ impl BrokerFixture for RedisStreamBroker {
             .arg("*")
             .arg("body")
             .arg(body)
-            .arg(&b"trace\xff"[..])
+            .arg("trace")
             .arg(&b"\x00\xfe\xff binary"[..])
             .query::<String>(&mut conn)?;
         Ok(())
@@ -278,6 +290,10 @@ impl BrokerFixture for RedisListBroker {
         fx.redis.crash()
     }
 
+    fn address(&self, fx: &Fixture) -> Result<String> {
+        Ok(fx.redis.address())
+    }
+
     async fn recreate(&self, fx: &Fixture, name: &str) -> Result<()> {
         delete_key(fx, name)
     }
@@ -292,4 +308,3 @@ impl BrokerFixture for RedisListBroker {
         occupy_with_a_string(fx, &format!("{name}.dlq"))
     }
 }
-

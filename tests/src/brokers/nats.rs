@@ -12,10 +12,10 @@ use nix::sys::signal::Signal;
 use tempfile::TempDir;
 
 use super::cache_dir;
-use crate::servers::stop_child;
-use crate::wait::wait_for;
 use super::{BrokerFixture, GROUP};
 use crate::Fixture;
+use crate::servers::stop_child;
+use crate::wait::wait_for;
 
 /// The nats-server version `scripts/nats-server.sh` builds and this harness looks for.
 pub const NATS_SERVER_VERSION: &str = "2.15.2";

@@ -24,10 +24,10 @@ use nix::sys::signal::{Signal, kill, killpg};
 use nix::unistd::Pid;
 use tempfile::TempDir;
 
-use crate::servers::{children_of, free_ports, stop_child};
-use crate::wait::wait_until;
 use super::BrokerFixture;
 use crate::Fixture;
+use crate::servers::{children_of, free_ports, stop_child};
+use crate::wait::wait_until;
 
 /// The RabbitMQ version Debian bookworm ships, which the harness was proven with.
 pub const RABBITMQ_VERSION: &str = "3.10";
@@ -412,7 +412,7 @@ impl<const CLASSIC: bool> AmqpBroker<CLASSIC> {
         Ok(letters
             .into_iter()
             .map(|(body, properties)| {
-                let value = header(&properties, header).unwrap_or_default();
+                let value = self::header(&properties, header).unwrap_or_default();
                 (body, value)
             })
             .collect())

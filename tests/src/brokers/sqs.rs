@@ -27,10 +27,10 @@ use nix::sys::signal::Signal;
 use tempfile::TempDir;
 use tokio::sync::oneshot;
 
-use crate::servers::stop_child;
-use crate::wait::wait_until;
 use super::BrokerFixture;
 use crate::Fixture;
+use crate::servers::stop_child;
+use crate::wait::wait_until;
 
 /// The ElasticMQ version `scripts/elasticmq.sh` installs and this harness looks for.
 pub const ELASTICMQ_VERSION: &str = "1.7.1";
