@@ -392,3 +392,121 @@ async fn gateway_over_tls_is_trusted_with_its_custom_ca_and_refused_without_it()
     );
     Ok(())
 }
+
+/// Issue 27: one message whose attribute value is `5` (a number, where the protocol says text)
+/// among nine good ones. Before, it failed the whole receive: the nine were received again and
+/// again, never stored, and the log blamed an unavailable gateway. Now it alone is
+/// dead-lettered (its body byte-identical, its JSON in the error) and the nine are stored on
+/// their first delivery.
+#[tokio::test]
+async fn attribute_that_is_not_a_string_dead_letters_its_message_and_spares_the_other_nine()
+-> Result<()> {
+    let setup = Setup::start("numbers", Duration::from_secs(300), None).await?;
+    let good = bodies("numbers", 0..9);
+    setup.produce(good[..4].to_vec()).await?;
+    let odd = br#"{"odd":5}"#.to_vec();
+    setup
+        .broker
+        .produce_undecodable(&setup.fx, setup.name, odd.clone())
+        .await?;
+    setup.produce(good[4..].to_vec()).await?;
+    let worker = setup.worker()?;
+    wait_for(LONG, "9 todos, one dead letter, nothing un-acknowledged", || async {
+        Ok(setup.fx.todo_count(setup.name).await? >= 9
+            && setup.broker.dead_letters(&setup.fx, setup.name).await?.len() == 1
+            && setup.broker.unacknowledged(&setup.fx, setup.name).await? == 0)
+    })
+    .await
+    .with_context(|| worker.log_tail())?;
+    setup.fx.assert_stored_exactly(setup.name, &good).await?;
+    let letters = setup.broker.sqs.dead_letter_messages(setup.name).await?;
+    let [letter] = letters.as_slice() else {
+        anyhow::bail!("one dead letter: {letters:?}");
+    };
+    let reason = switchboard_tests::brokers::SqsBroker::attribute(letter, "x-dlq-reason");
+    let error = switchboard_tests::brokers::SqsBroker::attribute(letter, "x-dlq-error");
+    ensure!(reason == "undecodable", "{reason}");
+    ensure!(
+        error.contains("\"n\"") && error.contains("a number (5)"),
+        "the error names the attribute and quotes the message: {error}"
+    );
+    ensure!(
+        setup.broker.dead_letters(&setup.fx, setup.name).await?[0].0 == odd,
+        "the body is byte-identical"
+    );
+    let redelivered = worker.metric(r#"switchboard_messages_redelivered_total{adapter="test/numbers"}"#)?;
+    ensure!(redelivered == 0.0, "nothing was received twice\n{}", worker.log_tail());
+    ensure!(
+        !worker.log().contains("dependency unavailable"),
+        "a gateway that is fine is not reported unavailable\n{}",
+        worker.log_tail()
+    );
+    Ok(())
+}
+
+/// Issue 27: a dead letter the gateway refuses for good (413) is kept in PostgreSQL and the
+/// batch around it is stored and deleted. Before, the write was retried forever and the
+/// batch, good messages included, was never acknowledged.
+#[tokio::test]
+async fn dead_letter_the_gateway_refuses_is_kept_in_postgresql_and_its_batch_deleted() -> Result<()>
+{
+    let setup = Setup::start("refusing", Duration::from_secs(300), None).await?;
+    setup.broker.refuse_dead_letters(&setup.fx, setup.name).await?;
+    let good = bodies("refusing", 0..9);
+    let poison = b"{\"broken\"".to_vec();
+    let mut all = good.clone();
+    all.insert(4, poison.clone());
+    setup.produce(all).await?;
+    let source = setup.broker.source(setup.name, "visibilityTimeoutSeconds: 2");
+    let manifest = setup.fx.manifest(
+        "refusing.yaml",
+        &source_manifest(setup.name, &source, "batchSize: 50", "format: json"),
+    )?;
+    let worker = setup.fx.worker(&manifest, "w1")?;
+    wait_for(LONG, "9 todos, one kept letter, nothing un-acknowledged", || async {
+        Ok(setup.fx.todo_count(setup.name).await? >= 9
+            && !setup.fx.database_dead_letters(setup.name).await?.is_empty()
+            && setup.broker.unacknowledged(&setup.fx, setup.name).await? == 0)
+    })
+    .await
+    .with_context(|| worker.log_tail())?;
+    setup.fx.assert_stored_exactly(setup.name, &good).await?;
+    let kept = setup.fx.database_dead_letters(setup.name).await?;
+    ensure!(
+        kept == vec![(poison, "invalid_json".to_owned())],
+        "one letter kept, byte-identical: {kept:?}"
+    );
+    ensure!(setup.broker.gateway.hooks().answered(413) >= 1);
+    Ok(())
+}
+
+/// Every wait has a deadline: a gateway that takes a receive and never answers fails that
+/// receive within `waitTimeSeconds` + the margin (readiness false), and the worker carries on
+/// once it answers again.
+#[tokio::test]
+async fn hung_gateway_receive_times_out_and_the_worker_carries_on() -> Result<()> {
+    let setup = Setup::start("hung", Duration::from_secs(300), None).await?;
+    let worker = setup.worker()?;
+    setup.produce(bodies("hung", 0..10)).await?;
+    setup.wait_settled(10, &worker).await?;
+    let hooks = setup.broker.gateway.hooks();
+    hooks.hang_receives(true);
+    let held = Instant::now();
+    wait_for(LONG, "the held receive times out: readiness false", || async {
+        Ok(worker.http_get("/readyz")?.0 == 503)
+    })
+    .await
+    .with_context(|| worker.log_tail())?;
+    ensure!(
+        held.elapsed() < Duration::from_secs(40),
+        "the receive's deadline is waitTimeSeconds plus a margin, not {:?}",
+        held.elapsed()
+    );
+    hooks.hang_receives(false);
+    setup.produce(bodies("later", 0..10)).await?;
+    setup.wait_settled(20, &worker).await?;
+    wait_for(LONG, "readiness returns", || async {
+        Ok(worker.http_get("/readyz")?.0 == 200)
+    })
+    .await
+}

@@ -7,11 +7,11 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, ensure};
 use aws_sdk_sqs::Client;
-use aws_sdk_sqs::types::Message;
+use aws_sdk_sqs::types::{Message, QueueAttributeName};
 use nix::sys::signal::Signal;
 use switchboard_tests::brokers::SqsBroker;
 use switchboard_tests::brokers::moto::Moto;
-use switchboard_tests::brokers::sqs::{ElasticMq, sqs_error};
+use switchboard_tests::brokers::sqs::{ElasticMq, SqsProxy, odd_attributes, sqs_error};
 use switchboard_tests::send::round_trip;
 use switchboard_tests::todos_lock::{TodosLock, wait_blocked_on_lock};
 use switchboard_tests::wait::wait_for;
@@ -497,4 +497,144 @@ fn orders_sqs_example_is_a_valid_manifest() -> Result<()> {
     ensure!(sqs.visibility_timeout_seconds.is_some());
     ensure!(adapter.spec.delivery.dead_letter.queue_url.is_some());
     Ok(())
+}
+
+/// Issue 27: a dead letter SQS refuses for good (moto enforces the dead-letter queue's
+/// `MaximumMessageSize`, 1024 bytes, and refuses the whole `SendMessageBatch` for one letter
+/// over it) is kept in PostgreSQL, and the batch around it is stored and deleted: no wedge.
+#[tokio::test]
+async fn dead_letter_over_the_dead_letter_queues_size_limit_is_kept_in_postgresql() -> Result<()>
+{
+    let fx = Fixture::start().await?;
+    let moto = Moto::start(false, &fx.dir.path().join("moto.log"))?;
+    let client = moto.client("us-east-1");
+    let mut urls = Vec::new();
+    for (name, attributes) in [
+        ("limited", vec![]),
+        ("limited-dlq", vec![(QueueAttributeName::MaximumMessageSize, "1024")]),
+    ] {
+        let output = client
+            .create_queue()
+            .queue_name(name)
+            .set_attributes(Some(attributes.into_iter().map(|(n, v)| (n, v.to_owned())).collect()))
+            .send()
+            .await
+            .map_err(|err| sqs_error("CreateQueue", err))?;
+        urls.push(output.queue_url.context("no QueueUrl")?);
+    }
+    let poison = format!("{{\"broken\": \"{}\"", "x".repeat(2_000)).into_bytes();
+    let good: Vec<Vec<u8>> = bodies("limited", 9).collect();
+    for body in good.iter().chain([&poison]) {
+        client
+            .send_message()
+            .queue_url(&urls[0])
+            .message_body(String::from_utf8(body.clone())?)
+            .send()
+            .await
+            .map_err(|err| sqs_error("SendMessage", err))?;
+    }
+    let manifest = fx.manifest(
+        "limited.yaml",
+        &sqs_manifest("limited", &urls[0], &moto.endpoint(), "", ""),
+    )?;
+    let worker = start_worker(&fx, &manifest, "worker-a")?;
+    wait_for(LONG, "9 todos, one kept letter, the queue empty", || async {
+        let left = client
+            .get_queue_attributes()
+            .queue_url(&urls[0])
+            .attribute_names(QueueAttributeName::ApproximateNumberOfMessages)
+            .attribute_names(QueueAttributeName::ApproximateNumberOfMessagesNotVisible)
+            .send()
+            .await
+            .map_err(|err| sqs_error("GetQueueAttributes", err))?
+            .attributes
+            .unwrap_or_default()
+            .values()
+            .map(|count| count.parse::<u64>().unwrap_or(1))
+            .sum::<u64>();
+        Ok(fx.todo_count("limited").await? == 9
+            && !fx.database_dead_letters("limited").await?.is_empty()
+            && left == 0)
+    })
+    .await
+    .with_context(|| worker.log_tail())?;
+    fx.assert_stored_exactly("limited", &good).await?;
+    let kept = fx.database_dead_letters("limited").await?;
+    ensure!(
+        kept == vec![(poison, "invalid_json".to_owned())],
+        "one letter kept, byte-identical: {kept:?}"
+    );
+    Ok(())
+}
+
+/// Issue 27: message attributes the worker cannot take as text (a `Binary` value holding NUL,
+/// a `Binary.gif` value that is not UTF-8, a custom `Number.float` type) are encoded into the
+/// stored headers: the message and its neighbours are stored, nothing is dead-lettered or
+/// received twice.
+#[tokio::test]
+async fn attributes_that_are_not_text_are_encoded_into_the_stored_headers() -> Result<()> {
+    let fx = Fixture::start().await?;
+    let mq = ElasticMq::start()?;
+    let (url, _) = queue_pair(&mq, "odd").await?;
+    let good: Vec<Vec<u8>> = bodies("odd", 9).collect();
+    mq.send_bodies(&url, good[..5].to_vec()).await?;
+    let odd = br#"{"odd":true}"#.to_vec();
+    mq.send_with_attributes(&url, odd.clone(), odd_attributes())
+        .await?;
+    mq.send_bodies(&url, good[5..].to_vec()).await?;
+    let manifest = fx.manifest("odd.yaml", &sqs_manifest("odd", &url, &mq.endpoint(), "", ""))?;
+    let worker = start_worker(&fx, &manifest, "worker-a")?;
+    wait_drained(&fx, &mq, "odd", &url, 10, &worker).await?;
+    let mut all = good.clone();
+    all.push(odd);
+    fx.assert_stored_exactly("odd", &all).await?;
+    let headers: serde_json::Value = sqlx::query_scalar(
+        "SELECT e.headers FROM events e WHERE e.payload = '{\"odd\": true}'::jsonb",
+    )
+    .fetch_one(fx.pool())
+    .await?;
+    use base64::Engine as _;
+    let base64 = |bytes: &[u8]| base64::engine::general_purpose::STANDARD.encode(bytes);
+    ensure!(headers["nul"]["base64"] == base64(b"a\x00b"), "{headers}");
+    ensure!(headers["gif"]["base64"] == base64(&[0xff, 0x00, 0xfe]), "{headers}");
+    ensure!(headers["ratio"] == "1.5", "{headers}");
+    ensure!(
+        counter(&worker, "messages_redelivered", "odd")? == 0.0
+            && counter(&worker, "messages_dead_lettered", "odd")? == 0.0,
+        "stored on its first delivery\n{}",
+        worker.log_tail()
+    );
+    Ok(())
+}
+
+/// Every wait has a deadline: a server that takes a receive and never answers it fails that
+/// receive within `waitTimeSeconds` + the margin (readiness false, one log line), and the
+/// worker carries on once the server answers again.
+#[tokio::test]
+async fn hung_receive_times_out_and_the_worker_carries_on() -> Result<()> {
+    let fx = Fixture::start().await?;
+    let mq = ElasticMq::start()?;
+    let proxy = SqsProxy::start(mq.port())?;
+    let (url, _) = queue_pair(&mq, "hung").await?;
+    let manifest = fx.manifest("hung.yaml", &sqs_manifest("hung", &url, &proxy.endpoint(), "", ""))?;
+    let worker = start_worker(&fx, &manifest, "worker-a")?;
+    mq.send_bodies(&url, bodies("hung", 10)).await?;
+    wait_drained(&fx, &mq, "hung", &url, 10, &worker).await?;
+    proxy.hang_receives(true);
+    wait_for(LONG, "a receive is held", || async { Ok(proxy.hung_receives() > 0) }).await?;
+    let held = Instant::now();
+    wait_for(LONG, "the held receive times out: readiness false", || async {
+        Ok(worker.http_get("/readyz")?.0 == 503)
+    })
+    .await
+    .with_context(|| worker.log_tail())?;
+    ensure!(
+        held.elapsed() < Duration::from_secs(45),
+        "the receive's deadline is waitTimeSeconds plus margins, not {:?}",
+        held.elapsed()
+    );
+    proxy.hang_receives(false);
+    mq.send_bodies(&url, bodies("later", 10)).await?;
+    wait_drained(&fx, &mq, "hung", &url, 20, &worker).await?;
+    wait_ready(&worker).await
 }

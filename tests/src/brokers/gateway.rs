@@ -164,6 +164,11 @@ pub struct Hooks {
     deleted: AtomicU64,
     /// TLS handshakes that failed (a client that does not trust the certificate).
     handshake_failures: AtomicU64,
+    /// Queues whose dead letters are refused (413), as a gateway refuses what its SQS will
+    /// never take.
+    refused_dead_letters: Mutex<HashSet<String>>,
+    /// Receives are held unanswered while set (a hung gateway).
+    hang_receives: std::sync::atomic::AtomicBool,
 }
 
 fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -197,6 +202,16 @@ impl Hooks {
     /// The bearer tokens presented so far.
     pub fn tokens(&self) -> Vec<String> {
         lock(&self.tokens).iter().cloned().collect()
+    }
+
+    /// From now on, every dead letter of queue `queue` is refused with 413 `MessageTooLong`.
+    pub fn refuse_dead_letters_of(&self, queue: &str) {
+        lock(&self.refused_dead_letters).insert(queue.to_owned());
+    }
+
+    /// Holds every receive unanswered (`true`), or answers them again (`false`).
+    pub fn hang_receives(&self, hang: bool) {
+        self.hang_receives.store(hang, Ordering::SeqCst);
     }
 
     /// How many TLS handshakes failed.
@@ -701,6 +716,10 @@ async fn receive(
     headers: HeaderMap,
 ) -> Answer {
     shared.admit(&headers, &query).await?;
+    if shared.hooks.hang_receives.load(Ordering::SeqCst) {
+        // A hung gateway: the caller's own deadline is all that ends this call.
+        std::future::pending::<()>().await;
+    }
     let url = shared.queue_url(query.get("queue")).await?;
     let number = |name: &str, default: i32| -> Result<i32, Failure> {
         query.get(name).map_or(Ok(default), |v| {
@@ -723,11 +742,11 @@ async fn receive(
     let project = query.get("project");
     let mut messages = Vec::new();
     for message in output.messages.unwrap_or_default() {
-        let values: BTreeMap<String, String> = message
+        let values: BTreeMap<String, Value> = message
             .message_attributes()
             .into_iter()
             .flatten()
-            .filter_map(|(name, value)| Some((name.clone(), value.string_value()?.to_owned())))
+            .filter_map(|(name, value)| Some((name.clone(), attribute_json(value)?)))
             .collect();
         let system = message.attributes();
         let system = |name: MessageSystemAttributeName| {
@@ -736,7 +755,7 @@ async fn receive(
                 .and_then(|value| value.parse::<u64>().ok())
         };
         if let Some(project) = project
-            && values.get("project") != Some(project)
+            && values.get("project").and_then(Value::as_str) != Some(project.as_str())
         {
             // Another project's message: visible again at once, for its own consumers.
             let _ = shared
@@ -759,6 +778,19 @@ async fn receive(
         }));
     }
     shared.ok(StatusCode::OK, Some(json!({"messages": messages})))
+}
+
+/// An SQS message attribute as this gateway serves it: its text, except that a `Number`
+/// attribute is served as a JSON number (as some gateways do: the protocol says text, so for
+/// the worker such a message does not follow it).
+fn attribute_json(value: &MessageAttributeValue) -> Option<Value> {
+    let text = value.string_value()?;
+    if value.data_type() == "Number"
+        && let Ok(number) = text.parse::<serde_json::Number>()
+    {
+        return Some(Value::Number(number));
+    }
+    Some(Value::String(text.to_owned()))
 }
 
 #[derive(Debug, Deserialize)]
@@ -840,6 +872,16 @@ async fn dead_letter(
 ) -> Answer {
     shared.admit(&headers, &query).await?;
     let request: DeadLetterRequest = json_body(&body)?;
+    if let Some(queue) = query.get("queue")
+        && lock(&shared.hooks.refused_dead_letters).contains(queue)
+    {
+        shared.hooks.count(StatusCode::PAYLOAD_TOO_LARGE);
+        return Err(Failure(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "MessageTooLong",
+            "the dead-letter queue refuses this message".into(),
+        ));
+    }
     let dead_letter_queue = query.get("queue").map(|queue| format!("{queue}-dlq"));
     let url = shared.queue_url(dead_letter_queue.as_ref()).await?;
     let mut attributes = request.message_attributes.values;
@@ -986,8 +1028,10 @@ impl GatewayBroker {
         token_lifetime: Duration,
         ca: Option<&TestCa>,
     ) -> Result<(Self, Vec<(String, String)>)> {
+        let server = ElasticMq::start()?;
         let sqs = SqsBroker {
-            server: ElasticMq::start()?,
+            proxy: super::sqs::SqsProxy::start(server.port())?,
+            server,
         };
         let hydra = Hydra::start(token_lifetime)?;
         let client = hydra.create_client(AUDIENCE, &[SCOPE])?;
@@ -1083,5 +1127,38 @@ impl BrokerFixture for GatewayBroker {
         self.gateway.stop();
         self.sqs.restart(fx).await?;
         self.gateway.restart()
+    }
+
+    /// The SQS server behind the gateway dies (SIGKILL) and comes back on its data; the
+    /// gateway stays up and answers 502 meanwhile, as a real one in front of a failing SQS.
+    async fn crash(&mut self, fx: &mut Fixture) -> Result<()> {
+        self.sqs.crash(fx).await
+    }
+
+    /// Deletes and creates the queue behind the gateway again. The gateway's messageId is
+    /// SQS's MessageId, unique per send: a new queue's messages can never re-use one.
+    async fn recreate(&self, fx: &Fixture, name: &str) -> Result<()> {
+        self.sqs.recreate(fx, name).await
+    }
+
+    /// A message whose `Number` attribute the gateway serves as a JSON number (`"n": 5`),
+    /// where the protocol says every attribute value is a string.
+    async fn produce_undecodable(&self, _fx: &Fixture, name: &str, body: Vec<u8>) -> Result<()> {
+        self.sqs
+            .server
+            .send_with_attributes(
+                &self.sqs.url(name),
+                encode_body(&body).into_bytes(),
+                vec![("n", "Number", b"5".to_vec())],
+            )
+            .await
+            .map(drop)
+    }
+
+    /// The gateway refuses every dead letter of `name` with 413 `MessageTooLong`, as a gateway
+    /// answers for a letter its SQS dead-letter queue will never take.
+    async fn refuse_dead_letters(&self, _fx: &Fixture, name: &str) -> Result<()> {
+        self.gateway.hooks().refuse_dead_letters_of(name);
+        Ok(())
     }
 }

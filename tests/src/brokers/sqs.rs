@@ -8,7 +8,10 @@
 
 use std::fs::OpenOptions;
 use std::path::{Path, PathBuf};
+use std::collections::HashSet;
 use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use anyhow::{Context, Result, anyhow, bail, ensure};
@@ -17,10 +20,12 @@ use aws_sdk_sqs::Client;
 use aws_sdk_sqs::config::{Credentials, SharedCredentialsProvider};
 use aws_sdk_sqs::error::DisplayErrorContext;
 use aws_sdk_sqs::types::{
-    Message, MessageSystemAttributeName, QueueAttributeName, SendMessageBatchRequestEntry,
+    Message, MessageAttributeValue, MessageSystemAttributeName, QueueAttributeName,
+    SendMessageBatchRequestEntry,
 };
 use nix::sys::signal::Signal;
 use tempfile::TempDir;
+use tokio::sync::oneshot;
 
 use super::BrokerFixture;
 use crate::Fixture;
@@ -88,6 +93,11 @@ impl ElasticMq {
     /// `http://127.0.0.1:PORT`, the SQS endpoint; it stays the same across restarts.
     pub fn endpoint(&self) -> String {
         format!("http://127.0.0.1:{}", self.port)
+    }
+
+    /// The port it serves on; the same across restarts.
+    pub fn port(&self) -> u16 {
+        self.port
     }
 
     /// The server's (the JVM's) process id, for CPU accounting.
@@ -313,6 +323,48 @@ impl ElasticMq {
         }
     }
 
+    /// Deletes a queue and its messages.
+    pub async fn delete_queue(&self, queue_url: &str) -> Result<()> {
+        self.client
+            .delete_queue()
+            .queue_url(queue_url)
+            .send()
+            .await
+            .map_err(|err| sqs_error(&format!("DeleteQueue {queue_url}"), err))?;
+        Ok(())
+    }
+
+    /// Sends one UTF-8 body with message attributes (name, data type, value: a `Binary…` type
+    /// carries the bytes, any other the text); returns its message id.
+    pub async fn send_with_attributes(
+        &self,
+        queue_url: &str,
+        body: Vec<u8>,
+        attributes: Vec<(&str, &str, Vec<u8>)>,
+    ) -> Result<String> {
+        let mut send = self
+            .client
+            .send_message()
+            .queue_url(queue_url)
+            .message_body(String::from_utf8(body).context("an SQS message body must be UTF-8")?);
+        for (name, data_type, value) in attributes {
+            let attribute = MessageAttributeValue::builder().data_type(data_type);
+            let attribute = if data_type.starts_with("Binary") {
+                attribute.binary_value(aws_sdk_sqs::primitives::Blob::new(value))
+            } else {
+                attribute.string_value(String::from_utf8(value)?)
+            };
+            send = send.message_attributes(name, attribute.build()?);
+        }
+        let output = send
+            .send()
+            .await
+            .map_err(|err| sqs_error(&format!("SendMessage {queue_url}"), err))?;
+        output
+            .message_id
+            .with_context(|| format!("SendMessage {queue_url} returned no MessageId"))
+    }
+
     /// Deletes every message of a queue, in flight and delayed ones included.
     pub async fn purge(&self, queue_url: &str) -> Result<()> {
         self.client
@@ -498,15 +550,22 @@ pub fn sqs_error(operation: &str, err: impl std::error::Error) -> anyhow::Error 
     anyhow!("{operation}: {}", DisplayErrorContext(err))
 }
 
-/// A standard SQS queue of a real ElasticMQ server.
+/// A standard SQS queue of a real ElasticMQ server, which the worker reaches through an
+/// [`SqsProxy`] (to refuse dead letters as SQS can, and to hang receives).
 #[derive(Debug)]
 pub struct SqsBroker {
     pub server: ElasticMq,
+    pub proxy: SqsProxy,
 }
+
+/// The attributes of every queue the contract suite reads: short visibility, so that a killed
+/// worker's messages come back quickly.
+const CONTRACT_QUEUE: [(QueueAttributeName, &str); 1] = [(QueueAttributeName::VisibilityTimeout, "2")];
 
 impl BrokerFixture for SqsBroker {
     async fn start(_fx: &Fixture) -> Result<(Self, Vec<(String, String)>)> {
         let server = ElasticMq::start()?;
+        let proxy = SqsProxy::start(server.port())?;
         let env = [
             ("AWS_ACCESS_KEY_ID", "test"),
             ("AWS_SECRET_ACCESS_KEY", "test"),
@@ -514,20 +573,17 @@ impl BrokerFixture for SqsBroker {
         ]
         .map(|(name, value)| (name.to_owned(), value.to_owned()))
         .to_vec();
-        Ok((Self { server }, env))
+        Ok((Self { server, proxy }, env))
     }
 
     async fn create(&self, _fx: &Fixture, name: &str) -> Result<String> {
-        use aws_sdk_sqs::types::QueueAttributeName;
-        // Short visibility: a killed worker's messages come back quickly.
-        let visibility = [(QueueAttributeName::VisibilityTimeout, "2")];
-        let url = self.server.create_queue(name, &visibility).await?;
+        let url = self.server.create_queue(name, &CONTRACT_QUEUE).await?;
         self.server
             .create_queue(&format!("{name}-dlq"), &[])
             .await?;
         Ok(format!(
             "sqs: {{queueUrl: \"{url}\", endpoint: \"{}\", waitTimeSeconds: 1}}",
-            self.server.endpoint()
+            self.proxy.endpoint()
         ))
     }
 
@@ -560,6 +616,50 @@ impl BrokerFixture for SqsBroker {
     async fn restart(&mut self, _fx: &mut Fixture) -> Result<()> {
         self.server.restart()
     }
+
+    /// SIGKILL, then a start on the same port and data: ElasticMQ keeps queues and messages
+    /// in its directory (see [`ElasticMq`]).
+    async fn crash(&mut self, _fx: &mut Fixture) -> Result<()> {
+        self.server.kill();
+        self.server.restart()
+    }
+
+    /// `DeleteQueue`, then `CreateQueue` with the same name and attributes at once (ElasticMQ
+    /// allows it; AWS asks for 60 s between the two). SQS MessageIds are unique per send, so
+    /// the new queue's messages can never take an old one's id.
+    async fn recreate(&self, _fx: &Fixture, name: &str) -> Result<()> {
+        self.server.delete_queue(&self.url(name)).await?;
+        self.server.create_queue(name, &CONTRACT_QUEUE).await.map(drop)
+    }
+
+    /// Message attributes that are not plain text: a `Binary` value holding NUL (UTF-8, but
+    /// PostgreSQL's jsonb refuses `\u0000`), a `Binary.gif` value that is not UTF-8, a custom
+    /// `Number.float` type.
+    async fn produce_undecodable(&self, _fx: &Fixture, name: &str, body: Vec<u8>) -> Result<()> {
+        self.server
+            .send_with_attributes(&self.url(name), body, odd_attributes())
+            .await
+            .map(drop)
+    }
+
+    /// ElasticMQ 1.7.1 takes any message on any queue (it ignores `MaximumMessageSize`, and no
+    /// queue setting of it refuses a short letter), so the proxy refuses every send to the
+    /// dead-letter queue the way SQS refuses a letter it will never take: each entry failed
+    /// with `SenderFault` (tests/tests/sqs.rs shows the same against moto's real
+    /// `MaximumMessageSize`).
+    async fn refuse_dead_letters(&self, _fx: &Fixture, name: &str) -> Result<()> {
+        self.proxy.refuse_sends_to(&format!("{name}-dlq"));
+        Ok(())
+    }
+}
+
+/// The attributes [`SqsBroker::produce_undecodable`] sends (name, data type, value).
+pub fn odd_attributes() -> Vec<(&'static str, &'static str, Vec<u8>)> {
+    vec![
+        ("nul", "Binary", b"a\x00b".to_vec()),
+        ("gif", "Binary.gif", vec![0xff, 0x00, 0xfe]),
+        ("ratio", "Number.float", b"1.5".to_vec()),
+    ]
 }
 
 impl SqsBroker {
@@ -599,5 +699,207 @@ impl SqsBroker {
             .and_then(|value| value.string_value())
             .unwrap_or_default()
             .to_owned()
+    }
+}
+
+/// An HTTP proxy on a loopback port in front of ElasticMQ, on its own thread and runtime (the
+/// tests block their own at times). It forwards every call, except that it can refuse sends to
+/// chosen queues as SQS refuses a message it will never take, and hold receives unanswered (a
+/// hung server).
+pub struct SqsProxy {
+    port: u16,
+    state: Arc<ProxyState>,
+    stop: Option<(oneshot::Sender<()>, std::thread::JoinHandle<()>)>,
+}
+
+impl std::fmt::Debug for SqsProxy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SqsProxy").field("port", &self.port).finish()
+    }
+}
+
+#[derive(Debug, Default)]
+struct ProxyState {
+    upstream_port: u16,
+    /// Names of queues whose sends are refused.
+    refused: Mutex<HashSet<String>>,
+    /// Receives are held unanswered while set.
+    hang_receives: AtomicBool,
+    /// Receives held so far.
+    hung: AtomicU64,
+}
+
+type ProxyClient = hyper_util::client::legacy::Client<
+    hyper_util::client::legacy::connect::HttpConnector,
+    http_body_util::Full<axum::body::Bytes>,
+>;
+
+impl SqsProxy {
+    /// Starts forwarding a free loopback port to ElasticMQ's `upstream_port`.
+    pub fn start(upstream_port: u16) -> Result<Self> {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
+        listener.set_nonblocking(true)?;
+        let port = listener.local_addr()?.port();
+        let state = Arc::new(ProxyState {
+            upstream_port,
+            ..ProxyState::default()
+        });
+        let (stop, stopped) = oneshot::channel::<()>();
+        let shared = state.clone();
+        let thread = std::thread::Builder::new()
+            .name(format!("sqs-proxy-{port}"))
+            .spawn(move || {
+                let runtime = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .expect("proxy runtime");
+                runtime.block_on(async move {
+                    let listener =
+                        tokio::net::TcpListener::from_std(listener).expect("proxy listener");
+                    let client: ProxyClient = hyper_util::client::legacy::Client::builder(
+                        hyper_util::rt::TokioExecutor::new(),
+                    )
+                    .build_http();
+                    let app = axum::Router::new()
+                        .fallback(forward)
+                        .with_state((shared, client));
+                    tokio::select! {
+                        _ = axum::serve(listener, app) => {}
+                        _ = stopped => {}
+                    }
+                });
+                runtime.shutdown_timeout(Duration::from_secs(1));
+            })?;
+        Ok(Self {
+            port,
+            state,
+            stop: Some((stop, thread)),
+        })
+    }
+
+    /// `http://127.0.0.1:PORT`, the endpoint a worker is given.
+    pub fn endpoint(&self) -> String {
+        format!("http://127.0.0.1:{}", self.port)
+    }
+
+    /// From now on, every `SendMessage`/`SendMessageBatch` to queue `name` is refused as SQS
+    /// refuses a message it will never take (the sender's fault), and nothing is written.
+    pub fn refuse_sends_to(&self, name: &str) {
+        lock(&self.state.refused).insert(name.to_owned());
+    }
+
+    /// Holds every `ReceiveMessage` unanswered (`true`), or forwards them again (`false`).
+    pub fn hang_receives(&self, hang: bool) {
+        self.state.hang_receives.store(hang, Ordering::SeqCst);
+    }
+
+    /// How many receives were held so far.
+    pub fn hung_receives(&self) -> u64 {
+        self.state.hung.load(Ordering::SeqCst)
+    }
+}
+
+impl Drop for SqsProxy {
+    fn drop(&mut self) {
+        if let Some((stop, thread)) = self.stop.take() {
+            let _ = stop.send(());
+            let _ = thread.join();
+        }
+    }
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// The refusal of a send to a refused queue, in the AWS JSON protocol: `SendMessageBatch`
+/// answers 200 with every entry failed as the sender's fault (as ElasticMQ and SQS do for a
+/// letter they will never take), `SendMessage` a 400 `InvalidParameterValue`.
+fn refusal(target: &str, request: &serde_json::Value) -> axum::response::Response {
+    use axum::response::IntoResponse as _;
+    const WHY: &str = "One or more parameters are invalid. Reason: this queue refuses every message (switchboard test proxy).";
+    let json = [(axum::http::header::CONTENT_TYPE, "application/x-amz-json-1.0")];
+    if target.ends_with("SendMessageBatch") {
+        let failed: Vec<serde_json::Value> = request["Entries"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .map(|entry| {
+                serde_json::json!({"Id": entry["Id"], "SenderFault": true,
+                    "Code": "InvalidParameterValue", "Message": WHY})
+            })
+            .collect();
+        let body = serde_json::json!({"Successful": [], "Failed": failed});
+        return (axum::http::StatusCode::OK, json, body.to_string()).into_response();
+    }
+    let body = serde_json::json!({"__type": "com.amazonaws.sqs#InvalidParameterValue", "message": WHY});
+    (
+        axum::http::StatusCode::BAD_REQUEST,
+        [
+            (axum::http::header::CONTENT_TYPE, "application/x-amz-json-1.0"),
+            (
+                axum::http::HeaderName::from_static("x-amzn-query-error"),
+                "InvalidParameterValue;Sender",
+            ),
+        ],
+        body.to_string(),
+    )
+        .into_response()
+}
+
+/// Forwards one call to ElasticMQ, unless it is refused or held.
+async fn forward(
+    axum::extract::State((state, client)): axum::extract::State<(Arc<ProxyState>, ProxyClient)>,
+    request: axum::extract::Request,
+) -> axum::response::Response {
+    use axum::response::IntoResponse as _;
+    use http_body_util::BodyExt as _;
+    let (mut parts, body) = request.into_parts();
+    let Ok(body) = body.collect().await.map(|collected| collected.to_bytes()) else {
+        return axum::http::StatusCode::BAD_REQUEST.into_response();
+    };
+    let target = parts
+        .headers
+        .get("x-amz-target")
+        .and_then(|value| value.to_str().ok())
+        .unwrap_or_default()
+        .to_owned();
+    if target.ends_with(".ReceiveMessage") && state.hang_receives.load(Ordering::SeqCst) {
+        state.hung.fetch_add(1, Ordering::SeqCst);
+        // A hung server: the caller's own deadline is all that ends this call.
+        std::future::pending::<()>().await;
+    }
+    if target.ends_with(".SendMessage") || target.ends_with(".SendMessageBatch") {
+        let request: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
+        let queue = request["QueueUrl"]
+            .as_str()
+            .and_then(|url| url.rsplit('/').next())
+            .unwrap_or_default();
+        if lock(&state.refused).contains(queue) {
+            return refusal(&target, &request);
+        }
+    }
+    let path = parts
+        .uri
+        .path_and_query()
+        .map_or("/", |path| path.as_str())
+        .to_owned();
+    parts.uri = match format!("http://127.0.0.1:{}{path}", state.upstream_port).parse() {
+        Ok(uri) => uri,
+        Err(_) => return axum::http::StatusCode::BAD_REQUEST.into_response(),
+    };
+    let upstream = axum::http::Request::from_parts(parts, http_body_util::Full::new(body));
+    match client.request(upstream).await {
+        Ok(response) => {
+            let (parts, body) = response.into_parts();
+            match body.collect().await {
+                Ok(collected) => {
+                    axum::response::Response::from_parts(parts, axum::body::Body::from(collected.to_bytes()))
+                }
+                Err(_) => axum::http::StatusCode::BAD_GATEWAY.into_response(),
+            }
+        }
+        // ElasticMQ is down (killed, restarting): what a client of a dead server sees.
+        Err(_) => axum::http::StatusCode::BAD_GATEWAY.into_response(),
     }
 }

@@ -13,15 +13,20 @@
 //!   fatal (naming `spec.source.gateway.queue`), a refused token is not.
 //! - **Receive**: long polls of at most ten messages, a larger batch gathered from concurrent
 //!   receives like the SQS transport's; bodies are base64; the key is
-//!   `gateway:{adapter}:{messageId}`; `receiveCount` is the delivery count (the pipeline
-//!   dead-letters past `maxDeliveries`); attributes become headers. A body that is not base64,
-//!   or a message without id, is delivered undecodable (poison); one without a receipt handle
-//!   is skipped (it comes back when its visibility expires).
+//!   `gateway:{adapter}:{messageId}` (the gateway passes SQS's MessageId, unique per send, so
+//!   a re-created queue cannot re-use one); `receiveCount` is the delivery count (the pipeline
+//!   dead-letters past `maxDeliveries`); attributes become headers. Each message of an answer
+//!   is decoded on its own: one that does not follow the protocol (a body that is not base64,
+//!   an attribute value that is not a string, no id) is delivered undecodable (poison, its
+//!   JSON in the reason) and its neighbours are stored; one without a receipt handle is
+//!   skipped (it comes back when its visibility expires). Only an answer whose envelope is not
+//!   the protocol's fails the receive.
 //! - **Acknowledge**: `DELETE /` per message, concurrently; 410 is a stale receipt.
 //!   **Lease**: `PATCH /` (change visibility) to the visibility timeout.
 //! - **Dead letters**: `POST /dlq` with the body unchanged (base64) and the SQS transport's
 //!   `x-dlq-*` context as attributes; the original is deleted by the acknowledgement that
-//!   follows, as for every broker.
+//!   follows, as for every broker. A letter the gateway refuses for what it carries (400, 413,
+//!   422) is reported refused: the pipeline keeps it in PostgreSQL.
 //! - **Queue health**: `GET /stats` (available, in flight, dead letters) and the age of the
 //!   oldest message this worker holds.
 //!
@@ -40,12 +45,14 @@ use base64::engine::general_purpose::STANDARD;
 use futures::StreamExt as _;
 use prometheus_client::registry::Registry;
 use serde::Deserialize;
-use serde_json::json;
+use serde_json::{Value, json};
 use switchboard_api::GatewaySource;
 use switchboard_store::Dedup;
 
 use self::breaker::CircuitBreaker;
-use self::calls::{AuthCounters, CALL_TIMEOUT, Call, Gateway as Calls, LONG_POLL_MARGIN};
+use self::calls::{
+    AuthCounters, CALL_TIMEOUT, Call, Gateway as Calls, LONG_POLL_MARGIN, Refused,
+};
 use self::http::{HttpClient, extra_ca};
 use self::token::{TokenProvider, TokenSource};
 use super::sqs::Receipt;
@@ -79,34 +86,12 @@ pub struct GatewaySettings {
     pub spec: GatewaySource,
 }
 
-/// The protocol's message.
-#[derive(Debug, Deserialize)]
-#[serde(rename_all = "camelCase")]
-struct Received {
-    #[serde(default)]
-    message_id: Option<String>,
-    #[serde(default)]
-    receipt_handle: Option<String>,
-    #[serde(default)]
-    body: Option<String>,
-    #[serde(default)]
-    attributes: Attributes,
-    #[serde(default)]
-    receive_count: Option<u64>,
-    #[serde(default)]
-    sent_timestamp: Option<u64>,
-}
-
-#[derive(Debug, Default, Deserialize)]
-struct Attributes {
-    #[serde(default)]
-    values: std::collections::BTreeMap<String, String>,
-}
-
+/// The protocol's answer to a receive. Each message is decoded on its own (see [`convert`]):
+/// one that does not follow the protocol is that message's poison, never the whole receive's.
 #[derive(Debug, Deserialize)]
 struct Receive {
     #[serde(default)]
-    messages: Vec<Received>,
+    messages: Vec<Value>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -120,33 +105,79 @@ struct Stats {
     dead_letter_messages: Option<u64>,
 }
 
-/// Converts one message of `source` (`gateway:{adapter}`); `None` without a receipt handle.
-fn convert(source: &str, raw: Received) -> Option<GatewayDelivery> {
-    let handle = raw.receipt_handle.filter(|h| !h.is_empty())?;
+/// How much of an undecodable message's JSON its dead letter's error quotes.
+const MAX_QUOTED_JSON: usize = 1024;
+
+/// Converts one message of `source` (`gateway:{adapter}`), as the protocol says it is:
+/// `{messageId, receiptHandle, body (base64), attributes: {values: {name: text}},
+/// receiveCount, sentTimestamp}`. `None` without a receipt handle (it can be neither
+/// acknowledged nor dead-lettered; it comes back when its visibility expires). Whatever else
+/// does not follow the protocol (a body that is not base64, an attribute value that is not a
+/// string, a count that is not a number) makes the message undecodable: it is dead-lettered
+/// with what could be read of it (the body decoded if it was base64, else as it came; each
+/// attribute's value as the text it came as) and its JSON in the reason.
+fn convert(source: &str, raw: &Value) -> Option<GatewayDelivery> {
+    let handle = raw
+        .get("receiptHandle")
+        .and_then(Value::as_str)
+        .filter(|h| !h.is_empty())?
+        .to_owned();
     let mut problems = Vec::new();
-    let body = match raw.body.as_deref().map(|text| STANDARD.decode(text)) {
-        Some(Ok(body)) => body,
-        Some(Err(err)) => {
-            problems.push(format!("a body that is not base64 ({err})"));
-            raw.body.unwrap_or_default().into_bytes()
-        }
-        None => {
+    let body = match raw.get("body") {
+        Some(Value::String(text)) => match STANDARD.decode(text) {
+            Ok(body) => body,
+            Err(err) => {
+                problems.push(format!("a body that is not base64 ({err})"));
+                text.clone().into_bytes()
+            }
+        },
+        None | Some(Value::Null) => {
             problems.push("no body".to_owned());
             Vec::new()
         }
+        Some(other) => {
+            problems.push(format!("a body that is {}, not a string", kind(other)));
+            other.to_string().into_bytes()
+        }
     };
-    let external_id = match raw.message_id.filter(|id| !id.is_empty()) {
-        Some(id) => id,
-        None => {
-            problems.push("no messageId".to_owned());
+    let external_id = match raw.get("messageId") {
+        Some(Value::String(id)) if !id.is_empty() => id.clone(),
+        other => {
+            problems.push(match other {
+                None | Some(Value::Null) | Some(Value::String(_)) => "no messageId".to_owned(),
+                Some(other) => format!("a messageId that is {}, not a string", kind(other)),
+            });
             format!(
                 "sha256:{}",
                 hex::encode(<sha2::Sha256 as sha2::Digest>::digest(&body))
             )
         }
     };
-    let undecodable = (!problems.is_empty())
-        .then(|| format!("the gateway's message has {}", problems.join(" and ")));
+    let headers = attributes(raw.get("attributes"), &mut problems);
+    let mut count = |name: &str| match raw.get(name) {
+        None | Some(Value::Null) => None,
+        Some(value) => {
+            let number = value.as_u64();
+            if number.is_none() {
+                problems.push(format!("a {name} that is not a count ({value})"));
+            }
+            number
+        }
+    };
+    let delivery_count = count("receiveCount").unwrap_or(1).max(1);
+    let enqueued_at_ms = count("sentTimestamp");
+    let undecodable = (!problems.is_empty()).then(|| {
+        // The receipt handle is a credential for the message: never quoted.
+        let mut quoted = raw.clone();
+        if let Some(fields) = quoted.as_object_mut() {
+            fields.remove("receiptHandle");
+        }
+        format!(
+            "the gateway's message does not follow the protocol: it has {}: {}",
+            problems.join(" and "),
+            crate::transport::truncate(&quoted.to_string(), MAX_QUOTED_JSON)
+        )
+    });
     Some(Message {
         receipt: Receipt {
             handle,
@@ -155,17 +186,60 @@ fn convert(source: &str, raw: Received) -> Option<GatewayDelivery> {
         idempotency_key: format!("{source}:{external_id}"),
         external_id,
         body,
-        headers: raw
-            .attributes
-            .values
-            .into_iter()
-            .map(|(name, value)| (name, value.into_bytes()))
-            .collect(),
-        delivery_count: raw.receive_count.unwrap_or(1).max(1),
-        enqueued_at_ms: raw.sent_timestamp,
+        headers,
+        delivery_count,
+        enqueued_at_ms,
         position: None,
         undecodable,
     })
+}
+
+/// The headers of a message's `attributes` (`{values: {name: text}}`): each value's text, or
+/// for a value that is not a string (a problem) the JSON it came as.
+fn attributes(raw: Option<&Value>, problems: &mut Vec<String>) -> Vec<(String, Vec<u8>)> {
+    let values = match raw {
+        None | Some(Value::Null) => return Vec::new(),
+        Some(Value::Object(attributes)) => match attributes.get("values") {
+            None | Some(Value::Null) => return Vec::new(),
+            Some(Value::Object(values)) => values,
+            Some(other) => {
+                problems.push(format!("attributes.values that is {}", kind(other)));
+                return Vec::new();
+            }
+        },
+        Some(other) => {
+            problems.push(format!("attributes that are {}", kind(other)));
+            return Vec::new();
+        }
+    };
+    values
+        .iter()
+        .map(|(name, value)| {
+            let text = match value {
+                Value::String(text) => text.clone(),
+                other => {
+                    problems.push(format!(
+                        "attribute {name:?} whose value is {} ({other}), not a string",
+                        kind(other)
+                    ));
+                    other.to_string()
+                }
+            };
+            (name.clone(), text.into_bytes())
+        })
+        .collect()
+}
+
+/// What a JSON value is, for messages.
+fn kind(value: &Value) -> &'static str {
+    match value {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "an array",
+        Value::Object(_) => "an object",
+    }
 }
 
 /// The calls, the token provider and the circuit breaker of one adapter's gateway.
@@ -296,7 +370,7 @@ impl GatewayTransport {
     }
 
     /// One receive of up to `count` messages, waiting up to `wait` seconds.
-    async fn receive_once(&self, count: usize, wait: u32) -> Result<Vec<Received>, TransportError> {
+    async fn receive_once(&self, count: usize, wait: u32) -> Result<Vec<Value>, TransportError> {
         let mut query = vec![
             (
                 "maxNumberOfMessages",
@@ -390,7 +464,7 @@ impl Transport for GatewayTransport {
         let received = raw.len();
         let messages: Vec<GatewayDelivery> = raw
             .into_iter()
-            .filter_map(|message| convert(&self.source, message))
+            .filter_map(|message| convert(&self.source, &message))
             .collect();
         if messages.len() < received {
             tracing::warn!(
@@ -452,9 +526,28 @@ impl Transport for GatewayTransport {
             })
             .collect();
         let results = self.call_each(call, bodies).await;
-        // The pipeline writes them all again on failure: a duplicate dead letter is
-        // acceptable, a lost one is not.
-        results.into_iter().collect()
+        let mut refused = Vec::new();
+        let mut first_refusal = None;
+        for (index, result) in results.into_iter().enumerate() {
+            match result {
+                Ok(()) => {}
+                Err(err) if refused_for_good(&err) => {
+                    refused.push(index);
+                    first_refusal.get_or_insert(err);
+                }
+                // The pipeline writes them all again: a duplicate dead letter is acceptable,
+                // a lost one is not.
+                Err(err) => return Err(err),
+            }
+        }
+        match first_refusal {
+            None => Ok(()),
+            Some(err) => Err(TransportError::dead_letters_refused(
+                refused,
+                "the gateway refused dead letters for good (it answered that the request itself is wrong: HTTP 400, 413 or 422)",
+                Some(Box::new(err)),
+            )),
+        }
     }
 
     async fn ack(&mut self, messages: &[&GatewayDelivery]) -> Result<Acked, TransportError> {
@@ -548,6 +641,14 @@ impl Transport for GatewayTransport {
     }
 }
 
+/// Whether the gateway refused a call for what the request carries (400, 413, 422): sending it
+/// again can never succeed.
+fn refused_for_good(err: &TransportError) -> bool {
+    std::error::Error::source(err)
+        .and_then(|source| source.downcast_ref::<Refused>())
+        .is_some_and(|refused| matches!(refused.status, 400 | 413 | 422))
+}
+
 /// `GET /stats` of the queue.
 async fn stats(calls: &Calls) -> Result<Stats, TransportError> {
     let call = Call {
@@ -593,22 +694,19 @@ mod tests {
 
     const SOURCE: &str = "gateway:shop/orders";
 
-    fn received(value: serde_json::Value) -> Received {
-        serde_json::from_value(value).expect("a protocol message")
-    }
 
     #[test]
     fn gateway_message_becomes_a_message_with_its_attributes_as_headers() {
         let message = convert(
             SOURCE,
-            received(json!({
+            &json!({
                 "messageId": "d9f94e63",
                 "receiptHandle": "AQEBxxxx",
                 "body": STANDARD.encode(b"{\"id\":1}"),
                 "attributes": {"values": {"project": "p", "chunk_id": "550e8400"}},
                 "receiveCount": 3,
                 "sentTimestamp": 1_700_000_000_123u64,
-            })),
+            }),
         )
         .expect("delivered");
         assert_eq!(message.idempotency_key, "gateway:shop/orders:d9f94e63");
@@ -630,7 +728,7 @@ mod tests {
     fn a_body_that_is_not_base64_is_poison_and_no_receipt_is_skipped() {
         let message = convert(
             SOURCE,
-            received(json!({"messageId": "m1", "receiptHandle": "h", "body": "not base64!"})),
+            &json!({"messageId": "m1", "receiptHandle": "h", "body": "not base64!"}),
         )
         .expect("delivered");
         assert!(
@@ -643,6 +741,48 @@ mod tests {
         );
         assert_eq!(message.body, b"not base64!", "kept as it came");
         assert_eq!(message.delivery_count, 1);
-        assert!(convert(SOURCE, received(json!({"messageId": "m2", "body": ""}))).is_none());
+        assert!(convert(SOURCE, &json!({"messageId": "m2", "body": ""})).is_none());
+    }
+
+    #[test]
+    fn an_attribute_that_is_not_a_string_makes_only_its_message_undecodable() {
+        let answer: Receive = serde_json::from_value(json!({"messages": [
+            {"messageId": "good", "receiptHandle": "h1", "body": STANDARD.encode("{}"),
+             "attributes": {"values": {"kind": "order"}}},
+            {"messageId": "odd", "receiptHandle": "h2", "body": STANDARD.encode("{\"odd\":1}"),
+             "attributes": {"values": {"kind": "order", "n": 5}}, "receiveCount": 1},
+        ]}))
+        .expect("the envelope decodes whatever its messages hold");
+        let messages: Vec<GatewayDelivery> = answer
+            .messages
+            .iter()
+            .filter_map(|raw| convert(SOURCE, raw))
+            .collect();
+        assert_eq!(messages.len(), 2);
+        assert_eq!(messages[0].undecodable, None);
+        let odd = &messages[1];
+        let why = odd.undecodable.as_deref().expect("undecodable");
+        assert!(why.contains("attribute \"n\" whose value is a number (5)"), "{why}");
+        assert!(why.contains(r#""n":5"#), "the message's JSON is quoted: {why}");
+        assert!(!why.contains("h2"), "without its receipt handle: {why}");
+        assert_eq!(odd.body, b"{\"odd\":1}", "the body decoded, byte-identical");
+        assert_eq!(odd.external_id, "odd");
+        assert!(odd.headers.contains(&("n".to_owned(), b"5".to_vec())));
+    }
+
+    #[test]
+    fn fields_of_the_wrong_type_are_problems_of_their_message() {
+        for raw in [
+            json!({"messageId": 7, "receiptHandle": "h", "body": ""}),
+            json!({"messageId": "m", "receiptHandle": "h", "body": 5}),
+            json!({"messageId": "m", "receiptHandle": "h", "body": "", "receiveCount": "2"}),
+            json!({"messageId": "m", "receiptHandle": "h", "body": "", "attributes": []}),
+            json!({"messageId": "m", "receiptHandle": "h", "body": "", "attributes": {"values": "x"}}),
+        ] {
+            let message = convert(SOURCE, &raw).expect("delivered");
+            assert!(message.undecodable.is_some(), "{raw}");
+        }
+        assert!(convert(SOURCE, &json!({"receiptHandle": 5})).is_none());
+        assert!(convert(SOURCE, &json!("not an object")).is_none());
     }
 }

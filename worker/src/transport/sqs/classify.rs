@@ -76,6 +76,41 @@ pub fn is_stale_code(code: &str, message: Option<&str>) -> bool {
             && message.is_some_and(|m| m.to_ascii_lowercase().contains("receipt")))
 }
 
+/// Codes by which SQS refuses a message itself (its size, body characters, attributes): sending
+/// the same message again can never succeed.
+const REFUSED_MESSAGE: &[&str] = &[
+    "InvalidParameterValue",
+    "InvalidMessageContents",
+    "MessageTooLong",
+    "BatchRequestTooLong",
+    "InvalidAttributeName",
+    "InvalidAttributeValue",
+    "UnsupportedOperation",
+    "InvalidParameterCombination",
+];
+
+/// Whether a (per-entry or whole-call) error code says SQS refuses the message itself, for good.
+pub fn is_refused_message_code(code: &str) -> bool {
+    REFUSED_MESSAGE.iter().any(|refused| code.ends_with(refused))
+}
+
+/// The fault of a send SQS refused as a whole because of what it carries (see
+/// [`is_refused_message_code`]); `None` for every other failure.
+pub fn refused_message<E>(err: &SdkError<E, HttpResponse>) -> Option<ServiceFault>
+where
+    E: ProvideErrorMetadata,
+{
+    let SdkError::ServiceError(_) = err else {
+        return None;
+    };
+    let code = err.code()?;
+    is_refused_message_code(code).then(|| ServiceFault {
+        code: code.to_owned(),
+        status: err.raw_response().map(|raw| raw.status().as_u16()),
+        message: redact(err.message().unwrap_or("")),
+    })
+}
+
 /// Which queue a call addressed, to name the setting when it does not exist.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Addressed {
@@ -310,6 +345,21 @@ mod tests {
             verdict_for_code("InvalidParameterValue", Some("VisibilityTimeout too large")),
             Verdict::Transient
         );
+    }
+
+    #[test]
+    fn refusals_of_the_message_itself_are_told_from_outages() {
+        for code in [
+            "InvalidParameterValue",
+            "AWS.SimpleQueueService.InvalidMessageContents",
+            "InvalidAttributeValue",
+            "MessageTooLong",
+        ] {
+            assert!(is_refused_message_code(code), "{code}");
+        }
+        for code in ["RequestThrottled", "InternalError", "QueueDoesNotExist"] {
+            assert!(!is_refused_message_code(code), "{code}");
+        }
     }
 
     #[test]

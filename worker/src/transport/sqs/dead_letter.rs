@@ -104,8 +104,8 @@ fn sqs_text(text: &str) -> String {
 }
 
 /// The dead letter of `message`, dropping context attributes (longest first) until it fits
-/// the limit. A body that does not fit even alone is sent as it is: SQS then refuses it and
-/// the write is retried (and logged) rather than the letter silently lost.
+/// the limit. A body that does not fit even alone is returned as it is: the queue can never
+/// take it ([`Letter::size`] over the limit), and the writer reports it refused.
 pub fn letter(
     message: &SqsDelivery,
     reason: PoisonReason,
@@ -190,13 +190,12 @@ fn dropped_size(dropped: &[&str]) -> usize {
     DROPPED.len() + "String".len() + names
 }
 
-/// Splits letters into calls of at most ten entries whose sizes add up to at most
+/// Splits letters of `sizes` into calls of at most ten entries whose sizes add up to at most
 /// `max_batch_bytes` (a letter larger than that goes alone). Returns index ranges.
-pub fn batches(letters: &[Letter], max_batch_bytes: usize) -> Vec<std::ops::Range<usize>> {
+pub fn batches(sizes: &[usize], max_batch_bytes: usize) -> Vec<std::ops::Range<usize>> {
     let mut batches = Vec::new();
     let (mut start, mut bytes) = (0, 0);
-    for (index, letter) in letters.iter().enumerate() {
-        let size = letter.size();
+    for (index, &size) in sizes.iter().enumerate() {
         let full =
             index - start == BATCH_LIMIT || (index > start && bytes + size > max_batch_bytes);
         if full {
@@ -205,8 +204,8 @@ pub fn batches(letters: &[Letter], max_batch_bytes: usize) -> Vec<std::ops::Rang
         }
         bytes += size;
     }
-    if start < letters.len() {
-        batches.push(start..letters.len());
+    if start < sizes.len() {
+        batches.push(start..sizes.len());
     }
     batches
 }
@@ -317,7 +316,7 @@ mod tests {
     }
 
     #[test]
-    fn a_body_over_the_limit_is_still_sent_without_context() {
+    fn a_body_over_the_limit_is_left_without_context_and_over_the_limit() {
         let letter = letter(
             &message(&"b".repeat(100), Vec::new()),
             PoisonReason::Oversize,
@@ -327,6 +326,7 @@ mod tests {
         );
         assert_eq!(letter.body.len(), 100);
         assert!(letter.attributes.is_empty());
+        assert!(letter.size() > 50, "the writer sees that the queue cannot take it");
     }
 
     #[test]
@@ -353,15 +353,15 @@ mod tests {
             &Attempts::default(),
             context(false, DEFAULT_MAX_MESSAGE_BYTES),
         );
-        let letters = vec![small.clone(); 23];
+        let size = small.size();
+        let sizes = vec![size; 23];
         assert_eq!(
-            batches(&letters, DEFAULT_MAX_MESSAGE_BYTES),
+            batches(&sizes, DEFAULT_MAX_MESSAGE_BYTES),
             vec![0..10, 10..20, 20..23]
         );
-        let size = small.size();
-        assert_eq!(batches(&letters[..5], size * 2), vec![0..2, 2..4, 4..5]);
+        assert_eq!(batches(&sizes[..5], size * 2), vec![0..2, 2..4, 4..5]);
         assert_eq!(
-            batches(&letters[..2], 1),
+            batches(&sizes[..2], 1),
             vec![0..1, 1..2],
             "an oversized letter goes alone"
         );

@@ -139,6 +139,15 @@ struct Queues {
     dead_letter_max_bytes: usize,
 }
 
+/// What one dead-letter call did.
+#[derive(Debug)]
+enum Sent {
+    /// Written, but for the letters SQS refused for good (indexes into the letters built).
+    Written { refused: Vec<(usize, ServiceFault)> },
+    /// SQS refused the whole call for what one of its letters carries.
+    AllRefused(ServiceFault),
+}
+
 /// The SQS transport.
 #[derive(Debug)]
 pub struct Sqs {
@@ -515,6 +524,72 @@ impl Sqs {
         Ok(outcomes)
     }
 
+    /// One `SendMessageBatch` of the dead letters `indexes` (into `built`). Entries SQS fails
+    /// as the sender's fault (the letter itself: its size, characters, attributes) are
+    /// returned as refused; a call SQS refuses as a whole for what it carries is
+    /// [`Sent::AllRefused`]. Anything else is an error: the pipeline writes the batch again
+    /// (a duplicate dead letter is acceptable, a lost one is not).
+    async fn send_dead_letters(
+        &self,
+        queues: &Queues,
+        built: &[dead_letter::Letter],
+        indexes: &[usize],
+    ) -> Result<Sent, TransportError> {
+        let entries = indexes
+            .iter()
+            .enumerate()
+            .map(|(id, &index)| built[index].entry(id))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|err| TransportError::protocol(format!("cannot build a dead letter: {err}")))?;
+        let output = match self
+            .client
+            .send_message_batch()
+            .queue_url(&queues.dead_letter_url)
+            .set_entries(Some(entries))
+            .send()
+            .await
+        {
+            Ok(output) => output,
+            Err(err) => {
+                return match classify::refused_message(&err) {
+                    Some(fault) => Ok(Sent::AllRefused(fault)),
+                    None => Err(self
+                        .errors
+                        .error("SendMessageBatch", Addressed::DeadLetter, err)),
+                };
+            }
+        };
+        let mut refused = Vec::new();
+        let mut failed_now = Vec::new();
+        for failed in output.failed() {
+            let fault = ServiceFault {
+                code: failed.code().to_owned(),
+                status: None,
+                message: classify::redact(failed.message().unwrap_or("")),
+            };
+            let index = failed
+                .id()
+                .parse::<usize>()
+                .ok()
+                .and_then(|id| indexes.get(id));
+            match index {
+                Some(&index)
+                    if failed.sender_fault() || classify::is_refused_message_code(failed.code()) =>
+                {
+                    refused.push((index, fault));
+                }
+                _ => failed_now.push(fault),
+            }
+        }
+        if let Some(fault) = failed_now.into_iter().next() {
+            return Err(TransportError::transient(
+                "SQS SendMessageBatch to the dead-letter queue failed for some of its entries",
+                fault,
+            ));
+        }
+        Ok(Sent::Written { refused })
+    }
+
     /// One `ChangeMessageVisibilityBatch` setting `messages`' visibility to `seconds`.
     async fn change_visibility(
         &self,
@@ -813,43 +888,58 @@ impl Transport for Sqs {
                 )
             })
             .collect();
-        for range in dead_letter::batches(&built, queues.dead_letter_max_bytes) {
-            let entries = built[range]
-                .iter()
-                .enumerate()
-                .map(|(id, letter)| letter.entry(id))
-                .collect::<Result<Vec<_>, _>>()
-                .map_err(|err| {
-                    TransportError::protocol(format!("cannot build a dead letter: {err}"))
-                })?;
-            let output = self
-                .client
-                .send_message_batch()
-                .queue_url(&queues.dead_letter_url)
-                .set_entries(Some(entries))
-                .send()
-                .await
-                .map_err(|err| {
-                    self.errors
-                        .error("SendMessageBatch", Addressed::DeadLetter, err)
-                })?;
-            if let Some(failed) = output.failed().first() {
-                // The pipeline writes the whole batch again: duplicates in the dead-letter
-                // queue are acceptable, a lost dead letter is not.
-                return Err(TransportError::transient(
-                    format!(
-                        "SQS SendMessageBatch to the dead-letter queue failed for {} of its entries",
-                        output.failed().len()
+        let max = queues.dead_letter_max_bytes;
+        // A letter over the queue's limit even without its context can never be written.
+        let (fitting, too_large): (Vec<usize>, Vec<usize>) =
+            (0..built.len()).partition(|&index| built[index].size() <= max);
+        let mut refused: Vec<(usize, ServiceFault)> = too_large
+            .into_iter()
+            .map(|index| {
+                let fault = ServiceFault {
+                    code: "MessageTooLong".to_owned(),
+                    status: None,
+                    message: format!(
+                        "{} bytes; the dead-letter queue takes at most {max} (MaximumMessageSize)",
+                        built[index].size()
                     ),
-                    ServiceFault {
-                        code: failed.code().to_owned(),
-                        status: None,
-                        message: classify::redact(failed.message().unwrap_or("")),
-                    },
-                ));
+                };
+                (index, fault)
+            })
+            .collect();
+        let sizes: Vec<usize> = fitting.iter().map(|&index| built[index].size()).collect();
+        for range in dead_letter::batches(&sizes, max) {
+            let indexes = &fitting[range];
+            match self.send_dead_letters(queues, &built, indexes).await? {
+                Sent::Written { refused: some } => refused.extend(some),
+                Sent::AllRefused(fault) if indexes.len() == 1 => refused.push((indexes[0], fault)),
+                // One letter SQS refuses fails the whole call: find it, letter by letter.
+                Sent::AllRefused(_) => {
+                    for &index in indexes {
+                        match self.send_dead_letters(queues, &built, &[index]).await? {
+                            Sent::Written { refused: some } => refused.extend(some),
+                            Sent::AllRefused(fault) => refused.push((index, fault)),
+                        }
+                    }
+                }
             }
         }
-        Ok(())
+        let Some((_, first)) = refused.first() else {
+            return Ok(());
+        };
+        let context = format!(
+            "SQS refused {} dead letters for good (the dead-letter queue can never take them as they are; first: {} {})",
+            refused.len(),
+            first.code,
+            first.message
+        );
+        let mut letters: Vec<usize> = refused.iter().map(|(index, _)| *index).collect();
+        letters.sort_unstable();
+        let (_, fault) = refused.swap_remove(0);
+        Err(TransportError::dead_letters_refused(
+            letters,
+            context,
+            Some(Box::new(fault)),
+        ))
     }
 
     async fn ack(&mut self, messages: &[&SqsDelivery]) -> Result<Acked, TransportError> {
