@@ -681,18 +681,24 @@ async fn quorum_delivery_limit_below_max_deliveries_is_refused() -> Result<()> {
     Ok(())
 }
 
-/// A classic queue full to its limit with `x-overflow: reject-publish` after a worker crash (a
-/// policy `max-length` 0 here, as an operator might set while the queue drains): every message
-/// is a redelivery, and publishing it again with its count is refused. Storing does not wait on
-/// that publish: all 170 are stored, in one session.
+/// A classic queue kept full to its `x-max-length` with `x-overflow: reject-publish` (a producer
+/// tops it up in bursts) after a worker crash: the redelivered messages cannot be published
+/// again with their count. Storing does not wait on that publish: every message is stored, in
+/// one session.
 #[tokio::test]
 async fn full_classic_queue_after_a_crash_still_stores() -> Result<()> {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
     const TOTAL: usize = 170;
     let mut fx = Fixture::start().await?;
     let server = start(&mut fx).await?;
     let name = "full";
+    let limits = [
+        ("x-max-length", AMQPValue::LongLongInt(TOTAL as i64)),
+        ("x-overflow", rabbitmq::text("reject-publish")),
+    ];
     server
-        .declare(name, queue_arguments(QueueType::Classic, &[]))
+        .declare(name, queue_arguments(QueueType::Classic, &limits))
         .await?;
     server
         .publish(
@@ -707,32 +713,65 @@ async fn full_classic_queue_after_a_crash_still_stores() -> Result<()> {
         .await?;
     let manifest = json_manifest(&fx, name, "batchSize: 50")?;
     fx.crash_after_first_commit(&manifest, "crashing").await?;
-    server
-        .ctl(&[
-            "set_policy",
-            "full",
-            "^full$",
-            r#"{"max-length":0,"overflow":"reject-publish"}"#,
-            "--apply-to",
-            "queues",
-        ])
-        .await?;
-    ensure!(
-        server.messages(name).await? == TOTAL as u64,
-        "the policy keeps what the queue holds"
+    // The producer keeps the queue full: whatever the worker takes out is refilled at once
+    // (RabbitMQ counts only ready messages against x-max-length).
+    let (stop, filled) = (
+        Arc::new(AtomicBool::new(false)),
+        Arc::new(AtomicU64::new(0)),
     );
+    let (connection, channel) = server.channel().await?;
+    let producer = tokio::spawn({
+        let (stop, filled) = (stop.clone(), filled.clone());
+        async move {
+            let mut next = 0u64;
+            while !stop.load(Ordering::Relaxed) {
+                let mut confirms = Vec::new();
+                for _ in 0..TOTAL {
+                    next += 1;
+                    confirms.push(
+                        channel
+                            .basic_publish(
+                                "".into(),
+                                name.into(),
+                                lapin::options::BasicPublishOptions::default(),
+                                format!(r#"{{"filler":{next}}}"#).as_bytes(),
+                                with_id(&format!("filler-{next}")).with_delivery_mode(2),
+                            )
+                            .await?,
+                    );
+                }
+                for confirm in confirms {
+                    if confirm.await?.is_ack() {
+                        filled.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            }
+            anyhow::Ok(())
+        }
+    });
     let worker = fx.worker(&manifest, "survivor")?;
+    let refused = wait_for(
+        LONG,
+        "redeliveries stored without their recount",
+        || async { Ok(counter(&worker, "amqp_redeliveries_not_recounted", name)? > 0.0) },
+    )
+    .await
+    .with_context(|| worker.log_tail());
+    stop.store(true, Ordering::Relaxed);
+    producer.await??;
+    let _ = connection.close(200, "done".into()).await;
+    refused?;
+    let expected = TOTAL as i64 + i64::try_from(filled.load(Ordering::Relaxed))?;
     wait_for(LONG, "every message stored and acknowledged", || async {
-        Ok(fx.todo_count(name).await? == TOTAL as i64 && server.messages(name).await? == 0)
+        Ok(fx.todo_count(name).await? == expected && server.messages(name).await? == 0)
     })
     .await
     .with_context(|| worker.log_tail())?;
-    fx.assert_exactly_once(name, TOTAL as i64).await?;
+    fx.assert_exactly_once(name, expected).await?;
     ensure!(
         counter(&worker, "amqp_sessions_opened", name)? == 1.0,
         "one session, no reconnect loop\n{}",
         worker.log_tail()
     );
-    ensure!(counter(&worker, "amqp_redeliveries_not_recounted", name)? > 0.0);
     Ok(())
 }
