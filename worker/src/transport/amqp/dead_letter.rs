@@ -166,6 +166,12 @@ pub fn recounted(original: &Original, next: u64) -> BasicProperties {
 mod tests {
     use super::*;
 
+    const CONTEXT: WriteContext<'static> = WriteContext {
+        queue: "orders",
+        consumer: "worker-0",
+        last_seen: "2026-12-01T00:00:00.000Z",
+    };
+
     #[test]
     fn dead_letter_keeps_the_original_properties_and_adds_the_context() {
         let mut user = FieldTable::default();
@@ -186,12 +192,7 @@ mod tests {
             first_seen_ms: Some(0),
             attempts: &Attempts::default(),
         };
-        let context = WriteContext {
-            queue: "orders",
-            consumer: "worker-0",
-            last_seen: "2026-12-01T00:00:00.000Z",
-        };
-        let props = properties(&original, letter, context);
+        let props = properties(&original, letter, CONTEXT);
         assert_eq!(props.message_id().as_ref().map(|m| m.as_str()), Some("m-1"));
         assert_eq!(*props.delivery_mode(), Some(PERSISTENT));
         let headers = props.headers().clone().expect("headers");
@@ -240,12 +241,7 @@ mod tests {
             first_seen_ms: None,
             attempts: &Attempts::default(),
         };
-        let context = WriteContext {
-            queue: "orders",
-            consumer: "worker-0",
-            last_seen: "2026-12-01T00:00:00.000Z",
-        };
-        let props = properties(&original, letter, context);
+        let props = properties(&original, letter, CONTEXT);
         assert_eq!(*props.expiration(), None);
         assert_eq!(*props.user_id(), None);
         assert_eq!(props.app_id().as_ref().map(|a| a.as_str()), Some("shop"));

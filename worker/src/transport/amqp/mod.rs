@@ -184,10 +184,6 @@ struct Session {
     consumer: Consumer,
     /// Delivery tag → arrival (Unix ms) of every delivery not acknowledged yet.
     outstanding: BTreeMap<u64, u64>,
-    /// The channel's prefetch.
-    prefetch: usize,
-    /// Whether a delivery arrived since the last `maintain`.
-    delivered: bool,
 }
 
 impl Session {
@@ -524,8 +520,6 @@ impl Amqp {
             consume,
             consumer,
             outstanding: BTreeMap::new(),
-            prefetch: usize::from(prefetch),
-            delivered: false,
         });
         self.held.record(&BTreeMap::new());
         Ok(())
@@ -593,7 +587,6 @@ impl Amqp {
                 None => break,
                 Some(Some(Ok(delivery))) => {
                     session.outstanding.insert(delivery.delivery_tag, now_ms());
-                    session.delivered = true;
                     buffered.push(delivery);
                     gather_until.get_or_insert_with(|| Instant::now() + GATHER);
                 }
@@ -931,29 +924,8 @@ impl Transport for Amqp {
     }
 
     /// Reopens a lost session, so that the loop sees an outage as such between receives.
-    /// A queue deleted and declared again under the worker may leave its consumer orphaned
-    /// without a `basic.cancel` (seen with quorum queues): when RabbitMQ lists no consumer of
-    /// the queue at all, the worker subscribes again. (Another worker's consumer hides the loss
-    /// of this one; that worker then consumes.)
     async fn maintain(&mut self) -> Result<(), TransportError> {
-        let queue = self.settings.spec.queue.clone();
-        let names = self.names.clone();
-        let session = self.session().await?;
-        let declared = declare_passive(&names, &session.connection, &queue).await?;
-        let idle = !std::mem::take(&mut session.delivered);
-        // Ready messages, room to take them, none taken since the last check, no consumer.
-        if declared.consumer_count() == 0
-            && declared.message_count() > 0
-            && idle
-            && session.outstanding.len() < session.prefetch
-        {
-            tracing::warn!(
-                "RabbitMQ lists no consumer of the queue (was it deleted and declared again?): subscribing again"
-            );
-            self.lose_session();
-            self.session().await?;
-        }
-        Ok(())
+        self.session().await.map(drop)
     }
 
     fn maintenance_interval(&self) -> Duration {
