@@ -749,3 +749,28 @@ async fn liveness_fails_while_work_waits_and_no_batch_completes_then_recovers() 
     })
     .await
 }
+
+#[tokio::test]
+async fn one_key_or_partition_twice_in_a_delivery_count_is_counted_once_not_an_error() -> Result<()>
+{
+    // A Kafka fetch restarted while its records were still buffered hands the same records
+    // twice: SQLSTATE 21000 (a row affected twice by one statement) retried forever before.
+    let fx = Fixture::start().await?;
+    let source = "kafka:test/twice";
+    let marks = fx
+        .store
+        .raise_delivery_marks(source, &[("0", 10), ("0", 12), ("1", 3)])
+        .await?;
+    ensure!(marks == vec![None, None, None], "{marks:?}");
+    let marks = fx
+        .store
+        .raise_delivery_marks(source, &[("0", 11), ("0", 11)])
+        .await?;
+    ensure!(marks == vec![Some(12), Some(12)], "raised to the highest: {marks:?}");
+    let counts = fx
+        .store
+        .count_redeliveries(source, &["k1", "k1", "k2"])
+        .await?;
+    ensure!(counts == vec![2, 2, 2], "{counts:?}");
+    Ok(())
+}
