@@ -878,7 +878,10 @@ async fn letters_kept_in_postgresql_are_listed_shown_and_purged_for_every_broker
     fx.store
         .keep_dead_letters(
             "nats:test/kept",
-            &[letter("nats:test/kept:1", b"{broken"), letter("nats:test/kept:2", b"\x00\xffkept\xfe")],
+            &[
+                letter("nats:test/kept:1", b"{broken"),
+                letter("nats:test/kept:2", b"\x00\xffkept\xfe"),
+            ],
         )
         .await?;
 
@@ -893,7 +896,11 @@ async fn letters_kept_in_postgresql_are_listed_shown_and_purged_for_every_broker
         .map(serde_json::from_str)
         .collect::<Result<_, _>>()?;
     ensure!(letters.len() == 2, "{letters:?}");
-    ensure!(body_of(&letters[1])? == binary, "byte-identical: {}", letters[1]);
+    ensure!(
+        body_of(&letters[1])? == binary,
+        "byte-identical: {}",
+        letters[1]
+    );
     for letter in &letters {
         ensure!(
             letter["origin"]
@@ -902,14 +909,23 @@ async fn letters_kept_in_postgresql_are_listed_shown_and_purged_for_every_broker
                     && origin.contains("maximum payload exceeded")),
             "marked as kept in the database, with the broker's answer: {letter}"
         );
-        ensure!(letter["reason"] == "invalid_json" && letter["headers"]["trace"]["base64"] == "/wA=");
+        ensure!(
+            letter["reason"] == "invalid_json" && letter["headers"]["trace"]["base64"] == "/wA="
+        );
     }
     let id = letters[1]["id"].as_str().context("an id")?;
     let shown = dlq_database_only(&fx, &["show", "--file", file, id, "-o", "raw"])?;
-    ensure!(shown.status.success() && shown.stdout == binary, "{shown:?}");
+    ensure!(
+        shown.status.success() && shown.stdout == binary,
+        "{shown:?}"
+    );
 
     let purged = dlq_database_only(&fx, &["purge", "--file", file, "--yes"])?;
-    ensure!(purged.status.success(), "{}", String::from_utf8_lossy(&purged.stderr));
+    ensure!(
+        purged.status.success(),
+        "{}",
+        String::from_utf8_lossy(&purged.stderr)
+    );
     let left: i64 = sqlx::query_scalar("SELECT count(*) FROM dead_letters")
         .fetch_one(fx.pool())
         .await?;
