@@ -841,3 +841,94 @@ async fn a_copy_carrying_its_original_key_makes_no_second_todo() -> Result<()> {
     );
     Ok(())
 }
+
+/// `dlq <args>` for a manifest whose broker `dlq` has no reader for (NATS): only `DATABASE_URL`.
+fn dlq_database_only(fx: &Fixture, args: &[&str]) -> Result<Output> {
+    Ok(Command::new(worker_binary()?)
+        .arg("dlq")
+        .args(args)
+        .env("DATABASE_URL", &fx.env.database_url)
+        .env_remove("REDIS_URL")
+        .stdin(Stdio::null())
+        .output()?)
+}
+
+/// Dead letters the broker refused, kept in PostgreSQL's table, are listed, shown and purged
+/// by `dlq` for a broker it has no reader for, marked as kept in the database.
+#[tokio::test]
+async fn letters_kept_in_postgresql_are_listed_shown_and_purged_for_every_broker() -> Result<()> {
+    let fx = Fixture::start().await?;
+    let manifest = fx.manifest(
+        "kept.yaml",
+        &source_manifest("kept", "nats: {stream: KEPT, consumer: sb}", "", ""),
+    )?;
+    let file = path_text(&manifest)?;
+    let binary = b"\x00\xffkept\xfe".to_vec();
+    let letter = |key: &'static str, body: &'static [u8]| switchboard_store::KeptLetter {
+        idempotency_key: key,
+        external_id: key,
+        body,
+        headers: r#"{"trace":{"base64":"/wA="}}"#,
+        reason: "invalid_json",
+        error: "body is not valid JSON",
+        delivery_count: 1,
+        attempts: r#"{"total":1,"recent":[]}"#,
+        refused_because: "maximum payload exceeded",
+    };
+    fx.store
+        .keep_dead_letters(
+            "nats:test/kept",
+            &[
+                letter("nats:test/kept:1", b"{broken"),
+                letter("nats:test/kept:2", b"\x00\xffkept\xfe"),
+            ],
+        )
+        .await?;
+
+    let listed = dlq_database_only(&fx, &["list", "--file", file, "-o", "json"])?;
+    ensure!(
+        listed.status.success(),
+        "{}",
+        String::from_utf8_lossy(&listed.stderr)
+    );
+    let letters: Vec<serde_json::Value> = String::from_utf8(listed.stdout)?
+        .lines()
+        .map(serde_json::from_str)
+        .collect::<Result<_, _>>()?;
+    ensure!(letters.len() == 2, "{letters:?}");
+    ensure!(
+        body_of(&letters[1])? == binary,
+        "byte-identical: {}",
+        letters[1]
+    );
+    for letter in &letters {
+        ensure!(
+            letter["origin"]
+                .as_str()
+                .is_some_and(|origin| origin.contains("kept in PostgreSQL")
+                    && origin.contains("maximum payload exceeded")),
+            "marked as kept in the database, with the broker's answer: {letter}"
+        );
+        ensure!(
+            letter["reason"] == "invalid_json" && letter["headers"]["trace"]["base64"] == "/wA="
+        );
+    }
+    let id = letters[1]["id"].as_str().context("an id")?;
+    let shown = dlq_database_only(&fx, &["show", "--file", file, id, "-o", "raw"])?;
+    ensure!(
+        shown.status.success() && shown.stdout == binary,
+        "{shown:?}"
+    );
+
+    let purged = dlq_database_only(&fx, &["purge", "--file", file, "--yes"])?;
+    ensure!(
+        purged.status.success(),
+        "{}",
+        String::from_utf8_lossy(&purged.stderr)
+    );
+    let left: i64 = sqlx::query_scalar("SELECT count(*) FROM dead_letters")
+        .fetch_one(fx.pool())
+        .await?;
+    ensure!(left == 0, "purged: {left} left");
+    Ok(())
+}
