@@ -1179,3 +1179,27 @@ fn dead_letter_context(letter: &DeadLetter<'_, Receipt>) -> [(&'static str, Stri
         ("x-dlq-attempts", letter.attempts.to_json()),
     ]
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_record_fetched_again_while_in_hand_is_not_taken_twice() {
+        let partition = TopicPartition {
+            topic: Arc::from("orders"),
+            partition: 0,
+        };
+        let mut in_hand = InHand::default();
+        for offset in 5..8 {
+            assert!(in_hand.admit(&partition, 1, offset));
+        }
+        // The fetch restarted from 5 while 5..8 were still in hand.
+        for offset in 5..8 {
+            assert!(!in_hand.admit(&partition, 1, offset), "{offset} twice");
+        }
+        assert!(in_hand.admit(&partition, 1, 8));
+        // A new assignment (or a re-created topic) reads from wherever it starts.
+        assert!(in_hand.admit(&partition, 2, 0));
+    }
+}
