@@ -142,6 +142,23 @@ impl Receipt {
     }
 }
 
+/// What is known of a topic's incarnation.
+#[derive(Debug, Clone)]
+struct Incarnation {
+    /// The topic's id; `None` where the brokers keep none.
+    id: Option<Arc<str>>,
+    /// When the brokers last said the topic exists with this id; `None`: since then the topic
+    /// was missing or a fetch failed (it may have been deleted): read again before any record
+    /// of it takes this id.
+    verified: Option<std::time::Instant>,
+}
+
+/// How long a topic's id is taken as current before it is read again for new records: a topic
+/// deleted and created again within this time, with no fetch failing meanwhile, could give a
+/// record of the new incarnation the old id (stored, and stored again under the new id: a
+/// duplicate, never a loss).
+const VERIFY_TOPIC_ID_EVERY: Duration = Duration::from_secs(1);
+
 /// A record fetched and not yet handed on.
 #[derive(Debug)]
 struct Fetched {
@@ -188,7 +205,7 @@ pub struct Kafka {
     fetched: VecDeque<Fetched>,
     in_hand: InHand,
     /// The id of each topic read (its incarnation), as last described.
-    topic_ids: HashMap<Arc<str>, Option<Arc<str>>>,
+    topic_ids: HashMap<Arc<str>, Incarnation>,
     probe: Arc<BaseConsumer>,
     lag: Family<probe::PartitionLabels, prometheus_client::metrics::gauge::Gauge>,
 }
@@ -458,10 +475,15 @@ impl Kafka {
                         below_mark: None,
                     });
                 }
-                Err(err) if self.fetched.is_empty() => {
-                    return Err(classify(err, "could not fetch records", Setting::Topics));
-                }
                 Err(err) => {
+                    // The error may be a topic's deletion (librdkafka does not say which
+                    // topic): no record takes a topic id read before it.
+                    for known in self.topic_ids.values_mut() {
+                        known.verified = None;
+                    }
+                    if self.fetched.is_empty() {
+                        return Err(classify(err, "could not fetch records", Setting::Topics));
+                    }
                     tracing::debug!(error = %err, "fetch error after records in hand");
                     break;
                 }
@@ -477,13 +499,32 @@ impl Kafka {
         let mut wanted: BTreeSet<Arc<str>> = self.state.offsets().take_assigned_topics();
         for fetched in self.fetched.iter().take(max) {
             let topic = &fetched.message.receipt.partition.topic;
-            self.refuse_own_dead_letters(topic)?;
-            if !fetched.identified && !self.topic_ids.contains_key(topic) {
-                wanted.insert(topic.clone());
+            if fetched.identified {
+                continue;
+            }
+            match self.topic_ids.get(topic) {
+                None => {
+                    // A topic read for the first time (a pattern picks up topics created
+                    // later).
+                    self.refuse_own_dead_letters(topic)?;
+                    wanted.insert(topic.clone());
+                }
+                Some(known)
+                    if known
+                        .verified
+                        .is_none_or(|at| at.elapsed() >= VERIFY_TOPIC_ID_EVERY) =>
+                {
+                    wanted.insert(topic.clone());
+                }
+                Some(_) => {}
             }
         }
-        if !wanted.is_empty() {
-            self.describe(wanted).await?;
+        if !wanted.is_empty()
+            && let Err(err) = self.describe(wanted.clone()).await
+        {
+            // Read again next time: a record must never take a stale id.
+            self.state.offsets().return_assigned_topics(wanted);
+            return Err(err);
         }
         let count = self.fetched.len().min(max);
         for fetched in self.fetched.iter_mut().take(count) {
@@ -491,13 +532,17 @@ impl Kafka {
                 continue;
             }
             let message = &mut fetched.message;
-            let Some(topic_id) = self.topic_ids.get(&message.receipt.partition.topic) else {
+            let Some(Incarnation {
+                id,
+                verified: Some(_),
+            }) = self.topic_ids.get(&message.receipt.partition.topic)
+            else {
                 return Err(TransportError::protocol(format!(
                     "the brokers did not describe topic {:?}, whose records are in hand; tried again",
                     message.receipt.partition.topic
                 )));
             };
-            message.receipt.topic_id = topic_id.clone();
+            message.receipt.topic_id = id.clone();
             message.external_id = format!(
                 "{}:{}",
                 message.receipt.incarnation(),
@@ -510,7 +555,8 @@ impl Kafka {
     }
 
     /// Reads the ids of `topics` and records them; a topic whose id changed was re-created.
-    /// Topics the brokers do not describe (deleted meanwhile) keep what is known of them.
+    /// A topic the brokers do not describe (deleted meanwhile) keeps its id, unverified: none of
+    /// its records takes an id until it exists again.
     async fn describe(&mut self, topics: BTreeSet<Arc<str>>) -> Result<(), TransportError> {
         let consumer = self.consumer.clone();
         let names: Vec<String> = topics.iter().map(|topic| topic.to_string()).collect();
@@ -521,15 +567,22 @@ impl Kafka {
         .map_err(|err| TransportError::protocol(format!("the describe task failed: {err}")))?
         .map_err(|err| classify(err, "could not describe the topics", Setting::Topics))?;
         for (name, described) in described {
+            let topic: Arc<str> = Arc::from(name);
             let Described::Exists(id) = described else {
+                if let Some(known) = self.topic_ids.get_mut(&topic) {
+                    known.verified = None;
+                }
                 continue;
             };
-            let topic: Arc<str> = Arc::from(name);
             let id = id.map(Arc::<str>::from);
-            if let Some(previous) = self.topic_ids.insert(topic.clone(), id.clone())
-                && previous != id
+            let current = Incarnation {
+                id: id.clone(),
+                verified: Some(std::time::Instant::now()),
+            };
+            if let Some(previous) = self.topic_ids.insert(topic.clone(), current)
+                && previous.id != id
             {
-                self.recreated(&topic, previous.as_deref(), id.as_deref());
+                self.recreated(&topic, previous.id.as_deref(), id.as_deref());
             }
         }
         Ok(())
@@ -1125,4 +1178,28 @@ fn dead_letter_context(letter: &DeadLetter<'_, Receipt>) -> [(&'static str, Stri
         ),
         ("x-dlq-attempts", letter.attempts.to_json()),
     ]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_record_fetched_again_while_in_hand_is_not_taken_twice() {
+        let partition = TopicPartition {
+            topic: Arc::from("orders"),
+            partition: 0,
+        };
+        let mut in_hand = InHand::default();
+        for offset in 5..8 {
+            assert!(in_hand.admit(&partition, 1, offset));
+        }
+        // The fetch restarted from 5 while 5..8 were still in hand.
+        for offset in 5..8 {
+            assert!(!in_hand.admit(&partition, 1, offset), "{offset} twice");
+        }
+        assert!(in_hand.admit(&partition, 1, 8));
+        // A new assignment (or a re-created topic) reads from wherever it starts.
+        assert!(in_hand.admit(&partition, 2, 0));
+    }
 }

@@ -94,6 +94,12 @@ impl Offsets {
         std::mem::take(&mut self.assigned_topics)
     }
 
+    /// Topics taken by [`Offsets::take_assigned_topics`] whose ids could not be read: they are
+    /// read again.
+    pub fn return_assigned_topics(&mut self, topics: std::collections::BTreeSet<Arc<str>>) {
+        self.assigned_topics.extend(topics);
+    }
+
     /// The owned partitions of `topic`.
     pub fn owned_of(&self, topic: &str) -> Vec<TopicPartition> {
         self.owned
