@@ -552,8 +552,13 @@ async fn connections_cut_mid_flow_lose_nothing<B: BrokerFixture>() -> Result<()>
 }
 
 /// The suite, for one broker.
+/// `recreate:` and `cut:` take attributes for those two tests of a broker: an `#[ignore]` there
+/// names a limit the README's guarantees section states for that broker.
 macro_rules! contract_suite {
-    ($($module:ident => $broker:ty),* $(,)?) => {$(
+    ($($module:ident => $broker:ty {
+        recreate: [$(#[$recreate:meta])*],
+        cut: [$(#[$cut:meta])*] $(,)?
+    }),* $(,)?) => {$(
         mod $module {
             use super::*;
 
@@ -597,6 +602,7 @@ macro_rules! contract_suite {
                 database_read_only_is_waited_out::<$broker>().await
             }
 
+            $(#[$recreate])*
             #[tokio::test]
             async fn recreated_source_stores_its_new_messages_not_as_duplicates() -> Result<()> {
                 recreated_source_is_stored_not_deduplicated::<$broker>().await
@@ -612,6 +618,7 @@ macro_rules! contract_suite {
                 refused_dead_letter_is_kept_in_the_database::<$broker>().await
             }
 
+            $(#[$cut])*
             #[tokio::test]
             async fn connections_cut_mid_receive_and_mid_ack_lose_nothing() -> Result<()> {
                 connections_cut_mid_flow_lose_nothing::<$broker>().await
@@ -621,12 +628,21 @@ macro_rules! contract_suite {
 }
 
 contract_suite! {
-    redis_stream => RedisStreamBroker,
-    redis_list => RedisListBroker,
-    sqs_standard => SqsBroker,
-    nats => NatsBroker,
-    amqp_quorum => AmqpQuorumBroker,
-    amqp_classic => AmqpClassicBroker,
-    kafka => KafkaBroker,
-    gateway => GatewayBroker,
+    redis_stream => RedisStreamBroker { recreate: [], cut: [] },
+    redis_list => RedisListBroker { recreate: [], cut: [] },
+    sqs_standard => SqsBroker { recreate: [], cut: [] },
+    nats => NatsBroker { recreate: [], cut: [] },
+    amqp_quorum => AmqpQuorumBroker {
+        recreate: [#[ignore = "not guaranteed (README): RabbitMQ 3.10 tells a consumer nothing \
+            when its quorum queue is deleted and declared again; the worker receives nothing from \
+            the new queue until it is restarted"]],
+        cut: [],
+    },
+    amqp_classic => AmqpClassicBroker { recreate: [], cut: [] },
+    kafka => KafkaBroker {
+        recreate: [],
+        cut: [#[ignore = "not built yet (README): librdkafka connects to the advertised listener \
+            after bootstrap, so the proxy needs a listener Kafka advertises at its address"]],
+    },
+    gateway => GatewayBroker { recreate: [], cut: [] },
 }
