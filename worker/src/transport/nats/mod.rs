@@ -274,7 +274,7 @@ impl Nats {
         let name = &self.settings.spec.stream;
         let stream = js.get_stream(name).await.map_err(|err| match err.kind() {
             GetStreamErrorKind::JetStream(js) if js.error_code() == ErrorCode::STREAM_NOT_FOUND => {
-                stream_missing(name)
+                self.stream_missing()
             }
             GetStreamErrorKind::InvalidStreamName | GetStreamErrorKind::EmptyName => {
                 TransportError::fatal(STREAM_SETTING, "not a valid stream name", None)
@@ -299,6 +299,23 @@ impl Nats {
             _ => false,
         };
         Ok((stream, recreated))
+    }
+
+    /// The stream does not exist: misconfiguration at start (fatal); once read, it was deleted
+    /// and is waited for (an operator re-creating it).
+    fn stream_missing(&self) -> TransportError {
+        let stream = &self.settings.spec.stream;
+        if self.incarnation.is_some() {
+            TransportError::protocol(format!(
+                "stream {stream} is gone (deleted); waiting for it to be created again"
+            ))
+        } else {
+            TransportError::fatal(
+                STREAM_SETTING,
+                format!("stream {stream} does not exist"),
+                None,
+            )
+        }
     }
 
     fn incarnation(&self) -> Result<&Incarnation, TransportError> {
@@ -428,7 +445,7 @@ impl Nats {
                     );
                     Ok(created)
                 }
-                ConsumerInfoErrorKind::StreamNotFound => Err(stream_missing(&spec.stream)),
+                ConsumerInfoErrorKind::StreamNotFound => Err(self.stream_missing()),
                 ConsumerInfoErrorKind::InvalidName => Err(TransportError::fatal(
                     CONSUMER_SETTING,
                     "not a valid consumer name",
@@ -684,14 +701,6 @@ fn refused_for_good(err: &async_nats::jetstream::context::PublishError) -> bool 
             .source()
             .and_then(|source| source.downcast_ref::<jetstream::Error>())
             .is_some_and(|js| js.error_code() == ErrorCode::STREAM_MESSAGE_EXCEEDS_MAXIMUM)
-}
-
-fn stream_missing(stream: &str) -> TransportError {
-    TransportError::fatal(
-        STREAM_SETTING,
-        format!("stream {stream} does not exist"),
-        None,
-    )
 }
 
 impl Transport for Nats {
