@@ -922,9 +922,11 @@ impl Transport for Nats {
     /// confirmation. The server takes the acknowledgements of one consumer from one connection
     /// in order, so confirming the last confirms that it processed them all: one reply per
     /// batch rather than one per message. A reconnection while they were sent (what was
-    /// buffered for the old connection is gone), a timeout or a lost connection: the whole
-    /// batch is acknowledged again, which is harmless. Nobody answering means the consumer is
-    /// gone: its receipts are stale, and it is looked up again before the next fetch.
+    /// buffered for the old connection is gone) or a lost connection: the whole batch is
+    /// acknowledged again, which is harmless. Nobody answering, or no confirmation in time (a
+    /// restarted server does not answer for deliveries it no longer knows), means the receipts
+    /// are stale: dropped (the messages are stored; a redelivery is deduplicated), and the
+    /// consumer is looked up again before the next fetch.
     async fn ack(&mut self, messages: &[&NatsDelivery]) -> Result<Acked, TransportError> {
         let Some((last, rest)) = messages.split_last() else {
             return Ok(Acked::all());
@@ -979,17 +981,18 @@ impl Transport for Nats {
                 ));
             }
             Ok(Err(err)) if err.kind() == RequestErrorKind::NoResponders => true,
+            // A server that restarted (or lost the consumer's pending state) never confirms an
+            // acknowledgement of a delivery it no longer knows: asking again would wedge the
+            // batch. The messages are stored (or dead-lettered) already: the receipts are
+            // dropped, and whatever the server redelivers is deduplicated.
+            Ok(Err(err)) if err.kind() == RequestErrorKind::TimedOut => true,
             Ok(Err(err)) => {
                 return Err(TransportError::transient(
                     "NATS did not confirm the acknowledgements",
                     err,
                 ));
             }
-            Err(_elapsed) => {
-                return Err(TransportError::protocol(
-                    "NATS did not confirm the acknowledgements in time",
-                ));
-            }
+            Err(_elapsed) => true,
         };
         for message in messages {
             let seq = message.receipt.stream_sequence;
@@ -999,7 +1002,7 @@ impl Transport for Nats {
         if stale {
             self.rebind_due = true;
             return Err(TransportError::stale(
-                "nothing answers the acknowledgements: the NATS consumer is gone",
+                "nothing confirms the acknowledgements: the NATS consumer is gone or no longer knows these deliveries; what it redelivers is deduplicated",
                 None,
             ));
         }
