@@ -594,10 +594,7 @@ impl CuttingProxy {
                         let _ = tokio::io::copy(&mut server_read, &mut client_write).await;
                     });
                     let mut buffer = vec![0; 64 * 1024];
-                    loop {
-                        let Ok(read) = client_read.read(&mut buffer).await else {
-                            break;
-                        };
+                    while let Ok(read) = client_read.read(&mut buffer).await {
                         if read == 0 || server_write.write_all(&buffer[..read]).await.is_err() {
                             break;
                         }
