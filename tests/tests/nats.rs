@@ -325,9 +325,10 @@ async fn recreated_stream_stores_its_new_messages_and_says_so_once() -> Result<(
 }
 
 /// Issue 27, a broker-side limit: a worker killed during each of the first
-/// `maxDeliveries + 1` deliveries (the batch waits on a lock, PostgreSQL hangs). The server
-/// keeps delivering: the next worker dead-letters the messages as `max_deliveries` (or stores
-/// them); none is left neither stored nor dead-lettered.
+/// `maxDeliveries + 1` deliveries (the first ones wait on a lock, PostgreSQL hangs; the last
+/// one's dead letters wait on a full dead-letter stream). The server keeps delivering: the next
+/// worker dead-letters the messages as `max_deliveries` (or stores them); none is left neither
+/// stored nor dead-lettered.
 #[tokio::test]
 async fn worker_killed_during_the_last_delivery_leaves_no_message_behind() -> Result<()> {
     let setup = Setup::start(
@@ -336,13 +337,28 @@ async fn worker_killed_during_the_last_delivery_leaves_no_message_behind() -> Re
         "batchSize: 20, maxDeliveries: 2",
     )
     .await?;
+    let dead_letters = format!("{}_DLQ", setup.stream());
+    let full = async_nats::jetstream::stream::Config {
+        name: dead_letters.clone(),
+        subjects: vec![format!("{}.dlq.>", setup.stream())],
+        max_messages: 1,
+        discard: async_nats::jetstream::stream::DiscardPolicy::New,
+        ..Default::default()
+    };
+    setup.server.create_stream_with(full.clone()).await?;
+    setup
+        .server
+        .publish(&format!("{}.dlq.filler", setup.stream()), bodies(0..1))
+        .await?;
     setup.produce(bodies(0..20)).await?;
     let lock = TodosLock::take(&setup.fx.postgres.url()).await?;
     for attempt in 0..3 {
         let worker = setup
             .fx
             .worker(&setup.manifest, &format!("killed-{attempt}"))?;
-        wait_blocked_on_lock(&setup.fx, &worker).await?;
+        if attempt < 2 {
+            wait_blocked_on_lock(&setup.fx, &worker).await?;
+        }
         wait_for(LONG, "the server counts the delivery", || async {
             let info = setup.consumer().await?;
             Ok(info.delivered.consumer_sequence >= 20 * (attempt + 1))
@@ -352,16 +368,25 @@ async fn worker_killed_during_the_last_delivery_leaves_no_message_behind() -> Re
         worker.kill()?;
     }
     lock.release().await?;
+    setup
+        .server
+        .jetstream()
+        .update_stream(async_nats::jetstream::stream::Config {
+            max_messages: -1,
+            ..full
+        })
+        .await?;
     let worker = setup.fx.worker(&setup.manifest, "survivor")?;
     wait_for(LONG, "every message stored or dead-lettered", || async {
         let info = setup.consumer().await?;
         let stored = setup.fx.todo_count(setup.name).await?;
         let letters = setup
             .server
-            .stream_messages(&format!("{}_DLQ", setup.stream()))
+            .stream_messages(&dead_letters)
             .await?
             .unwrap_or_default()
-            .len() as i64;
+            .len() as i64
+            - 1;
         Ok(stored + letters >= 20 && info.num_pending == 0 && info.num_ack_pending == 0)
     })
     .await
@@ -569,16 +594,15 @@ impl CuttingProxy {
                         let _ = tokio::io::copy(&mut server_read, &mut client_write).await;
                     });
                     let mut buffer = vec![0; 64 * 1024];
-                    loop {
-                        let Ok(read) = client_read.read(&mut buffer).await else {
-                            break;
-                        };
+                    while let Ok(read) = client_read.read(&mut buffer).await {
                         if read == 0 || server_write.write_all(&buffer[..read]).await.is_err() {
                             break;
                         }
                         let chunk = &buffer[..read];
-                        let no_wait_pull = chunk.windows(17).any(|w| w == b"CONSUMER.MSG.NEXT")
-                            && chunk.windows(15).any(|w| w == b"\"no_wait\":true");
+                        let holds =
+                            |needle: &[u8]| chunk.windows(needle.len()).any(|w| w == needle);
+                        let no_wait_pull =
+                            holds(b"CONSUMER.MSG.NEXT") && holds(b"\"no_wait\":true");
                         if no_wait_pull
                             && counter
                                 .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {

@@ -274,7 +274,7 @@ impl Nats {
         let name = &self.settings.spec.stream;
         let stream = js.get_stream(name).await.map_err(|err| match err.kind() {
             GetStreamErrorKind::JetStream(js) if js.error_code() == ErrorCode::STREAM_NOT_FOUND => {
-                stream_missing(name)
+                self.stream_missing()
             }
             GetStreamErrorKind::InvalidStreamName | GetStreamErrorKind::EmptyName => {
                 TransportError::fatal(STREAM_SETTING, "not a valid stream name", None)
@@ -299,6 +299,23 @@ impl Nats {
             _ => false,
         };
         Ok((stream, recreated))
+    }
+
+    /// The stream does not exist: misconfiguration at start (fatal); once read, it was deleted
+    /// and is waited for (an operator re-creating it).
+    fn stream_missing(&self) -> TransportError {
+        let stream = &self.settings.spec.stream;
+        if self.incarnation.is_some() {
+            TransportError::protocol(format!(
+                "stream {stream} is gone (deleted); waiting for it to be created again"
+            ))
+        } else {
+            TransportError::fatal(
+                STREAM_SETTING,
+                format!("stream {stream} does not exist"),
+                None,
+            )
+        }
     }
 
     fn incarnation(&self) -> Result<&Incarnation, TransportError> {
@@ -428,7 +445,7 @@ impl Nats {
                     );
                     Ok(created)
                 }
-                ConsumerInfoErrorKind::StreamNotFound => Err(stream_missing(&spec.stream)),
+                ConsumerInfoErrorKind::StreamNotFound => Err(self.stream_missing()),
                 ConsumerInfoErrorKind::InvalidName => Err(TransportError::fatal(
                     CONSUMER_SETTING,
                     "not a valid consumer name",
@@ -686,14 +703,6 @@ fn refused_for_good(err: &async_nats::jetstream::context::PublishError) -> bool 
             .is_some_and(|js| js.error_code() == ErrorCode::STREAM_MESSAGE_EXCEEDS_MAXIMUM)
 }
 
-fn stream_missing(stream: &str) -> TransportError {
-    TransportError::fatal(
-        STREAM_SETTING,
-        format!("stream {stream} does not exist"),
-        None,
-    )
-}
-
 impl Transport for Nats {
     type Receipt = Receipt;
     type Probe = NatsProbe;
@@ -913,9 +922,11 @@ impl Transport for Nats {
     /// confirmation. The server takes the acknowledgements of one consumer from one connection
     /// in order, so confirming the last confirms that it processed them all: one reply per
     /// batch rather than one per message. A reconnection while they were sent (what was
-    /// buffered for the old connection is gone), a timeout or a lost connection: the whole
-    /// batch is acknowledged again, which is harmless. Nobody answering means the consumer is
-    /// gone: its receipts are stale, and it is looked up again before the next fetch.
+    /// buffered for the old connection is gone) or a lost connection: the whole batch is
+    /// acknowledged again, which is harmless. Nobody answering, or no confirmation in time (a
+    /// restarted server does not answer for deliveries it no longer knows), means the receipts
+    /// are stale: dropped (the messages are stored; a redelivery is deduplicated), and the
+    /// consumer is looked up again before the next fetch.
     async fn ack(&mut self, messages: &[&NatsDelivery]) -> Result<Acked, TransportError> {
         let Some((last, rest)) = messages.split_last() else {
             return Ok(Acked::all());
@@ -970,17 +981,18 @@ impl Transport for Nats {
                 ));
             }
             Ok(Err(err)) if err.kind() == RequestErrorKind::NoResponders => true,
+            // A server that restarted (or lost the consumer's pending state) never confirms an
+            // acknowledgement of a delivery it no longer knows: asking again would wedge the
+            // batch. The messages are stored (or dead-lettered) already: the receipts are
+            // dropped, and whatever the server redelivers is deduplicated.
+            Ok(Err(err)) if err.kind() == RequestErrorKind::TimedOut => true,
             Ok(Err(err)) => {
                 return Err(TransportError::transient(
                     "NATS did not confirm the acknowledgements",
                     err,
                 ));
             }
-            Err(_elapsed) => {
-                return Err(TransportError::protocol(
-                    "NATS did not confirm the acknowledgements in time",
-                ));
-            }
+            Err(_elapsed) => true,
         };
         for message in messages {
             let seq = message.receipt.stream_sequence;
@@ -990,7 +1002,7 @@ impl Transport for Nats {
         if stale {
             self.rebind_due = true;
             return Err(TransportError::stale(
-                "nothing answers the acknowledgements: the NATS consumer is gone",
+                "nothing confirms the acknowledgements: the NATS consumer is gone or no longer knows these deliveries; what it redelivers is deduplicated",
                 None,
             ));
         }

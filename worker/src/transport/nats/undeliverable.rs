@@ -47,6 +47,10 @@ struct StoredMessage {
 /// Why `async-nats` would refuse a delivery with this header block (and drop its connection),
 /// if it would: the same checks as its parser.
 pub fn refusal(block: &[u8]) -> Option<String> {
+    if block.is_empty() {
+        // No headers: a plain MSG frame.
+        return None;
+    }
     let Ok(text) = std::str::from_utf8(block) else {
         return Some("its header block is not UTF-8".to_owned());
     };
@@ -157,6 +161,7 @@ mod tests {
 
     #[test]
     fn a_block_the_client_would_refuse_is_named() {
+        assert_eq!(refusal(b""), None);
         assert_eq!(refusal(b"NATS/1.0\r\ntenant: acme\r\n\r\n"), None);
         assert_eq!(
             refusal(b"NATS/1.0\r\ntrace: \xff\xfe\r\n\r\n").as_deref(),
