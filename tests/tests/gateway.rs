@@ -411,11 +411,20 @@ async fn attribute_that_is_not_a_string_dead_letters_its_message_and_spares_the_
         .await?;
     setup.produce(good[4..].to_vec()).await?;
     let worker = setup.worker()?;
-    wait_for(LONG, "9 todos, one dead letter, nothing un-acknowledged", || async {
-        Ok(setup.fx.todo_count(setup.name).await? >= 9
-            && setup.broker.dead_letters(&setup.fx, setup.name).await?.len() == 1
-            && setup.broker.unacknowledged(&setup.fx, setup.name).await? == 0)
-    })
+    wait_for(
+        LONG,
+        "9 todos, one dead letter, nothing un-acknowledged",
+        || async {
+            Ok(setup.fx.todo_count(setup.name).await? >= 9
+                && setup
+                    .broker
+                    .dead_letters(&setup.fx, setup.name)
+                    .await?
+                    .len()
+                    == 1
+                && setup.broker.unacknowledged(&setup.fx, setup.name).await? == 0)
+        },
+    )
     .await
     .with_context(|| worker.log_tail())?;
     setup.fx.assert_stored_exactly(setup.name, &good).await?;
@@ -434,8 +443,13 @@ async fn attribute_that_is_not_a_string_dead_letters_its_message_and_spares_the_
         setup.broker.dead_letters(&setup.fx, setup.name).await?[0].0 == odd,
         "the body is byte-identical"
     );
-    let redelivered = worker.metric(r#"switchboard_messages_redelivered_total{adapter="test/numbers"}"#)?;
-    ensure!(redelivered == 0.0, "nothing was received twice\n{}", worker.log_tail());
+    let redelivered =
+        worker.metric(r#"switchboard_messages_redelivered_total{adapter="test/numbers"}"#)?;
+    ensure!(
+        redelivered == 0.0,
+        "nothing was received twice\n{}",
+        worker.log_tail()
+    );
     ensure!(
         !worker.log().contains("dependency unavailable"),
         "a gateway that is fine is not reported unavailable\n{}",
@@ -451,23 +465,32 @@ async fn attribute_that_is_not_a_string_dead_letters_its_message_and_spares_the_
 async fn dead_letter_the_gateway_refuses_is_kept_in_postgresql_and_its_batch_deleted() -> Result<()>
 {
     let setup = Setup::start("refusing", Duration::from_secs(300), None).await?;
-    setup.broker.refuse_dead_letters(&setup.fx, setup.name).await?;
+    setup
+        .broker
+        .refuse_dead_letters(&setup.fx, setup.name)
+        .await?;
     let good = bodies("refusing", 0..9);
     let poison = b"{\"broken\"".to_vec();
     let mut all = good.clone();
     all.insert(4, poison.clone());
     setup.produce(all).await?;
-    let source = setup.broker.source(setup.name, "visibilityTimeoutSeconds: 2");
+    let source = setup
+        .broker
+        .source(setup.name, "visibilityTimeoutSeconds: 2");
     let manifest = setup.fx.manifest(
         "refusing.yaml",
         &source_manifest(setup.name, &source, "batchSize: 50", "format: json"),
     )?;
     let worker = setup.fx.worker(&manifest, "w1")?;
-    wait_for(LONG, "9 todos, one kept letter, nothing un-acknowledged", || async {
-        Ok(setup.fx.todo_count(setup.name).await? >= 9
-            && !setup.fx.database_dead_letters(setup.name).await?.is_empty()
-            && setup.broker.unacknowledged(&setup.fx, setup.name).await? == 0)
-    })
+    wait_for(
+        LONG,
+        "9 todos, one kept letter, nothing un-acknowledged",
+        || async {
+            Ok(setup.fx.todo_count(setup.name).await? >= 9
+                && !setup.fx.database_dead_letters(setup.name).await?.is_empty()
+                && setup.broker.unacknowledged(&setup.fx, setup.name).await? == 0)
+        },
+    )
     .await
     .with_context(|| worker.log_tail())?;
     setup.fx.assert_stored_exactly(setup.name, &good).await?;
@@ -492,9 +515,11 @@ async fn hung_gateway_receive_times_out_and_the_worker_carries_on() -> Result<()
     let hooks = setup.broker.gateway.hooks();
     hooks.hang_receives(true);
     let held = Instant::now();
-    wait_for(LONG, "the held receive times out: readiness false", || async {
-        Ok(worker.http_get("/readyz")?.0 == 503)
-    })
+    wait_for(
+        LONG,
+        "the held receive times out: readiness false",
+        || async { Ok(worker.http_get("/readyz")?.0 == 503) },
+    )
     .await
     .with_context(|| worker.log_tail())?;
     ensure!(

@@ -503,20 +503,27 @@ fn orders_sqs_example_is_a_valid_manifest() -> Result<()> {
 /// `MaximumMessageSize`, 1024 bytes, and refuses the whole `SendMessageBatch` for one letter
 /// over it) is kept in PostgreSQL, and the batch around it is stored and deleted: no wedge.
 #[tokio::test]
-async fn dead_letter_over_the_dead_letter_queues_size_limit_is_kept_in_postgresql() -> Result<()>
-{
+async fn dead_letter_over_the_dead_letter_queues_size_limit_is_kept_in_postgresql() -> Result<()> {
     let fx = Fixture::start().await?;
     let moto = Moto::start(false, &fx.dir.path().join("moto.log"))?;
     let client = moto.client("us-east-1");
     let mut urls = Vec::new();
     for (name, attributes) in [
         ("limited", vec![]),
-        ("limited-dlq", vec![(QueueAttributeName::MaximumMessageSize, "1024")]),
+        (
+            "limited-dlq",
+            vec![(QueueAttributeName::MaximumMessageSize, "1024")],
+        ),
     ] {
         let output = client
             .create_queue()
             .queue_name(name)
-            .set_attributes(Some(attributes.into_iter().map(|(n, v)| (n, v.to_owned())).collect()))
+            .set_attributes(Some(
+                attributes
+                    .into_iter()
+                    .map(|(n, v)| (n, v.to_owned()))
+                    .collect(),
+            ))
             .send()
             .await
             .map_err(|err| sqs_error("CreateQueue", err))?;
@@ -538,24 +545,28 @@ async fn dead_letter_over_the_dead_letter_queues_size_limit_is_kept_in_postgresq
         &sqs_manifest("limited", &urls[0], &moto.endpoint(), "", ""),
     )?;
     let worker = start_worker(&fx, &manifest, "worker-a")?;
-    wait_for(LONG, "9 todos, one kept letter, the queue empty", || async {
-        let left = client
-            .get_queue_attributes()
-            .queue_url(&urls[0])
-            .attribute_names(QueueAttributeName::ApproximateNumberOfMessages)
-            .attribute_names(QueueAttributeName::ApproximateNumberOfMessagesNotVisible)
-            .send()
-            .await
-            .map_err(|err| sqs_error("GetQueueAttributes", err))?
-            .attributes
-            .unwrap_or_default()
-            .values()
-            .map(|count| count.parse::<u64>().unwrap_or(1))
-            .sum::<u64>();
-        Ok(fx.todo_count("limited").await? == 9
-            && !fx.database_dead_letters("limited").await?.is_empty()
-            && left == 0)
-    })
+    wait_for(
+        LONG,
+        "9 todos, one kept letter, the queue empty",
+        || async {
+            let left = client
+                .get_queue_attributes()
+                .queue_url(&urls[0])
+                .attribute_names(QueueAttributeName::ApproximateNumberOfMessages)
+                .attribute_names(QueueAttributeName::ApproximateNumberOfMessagesNotVisible)
+                .send()
+                .await
+                .map_err(|err| sqs_error("GetQueueAttributes", err))?
+                .attributes
+                .unwrap_or_default()
+                .values()
+                .map(|count| count.parse::<u64>().unwrap_or(1))
+                .sum::<u64>();
+            Ok(fx.todo_count("limited").await? == 9
+                && !fx.database_dead_letters("limited").await?.is_empty()
+                && left == 0)
+        },
+    )
     .await
     .with_context(|| worker.log_tail())?;
     fx.assert_stored_exactly("limited", &good).await?;
@@ -582,7 +593,10 @@ async fn attributes_that_are_not_text_are_encoded_into_the_stored_headers() -> R
     mq.send_with_attributes(&url, odd.clone(), odd_attributes())
         .await?;
     mq.send_bodies(&url, good[5..].to_vec()).await?;
-    let manifest = fx.manifest("odd.yaml", &sqs_manifest("odd", &url, &mq.endpoint(), "", ""))?;
+    let manifest = fx.manifest(
+        "odd.yaml",
+        &sqs_manifest("odd", &url, &mq.endpoint(), "", ""),
+    )?;
     let worker = start_worker(&fx, &manifest, "worker-a")?;
     wait_drained(&fx, &mq, "odd", &url, 10, &worker).await?;
     let mut all = good.clone();
@@ -596,7 +610,10 @@ async fn attributes_that_are_not_text_are_encoded_into_the_stored_headers() -> R
     use base64::Engine as _;
     let base64 = |bytes: &[u8]| base64::engine::general_purpose::STANDARD.encode(bytes);
     ensure!(headers["nul"]["base64"] == base64(b"a\x00b"), "{headers}");
-    ensure!(headers["gif"]["base64"] == base64(&[0xff, 0x00, 0xfe]), "{headers}");
+    ensure!(
+        headers["gif"]["base64"] == base64(&[0xff, 0x00, 0xfe]),
+        "{headers}"
+    );
     ensure!(headers["ratio"] == "1.5", "{headers}");
     ensure!(
         counter(&worker, "messages_redelivered", "odd")? == 0.0
@@ -616,16 +633,24 @@ async fn hung_receive_times_out_and_the_worker_carries_on() -> Result<()> {
     let mq = ElasticMq::start()?;
     let proxy = SqsProxy::start(mq.port())?;
     let (url, _) = queue_pair(&mq, "hung").await?;
-    let manifest = fx.manifest("hung.yaml", &sqs_manifest("hung", &url, &proxy.endpoint(), "", ""))?;
+    let manifest = fx.manifest(
+        "hung.yaml",
+        &sqs_manifest("hung", &url, &proxy.endpoint(), "", ""),
+    )?;
     let worker = start_worker(&fx, &manifest, "worker-a")?;
     mq.send_bodies(&url, bodies("hung", 10)).await?;
     wait_drained(&fx, &mq, "hung", &url, 10, &worker).await?;
     proxy.hang_receives(true);
-    wait_for(LONG, "a receive is held", || async { Ok(proxy.hung_receives() > 0) }).await?;
-    let held = Instant::now();
-    wait_for(LONG, "the held receive times out: readiness false", || async {
-        Ok(worker.http_get("/readyz")?.0 == 503)
+    wait_for(LONG, "a receive is held", || async {
+        Ok(proxy.hung_receives() > 0)
     })
+    .await?;
+    let held = Instant::now();
+    wait_for(
+        LONG,
+        "the held receive times out: readiness false",
+        || async { Ok(worker.http_get("/readyz")?.0 == 503) },
+    )
     .await
     .with_context(|| worker.log_tail())?;
     ensure!(

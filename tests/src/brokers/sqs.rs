@@ -6,9 +6,9 @@
 //! where they are eventually consistent), so tests may assert them with `==` right away.
 //! `PurgeQueue` can also be repeated at once (no 60 s `PurgeQueueInProgress` as on AWS).
 
+use std::collections::HashSet;
 use std::fs::OpenOptions;
 use std::path::{Path, PathBuf};
-use std::collections::HashSet;
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -560,7 +560,8 @@ pub struct SqsBroker {
 
 /// The attributes of every queue the contract suite reads: short visibility, so that a killed
 /// worker's messages come back quickly.
-const CONTRACT_QUEUE: [(QueueAttributeName, &str); 1] = [(QueueAttributeName::VisibilityTimeout, "2")];
+const CONTRACT_QUEUE: [(QueueAttributeName, &str); 1] =
+    [(QueueAttributeName::VisibilityTimeout, "2")];
 
 impl BrokerFixture for SqsBroker {
     async fn start(_fx: &Fixture) -> Result<(Self, Vec<(String, String)>)> {
@@ -617,6 +618,11 @@ impl BrokerFixture for SqsBroker {
         self.server.restart()
     }
 
+    /// The proxy's: the worker reaches ElasticMQ through it.
+    fn address(&self, _fx: &Fixture) -> Result<String> {
+        Ok(format!("127.0.0.1:{}", self.proxy.port))
+    }
+
     /// SIGKILL, then a start on the same port and data: ElasticMQ keeps queues and messages
     /// in its directory (see [`ElasticMq`]).
     async fn crash(&mut self, _fx: &mut Fixture) -> Result<()> {
@@ -629,7 +635,10 @@ impl BrokerFixture for SqsBroker {
     /// the new queue's messages can never take an old one's id.
     async fn recreate(&self, _fx: &Fixture, name: &str) -> Result<()> {
         self.server.delete_queue(&self.url(name)).await?;
-        self.server.create_queue(name, &CONTRACT_QUEUE).await.map(drop)
+        self.server
+            .create_queue(name, &CONTRACT_QUEUE)
+            .await
+            .map(drop)
     }
 
     /// Message attributes that are not plain text: a `Binary` value holding NUL (UTF-8, but
@@ -714,7 +723,9 @@ pub struct SqsProxy {
 
 impl std::fmt::Debug for SqsProxy {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("SqsProxy").field("port", &self.port).finish()
+        f.debug_struct("SqsProxy")
+            .field("port", &self.port)
+            .finish()
     }
 }
 
@@ -818,7 +829,10 @@ fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 fn refusal(target: &str, request: &serde_json::Value) -> axum::response::Response {
     use axum::response::IntoResponse as _;
     const WHY: &str = "One or more parameters are invalid. Reason: this queue refuses every message (switchboard test proxy).";
-    let json = [(axum::http::header::CONTENT_TYPE, "application/x-amz-json-1.0")];
+    let json = [(
+        axum::http::header::CONTENT_TYPE,
+        "application/x-amz-json-1.0",
+    )];
     if target.ends_with("SendMessageBatch") {
         let failed: Vec<serde_json::Value> = request["Entries"]
             .as_array()
@@ -832,11 +846,15 @@ fn refusal(target: &str, request: &serde_json::Value) -> axum::response::Respons
         let body = serde_json::json!({"Successful": [], "Failed": failed});
         return (axum::http::StatusCode::OK, json, body.to_string()).into_response();
     }
-    let body = serde_json::json!({"__type": "com.amazonaws.sqs#InvalidParameterValue", "message": WHY});
+    let body =
+        serde_json::json!({"__type": "com.amazonaws.sqs#InvalidParameterValue", "message": WHY});
     (
         axum::http::StatusCode::BAD_REQUEST,
         [
-            (axum::http::header::CONTENT_TYPE, "application/x-amz-json-1.0"),
+            (
+                axum::http::header::CONTENT_TYPE,
+                "application/x-amz-json-1.0",
+            ),
             (
                 axum::http::HeaderName::from_static("x-amzn-query-error"),
                 "InvalidParameterValue;Sender",
@@ -893,9 +911,10 @@ async fn forward(
         Ok(response) => {
             let (parts, body) = response.into_parts();
             match body.collect().await {
-                Ok(collected) => {
-                    axum::response::Response::from_parts(parts, axum::body::Body::from(collected.to_bytes()))
-                }
+                Ok(collected) => axum::response::Response::from_parts(
+                    parts,
+                    axum::body::Body::from(collected.to_bytes()),
+                ),
                 Err(_) => axum::http::StatusCode::BAD_GATEWAY.into_response(),
             }
         }

@@ -50,9 +50,7 @@ use switchboard_api::GatewaySource;
 use switchboard_store::Dedup;
 
 use self::breaker::CircuitBreaker;
-use self::calls::{
-    AuthCounters, CALL_TIMEOUT, Call, Gateway as Calls, LONG_POLL_MARGIN, Refused,
-};
+use self::calls::{AuthCounters, CALL_TIMEOUT, Call, Gateway as Calls, LONG_POLL_MARGIN, Refused};
 use self::http::{HttpClient, extra_ca};
 use self::token::{TokenProvider, TokenSource};
 use super::sqs::Receipt;
@@ -694,7 +692,6 @@ mod tests {
 
     const SOURCE: &str = "gateway:shop/orders";
 
-
     #[test]
     fn gateway_message_becomes_a_message_with_its_attributes_as_headers() {
         let message = convert(
@@ -762,8 +759,14 @@ mod tests {
         assert_eq!(messages[0].undecodable, None);
         let odd = &messages[1];
         let why = odd.undecodable.as_deref().expect("undecodable");
-        assert!(why.contains("attribute \"n\" whose value is a number (5)"), "{why}");
-        assert!(why.contains(r#""n":5"#), "the message's JSON is quoted: {why}");
+        assert!(
+            why.contains("attribute \"n\" whose value is a number (5)"),
+            "{why}"
+        );
+        assert!(
+            why.contains(r#""n":5"#),
+            "the message's JSON is quoted: {why}"
+        );
         assert!(!why.contains("h2"), "without its receipt handle: {why}");
         assert_eq!(odd.body, b"{\"odd\":1}", "the body decoded, byte-identical");
         assert_eq!(odd.external_id, "odd");

@@ -91,7 +91,9 @@ const REFUSED_MESSAGE: &[&str] = &[
 
 /// Whether a (per-entry or whole-call) error code says SQS refuses the message itself, for good.
 pub fn is_refused_message_code(code: &str) -> bool {
-    REFUSED_MESSAGE.iter().any(|refused| code.ends_with(refused))
+    REFUSED_MESSAGE
+        .iter()
+        .any(|refused| code.ends_with(refused))
 }
 
 /// The fault of a send SQS refused as a whole because of what it carries (see

@@ -326,7 +326,10 @@ mod tests {
         );
         assert_eq!(letter.body.len(), 100);
         assert!(letter.attributes.is_empty());
-        assert!(letter.size() > 50, "the writer sees that the queue cannot take it");
+        assert!(
+            letter.size() > 50,
+            "the writer sees that the queue cannot take it"
+        );
     }
 
     #[test]

@@ -540,7 +540,9 @@ impl Sqs {
             .enumerate()
             .map(|(id, &index)| built[index].entry(id))
             .collect::<Result<Vec<_>, _>>()
-            .map_err(|err| TransportError::protocol(format!("cannot build a dead letter: {err}")))?;
+            .map_err(|err| {
+                TransportError::protocol(format!("cannot build a dead letter: {err}"))
+            })?;
         let output = match self
             .client
             .send_message_batch()
@@ -574,7 +576,8 @@ impl Sqs {
                 .and_then(|id| indexes.get(id));
             match index {
                 Some(&index)
-                    if failed.sender_fault() || classify::is_refused_message_code(failed.code()) =>
+                    if failed.sender_fault()
+                        || classify::is_refused_message_code(failed.code()) =>
                 {
                     refused.push((index, fault));
                 }
