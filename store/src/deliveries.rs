@@ -24,8 +24,12 @@ use crate::{Store, StoreError};
 const RAISE_MARKS_SQL: &str = r#"
 WITH no_flush_wait AS (
     SELECT set_config('synchronous_commit', 'off', true)
-), input AS (
+), given AS (
     SELECT * FROM unnest($2::text[], $3::bigint[]) WITH ORDINALITY AS t(partition, mark, ord)
+), input AS (
+    -- A partition given twice is raised once, to its highest mark (one statement cannot
+    -- update a row twice: SQLSTATE 21000).
+    SELECT partition, max(mark) AS mark FROM given GROUP BY partition
 ), previous AS (
     SELECT d.partition, d.mark FROM delivery_marks d JOIN input USING (partition)
     WHERE d.source = $1
@@ -36,13 +40,13 @@ WITH no_flush_wait AS (
         SET mark = EXCLUDED.mark, updated_at = now()
         WHERE delivery_marks.mark < EXCLUDED.mark
 )
-SELECT previous.mark FROM input LEFT JOIN previous USING (partition) CROSS JOIN no_flush_wait
-ORDER BY input.ord
+SELECT previous.mark FROM given LEFT JOIN previous USING (partition) CROSS JOIN no_flush_wait
+ORDER BY given.ord
 "#;
 
 const COUNT_SQL: &str = r#"
 INSERT INTO deliveries AS d (source, key, count)
-SELECT $1, key, 2 FROM unnest($2::text[]) AS t(key)
+SELECT $1, key, 2 FROM (SELECT DISTINCT key FROM unnest($2::text[]) AS t(key)) AS k
 ON CONFLICT (source, key) DO UPDATE SET count = d.count + 1, updated_at = now()
 RETURNING key, count
 "#;
@@ -192,7 +196,8 @@ impl Store {
 
     /// Counts one more delivery of each of `keys` (messages below their partition's mark) and
     /// returns each one's count, this delivery included, in input order. A key counted for the
-    /// first time has been delivered twice: its first delivery, above the mark, wrote nothing.
+    /// first time has been delivered twice: its first delivery, above the mark, wrote nothing. A
+    /// key given twice (a fetch restarted while its records were buffered) is counted once.
     pub async fn count_redeliveries(
         &self,
         source: &str,

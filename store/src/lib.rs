@@ -10,9 +10,11 @@
 //!   (`external_id` = `sha256:<hex>@<event id>`).
 
 mod adapters;
+mod dead_letters;
 mod deliveries;
 mod reports;
 pub use adapters::{Mirrored, QueueAdapterRow};
+pub use dead_letters::{KeptLetter, KeptLetterRow};
 pub use deliveries::{AttemptRecord, MAX_ATTEMPTS};
 pub use reports::WorkerReport;
 
@@ -56,10 +58,10 @@ pub enum StoreError {
     #[error("database rejected the data")]
     Rejected(#[source] sqlx::Error),
     /// Classes 42 (syntax error or access rule violation: a missing table or column, a denied
-    /// privilege) and 0A (feature not supported): the statement can never succeed against
-    /// this database, whatever the data.
+    /// privilege), 0A (feature not supported) and every class waiting cannot fix and the data
+    /// is not at fault for: the statement can never succeed against this database.
     #[error(
-        "database refused the statement with SQLSTATE {code} (schema, privilege or version mismatch)"
+        "database refused the statement with SQLSTATE {code} (schema, privilege or version mismatch; retrying cannot fix it)"
     )]
     Statement {
         code: String,
@@ -95,22 +97,42 @@ impl StoreError {
         )
     }
 
+    /// What PostgreSQL's SQLSTATE says about a failure: transient only where waiting can fix
+    /// it (the connection, the server's resources or state, a concurrent transaction), the
+    /// data's fault where the rows are (those rows are dead-lettered), else the statement's
+    /// (fatal).
     fn classify(err: sqlx::Error) -> Self {
         let code = match &err {
             sqlx::Error::Database(db) => db.code().map(|code| code.into_owned()),
             sqlx::Error::Encode(_) => return StoreError::Rejected(err),
+            // The connection, not the data: I/O, TLS, a pool, a protocol hiccup.
+            sqlx::Error::Io(_)
+            | sqlx::Error::Tls(_)
+            | sqlx::Error::Protocol(_)
+            | sqlx::Error::PoolTimedOut
+            | sqlx::Error::PoolClosed
+            | sqlx::Error::WorkerCrashed => return StoreError::Unavailable(err),
+            // A result the code does not expect (a column, a type): the schema, not the data.
             _ => None,
         };
-        match code.as_deref().and_then(|code| code.get(..2)) {
-            // Class 22: data exception (bad JSON text, NUL in jsonb, …); class 23: integrity
-            // violations other than the conflicts the statements handle.
-            Some("22" | "23") => StoreError::Rejected(err),
-            Some("42" | "0A") => StoreError::Statement {
-                code: code.unwrap_or_default(),
-                source: err,
-            },
-            Some("28" | "3D") => StoreError::Refused(err),
-            _ => StoreError::Unavailable(err),
+        let code = code.unwrap_or_else(|| "(none)".to_owned());
+        match (code.get(..2).unwrap_or(""), code.as_str()) {
+            // 08 connection exception, 53 insufficient resources, 57 operator intervention
+            // (admin shutdown, 57014 a statement timeout or cancel), 58 system error, 40
+            // serialization failure or deadlock, 55P03 lock not available, 25006 a read-only
+            // transaction (a server in recovery, a failover, a read-only switch).
+            ("08" | "53" | "57" | "58" | "40", _) | (_, "55P03" | "25006") => {
+                StoreError::Unavailable(err)
+            }
+            // 21 cardinality violation (a row affected twice by one statement), 22 data
+            // exception (bad JSON text, NUL in jsonb, …), 23 integrity violations other than
+            // the conflicts the statements handle, 54 program limit exceeded (an index row or
+            // a value too large): the rows are at fault.
+            ("21" | "22" | "23" | "54", _) => StoreError::Rejected(err),
+            ("28" | "3D", _) => StoreError::Refused(err),
+            // 42 syntax or access rule, 0A feature not supported, and every class waiting
+            // cannot fix: the statement can never succeed (fatal, naming the SQLSTATE).
+            _ => StoreError::Statement { code, source: err },
         }
     }
 }
@@ -495,5 +517,84 @@ impl Store {
     /// The pool, for callers that need ad-hoc queries (tests, tools).
     pub fn pool(&self) -> &PgPool {
         &self.pool
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::StoreError;
+
+    /// A PostgreSQL error with only a SQLSTATE.
+    #[derive(Debug)]
+    struct Sqlstate(&'static str);
+
+    impl std::fmt::Display for Sqlstate {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            write!(f, "SQLSTATE {}", self.0)
+        }
+    }
+
+    impl std::error::Error for Sqlstate {}
+
+    impl sqlx::error::DatabaseError for Sqlstate {
+        fn message(&self) -> &str {
+            self.0
+        }
+        fn code(&self) -> Option<std::borrow::Cow<'_, str>> {
+            Some(self.0.into())
+        }
+        fn as_error(&self) -> &(dyn std::error::Error + Send + Sync + 'static) {
+            self
+        }
+        fn as_error_mut(&mut self) -> &mut (dyn std::error::Error + Send + Sync + 'static) {
+            self
+        }
+        fn into_error(self: Box<Self>) -> Box<dyn std::error::Error + Send + Sync + 'static> {
+            self
+        }
+        fn kind(&self) -> sqlx::error::ErrorKind {
+            sqlx::error::ErrorKind::Other
+        }
+    }
+
+    fn classify(code: &'static str) -> StoreError {
+        StoreError::classify(sqlx::Error::Database(Box::new(Sqlstate(code))))
+    }
+
+    #[test]
+    fn only_what_waiting_can_fix_is_retried() {
+        // Connection, resources, operator intervention (admin shutdown, statement timeout),
+        // system, serialization/deadlock, a lock not available, a read-only server.
+        for code in [
+            "08006", "53300", "57P01", "57014", "57P03", "58030", "40001", "40P01", "55P03",
+            "25006",
+        ] {
+            assert!(classify(code).is_retryable(), "{code} is transient");
+        }
+    }
+
+    #[test]
+    fn data_errors_are_the_rows_fault_not_an_outage() {
+        // 21000: ON CONFLICT DO UPDATE cannot affect a row a second time; 54000: an index row
+        // too large; 22P05: \u0000 in jsonb; 23505: a unique violation.
+        for code in ["21000", "54000", "54001", "22P05", "22021", "23505"] {
+            let err = classify(code);
+            assert!(matches!(err, StoreError::Rejected(_)), "{code}: {err:?}");
+            assert!(!err.is_retryable() && !err.is_fatal(), "{code}");
+        }
+    }
+
+    #[test]
+    fn unknown_classes_stop_the_worker_instead_of_retrying_forever() {
+        for code in ["42P01", "0A000", "XX000", "P0001", "55006", "F0000"] {
+            let err = classify(code);
+            assert!(err.is_fatal() && !err.is_retryable(), "{code}: {err:?}");
+            assert!(err.to_string().contains(code), "names the SQLSTATE: {err}");
+        }
+        assert!(
+            StoreError::classify(sqlx::Error::ColumnNotFound("id".into())).is_fatal(),
+            "an unexpected result is the statement's fault"
+        );
+        assert!(StoreError::classify(sqlx::Error::PoolTimedOut).is_retryable());
     }
 }

@@ -71,6 +71,10 @@ pub trait Probes: Send + Sync + 'static {
     fn is_live(&self) -> bool;
     /// `/readyz`: whether the process can do its work now.
     fn is_ready(&self) -> bool;
+    /// What `/readyz` says while not ready: what is wrong (which dependency, its last error).
+    fn not_ready_because(&self) -> String {
+        "not ready".to_owned()
+    }
     /// `/metrics`: the OpenMetrics text.
     fn metrics(&self) -> String;
 }
@@ -87,9 +91,12 @@ async fn healthz(State(probes): State<SharedProbes>) -> impl IntoResponse {
 
 async fn readyz(State(probes): State<SharedProbes>) -> impl IntoResponse {
     if probes.is_ready() {
-        (StatusCode::OK, "ready\n")
+        (StatusCode::OK, "ready\n".to_owned())
     } else {
-        (StatusCode::SERVICE_UNAVAILABLE, "not ready\n")
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("{}\n", probes.not_ready_because()),
+        )
     }
 }
 

@@ -386,3 +386,394 @@ fn dead_letter_targets_of_another_broker_are_refused_naming_the_field() -> Resul
     switchboard_api::load_manifest(&yaml).map_err(|err| anyhow::anyhow!("{err}"))?;
     Ok(())
 }
+
+/// A manifest for queue `name` with `delivery` settings, JSON payloads.
+fn json_manifest(fx: &Fixture, name: &str, delivery: &str) -> Result<std::path::PathBuf> {
+    fx.manifest(
+        &format!("{name}.yaml"),
+        &source_manifest(
+            name,
+            &format!("amqp: {{queue: {name}}}"),
+            delivery,
+            "format: json",
+        ),
+    )
+}
+
+const POISON: &[u8] = b"{\"order\": broken";
+
+/// Ten good messages, then the poison message with `properties`.
+fn good_then_poison(properties: BasicProperties) -> Vec<(Vec<u8>, BasicProperties)> {
+    let mut messages: Vec<(Vec<u8>, BasicProperties)> = (0..10)
+        .map(|i| {
+            (
+                format!(r#"{{"order":{i}}}"#).into_bytes(),
+                with_id(&format!("order-{i}")),
+            )
+        })
+        .collect();
+    messages.push((POISON.to_vec(), properties));
+    messages
+}
+
+/// Waits for 10 todos, the one dead letter of `name`, and nothing un-acknowledged; returns the
+/// letter's properties.
+async fn the_one_dead_letter(
+    fx: &Fixture,
+    server: &RabbitMq,
+    name: &str,
+    worker: &WorkerProcess,
+) -> Result<BasicProperties> {
+    let dlq = format!("{name}.dlq");
+    wait_for(
+        LONG,
+        "10 todos, one dead letter, nothing un-acknowledged",
+        || async {
+            Ok(fx.todo_count(name).await? == 10
+                && server.messages(&dlq).await? >= 1
+                && server.messages(name).await? == 0)
+        },
+    )
+    .await
+    .with_context(|| worker.log_tail())?;
+    let mut letters = server.peek(&dlq).await?;
+    ensure!(letters.len() == 1, "one dead letter: {letters:?}");
+    let (body, properties) = letters.remove(0);
+    ensure!(body == POISON, "byte-identical body");
+    Ok(properties)
+}
+
+/// A poison message with a per-message TTL: its dead letter does not inherit `expiration` (it
+/// would expire in the dead-letter queue); the TTL is kept as a header.
+#[tokio::test]
+async fn dead_letter_does_not_inherit_the_per_message_ttl() -> Result<()> {
+    let mut fx = Fixture::start().await?;
+    let server = start(&mut fx).await?;
+    let name = "ttl";
+    server
+        .declare(name, queue_arguments(QueueType::Classic, &[]))
+        .await?;
+    let poison = with_id("poison-ttl").with_expiration("60000".into());
+    server.publish(name, good_then_poison(poison)).await?;
+    let worker = fx.worker(&json_manifest(&fx, name, "batchSize: 20")?, "w1")?;
+    let letter = the_one_dead_letter(&fx, &server, name, &worker).await?;
+    ensure!(
+        letter.expiration().is_none(),
+        "the dead letter must not expire: {letter:?}"
+    );
+    ensure!(
+        rabbitmq::header(&letter, "x-switchboard-original-expiration").as_deref() == Some("60000"),
+        "the TTL is kept as a header: {letter:?}"
+    );
+    Ok(())
+}
+
+/// A poison message published with the producer's validated `user-id`: the dead letter, which
+/// the worker publishes as its own user, does not copy it (RabbitMQ would refuse the publish
+/// with 406 PRECONDITION_FAILED, wedging the batch); it is kept as a header.
+#[tokio::test]
+async fn dead_letter_does_not_copy_the_producers_user_id() -> Result<()> {
+    let mut fx = Fixture::start().await?;
+    let server = start(&mut fx).await?;
+    let name = "userid";
+    server
+        .declare(name, queue_arguments(QueueType::Quorum, &[]))
+        .await?;
+    server
+        .ctl(&["add_user", "producer", "producer-secret"])
+        .await?;
+    server
+        .ctl(&["set_permissions", "-p", "/", "producer", ".*", ".*", ".*"])
+        .await?;
+    // The producer's own connection: RabbitMQ accepts its user-id because it is its user.
+    let producer_url = server
+        .url()
+        .replace("guest:guest", "producer:producer-secret");
+    let connection =
+        lapin::Connection::connect(&producer_url, lapin::ConnectionProperties::default()).await?;
+    let channel = connection.create_channel().await?;
+    channel
+        .confirm_select(lapin::options::ConfirmSelectOptions::default())
+        .await?;
+    for (body, properties) in
+        good_then_poison(with_id("poison-user").with_user_id("producer".into()))
+    {
+        let confirm = channel
+            .basic_publish(
+                "".into(),
+                name.into(),
+                lapin::options::BasicPublishOptions::default(),
+                &body,
+                properties.with_user_id("producer".into()),
+            )
+            .await?
+            .await?;
+        ensure!(confirm.is_ack(), "the producer's publish is confirmed");
+    }
+    let _ = connection.close(200, "done".into()).await;
+    let worker = fx.worker(&json_manifest(&fx, name, "batchSize: 20")?, "w1")?;
+    let letter = the_one_dead_letter(&fx, &server, name, &worker).await?;
+    ensure!(letter.user_id().is_none(), "no user-id copied: {letter:?}");
+    ensure!(
+        rabbitmq::header(&letter, "x-switchboard-original-user-id").as_deref() == Some("producer"),
+        "the user-id is kept as a header: {letter:?}"
+    );
+    ensure!(
+        !worker.log().contains("PRECONDITION_FAILED"),
+        "no publish refused:\n{}",
+        worker.log_tail()
+    );
+    Ok(())
+}
+
+/// A quorum-queue message redelivered before it turned out poison: its dead letter carries the
+/// count as `x-switchboard-delivery-count`, never RabbitMQ's `x-delivery-count` (a letter moved
+/// back would count on from it).
+#[tokio::test]
+async fn dead_letter_carries_no_x_delivery_count() -> Result<()> {
+    let mut fx = Fixture::start().await?;
+    let server = start(&mut fx).await?;
+    let name = "counted";
+    server
+        .declare(name, queue_arguments(QueueType::Quorum, &[]))
+        .await?;
+    // A classic dead-letter queue: a quorum one would add its own x-delivery-count when read.
+    server
+        .declare(
+            &format!("{name}.dlq"),
+            queue_arguments(QueueType::Classic, &[]),
+        )
+        .await?;
+    server
+        .publish(name, good_then_poison(with_id("poison-counted")))
+        .await?;
+    let manifest = json_manifest(&fx, name, "batchSize: 20, maxDeliveries: 5")?;
+    // The first worker dies while its batch waits on a lock: everything is redelivered.
+    let lock = TodosLock::take(&fx.postgres.url()).await?;
+    let dying = fx.worker(&manifest, "dying")?;
+    wait_blocked_on_lock(&fx, &dying).await?;
+    dying.kill()?;
+    sqlx::query(
+        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = $1",
+    )
+    .bind(switchboard_worker::database_application_name("dying"))
+    .execute(fx.pool())
+    .await?;
+    fx.wait_disconnected("dying").await?;
+    lock.release().await?;
+    let worker = fx.worker(&manifest, "w2")?;
+    let letter = the_one_dead_letter(&fx, &server, name, &worker).await?;
+    ensure!(
+        rabbitmq::header(&letter, "x-delivery-count").is_none(),
+        "RabbitMQ's counter is not copied: {letter:?}"
+    );
+    ensure!(
+        rabbitmq::header(&letter, "x-switchboard-delivery-count").as_deref() == Some("2"),
+        "the count travels as the worker's header: {letter:?}"
+    );
+    Ok(())
+}
+
+/// A memory alarm blocks the publishing connection while a poison message's dead letter is
+/// being written: consuming goes on, the block is reported as such (log, gauge), and when the
+/// alarm clears the poison message has exactly one dead letter (no re-publish after a confirm
+/// timeout).
+#[tokio::test]
+async fn blocked_connection_publishes_one_dead_letter_and_says_so() -> Result<()> {
+    let mut fx = Fixture::start().await?;
+    let server = start(&mut fx).await?;
+    let name = "alarm";
+    server
+        .declare(name, queue_arguments(QueueType::Quorum, &[]))
+        .await?;
+    server
+        .publish(name, good_then_poison(with_id("poison-alarm")))
+        .await?;
+    server
+        .ctl(&["set_vm_memory_high_watermark", "absolute", "1MB"])
+        .await?;
+    let worker = fx.worker(&json_manifest(&fx, name, "batchSize: 20")?, "w1")?;
+    let blocked = format!(r#"switchboard_amqp_publishing_blocked{{adapter="test/{name}"}}"#);
+    let errors = format!(
+        r#"switchboard_dependency_errors_total{{adapter="test/{name}",dependency="broker"}}"#
+    );
+    // Long enough for confirms to time out (10 s) more than once.
+    wait_for(
+        LONG,
+        "the block reported and outlasting confirm timeouts",
+        || async { Ok(worker.metric(&blocked)? == 1.0 && worker.metric(&errors)? >= 3.0) },
+    )
+    .await
+    .with_context(|| worker.log_tail())?;
+    ensure!(
+        fx.todo_count(name).await? == 10,
+        "the good messages are stored during the alarm"
+    );
+    server.ctl(&["set_vm_memory_high_watermark", "0.4"]).await?;
+    let letter = the_one_dead_letter(&fx, &server, name, &worker).await?;
+    ensure!(
+        letter.message_id().as_ref().map(|id| id.as_str()) == Some("poison-alarm"),
+        "{letter:?}"
+    );
+    wait_for(LONG, "the unblock reported", || async {
+        Ok(worker.metric(&blocked)? == 0.0)
+    })
+    .await?;
+    let log = worker.log();
+    let reports = log
+        .lines()
+        .filter(|line| line.contains("RabbitMQ blocked the publishing connection"))
+        .count();
+    ensure!(
+        reports == 1,
+        "the block is logged once, got {reports}:\n{log}"
+    );
+    ensure!(
+        server.peek(&format!("{name}.dlq")).await?.len() == 1,
+        "still one dead letter"
+    );
+    Ok(())
+}
+
+/// A quorum queue whose `x-delivery-limit` is below maxDeliveries would have RabbitMQ drop
+/// messages behind the worker's back: the worker refuses to start, naming both settings. A
+/// limit at or above maxDeliveries is fine.
+#[tokio::test]
+async fn quorum_delivery_limit_below_max_deliveries_is_refused() -> Result<()> {
+    let mut fx = Fixture::start().await?;
+    let server = start(&mut fx).await?;
+    let limited = [("x-delivery-limit", AMQPValue::LongLongInt(2))];
+    server
+        .declare("limited", queue_arguments(QueueType::Quorum, &limited))
+        .await?;
+    let manifest = json_manifest(&fx, "limited", "batchSize: 10, maxDeliveries: 5")?;
+    let mut worker = fx.worker(&manifest, "w1")?;
+    assert_fatal_exit(
+        &mut worker,
+        &["spec.delivery.maxDeliveries", "x-delivery-limit 2"],
+    )?;
+
+    let roomy = [
+        ("x-delivery-limit", AMQPValue::LongLongInt(10)),
+        ("x-max-length", AMQPValue::LongLongInt(1000)),
+    ];
+    server
+        .declare("roomy", queue_arguments(QueueType::Quorum, &roomy))
+        .await?;
+    server
+        .publish(
+            "roomy",
+            (0..5).map(|i| {
+                (
+                    format!(r#"{{"n":{i}}}"#).into_bytes(),
+                    with_id(&format!("n-{i}")),
+                )
+            }),
+        )
+        .await?;
+    let manifest = json_manifest(&fx, "roomy", "batchSize: 10, maxDeliveries: 5")?;
+    let worker = fx.worker(&manifest, "w2")?;
+    wait_for(LONG, "5 todos", || async {
+        Ok(fx.todo_count("roomy").await? == 5 && server.messages("roomy").await? == 0)
+    })
+    .await
+    .with_context(|| worker.log_tail())?;
+    Ok(())
+}
+
+/// A classic queue kept full to its `x-max-length` with `x-overflow: reject-publish` (a producer
+/// tops it up) after a worker crash: the redelivered messages cannot be published again with
+/// their count. Storing does not wait on that publish: every message is stored, in one session.
+#[tokio::test]
+async fn full_classic_queue_after_a_crash_still_stores() -> Result<()> {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+    const TOTAL: usize = 170;
+    let mut fx = Fixture::start().await?;
+    let server = start(&mut fx).await?;
+    let name = "full";
+    let limits = [
+        ("x-max-length", AMQPValue::LongLongInt(TOTAL as i64)),
+        ("x-overflow", rabbitmq::text("reject-publish")),
+    ];
+    server
+        .declare(name, queue_arguments(QueueType::Classic, &limits))
+        .await?;
+    server
+        .publish(
+            name,
+            (0..TOTAL).map(|i| {
+                (
+                    format!(r#"{{"n":{i}}}"#).into_bytes(),
+                    with_id(&format!("n-{i}")),
+                )
+            }),
+        )
+        .await?;
+    let manifest = json_manifest(&fx, name, "batchSize: 50")?;
+    fx.crash_after_first_commit(&manifest, "crashing").await?;
+    // The producer keeps the queue full: whatever the worker takes out is refilled.
+    let (stop, filled) = (
+        Arc::new(AtomicBool::new(false)),
+        Arc::new(AtomicU64::new(0)),
+    );
+    let (connection, channel) = server.channel().await?;
+    let producer = tokio::spawn({
+        let (stop, filled) = (stop.clone(), filled.clone());
+        async move {
+            let mut i = 0u64;
+            while !stop.load(Ordering::Relaxed) {
+                i += 1;
+                let confirm = channel
+                    .basic_publish(
+                        "".into(),
+                        name.into(),
+                        lapin::options::BasicPublishOptions::default(),
+                        format!(r#"{{"filler":{i}}}"#).as_bytes(),
+                        with_id(&format!("filler-{i}")).with_delivery_mode(2),
+                    )
+                    .await?
+                    .await?;
+                if confirm.is_ack() {
+                    filled.fetch_add(1, Ordering::Relaxed);
+                } else {
+                    // Refused (full): pace the next attempt.
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+            }
+            anyhow::Ok(())
+        }
+    });
+    let worker = fx.worker(&manifest, "survivor")?;
+    let refused = wait_for(
+        LONG,
+        "redeliveries stored without their recount",
+        || async {
+            let (_, metrics) = worker.http_get("/metrics")?;
+            let line = metrics
+                .lines()
+                .find(|line| line.starts_with("switchboard_amqp_redeliveries_not_recounted_total"))
+                .with_context(|| format!("no not-recounted counter in:\n{metrics}"))?;
+            Ok(!line.ends_with(" 0"))
+        },
+    )
+    .await
+    .with_context(|| worker.log_tail());
+    stop.store(true, Ordering::Relaxed);
+    producer.await??;
+    let _ = connection.close(200, "done".into()).await;
+    refused?;
+    let expected = TOTAL as i64 + i64::try_from(filled.load(Ordering::Relaxed))?;
+    wait_for(LONG, "every message stored and acknowledged", || async {
+        Ok(fx.todo_count(name).await? == expected && server.messages(name).await? == 0)
+    })
+    .await
+    .with_context(|| worker.log_tail())?;
+    fx.assert_exactly_once(name, expected).await?;
+    ensure!(
+        counter(&worker, "amqp_sessions_opened", name)? == 1.0,
+        "one session, no reconnect loop\n{}",
+        worker.log_tail()
+    );
+    Ok(())
+}

@@ -1,12 +1,15 @@
 //! Kafka-specific behaviour against a real Kafka node (KRaft) and the real worker binary: two
 //! workers of one group sharing three partitions under SIGKILLs, a rebalance while batches are
-//! in flight, and dead letters byte-identical with their key and headers.
+//! in flight, dead letters byte-identical with their key and headers, and issue 27's examples:
+//! a re-created topic, a binary key holding NUL, a key twice in one batch, a dead letter too
+//! large for the producer, a pattern matching the dead-letter topic, the lag after aborted
+//! transactions and under `startFrom: latest`.
 
 use std::time::{Duration, Instant};
 
 use anyhow::{Result, ensure};
 use nix::sys::signal::Signal;
-use switchboard_tests::brokers::kafka::{KafkaServer, Record};
+use switchboard_tests::brokers::kafka::{KafkaServer, Record, undecodable_record};
 use switchboard_tests::brokers::{BrokerFixture, KafkaBroker, kafka_group};
 use switchboard_tests::wait::wait_for;
 use switchboard_tests::worker::WorkerProcess;
@@ -61,8 +64,17 @@ impl Setup {
         self.server().lag(self.name, &kafka_group(self.name)).await
     }
 
+    /// The backlog the worker reports (the group's lag as its probe reads it).
+    fn backlog(&self, worker: &WorkerProcess) -> Result<f64> {
+        worker.metric(&format!(
+            r#"switchboard_backlog_messages{{adapter="test/{}"}}"#,
+            self.name
+        ))
+    }
+
     /// No committed offset is past a record without its todo: for every partition, every
     /// offset below the committed one has its event (offsets are dense here: no transactions).
+    /// External ids are `{topic}:{topic-id}:{partition}:{offset}`.
     async fn assert_commits_only_stored_records(&self) -> Result<()> {
         let offsets = self
             .server()
@@ -72,10 +84,12 @@ impl Setup {
             let Some(committed) = committed else { continue };
             let stored: i64 = sqlx::query_scalar(
                 "SELECT count(*) FROM events WHERE source = $1 AND external_id LIKE $2 \
-                 AND split_part(external_id, ':', 3)::bigint < $3",
+                 AND split_part(external_id, ':', 3) = $3 \
+                 AND split_part(external_id, ':', 4)::bigint < $4",
             )
             .bind(format!("kafka:test/{}", self.name))
-            .bind(format!("{}:{partition}:%", self.name))
+            .bind(format!("{}:%", self.name))
+            .bind(partition.to_string())
             .bind(committed)
             .fetch_one(self.fx.pool())
             .await?;
@@ -304,4 +318,244 @@ async fn poison_record_is_dead_lettered_byte_identical_with_key_and_headers() ->
         "the record's key and headers are the event's headers: {headers}"
     );
     Ok(())
+}
+
+/// Issue 27: a topic deleted and created again re-uses offsets 0…N. Its records are new
+/// messages: stored (keys carry the topic id), not acknowledged as duplicates, and the worker
+/// says once what happened.
+#[tokio::test]
+async fn recreated_topic_records_are_stored_not_taken_for_duplicates() -> Result<()> {
+    let setup = Setup::start("recreated", "batchSize: 20, claimIdleSeconds: 2", "").await?;
+    setup.server().produce(setup.name, bodies(0..30)).await?;
+    let worker = setup.worker("w1")?;
+    setup.wait_settled(30, &[&worker]).await?;
+    setup.broker.recreate(&setup.fx, setup.name).await?;
+    setup.server().produce(setup.name, bodies(30..60)).await?;
+    setup.wait_settled(60, &[&worker]).await?;
+    setup
+        .fx
+        .assert_stored_exactly(setup.name, &bodies(0..60))
+        .await?;
+    let ids: i64 = sqlx::query_scalar(
+        "SELECT count(DISTINCT split_part(external_id, ':', 2)) FROM events WHERE source = $1",
+    )
+    .bind(format!("kafka:test/{}", setup.name))
+    .fetch_one(setup.fx.pool())
+    .await?;
+    ensure!(
+        ids == 2,
+        "two incarnations, two topic ids in the keys: {ids}"
+    );
+    Ok(())
+}
+
+/// Issue 27: a record whose key is an `IntegerSerializer` value (NUL bytes) and whose header
+/// value is not UTF-8 is stored (key and header encoded) with its neighbours; nothing is
+/// rejected or dead-lettered.
+#[tokio::test]
+async fn binary_key_with_nul_and_non_utf8_header_are_stored_with_the_neighbours() -> Result<()> {
+    let setup = Setup::start("binarykey", "batchSize: 30, claimIdleSeconds: 2", "").await?;
+    let odd = br#"{"odd":true}"#.to_vec();
+    let mut records: Vec<Record> = bodies(0..10).into_iter().map(plain).collect();
+    records.push(undecodable_record(odd.clone()));
+    records.extend(bodies(10..20).into_iter().map(plain));
+    setup.server().produce_records(setup.name, records).await?;
+    let worker = setup.worker("w1")?;
+    setup.wait_settled(21, &[&worker]).await?;
+    let mut expected = bodies(0..20);
+    expected.push(odd);
+    setup
+        .fx
+        .assert_stored_exactly(setup.name, &expected)
+        .await?;
+    let letters = setup.broker.dead_letters(&setup.fx, setup.name).await?;
+    ensure!(letters.is_empty(), "nothing dead-lettered: {letters:?}");
+    let headers: serde_json::Value = sqlx::query_scalar(
+        "SELECT headers FROM events WHERE source = $1 AND headers ? 'kafka.key'",
+    )
+    .bind(format!("kafka:test/{}", setup.name))
+    .fetch_one(setup.fx.pool())
+    .await?;
+    ensure!(
+        headers["kafka.key"]["base64"] == "AAABLA==" && headers["trace"]["base64"] == "/wD+",
+        "key and header stored base64-encoded: {headers}"
+    );
+    Ok(())
+}
+
+/// Issue 27: a batch holding the same record twice (a fetch restarted while its records were
+/// still in hand) is counted once, not refused by PostgreSQL for good (SQLSTATE 21000).
+#[tokio::test]
+async fn a_key_twice_in_one_batch_is_counted_once_not_a_database_error() -> Result<()> {
+    let fx = Fixture::start().await?;
+    let source = "kafka:test/twice";
+    let key = "kafka:test/twice:orders:AAAAAAAAAAAAAAAAAAAAAQ:0:7";
+    let counts = fx.store.count_redeliveries(source, &[key, key]).await?;
+    ensure!(
+        counts == vec![2, 2],
+        "one count for the one record: {counts:?}"
+    );
+    let counts = fx.store.count_redeliveries(source, &[key]).await?;
+    ensure!(counts == vec![3], "{counts:?}");
+    Ok(())
+}
+
+/// Issue 27: a poison record of ~1 MB (within the broker's limit, above the dead-letter
+/// producer's `message.max.bytes`) cannot be dead-lettered at the broker, ever: the letter is
+/// kept in PostgreSQL, the batch stored and everything committed (no wedge).
+#[tokio::test]
+async fn dead_letter_too_large_for_the_producer_is_kept_in_postgresql() -> Result<()> {
+    let setup = Setup::start(
+        "oversized",
+        "batchSize: 20, claimIdleSeconds: 2",
+        "format: json, maxBytes: 2000000",
+    )
+    .await?;
+    let mut poison = b"{\"order\": broken ".to_vec();
+    poison.resize(1_000_100, b'x');
+    let mut all = bodies(0..10);
+    all.push(poison.clone());
+    all.extend(bodies(10..20));
+    setup.server().produce(setup.name, all).await?;
+    let worker = setup.worker("w1")?;
+    setup.wait_settled(20, &[&worker]).await?;
+    wait_for(LONG, "the letter kept in PostgreSQL", || async {
+        Ok(!setup.fx.database_dead_letters(setup.name).await?.is_empty())
+    })
+    .await
+    .map_err(|err| err.context(worker.log_tail()))?;
+    setup
+        .fx
+        .assert_stored_exactly(setup.name, &bodies(0..20))
+        .await?;
+    let kept = setup.fx.database_dead_letters(setup.name).await?;
+    ensure!(
+        kept == vec![(poison, "invalid_json".to_owned())],
+        "one letter kept, byte-identical: {} letters",
+        kept.len()
+    );
+    ensure!(setup.lag().await? == 0);
+    Ok(())
+}
+
+/// Issue 27: a `topicPattern` that matches the default dead-letter topic (`^name-.*` and
+/// `name-eu.dlq`) would make the worker read its own dead letters: it exits at start, naming
+/// both settings.
+#[tokio::test]
+async fn pattern_matching_the_dead_letter_topic_is_fatal_naming_both_settings() -> Result<()> {
+    let fx = Fixture::start().await?;
+    let (broker, _) = KafkaBroker::start(&fx).await?;
+    broker.server.create_topic("own-eu", 1).await?;
+    broker.server.create_topic("own-eu.dlq", 1).await?;
+    let source = format!(
+        "kafka: {{bootstrapServers: \"{}\", topicPattern: '^own-.*', sessionTimeoutSeconds: 6}}",
+        broker.server.bootstrap()
+    );
+    let manifest = fx.manifest(
+        "own.yaml",
+        &source_manifest("own", &source, "batchSize: 10", ""),
+    )?;
+    let mut worker = fx.worker(&manifest, "w1")?;
+    let status = worker.wait_exit(Duration::from_secs(60))?;
+    let log = worker.log();
+    ensure!(
+        !status.success(),
+        "the worker refuses to start: {status:?}\n{log}"
+    );
+    ensure!(
+        log.contains("spec.source.kafka.topicPattern")
+            && log.contains("spec.delivery.deadLetter.topic")
+            && log.contains("own-eu.dlq"),
+        "the error names both settings and the topic:\n{log}"
+    );
+    Ok(())
+}
+
+/// Issue 27: aborted transactions leave records and markers the group never delivers; the lag
+/// reaches 0 once the committed records are stored (the position past the markers is
+/// committed), and no fetch is "restarted" for a backlog that is not there.
+#[tokio::test]
+async fn lag_reaches_zero_after_aborted_transactions() -> Result<()> {
+    let setup = Setup::start("aborted", "batchSize: 20, claimIdleSeconds: 2", "").await?;
+    setup.server().produce(setup.name, bodies(0..5)).await?;
+    setup
+        .server()
+        .produce_aborted(setup.name, bodies(100..123))
+        .await?;
+    setup.server().produce(setup.name, bodies(5..10)).await?;
+    setup
+        .server()
+        .produce_aborted(setup.name, bodies(200..223))
+        .await?;
+    let worker = setup.worker("w1")?;
+    setup.wait_settled(10, &[&worker]).await?;
+    setup
+        .fx
+        .assert_stored_exactly(setup.name, &bodies(0..10))
+        .await?;
+    wait_for(LONG, "the worker reports no backlog", || async {
+        Ok(setup.backlog(&worker)? == 0.0)
+    })
+    .await
+    .map_err(|err| err.context(worker.log_tail()))?;
+    Ok(())
+}
+
+/// Issue 27: under `startFrom: latest` the records produced before the group existed are never
+/// read; the worker reports no backlog for them, and stores what comes afterwards.
+#[tokio::test]
+async fn start_from_latest_reports_no_backlog_for_records_it_will_never_read() -> Result<()> {
+    let fx = Fixture::start().await?;
+    let (broker, _) = KafkaBroker::start(&fx).await?;
+    let name = "latest";
+    let source = broker.create(&fx, name).await?;
+    let source = source.replace("topics:", "startFrom: latest, topics:");
+    let manifest = fx.manifest(
+        &format!("{name}.yaml"),
+        &source_manifest(name, &source, "batchSize: 20, claimIdleSeconds: 2", ""),
+    )?;
+    broker.server.produce(name, bodies(0..123)).await?;
+    let worker = fx.worker(&manifest, "w1")?;
+    // The probe sets each partition's lag before the backlog it sums.
+    let lags = |worker: &WorkerProcess| -> Result<Vec<f64>> {
+        let (_, metrics) = worker.http_get("/metrics")?;
+        Ok(metrics
+            .lines()
+            .filter(|line| {
+                line.starts_with(&format!(
+                    r#"switchboard_kafka_partition_lag{{adapter="test/{name}",topic="{name}""#
+                ))
+            })
+            .filter_map(|line| line.rsplit(' ').next()?.parse().ok())
+            .collect())
+    };
+    wait_for(LONG, "the probe reads every partition's lag", || async {
+        Ok(lags(&worker)?.len() == 3)
+    })
+    .await
+    .map_err(|err| err.context(worker.log_tail()))?;
+    let lags = lags(&worker)?;
+    ensure!(
+        lags.iter().all(|lag| *lag == 0.0),
+        "no lag for records it will never read: {lags:?}\n{}",
+        worker.log_tail()
+    );
+    broker.server.produce(name, bodies(123..133)).await?;
+    wait_for(
+        LONG,
+        "the records produced afterwards are stored",
+        || async { Ok(fx.todo_count(name).await? >= 10) },
+    )
+    .await
+    .map_err(|err| err.context(worker.log_tail()))?;
+    fx.assert_stored_exactly(name, &bodies(123..133)).await?;
+    Ok(())
+}
+
+fn plain(value: Vec<u8>) -> Record {
+    Record {
+        key: None,
+        value: Some(value),
+        headers: Vec::new(),
+    }
 }

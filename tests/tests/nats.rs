@@ -294,3 +294,319 @@ async fn dead_letter_keeps_the_body_and_its_context_and_the_original_is_terminat
     .await
     .with_context(|| worker.log_tail())
 }
+
+/// Issue 27, a re-created source: the stream deleted and created again restarts its sequences
+/// at 1; its messages are new ones, stored, never taken for redeliveries of the old stream's.
+#[tokio::test]
+async fn recreated_stream_stores_its_new_messages_and_says_so_once() -> Result<()> {
+    let setup = Setup::start("again", ", ackWaitSeconds: 2", "batchSize: 50").await?;
+    let worker = setup.fx.worker(&setup.manifest, "worker-a")?;
+    setup.produce(bodies(0..100)).await?;
+    setup.wait_settled(100, &worker).await?;
+    setup.server.recreate_stream(&setup.stream()).await?;
+    setup.produce(bodies(100..400)).await?;
+    wait_for(LONG, "the consumer is re-created", || async {
+        Ok(setup
+            .server
+            .consumer_info(&setup.stream(), CONSUMER)
+            .await?
+            .is_some())
+    })
+    .await
+    .with_context(|| worker.log_tail())?;
+    setup.wait_settled(400, &worker).await?;
+    setup
+        .fx
+        .assert_stored_exactly(setup.name, &bodies(0..400))
+        .await?;
+    let said = worker.log().matches("deleted and created again").count();
+    ensure!(said == 1, "said {said} times:\n{}", worker.log_tail());
+    Ok(())
+}
+
+/// Issue 27, a broker-side limit: a worker killed during each of the first
+/// `maxDeliveries + 1` deliveries (the batch waits on a lock, PostgreSQL hangs). The server
+/// keeps delivering: the next worker dead-letters the messages as `max_deliveries` (or stores
+/// them); none is left neither stored nor dead-lettered.
+#[tokio::test]
+async fn worker_killed_during_the_last_delivery_leaves_no_message_behind() -> Result<()> {
+    let setup = Setup::start(
+        "lastdelivery",
+        ", ackWaitSeconds: 2",
+        "batchSize: 20, maxDeliveries: 2",
+    )
+    .await?;
+    setup.produce(bodies(0..20)).await?;
+    let lock = TodosLock::take(&setup.fx.postgres.url()).await?;
+    for attempt in 0..3 {
+        let worker = setup
+            .fx
+            .worker(&setup.manifest, &format!("killed-{attempt}"))?;
+        wait_blocked_on_lock(&setup.fx, &worker).await?;
+        wait_for(LONG, "the server counts the delivery", || async {
+            let info = setup.consumer().await?;
+            Ok(info.delivered.consumer_sequence >= 20 * (attempt + 1))
+        })
+        .await
+        .with_context(|| worker.log_tail())?;
+        worker.kill()?;
+    }
+    lock.release().await?;
+    let worker = setup.fx.worker(&setup.manifest, "survivor")?;
+    wait_for(LONG, "every message stored or dead-lettered", || async {
+        let info = setup.consumer().await?;
+        let stored = setup.fx.todo_count(setup.name).await?;
+        let letters = setup
+            .server
+            .stream_messages(&format!("{}_DLQ", setup.stream()))
+            .await?
+            .unwrap_or_default()
+            .len() as i64;
+        Ok(stored + letters >= 20 && info.num_pending == 0 && info.num_ack_pending == 0)
+    })
+    .await
+    .with_context(|| worker.log_tail())?;
+    let info = setup.consumer().await?;
+    ensure!(info.config.max_deliver == -1, "{:?}", info.config);
+    Ok(())
+}
+
+/// Issue 27, a lost consumer under `deliverPolicy: new`: re-created after the highest stored
+/// sequence, never at `new`, so the backlog published meanwhile is stored.
+#[tokio::test]
+async fn consumer_lost_under_deliver_policy_new_resumes_after_the_highest_stored_sequence()
+-> Result<()> {
+    let setup = Setup::start(
+        "lostnew",
+        ", ackWaitSeconds: 2, deliverPolicy: new",
+        "batchSize: 20",
+    )
+    .await?;
+    let worker = setup.fx.worker(&setup.manifest, "worker-a")?;
+    wait_for(LONG, "the consumer exists", || async {
+        Ok(setup
+            .server
+            .consumer_info(&setup.stream(), CONSUMER)
+            .await?
+            .is_some())
+    })
+    .await
+    .with_context(|| worker.log_tail())?;
+    setup.produce(bodies(0..8)).await?;
+    setup.wait_settled(8, &worker).await?;
+    worker.kill()?;
+    let stream = setup.server.jetstream().get_stream(setup.stream()).await?;
+    stream.delete_consumer(CONSUMER).await?;
+    setup.produce(bodies(8..300)).await?;
+    let worker = setup.fx.worker(&setup.manifest, "worker-b")?;
+    setup.wait_settled(300, &worker).await?;
+    setup
+        .fx
+        .assert_stored_exactly(setup.name, &bodies(0..300))
+        .await
+}
+
+/// Issue 27, undecodable per message: a header value that is not UTF-8 makes `async-nats`
+/// drop its connection; that message is dead-lettered (body byte-identical, raw headers in
+/// base64, reason `undecodable`) and every neighbour is stored.
+#[tokio::test]
+async fn non_utf8_header_value_is_dead_lettered_alone_and_its_neighbours_stored() -> Result<()> {
+    let setup = Setup::start("rawheader", ", ackWaitSeconds: 2", "batchSize: 20").await?;
+    let odd = br#"{"odd":true}"#.to_vec();
+    setup.produce(bodies(0..50)).await?;
+    setup
+        .server
+        .publish_non_utf8_header(&NatsBroker::subject(setup.name), &odd)
+        .await?;
+    setup.produce(bodies(50..99)).await?;
+    let worker = setup.fx.worker(&setup.manifest, "worker-a")?;
+    setup.wait_settled(99, &worker).await?;
+    setup
+        .fx
+        .assert_stored_exactly(setup.name, &bodies(0..99))
+        .await?;
+    let letters = setup
+        .server
+        .stream_messages(&format!("{}_DLQ", setup.stream()))
+        .await?
+        .unwrap_or_default();
+    ensure!(letters.len() == 1, "one dead letter: {letters:?}");
+    let letter = &letters[0];
+    ensure!(
+        letter.payload.as_ref() == odd.as_slice(),
+        "byte-identical body"
+    );
+    let header = |name: &str| {
+        letter
+            .headers
+            .get(name)
+            .map(|value| value.as_str().to_owned())
+            .unwrap_or_default()
+    };
+    ensure!(header("Switchboard-Reason") == "undecodable", "{letter:?}");
+    use base64::Engine as _;
+    let raw = base64::engine::general_purpose::STANDARD
+        .decode(header("Switchboard-Raw-Headers-Base64"))
+        .context("raw headers in base64")?;
+    ensure!(
+        raw.windows(2).any(|w| w == b"\xff\xfe"),
+        "the raw header bytes are kept: {raw:?}"
+    );
+    Ok(())
+}
+
+/// Issue 27, a dead letter the server can never take (over its max payload): kept in
+/// PostgreSQL, the original acknowledged, its batch stored: no wedge.
+#[tokio::test]
+async fn dead_letter_over_the_max_payload_is_kept_in_postgresql() -> Result<()> {
+    let setup = Setup::start("bigletter", ", ackWaitSeconds: 2", "batchSize: 20").await?;
+    let max_payload = setup.server.client().server_info().max_payload;
+    // Fits as a message; with the dead letter's headers it does not.
+    let poison = vec![b'x'; max_payload - 200];
+    let mut all = bodies(0..10);
+    all.push(poison.clone());
+    all.extend(bodies(10..20));
+    setup.produce(all).await?;
+    let worker = setup.fx.worker(&setup.manifest, "worker-a")?;
+    wait_for(
+        LONG,
+        "the letter kept and everything acknowledged",
+        || async {
+            let info = setup.consumer().await?;
+            Ok(
+                !setup.fx.database_dead_letters(setup.name).await?.is_empty()
+                    && info.num_pending == 0
+                    && info.num_ack_pending == 0,
+            )
+        },
+    )
+    .await
+    .with_context(|| worker.log_tail())?;
+    setup
+        .fx
+        .assert_stored_exactly(setup.name, &bodies(0..20))
+        .await?;
+    let kept = setup.fx.database_dead_letters(setup.name).await?;
+    ensure!(
+        kept.len() == 1 && kept[0].0 == poison,
+        "one letter kept, byte-identical"
+    );
+    Ok(())
+}
+
+/// Issue 27, the worker never reads its own dead letters: a filter subject that matches the
+/// dead-letter subject stops the worker at start, naming both settings.
+#[tokio::test]
+async fn filter_subject_matching_the_dead_letter_subject_is_refused_naming_both_settings()
+-> Result<()> {
+    let setup = Setup::start(
+        "eatown",
+        ", filterSubject: 'eatown.>'",
+        "deadLetter: {subject: eatown.dead}",
+    )
+    .await?;
+    let mut worker = setup.fx.worker(&setup.manifest, "worker-a")?;
+    assert_fatal_exit(
+        &mut worker,
+        &[
+            "spec.source.nats.filterSubject",
+            "spec.delivery.deadLetter.subject",
+        ],
+    )
+}
+
+/// Issue 27, a wait without a deadline: the connection is cut right after each of the first
+/// no-wait pull requests; the worker notices (every wait has a deadline), reconnects and
+/// stores everything.
+#[tokio::test]
+async fn connection_cut_after_a_no_wait_pull_does_not_wedge_the_worker() -> Result<()> {
+    let mut setup = Setup::start("cutpull", ", ackWaitSeconds: 2", "batchSize: 20").await?;
+    let proxy = CuttingProxy::start(setup.server.url(), 3).await?;
+    setup.fx.extra_env = vec![("NATS_URL".to_owned(), proxy.url())];
+    setup.produce(bodies(0..600)).await?;
+    let worker = setup.fx.worker(&setup.manifest, "worker-a")?;
+    setup.wait_settled(600, &worker).await?;
+    ensure!(
+        proxy.cuts() >= 1,
+        "no no-wait pull request was cut:\n{}",
+        worker.log_tail()
+    );
+    setup
+        .fx
+        .assert_stored_exactly(setup.name, &bodies(0..600))
+        .await
+}
+
+/// A TCP proxy in front of nats-server that closes a client's connection right after
+/// forwarding a no-wait pull request (`"no_wait":true`), the first `cuts` times: the answer to
+/// that request is lost with the connection.
+struct CuttingProxy {
+    port: u16,
+    cut: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl CuttingProxy {
+    async fn start(upstream: String, cuts: usize) -> Result<Self> {
+        use std::sync::Arc;
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        let port = listener.local_addr()?.port();
+        let upstream = upstream.trim_start_matches("nats://").to_owned();
+        let cut = Arc::new(AtomicUsize::new(0));
+        let counter = cut.clone();
+        let task = tokio::spawn(async move {
+            while let Ok((client, _)) = listener.accept().await {
+                let Ok(server) = tokio::net::TcpStream::connect(&upstream).await else {
+                    continue;
+                };
+                let counter = counter.clone();
+                tokio::spawn(async move {
+                    let (mut client_read, mut client_write) = client.into_split();
+                    let (mut server_read, mut server_write) = server.into_split();
+                    let down = tokio::spawn(async move {
+                        let _ = tokio::io::copy(&mut server_read, &mut client_write).await;
+                    });
+                    let mut buffer = vec![0; 64 * 1024];
+                    loop {
+                        let Ok(read) = client_read.read(&mut buffer).await else {
+                            break;
+                        };
+                        if read == 0 || server_write.write_all(&buffer[..read]).await.is_err() {
+                            break;
+                        }
+                        let chunk = &buffer[..read];
+                        let no_wait_pull = chunk.windows(17).any(|w| w == b"CONSUMER.MSG.NEXT")
+                            && chunk.windows(15).any(|w| w == b"\"no_wait\":true");
+                        if no_wait_pull
+                            && counter
+                                .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                                    (n < cuts).then_some(n + 1)
+                                })
+                                .is_ok()
+                        {
+                            break;
+                        }
+                    }
+                    down.abort();
+                });
+            }
+        });
+        Ok(Self { port, cut, task })
+    }
+
+    fn url(&self) -> String {
+        format!("nats://127.0.0.1:{}", self.port)
+    }
+
+    fn cuts(&self) -> usize {
+        self.cut.load(std::sync::atomic::Ordering::Acquire)
+    }
+}
+
+impl Drop for CuttingProxy {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}

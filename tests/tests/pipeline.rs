@@ -1,7 +1,9 @@
 //! The pipeline's settle order, driven by a fake transport against a real PostgreSQL: dead
 //! letters are written (and confirmed) before anything of their batch is acknowledged, the
 //! acknowledgement covers everything settled once, in receive order; stale receipts are
-//! dropped, fatal errors stop the loop, slow batches get their lease extended.
+//! dropped, fatal errors stop the loop, slow batches get their lease extended. No wedge: dead
+//! letters the broker refuses are kept in PostgreSQL, rows PostgreSQL refuses are found by
+//! splitting the batch, a read-only database is waited out, a stalled loop fails liveness.
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
@@ -16,7 +18,8 @@ use switchboard_worker::health::Health;
 use switchboard_worker::metrics::Metrics;
 use switchboard_worker::pipeline::{Pipeline, PipelineError, PipelineSettings};
 use switchboard_worker::transport::{
-    Acked, DeadLetter, Message, QueueHealth, QueueProbe, Transport, TransportError,
+    Acked, DeadLetter, IDEMPOTENCY_KEY_HEADER, Message, QueueHealth, QueueProbe, Transport,
+    TransportError,
 };
 use tokio_util::sync::CancellationToken;
 
@@ -34,7 +37,12 @@ enum Failure {
     Transient,
     Stale,
     Fatal,
+    /// The dead-letter destination refuses these letters (indexes) for good, takes the others.
+    Refused(Vec<usize>),
 }
+
+/// What the fake dead-letter destination answers when it refuses letters.
+const REFUSAL: &str = "scripted: the letter is larger than the destination takes";
 
 impl Failure {
     fn error(&self) -> TransportError {
@@ -42,6 +50,9 @@ impl Failure {
             Failure::Transient => TransportError::protocol("scripted outage"),
             Failure::Stale => TransportError::stale("scripted stale receipts", None),
             Failure::Fatal => TransportError::fatal("spec.source.fake.queue", "scripted", None),
+            Failure::Refused(letters) => {
+                TransportError::dead_letters_refused(letters.clone(), REFUSAL, None)
+            }
         }
     }
 }
@@ -55,6 +66,8 @@ struct Script {
     fail_receive: Option<Failure>,
     /// Receipts the next ack reports as stale.
     stale_in_ack: Vec<u32>,
+    /// What the queue probe reports as waiting (backlog).
+    backlog: u64,
 }
 
 #[derive(Debug, Clone)]
@@ -63,11 +76,15 @@ struct FakeTransport {
     lease: Option<Duration>,
 }
 
-struct NoProbe;
+struct ScriptedProbe(Arc<Mutex<Script>>);
 
-impl QueueProbe for NoProbe {
+impl QueueProbe for ScriptedProbe {
     async fn queue_health(&mut self) -> Result<QueueHealth, TransportError> {
-        Ok(QueueHealth::default())
+        let backlog = self.0.lock().expect("script").backlog;
+        Ok(QueueHealth {
+            backlog: Some(backlog),
+            ..QueueHealth::default()
+        })
     }
 }
 
@@ -77,7 +94,7 @@ fn receipts(messages: &[&Message<u32>]) -> Vec<u32> {
 
 impl Transport for FakeTransport {
     type Receipt = u32;
-    type Probe = NoProbe;
+    type Probe = ScriptedProbe;
 
     fn source(&self) -> &str {
         "fake:test/pipeline"
@@ -119,12 +136,20 @@ impl Transport for FakeTransport {
         letters: &[DeadLetter<'_, u32>],
     ) -> Result<(), TransportError> {
         let mut script = self.script.lock().expect("script");
-        if let Some(failure) = script.fail_dead_letters.pop_front() {
-            return Err(failure.error());
-        }
-        let written = letters.iter().map(|l| l.message.receipt).collect();
+        let failure = script.fail_dead_letters.pop_front();
+        let refused = match &failure {
+            Some(Failure::Refused(refused)) => refused.clone(),
+            Some(failure) => return Err(failure.error()),
+            None => Vec::new(),
+        };
+        let written = letters
+            .iter()
+            .enumerate()
+            .filter(|(index, _)| !refused.contains(index))
+            .map(|(_, l)| l.message.receipt)
+            .collect();
         script.calls.push(Call::DeadLetters(written));
-        Ok(())
+        failure.map_or(Ok(()), |failure| Err(failure.error()))
     }
 
     async fn ack(&mut self, messages: &[&Message<u32>]) -> Result<Acked, TransportError> {
@@ -163,8 +188,8 @@ impl Transport for FakeTransport {
         Duration::from_secs(30)
     }
 
-    fn probe(&self) -> NoProbe {
-        NoProbe
+    fn probe(&self) -> ScriptedProbe {
+        ScriptedProbe(self.script.clone())
     }
 }
 
@@ -193,6 +218,7 @@ fn good(first: u32, count: u32) -> Vec<Message<u32>> {
 struct Running {
     script: Arc<Mutex<Script>>,
     metrics: Arc<Metrics>,
+    health: Arc<Health>,
     cancel: CancellationToken,
     task: tokio::task::JoinHandle<Result<(), PipelineError>>,
 }
@@ -232,6 +258,7 @@ fn start(fx: &Fixture, script: Script, lease: Option<Duration>) -> Running {
         Metrics::registry(),
     ));
     let cancel = CancellationToken::new();
+    let health = Arc::new(Health::new());
     let settings = PipelineSettings {
         adapter: "test/pipeline".to_owned(),
         worker: "pipeline-0".to_owned(),
@@ -249,12 +276,13 @@ fn start(fx: &Fixture, script: Script, lease: Option<Duration>) -> Running {
         fx.store.clone(),
         settings,
         metrics.clone(),
-        Arc::new(Health::new()),
+        health.clone(),
         cancel.clone(),
     );
     Running {
         script,
         metrics,
+        health,
         cancel,
         task: tokio::task::spawn_local(pipeline.run()),
     }
@@ -458,6 +486,266 @@ async fn one_id_twice_in_a_batch_is_stored_once_and_counted_as_a_duplicate() -> 
         );
         running.stop().await??;
         Ok(())
+    })
+    .await
+}
+
+/// The rows of PostgreSQL's dead-letter table: (external id, body, reason, delivery count,
+/// what the broker answered).
+async fn kept(fx: &Fixture) -> Result<Vec<(String, Vec<u8>, String, i64, String)>> {
+    Ok(sqlx::query_as(
+        "SELECT external_id, body, reason, delivery_count, refused_because FROM dead_letters \
+         WHERE source = 'fake:test/pipeline' ORDER BY id",
+    )
+    .fetch_all(fx.pool())
+    .await?)
+}
+
+#[tokio::test]
+async fn refused_dead_letters_are_kept_in_postgresql_once_and_their_originals_acknowledged()
+-> Result<()> {
+    local(async {
+        let fx = Fixture::start().await?;
+        let batch = || {
+            let mut batch = good(1, 2);
+            batch.push(message(100, b"{not json"));
+            let mut binary = message(101, b"\x00\xffraw\xfe");
+            binary.undecodable = Some("a header value is not UTF-8".to_owned());
+            binary.headers = vec![("trace".to_owned(), vec![0xff, 0x00])];
+            batch.push(binary);
+            batch.extend(good(3, 1));
+            batch
+        };
+        // The second letter (101) is refused for good, twice: once, then at its redelivery
+        // (a crash after the row was written and before the acknowledgement).
+        let mut again = batch();
+        for message in &mut again {
+            message.receipt += 1000;
+            message.delivery_count = 2;
+        }
+        let script = Script {
+            batches: VecDeque::from([batch(), again]),
+            fail_dead_letters: VecDeque::from([Failure::Refused(vec![1]), Failure::Refused(vec![1])]),
+            ..Script::default()
+        };
+        let running = start(&fx, script, None);
+        wait_for(DEADLINE, "both deliveries are acknowledged", || async {
+            Ok(running.acked().len() == 10)
+        })
+        .await?;
+        let calls = running.calls();
+        ensure!(
+            calls[..2]
+                == [
+                    Call::DeadLetters(vec![100]),
+                    Call::Ack(vec![1, 2, 100, 101, 3]),
+                ],
+            "the refused letter's original is acknowledged with its batch: {calls:?}"
+        );
+        let rows = kept(&fx).await?;
+        ensure!(
+            rows == vec![(
+                "m101".to_owned(),
+                b"\x00\xffraw\xfe".to_vec(),
+                "undecodable".to_owned(),
+                1,
+                REFUSAL.to_owned()
+            )],
+            "one row, the body byte-identical, kept once across the redelivery: {rows:?}"
+        );
+        let (headers, attempts): (serde_json::Value, serde_json::Value) = sqlx::query_as(
+            "SELECT headers, attempts FROM dead_letters WHERE external_id = 'm101'",
+        )
+        .fetch_one(fx.pool())
+        .await?;
+        ensure!(headers["trace"]["base64"] == "/wA=", "headers kept: {headers}");
+        ensure!(attempts["total"] == 1, "attempts kept: {attempts}");
+        ensure!(running.metrics.kept_in_database.get() == 2, "counted at each refusal");
+        running.stop().await??;
+        fx.assert_exactly_once("pipeline", 3).await
+    })
+    .await
+}
+
+#[tokio::test]
+async fn refused_dead_letters_wait_out_a_read_only_database_and_are_never_acknowledged_without_their_row()
+-> Result<()> {
+    local(async {
+        let fx = Fixture::start().await?;
+        fx.set_read_only(true).await?;
+        let script = Script {
+            batches: VecDeque::from([vec![message(1, b"{broken")]]),
+            fail_dead_letters: VecDeque::from([Failure::Refused(vec![0])]),
+            ..Script::default()
+        };
+        let running = start(&fx, script, None);
+        wait_for(DEADLINE, "the read-only database is noticed", || async {
+            Ok(running.health.not_ready_because().contains("read-only"))
+        })
+        .await?;
+        ensure!(running.acked().is_empty(), "nothing acknowledged without its row");
+        fx.set_read_only(false).await?;
+        wait_for(DEADLINE, "the original is acknowledged", || async {
+            Ok(running.acked() == vec![1])
+        })
+        .await?;
+        ensure!(kept(&fx).await?.len() == 1);
+        running.stop().await??;
+        Ok(())
+    })
+    .await
+}
+
+#[tokio::test]
+async fn read_only_database_is_retried_and_nothing_is_dead_lettered() -> Result<()> {
+    local(async {
+        let fx = Fixture::start().await?;
+        fx.set_read_only(true).await?;
+        let script = Script {
+            batches: VecDeque::from([good(0, 5)]),
+            ..Script::default()
+        };
+        let running = start(&fx, script, None);
+        wait_for(DEADLINE, "readiness says the database is read-only", || async {
+            let because = running.health.not_ready_because();
+            Ok(because.contains("database unavailable") && because.contains("read-only"))
+        })
+        .await?;
+        ensure!(running.acked().is_empty() && running.calls().is_empty());
+        fx.set_read_only(false).await?;
+        wait_for(DEADLINE, "the batch is stored and acknowledged", || async {
+            Ok(running.acked() == vec![0, 1, 2, 3, 4])
+        })
+        .await?;
+        ensure!(
+            running.calls() == vec![Call::Ack(vec![0, 1, 2, 3, 4])],
+            "nothing dead-lettered: {:?}",
+            running.calls()
+        );
+        running.stop().await??;
+        fx.assert_exactly_once("pipeline", 5).await
+    })
+    .await
+}
+
+/// A message carrying an idempotency key longer than a btree index row may be (SQLSTATE 54000,
+/// program limit exceeded): random text, so that PostgreSQL cannot compress it under the limit.
+fn with_oversized_key(receipt: u32) -> Message<u32> {
+    let mut rng = fastrand::Rng::with_seed(u64::from(receipt));
+    let id: String = (0..12_000).map(|_| rng.alphanumeric()).collect();
+    let mut message = message(receipt, br#"{"huge":"key"}"#);
+    message.headers = vec![(
+        IDEMPOTENCY_KEY_HEADER.to_owned(),
+        format!("fake:test/pipeline:{id}").into_bytes(),
+    )];
+    message
+}
+
+#[tokio::test]
+async fn row_postgresql_refuses_with_a_program_limit_is_dead_lettered_and_its_neighbours_stored()
+-> Result<()> {
+    local(async {
+        let fx = Fixture::start().await?;
+        let mut batch = good(0, 6);
+        batch.insert(2, with_oversized_key(100));
+        batch.insert(5, with_oversized_key(101));
+        let script = Script {
+            batches: VecDeque::from([batch, good(6, 2)]),
+            ..Script::default()
+        };
+        let running = start(&fx, script, None);
+        wait_for(DEADLINE, "both batches are acknowledged", || async {
+            Ok(running.acked().len() == 10)
+        })
+        .await
+        .map_err(|err| err.context(format!("calls: {:?}", running.calls())))?;
+        let calls = running.calls();
+        ensure!(
+            calls[0] == Call::DeadLetters(vec![100, 101]),
+            "only the offenders are dead-lettered, once: {calls:?}"
+        );
+        let errors = running
+            .metrics
+            .encode()
+            .lines()
+            .find(|line| line.starts_with("switchboard_dependency_errors_total") && line.contains("database"))
+            .map(str::to_owned)
+            .unwrap_or_default();
+        ensure!(errors.ends_with(" 0"), "no retry loop on the database: {errors}");
+        running.stop().await??;
+        fx.assert_exactly_once("pipeline", 8).await
+    })
+    .await
+}
+
+#[tokio::test]
+async fn header_value_name_and_id_holding_nul_are_stored_encoded_not_rejected() -> Result<()> {
+    local(async {
+        let fx = Fixture::start().await?;
+        let mut odd = message(1, br#"{"n":1}"#);
+        odd.external_id = "key\0with nul".to_owned();
+        odd.idempotency_key = "fake:test/pipeline:key\0with nul".to_owned();
+        odd.headers = vec![
+            ("trace".to_owned(), b"a\0b".to_vec()),
+            ("name\0nul".to_owned(), b"v".to_vec()),
+        ];
+        let script = Script {
+            batches: VecDeque::from([vec![odd, message(2, br#"{"n":2}"#)]]),
+            ..Script::default()
+        };
+        let running = start(&fx, script, None);
+        wait_for(DEADLINE, "the batch is acknowledged", || async {
+            Ok(running.acked() == vec![1, 2])
+        })
+        .await?;
+        ensure!(
+            running.calls().iter().all(|c| !matches!(c, Call::DeadLetters(_))),
+            "nothing dead-lettered: {:?}",
+            running.calls()
+        );
+        let (id, headers): (String, serde_json::Value) = sqlx::query_as(
+            "SELECT external_id, headers FROM events WHERE payload = '{\"n\":1}'::jsonb",
+        )
+        .fetch_one(fx.pool())
+        .await?;
+        ensure!(id == "base64:a2V5AHdpdGggbnVs", "the id in base64: {id}");
+        ensure!(headers["trace"]["base64"] == "YQBi", "{headers}");
+        ensure!(headers["base64:bmFtZQBudWw="] == "v", "{headers}");
+        running.stop().await??;
+        fx.assert_exactly_once("pipeline", 2).await
+    })
+    .await
+}
+
+#[tokio::test]
+async fn liveness_fails_while_work_waits_and_no_batch_completes_then_recovers() -> Result<()> {
+    local(async {
+        use sqlx::Connection as _;
+        let fx = Fixture::start().await?;
+        let mut lock = sqlx::PgConnection::connect(&fx.postgres.url()).await?;
+        sqlx::query("BEGIN").execute(&mut lock).await?;
+        sqlx::query("LOCK TABLE todos IN ACCESS EXCLUSIVE MODE")
+            .execute(&mut lock)
+            .await?;
+        let script = Script {
+            batches: VecDeque::from([good(0, 3)]),
+            backlog: 3,
+            ..Script::default()
+        };
+        let running = start(&fx, script, None);
+        running.health.set_stall_limit(Duration::from_millis(500));
+        wait_for(DEADLINE, "/healthz fails: work waits, nothing completes", || async {
+            Ok(!running.health.is_live())
+        })
+        .await?;
+        sqlx::query("ROLLBACK").execute(&mut lock).await?;
+        running.script.lock().expect("script").backlog = 0;
+        wait_for(DEADLINE, "the batch completes and /healthz passes", || async {
+            Ok(running.acked() == vec![0, 1, 2] && running.health.is_live())
+        })
+        .await?;
+        running.stop().await??;
+        fx.assert_exactly_once("pipeline", 3).await
     })
     .await
 }

@@ -1,5 +1,6 @@
 //! Liveness and readiness, shared between the pipeline and the HTTP server.
 
+use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -26,7 +27,11 @@ impl Dependency {
 /// done (a reply it retries forever, a database outage this long) is restarted.
 pub const STALL_LIMIT: Duration = Duration::from_secs(600);
 
-/// `/readyz`: the loop has started and every dependency answers.
+/// How much of a dependency's last error `/readyz` shows.
+const MAX_SUMMARY_BYTES: usize = 300;
+
+/// `/readyz`: the loop has started and every dependency answers; when not, it says what is
+/// wrong (the dependency and its last error, on one line, without credentials).
 /// `/healthz`: the loop made progress within its own announced deadline, and, while the queue
 /// holds work, settled a batch within [`STALL_LIMIT`].
 #[derive(Debug, Default)]
@@ -40,6 +45,8 @@ pub struct Health {
     /// When a batch was last settled or the broker last had nothing for the loop.
     progressed_ms: AtomicU64,
     stall_limit_ms: AtomicU64,
+    /// The last error of each dependency while it is down ([`Dependency::ALL`] order).
+    last_errors: Mutex<[Option<String>; 2]>,
 }
 
 pub fn now_ms() -> u64 {
@@ -97,6 +104,43 @@ impl Health {
             Dependency::Database => &self.database_up,
         };
         flag.store(up, Ordering::Relaxed);
+        if up {
+            self.last_errors()[dependency as usize] = None;
+        }
+    }
+
+    /// `dependency` is down, and `error` (its whole cause chain) is why.
+    pub fn set_down(&self, dependency: Dependency, error: &str) {
+        self.set_up(dependency, false);
+        self.last_errors()[dependency as usize] = Some(summary(error));
+    }
+
+    fn last_errors(&self) -> std::sync::MutexGuard<'_, [Option<String>; 2]> {
+        self.last_errors
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// What `/readyz` says while the worker is not ready: one line per thing that is wrong.
+    pub fn not_ready_because(&self) -> String {
+        let mut wrong = Vec::new();
+        if !self.started.load(Ordering::Relaxed) {
+            wrong.push("not started: waiting for the database schema and the broker".to_owned());
+        }
+        let errors = self.last_errors().clone();
+        for dependency in Dependency::ALL {
+            if !self.is_up(dependency) {
+                let error = errors[dependency as usize]
+                    .as_deref()
+                    .unwrap_or("no answer yet");
+                wrong.push(format!("{} unavailable: {error}", dependency.as_str()));
+            }
+        }
+        if wrong.is_empty() {
+            "ready".to_owned()
+        } else {
+            wrong.join("\n")
+        }
     }
 
     pub fn is_up(&self, dependency: Dependency) -> bool {
@@ -117,6 +161,29 @@ impl Health {
     }
 }
 
+/// `error` on one line, at most [`MAX_SUMMARY_BYTES`], with the credentials of any URL in it
+/// (`scheme://user:password@host`) masked.
+fn summary(error: &str) -> String {
+    let mut line: String = error
+        .chars()
+        .map(|c| if c.is_control() { ' ' } else { c })
+        .collect();
+    let mut from = 0;
+    while let Some(found) = line[from..].find("://") {
+        let start = from + found + 3;
+        let end = line[start..]
+            .find(|c: char| c.is_whitespace() || c == '/')
+            .map_or(line.len(), |end| start + end);
+        if let Some(at) = line[start..end].rfind('@') {
+            line.replace_range(start..start + at, "***");
+            from = start + 3;
+        } else {
+            from = end;
+        }
+    }
+    crate::transport::truncate(&line, MAX_SUMMARY_BYTES)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -132,6 +199,29 @@ mod tests {
         assert!(health.is_ready());
         health.set_up(Dependency::Database, false);
         assert!(!health.is_ready());
+    }
+
+    #[test]
+    fn readiness_names_the_dependency_and_its_last_error_without_credentials() {
+        let health = Health::new();
+        health.set_started();
+        health.set_up(Dependency::Broker, true);
+        health.set_down(
+            Dependency::Database,
+            "database is unavailable: connect to postgres://app:s3cret@db:5432/x failed:\nrefused",
+        );
+        let because = health.not_ready_because();
+        assert_eq!(
+            because,
+            "database unavailable: database is unavailable: connect to postgres://***@db:5432/x failed: refused"
+        );
+        assert!(!because.contains("s3cret"));
+        health.set_up(Dependency::Database, true);
+        assert!(health.is_ready());
+        assert_eq!(health.not_ready_because(), "ready");
+        let long = "x".repeat(1000);
+        health.set_down(Dependency::Broker, &long);
+        assert!(health.not_ready_because().len() < MAX_SUMMARY_BYTES + 40);
     }
 
     #[test]

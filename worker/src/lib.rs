@@ -26,7 +26,7 @@ use tokio::signal::unix::{Signal, SignalKind, signal};
 use tokio_util::sync::CancellationToken;
 
 use crate::backoff::Backoff;
-use crate::health::Health;
+use crate::health::{Dependency, Health};
 use crate::metrics::Metrics;
 use crate::pipeline::{Pipeline, PipelineError, PipelineSettings};
 use crate::transport::amqp::{Amqp, AmqpSettings};
@@ -165,6 +165,7 @@ async fn wait_for_schema(
                 if backoff.attempts() == 0 {
                     tracing::warn!(error = %ErrorChain(&err), "database unavailable at start; retrying with backoff");
                 }
+                health.set_down(Dependency::Database, &ErrorChain(&err).to_string());
                 let delay = backoff.next_delay();
                 // Waiting for the database is not being stuck.
                 health.beat(delay + Duration::from_secs(60));
@@ -284,6 +285,10 @@ impl Probes for WorkerProbes {
 
     fn is_ready(&self) -> bool {
         self.health.is_ready()
+    }
+
+    fn not_ready_because(&self) -> String {
+        self.health.not_ready_because()
     }
 
     fn metrics(&self) -> String {
@@ -468,7 +473,7 @@ async fn run_source(
                 max_deliveries: u64::from(spec.delivery.max_deliveries),
                 dead_letter_retention: dead_letter.retention(),
             };
-            let transport = Nats::new(settings, &mut registry);
+            let transport = Nats::new(settings, deps.store.clone(), &mut registry);
             drive(transport, registry, nats, deps, probes).await
         }
         Source {
@@ -481,6 +486,7 @@ async fn run_source(
                 dead_letter_exchange: dead_letter.exchange.clone(),
                 dead_letter_routing_key: dead_letter.routing_key.clone(),
                 batch_size,
+                max_deliveries: u64::from(spec.delivery.max_deliveries),
             };
             let transport = Amqp::new(settings, env("AMQP_URL")?, &mut registry)?;
             drive(transport, registry, amqp, deps, probes).await

@@ -48,6 +48,9 @@ pub struct Metrics {
     pub redelivered: Counter,
     pub stale_receipts: Counter,
     pub leases_extended: Counter,
+    /// Dead letters the broker's dead-letter destination refused for good, kept in
+    /// PostgreSQL's `dead_letters` table instead (also counted by reason as dead-lettered).
+    pub kept_in_database: Counter,
     dead_lettered: Family<ReasonLabels, Counter>,
     errors: Family<DependencyLabels, Counter>,
     dependency_up: Family<DependencyLabels, Gauge>,
@@ -163,6 +166,12 @@ impl Metrics {
             "Message leases (visibility timeouts) extended while their batch was still being stored",
             adapter,
         );
+        let kept_in_database = adapter_counter(
+            r,
+            "dead_letters_kept_in_database",
+            "Dead letters the broker's dead-letter destination refused for good, kept in PostgreSQL's dead_letters table instead (`switchboard-worker dlq list` shows them)",
+            adapter,
+        );
         let dead_lettered = Family::<ReasonLabels, Counter>::default();
         r.register(
             "messages_dead_lettered",
@@ -268,6 +277,7 @@ impl Metrics {
             redelivered,
             stale_receipts,
             leases_extended,
+            kept_in_database,
             dead_lettered,
             errors,
             dependency_up,

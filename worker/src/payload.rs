@@ -593,14 +593,34 @@ pub fn insert_body(object: &mut serde_json::Value, body: &[u8]) {
     }
 }
 
-/// Encodes message fields as a JSON object's text: UTF-8 values as strings, others as
-/// `{"base64": "…"}` so that nothing is lost.
+/// The prefix of a field name that PostgreSQL cannot hold as it is (it contains NUL), followed
+/// by the name's bytes in base64 (see [`fields_json`]).
+pub const BASE64_NAME_PREFIX: &str = "base64:";
+
+/// Encodes message fields as a JSON object's text that PostgreSQL's jsonb accepts, losslessly:
+/// values that are UTF-8 without NUL as strings, others as `{"base64": "…"}`; a name holding
+/// NUL (jsonb refuses `\u0000`) as `base64:` and the name's bytes in base64.
 pub fn fields_json(fields: &[(String, Vec<u8>)]) -> String {
     use base64::Engine as _;
+    let base64 = &base64::engine::general_purpose::STANDARD;
+    let names: Vec<std::borrow::Cow<'_, str>> = fields
+        .iter()
+        .map(|(name, _)| {
+            if name.contains('\0') {
+                format!("{BASE64_NAME_PREFIX}{}", base64.encode(name)).into()
+            } else {
+                name.as_str().into()
+            }
+        })
+        .collect();
     // The object a JSON map of them would be, written directly: names in order, the last of
     // equal names kept (a stable sort keeps equal names in their order).
-    let mut sorted: Vec<&(String, Vec<u8>)> = fields.iter().collect();
-    sorted.sort_by(|a, b| a.0.cmp(&b.0));
+    let mut sorted: Vec<(&str, &[u8])> = names
+        .iter()
+        .zip(fields)
+        .map(|(name, (_, value))| (name.as_ref(), value.as_slice()))
+        .collect();
+    sorted.sort_by(|a, b| a.0.cmp(b.0));
     let mut out = Vec::with_capacity(
         2 + fields
             .iter()
@@ -618,19 +638,32 @@ pub fn fields_json(fields: &[(String, Vec<u8>)]) -> String {
         write_json_string(&mut out, name);
         out.push(b':');
         match std::str::from_utf8(value) {
-            Ok(text) => write_json_string(&mut out, text),
-            Err(_) => {
+            Ok(text) if !text.contains('\0') => write_json_string(&mut out, text),
+            _ => {
                 out.extend_from_slice(br#"{"base64":"#);
-                write_json_string(
-                    &mut out,
-                    &base64::engine::general_purpose::STANDARD.encode(value),
-                );
+                write_json_string(&mut out, &base64.encode(value));
                 out.push(b'}');
             }
         }
     }
     out.push(b'}');
     String::from_utf8(out).unwrap_or_default()
+}
+
+/// `text` as PostgreSQL's `text` can hold it: unchanged unless it contains NUL, which no text
+/// column takes; then `base64:` and its bytes in base64 (an id or key with NUL, from a binary
+/// Kafka key or a producer's header, is stored under that form, the same at every delivery).
+pub fn storable_text(text: &str) -> std::borrow::Cow<'_, str> {
+    use base64::Engine as _;
+    if text.contains('\0') {
+        format!(
+            "{BASE64_NAME_PREFIX}{}",
+            base64::engine::general_purpose::STANDARD.encode(text)
+        )
+        .into()
+    } else {
+        text.into()
+    }
 }
 
 /// Appends `text` as a JSON string (quoted and escaped).
@@ -641,7 +674,27 @@ fn write_json_string(out: &mut Vec<u8>, text: &str) {
 
 #[cfg(test)]
 mod fields_tests {
-    use super::fields_json;
+    use super::{fields_json, storable_text};
+
+    #[test]
+    fn nul_in_a_value_or_a_name_is_encoded_not_refused() {
+        let fields = vec![
+            ("trace".to_owned(), b"a\0b".to_vec()),
+            ("bad\0name".to_owned(), b"v".to_vec()),
+        ];
+        let json = fields_json(&fields);
+        assert!(!json.contains("\\u0000"), "jsonb refuses \\u0000: {json}");
+        let object: serde_json::Value = serde_json::from_str(&json).expect("json");
+        assert_eq!(object["trace"]["base64"], "YQBi");
+        assert_eq!(object["base64:YmFkAG5hbWU="], "v");
+    }
+
+    #[test]
+    fn text_with_nul_is_stored_in_base64_and_other_text_unchanged() {
+        assert_eq!(storable_text("kafka:a/b:0:17"), "kafka:a/b:0:17");
+        assert_eq!(storable_text("k\0"), "base64:awA=");
+        assert_eq!(storable_text("k\0"), storable_text("k\0"), "the same at every delivery");
+    }
 
     #[test]
     fn fields_become_a_json_object_losslessly() {

@@ -19,7 +19,8 @@ use std::time::{Duration, Instant, SystemTime};
 
 use switchboard_api::{Envelope, PayloadFormat};
 use switchboard_store::{
-    AttemptRecord, Dedup, IngestBatch, NewEvent, Store, StoreError, Stored, WorkerReport,
+    AttemptRecord, Dedup, IngestBatch, KeptLetter, NewEvent, Store, StoreError, Stored,
+    WorkerReport,
 };
 use switchboard_telemetry::ErrorChain;
 use tokio::task::JoinHandle;
@@ -29,7 +30,7 @@ use crate::backoff::Backoff;
 use crate::envelope::{self, PayloadRules, Unwrapped};
 use crate::health::{Dependency, Health, now_ms};
 use crate::metrics::Metrics;
-use crate::payload::{Poison, PoisonReason, fields_json, payload_json};
+use crate::payload::{Poison, PoisonReason, fields_json, payload_json, storable_text};
 use crate::transport::{
     Attempt, Attempts, DeadLetter, ErrorKind, IDEMPOTENCY_KEY_HEADER, Message, Position,
     QueueHealth, QueueProbe, Transport, TransportError, UNSETTLED,
@@ -132,7 +133,8 @@ impl Monitor {
             let stale =
                 state.down_since.is_none() && state.up_since.is_some_and(|up| up > attempted);
             if !stale {
-                self.health.set_up(self.dependency, false);
+                self.health
+                    .set_down(self.dependency, &ErrorChain(err).to_string());
                 self.metrics.set_up(self.dependency, false);
                 if state.down_since.is_none() {
                     state.down_since = Some(Instant::now());
@@ -211,78 +213,19 @@ impl StoreContext {
             positions,
             events,
         };
-        loop {
-            let started = Instant::now();
-            match self.store.ingest_batch(&batch).await {
-                Ok(stored) => {
-                    self.metrics
-                        .commit_seconds
-                        .observe(started.elapsed().as_secs_f64());
-                    self.database.up();
-                    return Ok(Some(stored));
-                }
-                Err(err) if err.is_retryable() => {
-                    if !self.database.back_off(&err, started, &self.cancel).await {
-                        return Ok(None);
-                    }
-                }
-                Err(err) => return Err(err),
-            }
+        let started = Instant::now();
+        let stored = self.persist(|| self.store.ingest_batch(&batch)).await?;
+        if stored.is_some() {
+            self.metrics
+                .commit_seconds
+                .observe(started.elapsed().as_secs_f64());
         }
+        Ok(stored)
     }
 
-    /// Stores the events in one transaction. If PostgreSQL rejects the batch's data, stores them
-    /// one by one to find the rows it refuses. `Ok(None)`: shutdown interrupted a retry; `Err`:
-    /// a statement PostgreSQL can never run (fatal).
-    async fn store_events(
-        &self,
-        events: Vec<NewEvent>,
-        origins: Vec<Origin>,
-        redelivered: Vec<(String, u64)>,
-    ) -> Result<Option<Outcomes>, StoreError> {
-        if !redelivered.is_empty() && !self.record_attempts(&redelivered).await? {
-            return Ok(None);
-        }
-        let positions = highest_positions(origins.iter().filter_map(|o| o.position.as_ref()));
-        let outcomes = match self.ingest(&events, &positions).await {
-            Ok(None) => return Ok(None),
-            Ok(Some(stored)) => stored.into_iter().map(Ok).collect(),
-            Err(err) if err.is_fatal() => return Err(err),
-            Err(err) => {
-                tracing::warn!(
-                    error = %ErrorChain(&err),
-                    size = events.len(),
-                    "database rejected a batch; storing its messages one by one to find the bad ones"
-                );
-                let mut outcomes = Vec::with_capacity(events.len());
-                for (event, origin) in events.iter().zip(&origins) {
-                    let positions: Vec<Position> = origin.position.iter().cloned().collect();
-                    match self.ingest(std::slice::from_ref(event), &positions).await {
-                        Ok(None) => return Ok(None),
-                        Ok(Some(stored)) => outcomes.extend(stored.into_iter().map(Ok)),
-                        Err(err) if err.is_fatal() => return Err(err),
-                        Err(err) => outcomes.push(Err(Poison {
-                            reason: PoisonReason::Rejected,
-                            detail: ErrorChain(&err).to_string(),
-                        })),
-                    }
-                }
-                outcomes
-            }
-        };
-        self.record(&outcomes, &origins);
-        Ok(Some(outcomes))
-    }
-
-    /// Runs `op` against the database, retrying while it is unavailable. `Ok(None)`: shutdown
-    /// interrupted a retry; `Err`: a statement PostgreSQL can never run. Any other refusal is
-    /// logged (`what` says what could not be done) and answered with `fallback`.
-    async fn retrying<T, F>(
-        &self,
-        what: &str,
-        mut op: impl FnMut() -> F,
-        fallback: impl FnOnce() -> T,
-    ) -> Result<Option<T>, StoreError>
+    /// Runs `op` until it succeeds, backing off while the database is unavailable. `Ok(None)`:
+    /// shutdown interrupted a retry. `Err`: PostgreSQL refused the data, or the statement.
+    async fn persist<T, F>(&self, mut op: impl FnMut() -> F) -> Result<Option<T>, StoreError>
     where
         F: std::future::Future<Output = Result<T, StoreError>>,
     {
@@ -298,12 +241,87 @@ impl StoreContext {
                         return Ok(None);
                     }
                 }
+                Err(err) => return Err(err),
+            }
+        }
+    }
+
+    /// Stores the events in one transaction. If PostgreSQL rejects the batch's data, splits it
+    /// in halves (and those halves, …) to find the rows it refuses: they are poison
+    /// (`rejected`), their neighbours are stored. `Ok(None)`: shutdown interrupted a retry;
+    /// `Err`: a statement PostgreSQL can never run (fatal).
+    async fn store_events(
+        &self,
+        events: Vec<NewEvent>,
+        origins: Vec<Origin>,
+        redelivered: Vec<(String, u64)>,
+    ) -> Result<Option<Outcomes>, StoreError> {
+        if !redelivered.is_empty() && !self.record_attempts(&redelivered).await? {
+            return Ok(None);
+        }
+        // Every range ends stored or split, and a single event stored or poison.
+        let unsettled = Err(Poison {
+            reason: PoisonReason::Rejected,
+            detail: String::new(),
+        });
+        let mut outcomes: Outcomes = vec![unsettled; events.len()];
+        // Ranges of `events` still to store, the next one last.
+        let mut pending = vec![0..events.len()];
+        let mut split = false;
+        while let Some(range) = pending.pop() {
+            let positions =
+                highest_positions(origins[range.clone()].iter().filter_map(|o| o.position.as_ref()));
+            match self.ingest(&events[range.clone()], &positions).await {
+                Ok(None) => return Ok(None),
+                Ok(Some(stored)) => {
+                    for (slot, stored) in outcomes[range].iter_mut().zip(stored) {
+                        *slot = Ok(stored);
+                    }
+                }
                 Err(err) if err.is_fatal() => return Err(err),
+                Err(err) if range.len() == 1 => {
+                    outcomes[range.start] = Err(Poison {
+                        reason: PoisonReason::Rejected,
+                        detail: ErrorChain(&err).to_string(),
+                    });
+                }
                 Err(err) => {
-                    tracing::warn!(error = %ErrorChain(&err), "{what}");
-                    return Ok(Some(fallback()));
+                    if !split {
+                        split = true;
+                        tracing::warn!(
+                            error = %ErrorChain(&err),
+                            size = events.len(),
+                            "database rejected a batch; splitting it to find the messages it refuses"
+                        );
+                    }
+                    let middle = range.start + range.len() / 2;
+                    pending.push(middle..range.end);
+                    pending.push(range.start..middle);
                 }
             }
+        }
+        self.record(&outcomes, &origins);
+        Ok(Some(outcomes))
+    }
+
+    /// Runs `op` against the database, retrying while it is unavailable. `Ok(None)`: shutdown
+    /// interrupted a retry; `Err`: a statement PostgreSQL can never run. Any other refusal is
+    /// logged (`what` says what could not be done) and answered with `fallback`.
+    async fn retrying<T, F>(
+        &self,
+        what: &str,
+        op: impl FnMut() -> F,
+        fallback: impl FnOnce() -> T,
+    ) -> Result<Option<T>, StoreError>
+    where
+        F: std::future::Future<Output = Result<T, StoreError>>,
+    {
+        match self.persist(op).await {
+            Err(err) if !err.is_fatal() => {
+                tracing::warn!(error = %ErrorChain(&err), "{what}");
+                Ok(Some(fallback()))
+            }
+            result => result,
         }
     }
 
@@ -509,7 +527,8 @@ impl<T: Transport> Pipeline<T> {
                     return Ok(value);
                 }
                 Err(err) => match err.kind() {
-                    // TODO(issue 27): refused dead letters go to PostgreSQL's table.
+                    // Refused dead letters are the caller's to keep elsewhere (only
+                    // `write_dead_letters` refuses letters; anywhere else it is fatal).
                     ErrorKind::Fatal { .. } | ErrorKind::DeadLettersRefused { .. } => {
                         return Err(Stopped::Fatal(err));
                     }
@@ -848,7 +867,9 @@ impl<T: Transport> Pipeline<T> {
                 let id = key.strip_prefix(source.as_str())?.strip_prefix(':')?;
                 (!id.is_empty()).then(|| (id.to_owned(), key.to_owned()))
             });
-        redriven.unwrap_or_else(|| (message.external_id.clone(), message.idempotency_key.clone()))
+        let (id, key) = redriven
+            .unwrap_or_else(|| (message.external_id.clone(), message.idempotency_key.clone()));
+        (storable(id), storable(key))
     }
 
     /// The event to store for `message`: its body and headers, or what its envelope holds.
@@ -876,8 +897,8 @@ impl<T: Transport> Pipeline<T> {
             Envelope::Sns => envelope::sns_notification(&message.body, &message.headers, rules)?,
         };
         Ok(NewEvent {
-            idempotency_key: format!("{}:{event_id}", self.context.source),
-            external_id: event_id,
+            idempotency_key: storable(format!("{}:{event_id}", self.context.source)),
+            external_id: storable(event_id),
             payload,
             headers: fields_json(&headers),
         })
@@ -1037,7 +1058,20 @@ impl<T: Transport> Pipeline<T> {
                     tracing::warn!(error = %ErrorChain(&err), "dead letters were not written; the batch is left for redelivery");
                     return Ok(());
                 }
-                Err(Stopped::Fatal(err)) => return Err(PipelineError::Broker(err)),
+                Err(Stopped::Fatal(err)) => {
+                    let ErrorKind::DeadLettersRefused { letters: refused } = err.kind() else {
+                        return Err(PipelineError::Broker(err));
+                    };
+                    // The others were written: these are kept in PostgreSQL instead, so that
+                    // their originals can be acknowledged with the rest of the batch.
+                    let refused: Vec<&DeadLetter<'_, T::Receipt>> = refused
+                        .iter()
+                        .filter_map(|&index| letters.get(index))
+                        .collect();
+                    if !self.keep_in_database(&refused, &err).await? {
+                        return Ok(());
+                    }
+                }
             }
             for letter in &letters {
                 self.metrics.dead_lettered(letter.reason);
@@ -1060,6 +1094,63 @@ impl<T: Transport> Pipeline<T> {
         self.acknowledge(acks).await?;
         self.health.progressed();
         Ok(())
+    }
+
+    /// Keeps dead letters the broker's dead-letter destination refused for good in PostgreSQL's
+    /// `dead_letters` table (one statement; a message kept already is not kept twice), waiting
+    /// out a database outage. `false`: shutdown interrupted the wait (the batch is left
+    /// un-acknowledged); never acknowledged without its row.
+    async fn keep_in_database(
+        &self,
+        refused: &[&DeadLetter<'_, T::Receipt>],
+        answer: &TransportError,
+    ) -> Result<bool, PipelineError> {
+        let answer = storable_text(&ErrorChain(answer).to_string()).into_owned();
+        let owned: Vec<(String, String, String, String, String)> = refused
+            .iter()
+            .map(|letter| {
+                let message = letter.message;
+                (
+                    storable_text(&message.idempotency_key).into_owned(),
+                    storable_text(&message.external_id).into_owned(),
+                    fields_json(&message.headers),
+                    storable_text(&letter.error).into_owned(),
+                    letter.attempts.to_json(),
+                )
+            })
+            .collect();
+        let kept: Vec<KeptLetter<'_>> = refused
+            .iter()
+            .zip(&owned)
+            .map(|(letter, (key, id, headers, error, attempts))| KeptLetter {
+                idempotency_key: key,
+                external_id: id,
+                body: &letter.message.body,
+                headers,
+                reason: letter.reason.as_str(),
+                error,
+                delivery_count: letter.message.delivery_count,
+                attempts,
+                refused_because: &answer,
+            })
+            .collect();
+        let source = &self.context.source;
+        let Some(new) = self
+            .context
+            .persist(|| self.context.store.keep_dead_letters(source, &kept))
+            .await
+            .map_err(PipelineError::Database)?
+        else {
+            return Ok(false);
+        };
+        self.metrics.kept_in_database.inc_by(kept.len() as u64);
+        tracing::warn!(
+            count = kept.len(),
+            new,
+            broker_answer = %answer,
+            "the dead-letter destination refused letters for good; kept them in PostgreSQL's dead_letters table"
+        );
+        Ok(true)
     }
 
     /// The dead letters of `poison`, each with its recorded attempts and this last one.
@@ -1223,6 +1314,14 @@ impl<T: Transport> Pipeline<T> {
             error = %ErrorChain(err),
             "acknowledgements refused as stale; the broker redelivers and deduplication collapses them"
         );
+    }
+}
+
+/// `text` as a text column holds it (see [`storable_text`]), without a copy when it is already.
+fn storable(text: String) -> String {
+    match storable_text(&text) {
+        std::borrow::Cow::Borrowed(_) => text,
+        std::borrow::Cow::Owned(encoded) => encoded,
     }
 }
 

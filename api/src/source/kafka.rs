@@ -20,13 +20,15 @@ pub struct KafkaSource {
     /// Comma-separated `host:port` pairs of brokers to bootstrap from (`kafka-0.kafka:9092`).
     #[schemars(length(min = 1, max = 4096))]
     pub bootstrap_servers: String,
-    /// The topics to read. They must exist. Each record's idempotency key is
-    /// `kafka:{namespace}/{name}:{topic}:{partition}:{offset}`.
+    /// The topics to read. They must exist, and must not include the dead-letter topic. Each
+    /// record's idempotency key is `kafka:{namespace}/{name}:{topic}:{topic-id}:{partition}:{offset}`
+    /// (the topic id tells a topic deleted and created again from the old one).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(min = 1, max = 100))]
     pub topics: Option<Vec<String>>,
-    /// A regular expression over topic names, starting with `^` (`^orders-.*`), instead of
-    /// `topics`: matching topics created later are picked up.
+    /// A regular expression over topic names, starting with `^` (`^orders-[a-z]+$`), instead of
+    /// `topics`: matching topics created later are picked up. It must not match the dead-letter
+    /// topic (`deadLetter.topic`, default `<topic>.dlq`): the worker refuses to start.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(min = 2, max = 1024))]
     pub topic_pattern: Option<String>,
@@ -194,6 +196,21 @@ impl Broker for KafkaSource {
                 "exactly one of topics and topicPattern must be set",
             ),
         }
+        if let Some(topics) = &self.topics {
+            let dead_letters = match &delivery.dead_letter.topic {
+                Some(dead_letter) => topics.contains(dead_letter),
+                None => topics
+                    .iter()
+                    .any(|topic| topics.contains(&format!("{topic}.dlq"))),
+            };
+            if dead_letters {
+                error(
+                    "spec.source.kafka.topics",
+                    "includes the dead-letter topic (spec.delivery.deadLetter.topic, default \
+                     <topic>.dlq): the worker would read its own dead letters",
+                );
+            }
+        }
         if self.group_id.as_deref().is_some_and(str::is_empty) {
             error("spec.source.kafka.groupId", "must not be empty");
         }
@@ -260,6 +277,20 @@ mod tests {
             errors(&kafka, &delivery),
             ["spec.delivery.deadLetter.queueUrl"]
         );
+    }
+
+    #[test]
+    fn topics_that_include_their_own_dead_letter_topic_are_refused() {
+        let kafka = source("{bootstrapServers: k, topics: [orders, orders.dlq]}");
+        assert_eq!(
+            errors(&kafka, &Delivery::default()),
+            ["spec.source.kafka.topics"]
+        );
+        let mut delivery = Delivery::default();
+        delivery.dead_letter.topic = Some("orders.dead".into());
+        assert!(errors(&kafka, &delivery).is_empty());
+        let kafka = source("{bootstrapServers: k, topics: [orders, orders.dead]}");
+        assert_eq!(errors(&kafka, &delivery), ["spec.source.kafka.topics"]);
     }
 
     #[test]

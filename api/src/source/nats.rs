@@ -20,7 +20,7 @@ pub struct NatsSource {
     #[schemars(length(min = 1, max = 255), regex(pattern = r"^[^.*>\s]+$"))]
     pub stream: String,
     /// The durable pull consumer the workers share. Created if missing (explicit
-    /// acknowledgement, `ackWaitSeconds`, `delivery.maxDeliveries` + 1 deliveries at most, the
+    /// acknowledgement, `ackWaitSeconds`, no delivery limit of its own (the worker counts them), the
     /// filter subject and deliver policy below); an existing consumer whose settings differ is
     /// refused (the worker exits naming the setting) rather than changed.
     #[serde(default = "default_consumer")]
@@ -183,6 +183,22 @@ impl Broker for NatsSource {
                 "must be a subject without wildcards or empty tokens",
             );
         }
+        if let Some(filter) = &self.filter_subject {
+            // The default dead-letter subjects are `<stream>.dlq.<subject>`.
+            let dead_letters = delivery
+                .dead_letter
+                .subject
+                .clone()
+                .unwrap_or_else(|| format!("{}.dlq.>", self.stream));
+            if subjects_overlap(filter, &dead_letters) {
+                error(
+                    "spec.source.nats.filterSubject",
+                    &format!(
+                        "{filter} matches the dead-letter subject {dead_letters} (spec.delivery.deadLetter.subject): the worker would read its own dead letters; choose a filter or a dead-letter subject that do not overlap"
+                    ),
+                );
+            }
+        }
         for field in delivery
             .dead_letter
             .set_fields()
@@ -192,6 +208,21 @@ impl Broker for NatsSource {
                 field,
                 "is not for source nats; NATS dead letters go to deadLetter.subject",
             );
+        }
+    }
+}
+
+/// Whether some subject matches both `a` and `b` (NATS wildcards: `*` one token, `>` one or
+/// more trailing tokens).
+fn subjects_overlap(a: &str, b: &str) -> bool {
+    let (a, b): (Vec<&str>, Vec<&str>) = (a.split('.').collect(), b.split('.').collect());
+    let mut index = 0;
+    loop {
+        match (a.get(index), b.get(index)) {
+            (None, None) => return true,
+            (Some(&">"), Some(_)) | (Some(_), Some(&">")) => return true,
+            (Some(x), Some(y)) if x == y || *x == "*" || *y == "*" => index += 1,
+            _ => return false,
         }
     }
 }
@@ -245,6 +276,45 @@ mod tests {
             })
         );
         assert!(errors(&source, &Delivery::default()).is_empty());
+    }
+
+    #[test]
+    fn a_filter_subject_matching_the_dead_letters_is_refused_naming_both_settings() {
+        let overlapping = [
+            ("ORDERS.>", None),
+            (">", None),
+            ("*.dlq.orders", None),
+            ("dead.*", Some("dead.orders")),
+            ("dead.orders", Some("dead.orders")),
+        ];
+        for (filter, subject) in overlapping {
+            let source = spec(serde_json::json!({"stream": "ORDERS", "filterSubject": filter}));
+            let mut delivery = Delivery::default();
+            delivery.dead_letter.subject = subject.map(str::to_owned);
+            let mut messages = Vec::new();
+            source.validate(&delivery, &mut |error| {
+                messages.push((error.field, error.message))
+            });
+            assert_eq!(messages.len(), 1, "{filter} / {subject:?}: {messages:?}");
+            assert_eq!(messages[0].0, "spec.source.nats.filterSubject");
+            assert!(
+                messages[0].1.contains("spec.delivery.deadLetter.subject"),
+                "{messages:?}"
+            );
+        }
+        for (filter, subject) in [
+            ("orders.>", None),
+            ("orders.*", Some("dead.orders")),
+            ("dead.orders.eu", Some("dead.orders")),
+        ] {
+            let source = spec(serde_json::json!({"stream": "ORDERS", "filterSubject": filter}));
+            let mut delivery = Delivery::default();
+            delivery.dead_letter.subject = subject.map(str::to_owned);
+            assert!(
+                errors(&source, &delivery).is_empty(),
+                "{filter} / {subject:?}"
+            );
+        }
     }
 
     #[test]

@@ -3,9 +3,9 @@
 //! what a consumer group committed and what was dead-lettered.
 //!
 //! The storage directory is formatted once ([`KafkaServer::start`]); [`KafkaServer::restart`]
-//! stops the JVM with SIGTERM (a controlled shutdown) and starts it again on the same ports and
-//! log directory, so topics, records and committed offsets survive and running workers
-//! reconnect by themselves.
+//! stops the JVM with SIGTERM (a controlled shutdown) and [`KafkaServer::crash`] with SIGKILL,
+//! then starts it again on the same ports and log directory, so topics, acknowledged records and
+//! committed offsets survive and running workers reconnect by themselves.
 
 use std::fs::OpenOptions;
 use std::path::{Path, PathBuf};
@@ -14,12 +14,14 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, anyhow, bail, ensure};
 use nix::sys::signal::Signal;
-use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+use rdkafka::admin::{
+    AdminClient, AdminOptions, AlterConfig, NewTopic, ResourceSpecifier, TopicReplication,
+};
 use rdkafka::client::DefaultClientContext;
 use rdkafka::config::ClientConfig;
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::message::{Headers as _, Message as _};
-use rdkafka::producer::{FutureProducer, FutureRecord};
+use rdkafka::producer::{FutureProducer, FutureRecord, Producer as _};
 use rdkafka::{Offset, TopicPartitionList};
 use tempfile::TempDir;
 
@@ -126,6 +128,16 @@ impl KafkaServer {
         Ok(())
     }
 
+    /// Kills the node with SIGKILL, whatever it is doing, and starts it again on the same ports
+    /// and log directory (what it acknowledged is in the page cache, which survives the JVM).
+    pub fn crash(&mut self) -> Result<()> {
+        if let Some(mut child) = self.child.take() {
+            stop_child(&mut child, Signal::SIGKILL, STOP_TIMEOUT);
+        }
+        self.child = Some(spawn(self.dir.path(), &self.lib)?);
+        Ok(())
+    }
+
     fn config(&self) -> ClientConfig {
         let mut config = ClientConfig::new();
         config.set("bootstrap.servers", self.bootstrap());
@@ -164,6 +176,64 @@ impl KafkaServer {
         Ok(())
     }
 
+    /// Deletes `topic` and creates it again with `partitions` partitions, waiting until the old
+    /// one is gone from the metadata and every partition of the new one has a leader (its
+    /// watermarks can be read).
+    pub async fn recreate_topic(&self, topic: &str, partitions: i32) -> Result<()> {
+        self.delete_topics(&[topic]).await?;
+        let consumer = self.consumer("switchboard-tests-metadata")?;
+        let name = topic.to_owned();
+        tokio::task::spawn_blocking(move || {
+            wait_until(
+                REQUEST_TIMEOUT,
+                "the deleted topic leaves the metadata",
+                || {
+                    consumer
+                        .fetch_metadata(Some(&name), REQUEST_TIMEOUT)
+                        .is_ok_and(|metadata| {
+                            metadata.topics().iter().all(|topic| {
+                                topic.error().is_some() || topic.partitions().is_empty()
+                            })
+                        })
+                },
+            )
+        })
+        .await??;
+        self.create_topic(topic, partitions).await?;
+        let consumer = self.consumer("switchboard-tests-metadata")?;
+        let name = topic.to_owned();
+        tokio::task::spawn_blocking(move || {
+            wait_until(
+                REQUEST_TIMEOUT,
+                "every partition of the new topic has a leader",
+                || {
+                    (0..partitions).all(|partition| {
+                        consumer
+                            .fetch_watermarks(&name, partition, Duration::from_secs(2))
+                            .is_ok()
+                    })
+                },
+            )
+        })
+        .await?
+    }
+
+    /// Sets topic configuration `key` of `topic` to `value`.
+    pub async fn set_topic_config(&self, topic: &str, key: &str, value: &str) -> Result<()> {
+        let admin: AdminClient<DefaultClientContext> = self.config().create()?;
+        let results = admin
+            .alter_configs(
+                &[AlterConfig::new(ResourceSpecifier::Topic(topic)).set(key, value)],
+                &AdminOptions::new().operation_timeout(Some(REQUEST_TIMEOUT)),
+            )
+            .await
+            .with_context(|| format!("setting {key} of topic {topic}"))?;
+        for result in results {
+            result.map_err(|(_, code)| anyhow!("setting {key} of topic {topic}: {code}"))?;
+        }
+        Ok(())
+    }
+
     /// Produces one record per body (no key: librdkafka spreads them over the partitions),
     /// waiting for every acknowledgement (`acks=all`).
     pub async fn produce(&self, topic: &str, bodies: Vec<Vec<u8>>) -> Result<()> {
@@ -187,6 +257,9 @@ impl KafkaServer {
             .config()
             .set("acks", "all")
             .set("linger.ms", "5")
+            // Up to the broker's own limit (`message.max.bytes` 1048588): records above the
+            // producer's default 1,000,000 bytes, as other clients may send.
+            .set("message.max.bytes", "1048576")
             .create()?;
         let sends = records.iter().map(|record| {
             let mut headers = rdkafka::message::OwnedHeaders::new();
@@ -208,6 +281,28 @@ impl KafkaServer {
         for result in futures::future::join_all(sends).await {
             result.map_err(|(err, _)| anyhow!("producing to {topic}: {err}"))?;
         }
+        Ok(())
+    }
+
+    /// Produces one record per body in a transaction that is then aborted: the records and
+    /// the transaction markers take offsets, and a `read_committed` consumer never sees them.
+    pub async fn produce_aborted(&self, topic: &str, bodies: Vec<Vec<u8>>) -> Result<()> {
+        let producer: FutureProducer = self
+            .config()
+            .set("transactional.id", format!("switchboard-tests-{topic}"))
+            .create()?;
+        producer.init_transactions(REQUEST_TIMEOUT)?;
+        producer.begin_transaction()?;
+        let sends = bodies.iter().map(|body| {
+            producer.send(
+                FutureRecord::<[u8], [u8]>::to(topic).payload(body),
+                REQUEST_TIMEOUT,
+            )
+        });
+        for result in futures::future::join_all(sends).await {
+            result.map_err(|(err, _)| anyhow!("producing to {topic}: {err}"))?;
+        }
+        producer.abort_transaction(REQUEST_TIMEOUT)?;
         Ok(())
     }
 
@@ -513,6 +608,40 @@ impl BrokerFixture for KafkaBroker {
 
     async fn restart(&mut self, _fx: &mut Fixture) -> Result<()> {
         self.server.restart()
+    }
+
+    async fn crash(&mut self, _fx: &mut Fixture) -> Result<()> {
+        self.server.crash()
+    }
+
+    async fn recreate(&self, _fx: &Fixture, name: &str) -> Result<()> {
+        self.server.recreate_topic(name, KAFKA_PARTITIONS).await
+    }
+
+    /// A record whose key is an `IntegerSerializer` 300 (`00 00 01 2c`: NUL bytes) and whose
+    /// header `trace` is not UTF-8.
+    async fn produce_undecodable(&self, _fx: &Fixture, name: &str, body: Vec<u8>) -> Result<()> {
+        self.server
+            .produce_records(name, vec![undecodable_record(body)])
+            .await
+    }
+
+    /// The dead-letter topic takes no record larger than 64 bytes: every dead letter (its
+    /// `x-dlq-*` headers alone are larger) is refused with `MESSAGE_TOO_LARGE`, for good.
+    async fn refuse_dead_letters(&self, _fx: &Fixture, name: &str) -> Result<()> {
+        self.server
+            .set_topic_config(&format!("{name}.dlq"), "max.message.bytes", "64")
+            .await
+    }
+}
+
+/// A record with `body`, a binary key holding NUL bytes (an `IntegerSerializer` 300) and a
+/// header value that is not UTF-8.
+pub fn undecodable_record(body: Vec<u8>) -> Record {
+    Record {
+        key: Some(300_i32.to_be_bytes().to_vec()),
+        value: Some(body),
+        headers: vec![("trace".to_owned(), Some(b"\xff\x00\xfe".to_vec()))],
     }
 }
 

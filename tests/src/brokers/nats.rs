@@ -87,6 +87,19 @@ impl NatsServer {
     /// clients reconnect; waits until JetStream answers.
     pub async fn restart(&mut self) -> Result<()> {
         self.stop();
+        self.start_again().await
+    }
+
+    /// SIGKILLs the server, whatever it is doing, and starts it again on the same port and
+    /// store (what it wrote survives: a process kill, not a power loss).
+    pub async fn crash(&mut self) -> Result<()> {
+        if let Some(mut child) = self.child.take() {
+            stop_child(&mut child, Signal::SIGKILL, STOP_TIMEOUT);
+        }
+        self.start_again().await
+    }
+
+    async fn start_again(&mut self) -> Result<()> {
         let (child, port) = spawn(&self.bin, self.dir.path(), Some(self.port)).await?;
         self.child = Some(child);
         ensure!(port == self.port, "nats-server came back on port {port}");
@@ -96,15 +109,72 @@ impl NatsServer {
 
     /// Creates stream `stream` holding `subjects` (file storage).
     pub async fn create_stream(&self, stream: &str, subjects: &[String]) -> Result<()> {
+        self.create_stream_with(stream::Config {
+            name: stream.to_owned(),
+            subjects: subjects.to_vec(),
+            ..Default::default()
+        })
+        .await
+    }
+
+    /// Creates the stream `config` describes, with file storage.
+    pub async fn create_stream_with(&self, config: stream::Config) -> Result<()> {
+        let name = config.name.clone();
         self.jetstream()
             .create_stream(stream::Config {
-                name: stream.to_owned(),
-                subjects: subjects.to_vec(),
                 storage: stream::StorageType::File,
-                ..Default::default()
+                ..config
             })
             .await
-            .with_context(|| format!("creating stream {stream}"))?;
+            .with_context(|| format!("creating stream {name}"))?;
+        Ok(())
+    }
+
+    /// Deletes stream `stream` and creates it again, empty, with the same configuration.
+    pub async fn recreate_stream(&self, stream: &str) -> Result<()> {
+        let js = self.jetstream();
+        let config = js.get_stream(stream).await?.info().await?.config.clone();
+        js.delete_stream(stream)
+            .await
+            .with_context(|| format!("deleting stream {stream}"))?;
+        self.create_stream_with(config).await
+    }
+
+    /// Publishes one message to `subject` whose header `trace` is not UTF-8, as a Go producer
+    /// can: a raw `HPUB` on a connection of its own (`async-nats` cannot build it), waiting for
+    /// the stream's PubAck.
+    pub async fn publish_non_utf8_header(&self, subject: &str, body: &[u8]) -> Result<()> {
+        use tokio::io::{AsyncBufReadExt as _, AsyncWriteExt as _, BufReader};
+        let headers: &[u8] = b"NATS/1.0\r\ntrace: \xff\xfe binary\r\n\r\n";
+        let mut frame = format!(
+            "CONNECT {{\"verbose\":false,\"headers\":true}}\r\nSUB _INBOX.raw 1\r\nHPUB {subject} _INBOX.raw {} {}\r\n",
+            headers.len(),
+            headers.len() + body.len()
+        )
+        .into_bytes();
+        frame.extend_from_slice(headers);
+        frame.extend_from_slice(body);
+        frame.extend_from_slice(b"\r\n");
+        let stream = tokio::net::TcpStream::connect(("127.0.0.1", self.port)).await?;
+        let (read, mut write) = stream.into_split();
+        write.write_all(&frame).await?;
+        let mut lines = BufReader::new(read).lines();
+        let answer = tokio::time::timeout(STARTUP_TIMEOUT, async {
+            while let Some(line) = lines.next_line().await? {
+                if line.starts_with("PING") {
+                    write.write_all(b"PONG\r\n").await?;
+                } else if line.starts_with("-ERR") || line.contains("\"seq\"") {
+                    return Ok(line);
+                }
+            }
+            bail!("the server closed the connection")
+        })
+        .await
+        .context("no PubAck for the raw HPUB")??;
+        ensure!(
+            answer.contains("\"seq\"") && !answer.contains("\"error\""),
+            "the stream refused the message: {answer}"
+        );
         Ok(())
     }
 
@@ -370,5 +440,34 @@ impl BrokerFixture for NatsBroker {
 
     async fn restart(&mut self, _fx: &mut Fixture) -> Result<()> {
         self.server.restart().await
+    }
+
+    async fn crash(&mut self, _fx: &mut Fixture) -> Result<()> {
+        self.server.crash().await
+    }
+
+    async fn recreate(&self, _fx: &Fixture, name: &str) -> Result<()> {
+        self.server.recreate_stream(&Self::stream(name)).await
+    }
+
+    /// A header value that is not UTF-8 (`async-nats` cannot decode the delivery).
+    async fn produce_undecodable(&self, _fx: &Fixture, name: &str, body: Vec<u8>) -> Result<()> {
+        self.server
+            .publish_non_utf8_header(&Self::subject(name), &body)
+            .await
+    }
+
+    /// The dead-letter stream the worker would create, made first with a maximum message
+    /// size no letter fits in.
+    async fn refuse_dead_letters(&self, _fx: &Fixture, name: &str) -> Result<()> {
+        let stream = Self::stream(name);
+        self.server
+            .create_stream_with(stream::Config {
+                name: format!("{stream}_DLQ"),
+                subjects: vec![format!("{stream}.dlq.>")],
+                max_message_size: 16,
+                ..Default::default()
+            })
+            .await
     }
 }

@@ -226,6 +226,43 @@ impl RabbitMq {
         self.start_node()
     }
 
+    /// SIGKILLs the node's whole process group (the wrapper shell and beam.smp, whatever they
+    /// are doing) and starts it again with the same data directory and ports: what it
+    /// confirmed survives.
+    pub fn crash(&mut self) -> Result<()> {
+        if let Some(mut node) = self.node.take() {
+            let pid = i32::try_from(node.id())?;
+            killpg(Pid::from_raw(pid), Signal::SIGKILL)?;
+            node.wait()?;
+            let beam_gone = wait_until(STOP_TIMEOUT, "beam.smp exits", || {
+                std::net::TcpStream::connect(("127.0.0.1", self.amqp_port)).is_err()
+            });
+            beam_gone?;
+        }
+        self.start_node()
+    }
+
+    /// Runs `rabbitmqctl` against the node with `args`; fails unless it succeeds.
+    pub async fn ctl(&self, args: &[&str]) -> Result<String> {
+        let output = tokio::process::Command::new(CTL)
+            .env("HOME", self.dir.path())
+            .env("ERL_EPMD_PORT", self.epmd_port.to_string())
+            .env("RABBITMQ_CONF_ENV_FILE", "/dev/null")
+            .arg("-n")
+            .arg(self.node_name())
+            .args(args)
+            .stdin(Stdio::null())
+            .output()
+            .await
+            .context("running rabbitmqctl")?;
+        ensure!(
+            output.status.success(),
+            "rabbitmqctl {args:?} failed: {}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+        Ok(String::from_utf8_lossy(&output.stdout).into_owned())
+    }
+
     /// A new connection and channel in confirm mode.
     pub async fn channel(&self) -> Result<(Connection, Channel)> {
         let connection = Connection::connect(&self.url(), ConnectionProperties::default())
@@ -240,7 +277,28 @@ impl RabbitMq {
 
     /// Declares a durable queue with `arguments`.
     pub async fn declare(&self, name: &str, arguments: FieldTable) -> Result<()> {
+        self.delete_and_declare(false, name, arguments).await
+    }
+
+    /// Deletes queue `name` and declares it again, empty, with `arguments`, on one channel
+    /// (back to back: a consumer that reconnects finds it).
+    pub async fn redeclare(&self, name: &str, arguments: FieldTable) -> Result<()> {
+        self.delete_and_declare(true, name, arguments).await
+    }
+
+    async fn delete_and_declare(
+        &self,
+        delete: bool,
+        name: &str,
+        arguments: FieldTable,
+    ) -> Result<()> {
         let (connection, channel) = self.channel().await?;
+        if delete {
+            channel
+                .queue_delete(name.into(), QueueDeleteOptions::default())
+                .await
+                .with_context(|| format!("deleting queue {name}"))?;
+        }
         let options = QueueDeclareOptions {
             durable: true,
             ..QueueDeclareOptions::default()
@@ -304,29 +362,15 @@ impl RabbitMq {
     /// them (`rabbitmqctl list_queues`; the passive declare only counts ready messages). For a
     /// quorum queue the count is at most one tick (100 ms here) old.
     pub async fn messages(&self, name: &str) -> Result<u64> {
-        let output = tokio::process::Command::new(CTL)
-            .env("HOME", self.dir.path())
-            .env("ERL_EPMD_PORT", self.epmd_port.to_string())
-            .env("RABBITMQ_CONF_ENV_FILE", "/dev/null")
-            .args([
-                "-n",
-                &self.node_name(),
+        let listing = self
+            .ctl(&[
                 "list_queues",
                 "--quiet",
                 "--no-table-headers",
                 "name",
                 "messages",
             ])
-            .stdin(Stdio::null())
-            .output()
-            .await
-            .context("running rabbitmqctl")?;
-        ensure!(
-            output.status.success(),
-            "rabbitmqctl list_queues failed: {}",
-            String::from_utf8_lossy(&output.stderr)
-        );
-        let listing = String::from_utf8_lossy(&output.stdout);
+            .await?;
         for line in listing.lines() {
             let mut columns = line.split('\t');
             if columns.next() == Some(name) {
@@ -402,17 +446,17 @@ impl<const CLASSIC: bool> AmqpBroker<CLASSIC> {
         lapin::BasicProperties::default().with_message_id(id.into())
     }
 
-    /// Each dead letter of queue `name` with the text of its header `header` (`""` without).
+    /// Each dead letter of queue `name` with the text of its header `field` (`""` without).
     pub async fn dead_letters_with(
         &self,
         name: &str,
-        header: &str,
+        field: &str,
     ) -> Result<Vec<(Vec<u8>, String)>> {
         let letters = self.server.peek(&format!("{name}.dlq")).await?;
         Ok(letters
             .into_iter()
             .map(|(body, properties)| {
-                let value = self::header(&properties, header).unwrap_or_default();
+                let value = header(&properties, field).unwrap_or_default();
                 (body, value)
             })
             .collect())
@@ -455,5 +499,56 @@ impl<const CLASSIC: bool> BrokerFixture for AmqpBroker<CLASSIC> {
 
     async fn restart(&mut self, _fx: &mut Fixture) -> Result<()> {
         self.server.restart()
+    }
+
+    async fn crash(&mut self, _fx: &mut Fixture) -> Result<()> {
+        self.server.crash()
+    }
+
+    fn address(&self, _fx: &Fixture) -> Result<String> {
+        Ok(format!("127.0.0.1:{}", self.server.amqp_port))
+    }
+
+    async fn recreate(&self, _fx: &Fixture, name: &str) -> Result<()> {
+        self.server
+            .redeclare(name, queue_arguments(Self::QUEUE_TYPE, &[]))
+            .await
+    }
+
+    /// Headers a producer may send that are no text: a byte array holding NUL and bytes that
+    /// are not UTF-8, a long string that is not UTF-8, and a nested table of both.
+    async fn produce_undecodable(&self, _fx: &Fixture, name: &str, body: Vec<u8>) -> Result<()> {
+        let raw = vec![0x00, 0xff, 0xfe, b'x', 0x00];
+        let mut nested = FieldTable::default();
+        nested.insert("raw".into(), AMQPValue::ByteArray(raw.clone().into()));
+        nested.insert(
+            "latin1".into(),
+            AMQPValue::LongString(LongString::from(b"caf\xe9".to_vec())),
+        );
+        let mut headers = FieldTable::default();
+        headers.insert("raw".into(), AMQPValue::ByteArray(raw.into()));
+        headers.insert(
+            "latin1".into(),
+            AMQPValue::LongString(LongString::from(b"caf\xe9".to_vec())),
+        );
+        headers.insert("nested".into(), AMQPValue::FieldTable(nested));
+        let properties = Self::properties().with_headers(headers);
+        self.server.publish(name, [(body, properties)]).await
+    }
+
+    /// The dead-letter queue holds nothing and refuses every publish (a nack): a classic queue
+    /// (a quorum queue takes one message past its limit) with `x-max-length` 0 and
+    /// `x-overflow: reject-publish`.
+    async fn refuse_dead_letters(&self, _fx: &Fixture, name: &str) -> Result<()> {
+        let limits = [
+            ("x-max-length", AMQPValue::LongLongInt(0)),
+            ("x-overflow", text("reject-publish")),
+        ];
+        self.server
+            .redeclare(
+                &format!("{name}.dlq"),
+                queue_arguments(QueueType::Classic, &limits),
+            )
+            .await
     }
 }

@@ -10,6 +10,7 @@
 //! [`IDEMPOTENCY_KEY_HEADER`](crate::transport::IDEMPOTENCY_KEY_HEADER) where the broker has
 //! native ids).
 
+mod kept;
 mod output;
 
 use std::io::{IsTerminal, Write};
@@ -18,6 +19,7 @@ use std::time::{Duration, Instant};
 
 use switchboard_api::{RedisMode, Source};
 
+use self::kept::{KeptLetters, NoBrokerReader, WithKept};
 use crate::transport::redis::reader::{ListReader, StreamReader};
 use crate::transport::sqs::reader::SqsReader;
 use crate::transport::{Attempts, TransportError};
@@ -78,7 +80,7 @@ pub enum DlqError {
     #[error("no dead letter with id {0} in {1}")]
     NotFound(String, String),
     #[error(
-        "`switchboard-worker dlq` does not read the dead letters of {0} yet (Redis streams and lists, and SQS, it does)"
+        "`switchboard-worker dlq` does not read the dead letters of {0} at the broker yet (Redis streams and lists, and SQS, it does); set DATABASE_URL to read those kept in PostgreSQL"
     )]
     Unsupported(&'static str),
     #[error(
@@ -203,28 +205,53 @@ impl DlqCommand {
     }
 }
 
-/// Runs one `dlq` command against the dead-letter destination of the manifest's adapter.
+/// Runs one `dlq` command against the dead-letter destination of the manifest's adapter, and the
+/// letters PostgreSQL's `dead_letters` table keeps for it (those the destination refused; read
+/// when `DATABASE_URL` is set, which brokers without a reader here require).
 pub async fn run(command: DlqCommand) -> Result<(), WorkerError> {
     let adapter = read_adapter(&command.target().file)?;
-    match &adapter.spec.source {
+    let source = &adapter.spec.source;
+    let broker = source.broker().ok_or(WorkerError::NoSource)?;
+    let name = format!("{}:{}", broker.kind(), adapter.adapter_name());
+    let kept = match std::env::var("DATABASE_URL") {
+        Ok(url) => Some(KeptLetters::connect(&url, name).await.map_err(DlqError::from)?),
+        Err(_) => None,
+    };
+    let unread = match source {
         Source {
             redis: Some(redis), ..
         } => {
             let url = env("REDIS_URL")?;
             match redis.mode {
                 RedisMode::Stream => {
-                    execute(StreamReader::new(&adapter, redis, &url)?, command).await
+                    let broker = Some(StreamReader::new(&adapter, redis, &url)?);
+                    return execute(WithKept { broker, kept }, command).await;
                 }
-                RedisMode::List => execute(ListReader::new(&adapter, redis, &url)?, command).await,
-                RedisMode::Pubsub => Err(DlqError::Unsupported("Redis pub/sub").into()),
+                RedisMode::List => {
+                    let broker = Some(ListReader::new(&adapter, redis, &url)?);
+                    return execute(WithKept { broker, kept }, command).await;
+                }
+                RedisMode::Pubsub => "Redis pub/sub",
             }
         }
-        Source { sqs: Some(_), .. } => execute(SqsReader::new(&adapter).await?, command).await,
-        Source { nats: Some(_), .. } => Err(DlqError::Unsupported("NATS JetStream").into()),
-        Source { amqp: Some(_), .. } => Err(DlqError::Unsupported("AMQP").into()),
-        Source { kafka: Some(_), .. } => Err(DlqError::Unsupported("Kafka").into()),
-        _ => Err(WorkerError::NoSource),
+        Source { sqs: Some(_), .. } => {
+            let broker = Some(SqsReader::new(&adapter).await?);
+            return execute(WithKept { broker, kept }, command).await;
+        }
+        Source { nats: Some(_), .. } => "NATS JetStream",
+        Source { amqp: Some(_), .. } => "AMQP",
+        Source { kafka: Some(_), .. } => "Kafka",
+        _ => "this broker",
+    };
+    if kept.is_none() {
+        return Err(DlqError::Unsupported(unread).into());
     }
+    eprintln!(
+        "note: `switchboard-worker dlq` does not read the dead letters of {unread} at the broker yet; \
+         these are the letters kept in PostgreSQL's dead_letters table"
+    );
+    let broker: Option<NoBrokerReader> = None;
+    execute(WithKept { broker, kept }, command).await
 }
 
 /// The current time (Unix ms).
@@ -563,9 +590,20 @@ pub(crate) fn headers_from_json(text: &str) -> Vec<(String, Vec<u8>)> {
                     .ok()?,
                 _ => return None,
             };
-            Some((name, bytes))
+            Some((original_name(name), bytes))
         })
         .collect()
+}
+
+/// A header name as [`crate::payload::fields_json`] wrote it, back as it was: a name holding
+/// NUL was written in base64 after a prefix.
+fn original_name(name: String) -> String {
+    use base64::Engine as _;
+    name.strip_prefix(crate::payload::BASE64_NAME_PREFIX)
+        .and_then(|encoded| base64::engine::general_purpose::STANDARD.decode(encoded).ok())
+        .and_then(|bytes| String::from_utf8(bytes).ok())
+        .filter(|decoded| decoded.contains('\0'))
+        .unwrap_or(name)
 }
 
 #[cfg(test)]
@@ -604,10 +642,15 @@ mod tests {
         let headers = vec![
             ("kind".to_owned(), b"order".to_vec()),
             ("raw".to_owned(), vec![0xff, 0x00]),
+            ("nul".to_owned(), b"a\0b".to_vec()),
+            ("name\0with nul".to_owned(), b"v".to_vec()),
+            ("base64:bm8gbnVs".to_owned(), b"a real name".to_vec()),
         ];
         let json = crate::payload::fields_json(&headers);
         let mut back = headers_from_json(&json);
         back.sort();
+        let mut headers = headers;
+        headers.sort();
         assert_eq!(back, headers);
     }
 }

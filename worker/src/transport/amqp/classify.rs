@@ -44,6 +44,28 @@ pub fn reply_code(err: &lapin::Error) -> Option<u16> {
 }
 
 impl Names {
+    /// A mandatory publish RabbitMQ returned as unroutable: nothing is bound where it is sent,
+    /// which only a change of the setting fixes.
+    pub fn unroutable(
+        &self,
+        what: &str,
+        addressed: Addressed,
+        reply_code: u16,
+        reply_text: &str,
+    ) -> TransportError {
+        let (setting, target) = match addressed {
+            Addressed::DeadLetter => (self.dead_letter_setting, self.dead_letter.clone()),
+            _ => ("spec.source.amqp.queue", format!("queue {:?}", self.queue)),
+        };
+        TransportError::fatal(
+            setting,
+            format!(
+                "{what}: RabbitMQ returned the message as unroutable ({reply_code} {reply_text}); check that {target} exists"
+            ),
+            None,
+        )
+    }
+
     /// `err` of a call that did `what`.
     pub fn error(&self, what: &str, addressed: Addressed, err: lapin::Error) -> TransportError {
         let (soft, hard) = match err.kind() {

@@ -1,16 +1,22 @@
 //! RabbitMQ (AMQP 0-9-1) queues, quorum or classic: `basic.consume` (manual acknowledgement,
 //! prefetch = `batchSize` × the batches the pipeline holds) → (store) → `basic.ack`.
 //!
-//! - **Session**: one connection with two channels: the consumer's (QoS, `basic.consume`) and a
-//!   publisher's in confirm mode (dead letters, recounted redeliveries). lapin does not
-//!   reconnect by itself: when either channel or the connection fails, the session is dropped
-//!   and the next call opens a new one (the pipeline backs off between attempts and logs the
+//! - **Session**: the consumer's connection and channel (QoS, `basic.consume`); it never
+//!   publishes, so a resource alarm (which blocks publishing connections) never stops consuming
+//!   and acknowledging. Dead letters and recounted redeliveries go through a publishing
+//!   connection of its own (`publisher.rs`: published once, `connection.blocked` reported,
+//!   refusals bounded). lapin does not reconnect by itself: when the channel or the connection
+//!   fails, the session is dropped and the next call opens a new one (the pipeline backs off between attempts and logs the
 //!   outage once). Delivery tags belong to their channel: every receipt carries its session's
 //!   generation, and a receipt of an earlier session is stale (RabbitMQ has put the message
 //!   back; it is redelivered and deduplicated).
 //! - **Prepare**: a passive declare of the queue (missing: fatal, naming
 //!   `spec.source.amqp.queue`), or with `declare` a durable declare with `x-queue-type` and the
 //!   bindings; the default dead-letter queue `<queue>.dlq` is declared when it does not exist.
+//!   The worker owns redelivery limits: a queue argument `x-delivery-limit` below
+//!   `spec.delivery.maxDeliveries` (RabbitMQ would drop or dead-letter a message behind the
+//!   worker's back) is fatal, naming both (`delivery_limit.rs`; a limit set by a policy is
+//!   invisible over AMQP).
 //! - **Receive**: waits up to [`BLOCK`] for a first delivery, then gathers up to the batch size
 //!   for at most [`GATHER`]. Deliveries are kept in the transport until they are returned, so a
 //!   dropped `receive` loses none.
@@ -21,13 +27,18 @@
 //!   worker publishes such a redelivery again (confirmed) with `x-switchboard-deliveries` one
 //!   higher and acknowledges the redelivered copy, so the count travels with the message — at
 //!   the price of one publish per redelivery and of the message moving to the queue's tail.
+//!   Storing never waits on that publish: when it is refused (a full queue with
+//!   `x-overflow: reject-publish`), unconfirmed or blocked, the redelivery is delivered with its
+//!   count as it stands (logged once per episode); only the count's survival of a further crash
+//!   is lost meanwhile.
 //! - **Acknowledge**: one `basic.ack multiple=true` for the settled prefix of what the channel
 //!   holds, individual acks for the rest (`acks.rs`); never `nack(requeue)`.
 //! - **Dead letters**: published with confirms to `deadLetter.exchange`/`routingKey` (default:
 //!   the default exchange → `<queue>.dlq`), mandatory, persistent, the body byte-identical, the
-//!   original properties and headers plus `x-switchboard-*` context headers. A refused
-//!   (`nack`, e.g. a full queue with `reject-publish`) dead letter is retried; an unroutable
-//!   one is fatal.
+//!   original properties and headers plus `x-switchboard-*` context headers, without
+//!   `expiration`, `user-id` or delivery counters (`dead_letter.rs`). A letter refused with 406,
+//!   or nacked / blocked / unconfirmed for `publisher::PATIENCE`, is handed back as refused (the
+//!   pipeline keeps it in PostgreSQL); an unroutable one is fatal.
 //! - **Queue health**: a passive declare on the probe's own connection (`message_count` is the
 //!   ready backlog, `consumer_count` a gauge), and of the default dead-letter queue for its
 //!   depth; pending is what this worker holds.
@@ -36,6 +47,8 @@ mod acks;
 mod classify;
 mod dead_letter;
 mod delivery;
+mod delivery_limit;
+mod publisher;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
@@ -44,11 +57,10 @@ use std::time::{Duration, Instant};
 
 use futures::{FutureExt as _, StreamExt as _};
 use lapin::options::{
-    BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, BasicQosOptions,
-    ConfirmSelectOptions, QueueBindOptions, QueueDeclareOptions,
+    BasicAckOptions, BasicConsumeOptions, BasicQosOptions, QueueBindOptions, QueueDeclareOptions,
 };
 use lapin::types::{AMQPValue, FieldTable, LongString};
-use lapin::{Channel, Confirmation, Connection, ConnectionProperties, Consumer, PublisherConfirm};
+use lapin::{BasicProperties, Channel, Connection, ConnectionProperties, Consumer};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
@@ -59,6 +71,7 @@ use self::classify::{Addressed, Names, URL_SETTING};
 use self::dead_letter::{LetterContext, WriteContext};
 pub use self::delivery::Receipt;
 use self::delivery::{AmqpDelivery, Count, Origin, Original};
+use self::publisher::{Outgoing, Publisher};
 use crate::health::now_ms;
 use crate::metrics::{adapter_counter, adapter_gauge};
 use crate::pipeline::HELD;
@@ -87,14 +100,18 @@ pub struct AmqpSettings {
     /// an exchange.
     pub dead_letter_routing_key: Option<String>,
     pub batch_size: usize,
+    /// `spec.delivery.maxDeliveries`: a queue's `x-delivery-limit` may not be below it.
+    pub max_deliveries: u64,
 }
 
 /// The AMQP transport's own metrics.
 #[derive(Debug, Clone)]
 struct AmqpMetrics {
     recounted: Counter,
+    not_recounted: Counter,
     sessions: Counter,
     consumers: Gauge,
+    publishing_blocked: Gauge,
 }
 
 impl AmqpMetrics {
@@ -104,6 +121,12 @@ impl AmqpMetrics {
                 registry,
                 "amqp_redeliveries_recounted",
                 "Classic-queue redeliveries published again with their delivery count (x-switchboard-deliveries)",
+                adapter,
+            ),
+            not_recounted: adapter_counter(
+                registry,
+                "amqp_redeliveries_not_recounted",
+                "Classic-queue redeliveries delivered without publishing them again with their count (the publish was refused, blocked or unconfirmed)",
                 adapter,
             ),
             sessions: adapter_counter(
@@ -116,6 +139,12 @@ impl AmqpMetrics {
                 registry,
                 "amqp_queue_consumers",
                 "Consumers of the source queue, as RabbitMQ reports them",
+                adapter,
+            ),
+            publishing_blocked: adapter_gauge(
+                registry,
+                "amqp_publishing_blocked",
+                "1 while RabbitMQ blocks the publishing connection (connection.blocked: a disk or memory alarm)",
                 adapter,
             ),
         }
@@ -147,22 +176,23 @@ impl Held {
     }
 }
 
-/// One connection and its channels.
+/// The consumer's connection and channel.
 struct Session {
     generation: u64,
     connection: Connection,
     consume: Channel,
-    publish: Channel,
     consumer: Consumer,
     /// Delivery tag → arrival (Unix ms) of every delivery not acknowledged yet.
     outstanding: BTreeMap<u64, u64>,
+    /// The channel's prefetch.
+    prefetch: usize,
+    /// Whether a delivery arrived since the last `maintain`.
+    delivered: bool,
 }
 
 impl Session {
     fn alive(&self) -> bool {
-        self.connection.status().connected()
-            && self.consume.status().connected()
-            && self.publish.status().connected()
+        self.connection.status().connected() && self.consume.status().connected()
     }
 }
 
@@ -178,6 +208,10 @@ pub struct Amqp {
     metrics: AmqpMetrics,
     held: Arc<Held>,
     session: Option<Session>,
+    publisher: Publisher,
+    /// Whether classic-queue redeliveries are being delivered without their recount (logged
+    /// once per episode).
+    recount_failing: bool,
     generations: u64,
     /// Deliveries of the current session taken from the consumer and not returned yet.
     buffer: Vec<lapin::message::Delivery>,
@@ -206,6 +240,39 @@ async fn call<T>(
             "RabbitMQ {what} timed out after {CALL_TIMEOUT:?}"
         ))),
     }
+}
+
+/// Opens a channel on `connection`.
+async fn open_channel(names: &Names, connection: &Connection) -> Result<Channel, TransportError> {
+    call(
+        names,
+        "channel open",
+        Addressed::Connection,
+        connection.create_channel(),
+    )
+    .await
+}
+
+/// The passive declare of `queue` on a channel of its own (a missing queue closes it).
+async fn declare_passive(
+    names: &Names,
+    connection: &Connection,
+    queue: &str,
+) -> Result<lapin::Queue, TransportError> {
+    let channel = open_channel(names, connection).await?;
+    let options = QueueDeclareOptions {
+        passive: true,
+        ..QueueDeclareOptions::default()
+    };
+    let declared = call(
+        names,
+        "queue declare (passive)",
+        Addressed::Queue,
+        channel.queue_declare(queue.into(), options, FieldTable::default()),
+    )
+    .await?;
+    let _ = channel.close(200, "probed".into()).await;
+    Ok(declared)
 }
 
 /// Opens a connection to `url` named `name`.
@@ -269,12 +336,21 @@ impl Amqp {
             },
             dead_letter_setting: "spec.delivery.deadLetter.exchange",
         };
+        let metrics = AmqpMetrics::register(registry, &settings.adapter);
+        let publisher = Publisher::new(
+            url.clone(),
+            format!("{} (publishing)", settings.consumer),
+            names.clone(),
+            metrics.publishing_blocked.clone(),
+        );
         Ok(Self {
             source: format!("amqp:{}", settings.adapter),
-            metrics: AmqpMetrics::register(registry, &settings.adapter),
+            metrics,
             settings,
             url,
             names,
+            publisher,
+            recount_failing: false,
             dead_letter_exchange,
             dead_letter_routing_key,
             held: Arc::default(),
@@ -289,13 +365,7 @@ impl Amqp {
     async fn declare_queues(&self, connection: &Connection) -> Result<(), TransportError> {
         let names = &self.names;
         let queue = self.settings.spec.queue.as_str();
-        let channel = call(
-            names,
-            "channel open",
-            Addressed::Connection,
-            connection.create_channel(),
-        )
-        .await?;
+        let channel = open_channel(names, connection).await?;
         let queue_type = match &self.settings.spec.declare {
             Some(declare) => {
                 let options = QueueDeclareOptions {
@@ -362,13 +432,7 @@ impl Amqp {
     ) -> Result<(), TransportError> {
         let names = &self.names;
         let queue = self.dead_letter_routing_key.as_str();
-        let channel = call(
-            names,
-            "channel open",
-            Addressed::Connection,
-            connection.create_channel(),
-        )
-        .await?;
+        let channel = open_channel(names, connection).await?;
         let passive = QueueDeclareOptions {
             passive: true,
             ..QueueDeclareOptions::default()
@@ -390,13 +454,7 @@ impl Amqp {
                 ));
             }
         }
-        let channel = call(
-            names,
-            "channel open",
-            Addressed::Connection,
-            connection.create_channel(),
-        )
-        .await?;
+        let channel = open_channel(names, connection).await?;
         let options = QueueDeclareOptions {
             durable: true,
             ..QueueDeclareOptions::default()
@@ -413,32 +471,19 @@ impl Amqp {
         Ok(())
     }
 
-    /// Opens a session: connection, declarations, publisher channel, QoS and consumer.
+    /// Opens a session: connection, declarations, the delivery-limit check, QoS and consumer.
     async fn open_session(&mut self) -> Result<(), TransportError> {
         let names = &self.names;
         let connection = connect(names, &self.url, &self.settings.consumer).await?;
         self.declare_queues(&connection).await?;
-        let publish = call(
+        delivery_limit::check(
             names,
-            "channel open",
-            Addressed::Connection,
-            connection.create_channel(),
+            &connection,
+            &self.settings.spec.queue,
+            self.settings.max_deliveries,
         )
         .await?;
-        call(
-            names,
-            "confirm select",
-            Addressed::Connection,
-            publish.confirm_select(ConfirmSelectOptions::default()),
-        )
-        .await?;
-        let consume = call(
-            names,
-            "channel open",
-            Addressed::Connection,
-            connection.create_channel(),
-        )
-        .await?;
+        let consume = open_channel(names, &connection).await?;
         // What the pipeline holds at most: its batches in flight and the one being received.
         // A prefetch of one batch would make every batch wait for the previous one's ack.
         let prefetch =
@@ -477,9 +522,10 @@ impl Amqp {
             generation: self.generations,
             connection,
             consume,
-            publish,
             consumer,
             outstanding: BTreeMap::new(),
+            prefetch: usize::from(prefetch),
+            delivered: false,
         });
         self.held.record(&BTreeMap::new());
         Ok(())
@@ -547,6 +593,7 @@ impl Amqp {
                 None => break,
                 Some(Some(Ok(delivery))) => {
                     session.outstanding.insert(delivery.delivery_tag, now_ms());
+                    session.delivered = true;
                     buffered.push(delivery);
                     gather_until.get_or_insert_with(|| Instant::now() + GATHER);
                 }
@@ -573,9 +620,11 @@ impl Amqp {
 
     /// Publishes every classic-queue redelivery of the buffer again with its count one higher,
     /// waits for the confirms, then acknowledges the redelivered copies and drops them from
-    /// the buffer.
+    /// the buffer. A redelivery whose copy is not confirmed (refused, blocked, unconfirmed)
+    /// stays in the buffer and is delivered with its count as it stands: storing never waits
+    /// on this publish.
     async fn recount_redeliveries(&mut self) -> Result<(), TransportError> {
-        let recounts: Vec<(usize, u64)> = self
+        let recounts: Vec<(usize, BasicProperties)> = self
             .buffer
             .iter()
             .enumerate()
@@ -585,162 +634,122 @@ impl Amqp {
                     Count::Known(_) => None,
                 }
             })
+            .map(|(index, next)| {
+                let d = &self.buffer[index];
+                let original = Original {
+                    exchange: d.exchange.as_str().to_owned(),
+                    routing_key: d.routing_key.as_str().to_owned(),
+                    properties: d.properties.clone(),
+                };
+                (index, dead_letter::recounted(&original, next))
+            })
             .collect();
         if recounts.is_empty() {
             return Ok(());
         }
-        let result = self.publish_recounts(&recounts).await;
-        if result.is_err() {
-            self.lose_session();
-            return result;
+        let keys: Vec<String> = recounts
+            .iter()
+            .map(|(index, _)| {
+                format!(
+                    "recount:{}:{}",
+                    self.generations, self.buffer[*index].delivery_tag
+                )
+            })
+            .collect();
+        let queue = self.settings.spec.queue.as_str();
+        let failure = if self.publisher.blocked() {
+            Some(TransportError::protocol(
+                "RabbitMQ blocks the publishing connection (a resource alarm)",
+            ))
+        } else {
+            let outgoing: Vec<Outgoing<'_>> = recounts
+                .iter()
+                .zip(&keys)
+                .map(|((index, properties), key)| Outgoing {
+                    key,
+                    exchange: "",
+                    routing_key: queue,
+                    body: &self.buffer[*index].data,
+                    properties,
+                })
+                .collect();
+            let published = self
+                .publisher
+                .publish("re-publish of a redelivery", Addressed::Queue, &outgoing)
+                .await;
+            match published.retry {
+                Some(err) if err.is_fatal() => return Err(err),
+                Some(err) => Some(err),
+                None => published.refusal.map(TransportError::protocol),
+            }
+        };
+        let mut confirmed = std::collections::HashSet::new();
+        for ((index, _), key) in recounts.iter().zip(&keys) {
+            if self.publisher.confirmed(key) {
+                confirmed.insert(*index);
+            }
+            self.publisher.forget(key);
         }
-        let recounted: std::collections::HashSet<usize> =
-            recounts.iter().map(|(index, _)| *index).collect();
-        let mut index = 0;
-        self.buffer.retain(|_| {
-            let keep = !recounted.contains(&index);
-            index += 1;
-            keep
-        });
-        self.metrics.recounted.inc_by(recounts.len() as u64);
+        if confirmed.len() < recounts.len() {
+            self.metrics
+                .not_recounted
+                .inc_by((recounts.len() - confirmed.len()) as u64);
+            if !self.recount_failing {
+                self.recount_failing = true;
+                let error = failure.map(|err| err.to_string()).unwrap_or_default();
+                tracing::warn!(
+                    %error,
+                    "classic-queue redeliveries are delivered without publishing them again with their count; a crash before they are stored does not count"
+                );
+            }
+        } else if std::mem::take(&mut self.recount_failing) {
+            tracing::info!("classic-queue redeliveries are recounted again");
+        }
+        if confirmed.is_empty() {
+            return Ok(());
+        }
+        self.ack_recounted(&confirmed).await?;
+        self.metrics.recounted.inc_by(confirmed.len() as u64);
         Ok(())
     }
 
-    async fn publish_recounts(&mut self, recounts: &[(usize, u64)]) -> Result<(), TransportError> {
+    /// Acknowledges the redelivered copies at `indexes` of the buffer (their recounted copies
+    /// are confirmed) and drops them from it.
+    async fn ack_recounted(
+        &mut self,
+        indexes: &std::collections::HashSet<usize>,
+    ) -> Result<(), TransportError> {
         let Some(session) = self.session.as_mut() else {
             return Err(TransportError::protocol("no RabbitMQ session"));
         };
-        let names = &self.names;
-        let queue = self.settings.spec.queue.as_str();
-        let mut confirms = Vec::with_capacity(recounts.len());
-        for &(index, next) in recounts {
-            let d = &self.buffer[index];
-            let original = Original {
-                exchange: d.exchange.as_str().to_owned(),
-                routing_key: d.routing_key.as_str().to_owned(),
-                properties: d.properties.clone(),
-            };
-            let confirm = call(
-                names,
-                "re-publish of a redelivery",
-                Addressed::Queue,
-                session.publish.basic_publish(
-                    "".into(),
-                    queue.into(),
-                    BasicPublishOptions {
-                        mandatory: true,
-                        ..BasicPublishOptions::default()
-                    },
-                    &d.data,
-                    dead_letter::recounted(&original, next),
-                ),
-            )
-            .await?;
-            confirms.push(confirm);
-        }
-        for confirm in confirms {
-            confirmed(
-                names,
-                "re-publish of a redelivery",
-                Addressed::Queue,
-                confirm,
-            )
-            .await?;
-        }
-        for &(index, _) in recounts {
+        let mut result = Ok(());
+        for &index in indexes {
             let tag = self.buffer[index].delivery_tag;
-            call(
-                names,
+            result = call(
+                &self.names,
                 "basic.ack",
                 Addressed::Queue,
                 session.consume.basic_ack(tag, BasicAckOptions::default()),
             )
-            .await?;
+            .await;
+            if result.is_err() {
+                break;
+            }
             session.outstanding.remove(&tag);
         }
         self.held.record(&session.outstanding);
+        if let Err(err) = result {
+            self.lose_session();
+            return Err(err);
+        }
+        let mut index = 0;
+        self.buffer.retain(|_| {
+            let keep = !indexes.contains(&index);
+            index += 1;
+            keep
+        });
         Ok(())
     }
-}
-
-/// Waits for a publisher confirm: an `ack` of a routed message is success; a `nack` (a full
-/// queue refusing publishes, …) is retried; an unroutable message is fatal (nothing is bound
-/// where it is sent).
-async fn confirmed(
-    names: &Names,
-    what: &str,
-    addressed: Addressed,
-    confirm: PublisherConfirm,
-) -> Result<(), TransportError> {
-    match call(names, what, addressed, confirm).await? {
-        Confirmation::Ack(None) => Ok(()),
-        Confirmation::Ack(Some(returned)) => {
-            let (setting, target) = match addressed {
-                Addressed::DeadLetter => (names.dead_letter_setting, names.dead_letter.clone()),
-                _ => ("spec.source.amqp.queue", format!("queue {:?}", names.queue)),
-            };
-            Err(TransportError::fatal(
-                setting,
-                format!(
-                    "{what}: RabbitMQ returned the message as unroutable ({} {}); check that {target} exists",
-                    returned.reply_code, returned.reply_text
-                ),
-                None,
-            ))
-        }
-        Confirmation::Nack(_) => Err(TransportError::protocol(format!(
-            "RabbitMQ refused the {what} (nack: is the queue full, with overflow reject-publish?)"
-        ))),
-        Confirmation::NotRequested => Err(TransportError::protocol(format!(
-            "{what}: the publisher channel is not in confirm mode"
-        ))),
-    }
-}
-
-/// Publishes `letters` to `target` (exchange, routing key) and waits for every confirm.
-async fn publish_dead_letters(
-    session: &Session,
-    names: &Names,
-    (exchange, routing_key): &(String, String),
-    letters: &[DeadLetter<'_, Receipt>],
-    context: WriteContext<'_>,
-) -> Result<(), TransportError> {
-    let mut confirms = Vec::with_capacity(letters.len());
-    for letter in letters {
-        let message = letter.message;
-        let properties = dead_letter::properties(
-            &message.receipt.original,
-            LetterContext {
-                reason: letter.reason,
-                error: &letter.error,
-                delivery_count: message.delivery_count,
-                first_seen_ms: message.enqueued_at_ms,
-                attempts: &letter.attempts,
-            },
-            context,
-        );
-        let confirm = call(
-            names,
-            "dead-letter publish",
-            Addressed::DeadLetter,
-            session.publish.basic_publish(
-                exchange.as_str().into(),
-                routing_key.as_str().into(),
-                BasicPublishOptions {
-                    mandatory: true,
-                    ..BasicPublishOptions::default()
-                },
-                &message.body,
-                properties,
-            ),
-        )
-        .await?;
-        confirms.push(confirm);
-    }
-    for confirm in confirms {
-        confirmed(names, "dead-letter publish", Addressed::DeadLetter, confirm).await?;
-    }
-    Ok(())
 }
 
 impl Transport for Amqp {
@@ -805,20 +814,53 @@ impl Transport for Amqp {
             consumer: &consumer,
             last_seen: &last_seen,
         };
-        let names = self.names.clone();
-        let target = (
-            self.dead_letter_exchange.clone(),
-            self.dead_letter_routing_key.clone(),
-        );
-        let result = match self.session().await {
-            Ok(session) => publish_dead_letters(session, &names, &target, letters, context).await,
-            Err(err) => Err(err),
-        };
-        // A refused (nacked) dead letter leaves the session usable; a failed channel does not.
-        if result.is_err() && self.session.as_ref().is_some_and(|s| !s.alive()) {
-            self.lose_session();
+        let properties: Vec<BasicProperties> = letters
+            .iter()
+            .map(|letter| {
+                let message = letter.message;
+                dead_letter::properties(
+                    &message.receipt.original,
+                    LetterContext {
+                        message_id: &message.external_id,
+                        reason: letter.reason,
+                        error: &letter.error,
+                        delivery_count: message.delivery_count,
+                        first_seen_ms: message.enqueued_at_ms,
+                        attempts: &letter.attempts,
+                    },
+                    context,
+                )
+            })
+            .collect();
+        let outgoing: Vec<Outgoing<'_>> = letters
+            .iter()
+            .zip(&properties)
+            .map(|(letter, properties)| Outgoing {
+                key: &letter.message.idempotency_key,
+                exchange: &self.dead_letter_exchange,
+                routing_key: &self.dead_letter_routing_key,
+                body: &letter.message.body,
+                properties,
+            })
+            .collect();
+        let published = self
+            .publisher
+            .publish("dead-letter publish", Addressed::DeadLetter, &outgoing)
+            .await;
+        // Refused letters are handed back only once every other letter is written.
+        match (published.retry, published.refused.is_empty()) {
+            (Some(err), _) => Err(err),
+            (None, false) => Err(TransportError::dead_letters_refused(
+                published.refused,
+                format!(
+                    "{} refused dead letters for good: {}",
+                    self.names.dead_letter,
+                    published.refusal.unwrap_or_default()
+                ),
+                None,
+            )),
+            (None, true) => Ok(()),
         }
-        result
     }
 
     async fn ack(&mut self, messages: &[&AmqpDelivery]) -> Result<Acked, TransportError> {
@@ -875,6 +917,12 @@ impl Transport for Amqp {
         } else {
             self.held.record(&session.outstanding);
         }
+        // A message acknowledged needs no memory of its dead letter's publish any more.
+        for (index, message) in messages.iter().enumerate() {
+            if acked.stale.binary_search(&index).is_err() {
+                self.publisher.forget(&message.idempotency_key);
+            }
+        }
         Ok(acked)
     }
 
@@ -883,8 +931,29 @@ impl Transport for Amqp {
     }
 
     /// Reopens a lost session, so that the loop sees an outage as such between receives.
+    /// A queue deleted and declared again under the worker may leave its consumer orphaned
+    /// without a `basic.cancel` (seen with quorum queues): when RabbitMQ lists no consumer of
+    /// the queue at all, the worker subscribes again. (Another worker's consumer hides the loss
+    /// of this one; that worker then consumes.)
     async fn maintain(&mut self) -> Result<(), TransportError> {
-        self.session().await.map(drop)
+        let queue = self.settings.spec.queue.clone();
+        let names = self.names.clone();
+        let session = self.session().await?;
+        let declared = declare_passive(&names, &session.connection, &queue).await?;
+        let idle = !std::mem::take(&mut session.delivered);
+        // Ready messages, room to take them, none taken since the last check, no consumer.
+        if declared.consumer_count() == 0
+            && declared.message_count() > 0
+            && idle
+            && session.outstanding.len() < session.prefetch
+        {
+            tracing::warn!(
+                "RabbitMQ lists no consumer of the queue (was it deleted and declared again?): subscribing again"
+            );
+            self.lose_session();
+            self.session().await?;
+        }
+        Ok(())
     }
 
     fn maintenance_interval(&self) -> Duration {
@@ -908,6 +977,7 @@ impl Transport for Amqp {
 
     async fn shutdown(&mut self) {
         self.buffer.clear();
+        self.publisher.shutdown().await;
         if let Some(session) = self.session.take() {
             let _ = tokio::time::timeout(
                 CALL_TIMEOUT,
@@ -936,27 +1006,7 @@ impl AmqpProbe {
         let Some(connection) = self.connection.as_ref() else {
             return Err(TransportError::protocol("no RabbitMQ connection"));
         };
-        let names = &self.names;
-        let channel = call(
-            names,
-            "channel open",
-            Addressed::Connection,
-            connection.create_channel(),
-        )
-        .await?;
-        let options = QueueDeclareOptions {
-            passive: true,
-            ..QueueDeclareOptions::default()
-        };
-        let declared = call(
-            names,
-            "queue declare (passive)",
-            Addressed::Queue,
-            channel.queue_declare(queue.into(), options, FieldTable::default()),
-        )
-        .await?;
-        let _ = channel.close(200, "probed".into()).await;
-        Ok(declared)
+        declare_passive(&self.names, connection, queue).await
     }
 
     async fn read(&mut self) -> Result<lapin::Queue, TransportError> {
@@ -1013,6 +1063,7 @@ mod tests {
             dead_letter_exchange: None,
             dead_letter_routing_key: None,
             batch_size: 10,
+            max_deliveries: 5,
         }
     }
 

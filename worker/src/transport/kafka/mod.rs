@@ -8,10 +8,20 @@
 //! - **`prepare`** checks that every named topic exists (fatal otherwise, naming
 //!   `spec.source.kafka.topics`), then subscribes (a `topicPattern` is librdkafka's `^` regex).
 //! - **Receive**: the records librdkafka has fetched, up to the batch size (a receive that
-//!   waited for its first record gathers more for up to 100 ms: the pipeline is idle then). The key is
-//!   `kafka:{adapter}:{topic}:{partition}:{offset}`; the record's headers become the event's
-//!   headers and its key the `kafka.key` header. A record without a value (a tombstone) or whose
-//!   header names are not UTF-8 is undecodable: it is dead-lettered.
+//!   waited for its first record gathers more for up to 100 ms: the pipeline is idle then), each
+//!   offset of a partition once. The key is `kafka:{adapter}:{topic}:{topic-id}:{partition}:{offset}`
+//!   (`kafka:{adapter}:{topic}:{partition}:{offset}` where the brokers keep no topic ids, before
+//!   Kafka 2.8): a topic deleted and created again re-uses its offsets, never its id. The
+//!   record's headers become the event's headers and its key (any bytes) the `kafka.key` header;
+//!   the pipeline encodes what is not UTF-8 text. A record without a value (a tombstone) or
+//!   whose header names are not UTF-8 is undecodable: it is dead-lettered.
+//! - **Incarnations**: see [`topic_id`]. The id of each topic read is looked up when its
+//!   partitions are assigned and every maintenance; a new id (the topic was re-created) is
+//!   logged once, and the topic's partitions are read again from their beginning under new
+//!   keys, their old incarnation's acknowledgements stale.
+//! - **Its own dead letters**: a subscription that includes the dead-letter topic (a pattern
+//!   matching `<topic>.dlq`, or `deadLetter.topic` itself) is fatal at start, naming both
+//!   settings, and so is a record of it that reaches the worker anyway.
 //! - **Delivery count**: Kafka has none, so the worker keeps its own in PostgreSQL
 //!   (`switchboard_store::deliveries`): before a batch is handed on, its partitions' *marks* (the
 //!   offset up to which records have been handed to a pipeline) are raised in one statement.
@@ -30,15 +40,21 @@
 //!   so a partition assigned back never takes an acknowledgement of its earlier assignment.
 //! - **Dead letters**: produced to `deadLetter.topic` (default `<topic>.dlq`) with `acks=all`
 //!   and idempotence; the key, value and headers byte-identical, plus `x-dlq-reason`,
-//!   `x-dlq-error`, `x-dlq-original-topic/partition/offset` and `x-dlq-delivery-count`. The
-//!   pipeline commits past a dead letter only once its produce is acknowledged.
+//!   `x-dlq-error`, `x-dlq-original-topic/topic-id/partition/offset` and
+//!   `x-dlq-delivery-count`. The pipeline commits past a dead letter only once its produce is
+//!   acknowledged. A letter the brokers refuse for good (too large, an invalid record, a
+//!   policy) is reported as refused: the pipeline keeps it in PostgreSQL instead.
+//! - **Backlog**: once everything delivered of a partition is settled, the consumer's position
+//!   is committed (past transaction markers and aborted records, which are never delivered), so
+//!   the group's lag counts only records still to be read.
 //! - **Queue health**: see [`probe`].
 
 mod client;
 mod offsets;
 mod probe;
+mod topic_id;
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::panic::AssertUnwindSafe;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -49,6 +65,7 @@ use futures::future::join_all;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::registry::Registry;
 use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer, StreamConsumer};
+use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::{BorrowedMessage, Header, Headers as _, Message as _, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use rdkafka::{Offset, TopicPartitionList};
@@ -58,6 +75,7 @@ use switchboard_store::{Dedup, Store};
 use self::client::{ConsumerState, KafkaContext, Setting, base_config, classify};
 use self::offsets::{Offsets, TopicPartition};
 use self::probe::{KafkaProbe, Topics};
+use self::topic_id::{Described, describe_topics};
 use crate::metrics::adapter_counter;
 use crate::transport::{Acked, DeadLetter, Message, Transport, TransportError};
 
@@ -98,6 +116,8 @@ pub struct KafkaSettings {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Receipt {
     pub partition: TopicPartition,
+    /// The topic's id (its incarnation); `None` where the brokers keep none.
+    pub topic_id: Option<Arc<str>>,
     pub offset: i64,
     /// The assignment of the partition the record was delivered under.
     pub epoch: u64,
@@ -110,12 +130,48 @@ pub struct Receipt {
     pub null_headers: Vec<usize>,
 }
 
+impl Receipt {
+    /// `{topic}:{topic-id}:{partition}` (`{topic}:{partition}` without a topic id): the
+    /// partition of one incarnation of its topic, as keys and delivery marks name it.
+    fn incarnation(&self) -> String {
+        let TopicPartition { topic, partition } = &self.partition;
+        match &self.topic_id {
+            Some(id) => format!("{topic}:{id}:{partition}"),
+            None => format!("{topic}:{partition}"),
+        }
+    }
+}
+
 /// A record fetched and not yet handed on.
 #[derive(Debug)]
 struct Fetched {
     message: Message<Receipt>,
+    /// Whether its topic's incarnation is known (its keys are set).
+    identified: bool,
     /// Decided once the partition's mark was raised: whether the record may be a redelivery.
     below_mark: Option<bool>,
+}
+
+/// The highest offset in hand of each partition under its epoch: a fetch restarted while its
+/// records were still in hand delivers them again, and a batch never holds an offset twice.
+#[derive(Debug, Default)]
+struct InHand(HashMap<TopicPartition, (u64, i64)>);
+
+impl InHand {
+    /// Whether the record at `offset` is new (past every one in hand of its partition and epoch).
+    fn admit(&mut self, partition: &TopicPartition, epoch: u64, offset: i64) -> bool {
+        match self.0.get_mut(partition) {
+            Some((held_epoch, last)) if *held_epoch == epoch => {
+                let new = offset > *last;
+                *last = (*last).max(offset);
+                new
+            }
+            _ => {
+                self.0.insert(partition.clone(), (epoch, offset));
+                true
+            }
+        }
+    }
 }
 
 /// A Kafka consumer group member.
@@ -130,6 +186,9 @@ pub struct Kafka {
     dead_letter_topic: Option<String>,
     store: Store,
     fetched: VecDeque<Fetched>,
+    in_hand: InHand,
+    /// The id of each topic read (its incarnation), as last described.
+    topic_ids: HashMap<Arc<str>, Option<Arc<str>>>,
     probe: Arc<BaseConsumer>,
     lag: Family<probe::PartitionLabels, prometheus_client::metrics::gauge::Gauge>,
 }
@@ -233,6 +292,8 @@ impl Kafka {
             dead_letter_topic,
             store,
             fetched: VecDeque::new(),
+            in_hand: InHand::default(),
+            topic_ids: HashMap::new(),
             probe: Arc::new(probe),
             lag,
         })
@@ -292,7 +353,6 @@ impl Kafka {
         };
         let epoch = self.state.offsets().epoch(&partition)?;
         let offset = record.offset();
-        let external_id = format!("{}:{}:{offset}", partition.topic, partition.partition);
         let key = record.key().map(<[u8]>::to_vec);
         // rdkafka panics on a header name that is not UTF-8: that record is undecodable.
         let read = std::panic::catch_unwind(AssertUnwindSafe(|| {
@@ -328,12 +388,13 @@ impl Kafka {
             undecodable = Some("the record has no value (a tombstone)".to_owned());
         }
         Some(Message {
-            idempotency_key: format!("{}:{external_id}", self.source),
+            // Set once the topic's incarnation is known (`identify`).
+            idempotency_key: String::new(),
             // The group's committed offsets are the checkpoint. A position in the database
             // would be read by nothing, and its per-partition row, updated by every batch, would
             // make the batches being stored wait for each other's commits.
             position: None,
-            external_id,
+            external_id: String::new(),
             body: record.payload().unwrap_or_default().to_vec(),
             headers,
             delivery_count: 1,
@@ -344,6 +405,7 @@ impl Kafka {
             undecodable,
             receipt: Receipt {
                 partition,
+                topic_id: None,
                 offset,
                 epoch,
                 key,
@@ -377,15 +439,24 @@ impl Kafka {
             let Some(next) = next else { break };
             match next {
                 Ok(record) => {
-                    if let Some(message) = self.convert(&record) {
-                        if block && self.fetched.is_empty() {
-                            gather_until = Some(tokio::time::Instant::now() + GATHER);
-                        }
-                        self.fetched.push_back(Fetched {
-                            message,
-                            below_mark: None,
-                        });
+                    let Some(message) = self.convert(&record) else {
+                        continue;
+                    };
+                    let receipt = &message.receipt;
+                    if !self
+                        .in_hand
+                        .admit(&receipt.partition, receipt.epoch, receipt.offset)
+                    {
+                        continue;
                     }
+                    if block && self.fetched.is_empty() {
+                        gather_until = Some(tokio::time::Instant::now() + GATHER);
+                    }
+                    self.fetched.push_back(Fetched {
+                        message,
+                        identified: false,
+                        below_mark: None,
+                    });
                 }
                 Err(err) if self.fetched.is_empty() => {
                     return Err(classify(err, "could not fetch records", Setting::Topics));
@@ -399,13 +470,163 @@ impl Kafka {
         Ok(())
     }
 
+    /// Sets the keys of the first `max` records in hand from their topic's incarnation, reading
+    /// the ids of topics not known yet or assigned again since they were read. A topic whose id
+    /// changed was re-created: see [`Kafka::recreated`].
+    async fn identify(&mut self, max: usize) -> Result<(), TransportError> {
+        let mut wanted: BTreeSet<Arc<str>> = self.state.offsets().take_assigned_topics();
+        for fetched in self.fetched.iter().take(max) {
+            let topic = &fetched.message.receipt.partition.topic;
+            self.refuse_own_dead_letters(topic)?;
+            if !fetched.identified && !self.topic_ids.contains_key(topic) {
+                wanted.insert(topic.clone());
+            }
+        }
+        if !wanted.is_empty() {
+            self.describe(wanted).await?;
+        }
+        let count = self.fetched.len().min(max);
+        for fetched in self.fetched.iter_mut().take(count) {
+            if fetched.identified {
+                continue;
+            }
+            let message = &mut fetched.message;
+            let Some(topic_id) = self.topic_ids.get(&message.receipt.partition.topic) else {
+                return Err(TransportError::protocol(format!(
+                    "the brokers did not describe topic {:?}, whose records are in hand; tried again",
+                    message.receipt.partition.topic
+                )));
+            };
+            message.receipt.topic_id = topic_id.clone();
+            message.external_id = format!(
+                "{}:{}",
+                message.receipt.incarnation(),
+                message.receipt.offset
+            );
+            message.idempotency_key = format!("{}:{}", self.source, message.external_id);
+            fetched.identified = true;
+        }
+        Ok(())
+    }
+
+    /// Reads the ids of `topics` and records them; a topic whose id changed was re-created.
+    /// Topics the brokers do not describe (deleted meanwhile) keep what is known of them.
+    async fn describe(&mut self, topics: BTreeSet<Arc<str>>) -> Result<(), TransportError> {
+        let consumer = self.consumer.clone();
+        let names: Vec<String> = topics.iter().map(|topic| topic.to_string()).collect();
+        let described = tokio::task::spawn_blocking(move || {
+            describe_topics(consumer.client(), &names, REQUEST_TIMEOUT)
+        })
+        .await
+        .map_err(|err| TransportError::protocol(format!("the describe task failed: {err}")))?
+        .map_err(|err| classify(err, "could not describe the topics", Setting::Topics))?;
+        for (name, described) in described {
+            let Described::Exists(id) = described else {
+                continue;
+            };
+            let topic: Arc<str> = Arc::from(name);
+            let id = id.map(Arc::<str>::from);
+            if let Some(previous) = self.topic_ids.insert(topic.clone(), id.clone())
+                && previous != id
+            {
+                self.recreated(&topic, previous.as_deref(), id.as_deref());
+            }
+        }
+        Ok(())
+    }
+
+    /// `topic` was deleted and created again (its id changed): its owned partitions are read
+    /// again from their beginning under new epochs (every record of the new incarnation is new;
+    /// the old one's acknowledgements are stale and commit nothing), and what is in hand of it
+    /// is dropped.
+    fn recreated(&mut self, topic: &Arc<str>, old: Option<&str>, new: Option<&str>) {
+        let partitions = self.state.offsets().owned_of(topic);
+        tracing::warn!(
+            topic = %topic,
+            old_topic_id = old.unwrap_or("none"),
+            new_topic_id = new.unwrap_or("none"),
+            partitions = partitions.len(),
+            "the topic was deleted and created again: its records are new messages, read from its beginning"
+        );
+        self.fetched
+            .retain(|fetched| fetched.message.receipt.partition.topic != *topic);
+        if partitions.is_empty() {
+            return;
+        }
+        let mut restart = TopicPartitionList::new();
+        {
+            let mut offsets = self.state.offsets();
+            for partition in &partitions {
+                offsets.restart_incarnation(partition);
+                let _ = restart.add_partition_offset(
+                    &partition.topic,
+                    partition.partition,
+                    Offset::Beginning,
+                );
+            }
+            // The restart is not an assignment: its topic's id is already known.
+            offsets.take_assigned_topics();
+        }
+        if let Err(err) = self
+            .consumer
+            .incremental_unassign(&restart)
+            .and_then(|()| self.consumer.incremental_assign(&restart))
+        {
+            tracing::warn!(error = %switchboard_telemetry::ErrorChain(&err), "could not restart the re-created topic's partitions from their beginning");
+        }
+    }
+
+    /// The dead-letter topic of records of `topic`.
+    fn dead_letter_topic(&self, topic: &str) -> String {
+        self.dead_letter_topic
+            .clone()
+            .unwrap_or_else(|| format!("{topic}.dlq"))
+    }
+
+    /// Fails (fatal, naming both settings) when the subscription reads `topic` and it is a
+    /// dead-letter topic of the adapter: the worker would read its own dead letters, and
+    /// dead-letter them again.
+    fn refuse_own_dead_letters(&self, topic: &str) -> Result<(), TransportError> {
+        let dead_letters = match &self.dead_letter_topic {
+            Some(dead_letter) => dead_letter == topic,
+            None => topic
+                .strip_suffix(".dlq")
+                .is_some_and(|origin| self.reads(origin)),
+        };
+        if !dead_letters || !self.reads(topic) {
+            return Ok(());
+        }
+        let (setting, value) = match (&self.spec.topics, &self.spec.topic_pattern) {
+            (Some(topics), _) => ("spec.source.kafka.topics", topics.join(",")),
+            (None, pattern) => (
+                "spec.source.kafka.topicPattern",
+                pattern.clone().unwrap_or_default(),
+            ),
+        };
+        Err(TransportError::fatal(
+            setting,
+            format!(
+                "{setting} ({value}) includes the dead-letter topic {topic:?} \
+                 (spec.delivery.deadLetter.topic, default <topic>.dlq): the worker would read its \
+                 own dead letters; set spec.delivery.deadLetter.topic to a topic the \
+                 subscription does not include, or narrow the subscription"
+            ),
+            None,
+        ))
+    }
+
+    /// Whether the subscription reads `topic`.
+    fn reads(&self, topic: &str) -> bool {
+        self.topics().is_ok_and(|topics| topics.matches(topic))
+    }
+
     /// Raises the marks of the partitions of the first `count` records in hand and decides which
     /// of them may be redeliveries.
     async fn raise_marks(&mut self, count: usize) -> Result<(), TransportError> {
         let mut marks: BTreeMap<String, i64> = BTreeMap::new();
         for fetched in self.fetched.iter().take(count) {
             let receipt = &fetched.message.receipt;
-            let mark = marks.entry(receipt.partition.name()).or_insert(0);
+            let mark = marks.entry(receipt.incarnation()).or_insert(0);
             *mark = (*mark).max(receipt.offset + 1);
         }
         let pairs: Vec<(&str, i64)> = marks
@@ -425,7 +646,7 @@ impl Kafka {
         for fetched in self.fetched.iter_mut().take(count) {
             if fetched.below_mark.is_none() {
                 let receipt = &fetched.message.receipt;
-                let name = receipt.partition.name();
+                let name = receipt.incarnation();
                 let mark = previous.get(name.as_str()).copied().flatten();
                 fetched.below_mark = Some(mark.is_some_and(|mark| receipt.offset < mark));
             }
@@ -448,6 +669,37 @@ impl Transport for Kafka {
 
     async fn prepare(&mut self) -> Result<(), TransportError> {
         let topics = self.topics()?;
+        if let Some(dead_letter) = &self.dead_letter_topic {
+            self.refuse_own_dead_letters(dead_letter)?;
+        }
+        match &topics {
+            Topics::Named(names) => {
+                for name in names {
+                    self.refuse_own_dead_letters(name)?;
+                }
+            }
+            Topics::Pattern(_) => {
+                // The default dead-letter topic of each topic the pattern matches now (created
+                // or not); a topic created later is checked when its first record comes.
+                let consumer = self.consumer.clone();
+                let metadata = tokio::task::spawn_blocking(move || {
+                    consumer.fetch_metadata(None, REQUEST_TIMEOUT)
+                })
+                .await
+                .map_err(|err| {
+                    TransportError::protocol(format!("the metadata task failed: {err}"))
+                })?
+                .map_err(|err| {
+                    classify(err, "could not read the topics' metadata", Setting::Topics)
+                })?;
+                for topic in metadata.topics() {
+                    if self.reads(topic.name()) {
+                        self.refuse_own_dead_letters(topic.name())?;
+                        self.refuse_own_dead_letters(&self.dead_letter_topic(topic.name()))?;
+                    }
+                }
+            }
+        }
         if let Topics::Named(names) = &topics {
             for name in names {
                 let consumer = self.consumer.clone();
@@ -500,6 +752,7 @@ impl Transport for Kafka {
                 offsets.epoch(&receipt.partition) == Some(receipt.epoch)
             });
         }
+        self.identify(max).await?;
         let count = self.fetched.len().min(max);
         if count == 0 {
             return Ok(Vec::new());
@@ -545,16 +798,11 @@ impl Transport for Kafka {
         &mut self,
         letters: &[DeadLetter<'_, Receipt>],
     ) -> Result<(), TransportError> {
-        let default_topic = self.dead_letter_topic.clone();
         let topics: Vec<String> = letters
             .iter()
-            .map(|letter| {
-                default_topic
-                    .clone()
-                    .unwrap_or_else(|| format!("{}.dlq", letter.message.receipt.partition.topic))
-            })
+            .map(|letter| self.dead_letter_topic(&letter.message.receipt.partition.topic))
             .collect();
-        let contexts: Vec<[(&str, String); 7]> = letters.iter().map(dead_letter_context).collect();
+        let contexts: Vec<[(&str, String); 8]> = letters.iter().map(dead_letter_context).collect();
         let producer = self.producer()?;
         let sends = letters
             .iter()
@@ -587,16 +835,36 @@ impl Transport for Kafka {
                 }
                 producer.send(record, PRODUCE_TIMEOUT)
             });
-        for result in join_all(sends).await {
-            if let Err((err, _)) = result {
-                return Err(classify(
-                    err,
-                    "could not produce a dead letter",
-                    Setting::DeadLetterTopic,
-                ));
+        let mut refused = Vec::new();
+        let mut refusal = None;
+        for (index, result) in join_all(sends).await.into_iter().enumerate() {
+            let Err((err, _)) = result else { continue };
+            if refused_for_good(&err) {
+                refused.push(index);
+                refusal.get_or_insert(err);
+                continue;
+            }
+            let context = format!(
+                "could not produce a dead letter to topic {:?}",
+                topics[index]
+            );
+            return Err(classify(err, &context, Setting::DeadLetterTopic));
+        }
+        match refusal {
+            None => Ok(()),
+            Some(err) => {
+                let context = format!(
+                    "the brokers refused {} dead letter(s) for good (topic {:?})",
+                    refused.len(),
+                    topics[refused[0]]
+                );
+                Err(TransportError::dead_letters_refused(
+                    refused,
+                    context,
+                    Some(Box::new(err)),
+                ))
             }
         }
-        Ok(())
     }
 
     async fn ack(&mut self, messages: &[&Message<Receipt>]) -> Result<Acked, TransportError> {
@@ -616,6 +884,13 @@ impl Transport for Kafka {
     }
 
     async fn maintain(&mut self) -> Result<(), TransportError> {
+        let known: BTreeSet<Arc<str>> = self.topic_ids.keys().cloned().collect();
+        if !known.is_empty()
+            && let Err(err) = self.describe(known).await
+        {
+            tracing::debug!(error = %switchboard_telemetry::ErrorChain(&err), "could not describe the topics read; tried again later");
+        }
+        self.advance_to_positions();
         let commits = self.state.offsets().committable();
         self.commit(commits, CommitMode::Async)?;
         self.restart_stalled_fetches().await;
@@ -630,6 +905,7 @@ impl Transport for Kafka {
         KafkaProbe {
             consumer: self.probe.clone(),
             topics: self.topics().unwrap_or(Topics::Named(Vec::new())),
+            start_from: self.spec.start_from,
             adapter: self.adapter.clone(),
             lag: self.lag.clone(),
         }
@@ -651,6 +927,37 @@ impl Transport for Kafka {
 }
 
 impl Kafka {
+    /// Moves each owned partition with nothing in flight and nothing in hand to the consumer's
+    /// position (past transaction markers and aborted records, which are never delivered), so
+    /// that it is committed and the group's lag counts only records still to be read.
+    fn advance_to_positions(&mut self) {
+        let positions = match self.consumer.position() {
+            Ok(positions) => positions,
+            Err(err) => {
+                tracing::debug!(error = %err, "could not read the consumer's positions");
+                return;
+            }
+        };
+        let in_hand: BTreeSet<&TopicPartition> = self
+            .fetched
+            .iter()
+            .map(|fetched| &fetched.message.receipt.partition)
+            .collect();
+        let mut offsets = self.state.offsets();
+        for element in positions.elements() {
+            let Offset::Offset(position) = element.offset() else {
+                continue;
+            };
+            let partition = TopicPartition {
+                topic: Arc::from(element.topic()),
+                partition: element.partition(),
+            };
+            if !in_hand.contains(&partition) {
+                offsets.advance_to(&partition, position);
+            }
+        }
+    }
+
     /// Restarts the fetch of owned partitions that hold a backlog (the probe's lag) but delivered
     /// nothing for [`STALLED_AFTER`] with nothing in flight: from the offset after their settled
     /// prefix, else from the group's committed offset (read by the probe's client). A partition
@@ -765,8 +1072,31 @@ impl Kafka {
     }
 }
 
+/// Whether the brokers (or librdkafka, before sending) refused a record for what it is, so
+/// that producing it again can never succeed: too large for `message.max.bytes` (the
+/// producer's or the topic's), an invalid or corrupt record, a record the topic's policy or
+/// message format refuses. Everything else (brokers down, timeouts, leadership moving, a
+/// different record of the same batch refused) may succeed later; a topic that does not exist
+/// or is denied is a setting to fix.
+fn refused_for_good(err: &KafkaError) -> bool {
+    use RDKafkaErrorCode as Code;
+    matches!(
+        err.rdkafka_error_code(),
+        Some(
+            Code::MessageSizeTooLarge
+                | Code::MessageBatchTooLarge
+                | Code::InvalidMessageSize
+                | Code::InvalidMessage
+                | Code::InvalidRecord
+                | Code::InvalidTimestamp
+                | Code::PolicyViolation
+                | Code::UnsupportedForMessageFormat
+        )
+    )
+}
+
 /// The `x-dlq-*` headers of a dead letter.
-fn dead_letter_context(letter: &DeadLetter<'_, Receipt>) -> [(&'static str, String); 7] {
+fn dead_letter_context(letter: &DeadLetter<'_, Receipt>) -> [(&'static str, String); 8] {
     let receipt = &letter.message.receipt;
     let mut error = letter.error.clone();
     if error.len() > MAX_ERROR_BYTES {
@@ -780,6 +1110,10 @@ fn dead_letter_context(letter: &DeadLetter<'_, Receipt>) -> [(&'static str, Stri
         ("x-dlq-reason", letter.reason.as_str().to_owned()),
         ("x-dlq-error", error),
         ("x-dlq-original-topic", receipt.partition.topic.to_string()),
+        (
+            "x-dlq-original-topic-id",
+            receipt.topic_id.as_deref().unwrap_or_default().to_owned(),
+        ),
         (
             "x-dlq-original-partition",
             receipt.partition.partition.to_string(),

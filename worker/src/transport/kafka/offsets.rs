@@ -44,11 +44,15 @@ struct Owned {
 pub struct Offsets {
     owned: BTreeMap<TopicPartition, Owned>,
     next_epoch: u64,
+    /// Topics with a partition assigned since [`Offsets::take_assigned_topics`]: their
+    /// incarnation (topic id) is read again.
+    assigned_topics: std::collections::BTreeSet<Arc<str>>,
 }
 
 impl Offsets {
     /// `partition` is assigned to this worker: a new epoch (an owned partition keeps its own).
     pub fn assign(&mut self, partition: TopicPartition) -> u64 {
+        self.assigned_topics.insert(partition.topic.clone());
         let next_epoch = &mut self.next_epoch;
         self.owned
             .entry(partition)
@@ -83,6 +87,44 @@ impl Offsets {
                 (commit, abandoned)
             }
         }
+    }
+
+    /// Topics with a partition assigned since the last call.
+    pub fn take_assigned_topics(&mut self) -> std::collections::BTreeSet<Arc<str>> {
+        std::mem::take(&mut self.assigned_topics)
+    }
+
+    /// The owned partitions of `topic`.
+    pub fn owned_of(&self, topic: &str) -> Vec<TopicPartition> {
+        self.owned
+            .keys()
+            .filter(|partition| &*partition.topic == topic)
+            .cloned()
+            .collect()
+    }
+
+    /// `partition` now reads another incarnation of its topic (deleted and created again): a
+    /// new epoch, nothing delivered, settled or committed (the old incarnation's offsets mean
+    /// nothing in the new one, and its acknowledgements are stale).
+    pub fn restart_incarnation(&mut self, partition: &TopicPartition) {
+        if self.owned.remove(partition).is_some() {
+            self.assign(partition.clone());
+        }
+    }
+
+    /// Where the consumer stands in `partition` (the offset after the last record or
+    /// transaction marker it read): once everything delivered is settled, that is what may be
+    /// committed, so that the group's lag does not count markers or aborted records it will
+    /// never deliver. `false`: nothing changed.
+    pub fn advance_to(&mut self, partition: &TopicPartition, position: i64) -> bool {
+        let Some(owned) = self.owned.get_mut(partition) else {
+            return false;
+        };
+        if !owned.delivered.is_empty() || owned.settled_up_to >= Some(position) {
+            return false;
+        }
+        owned.settled_up_to = Some(position);
+        true
     }
 
     /// The epoch of an owned partition.
@@ -255,6 +297,38 @@ mod tests {
         );
         offsets.restarted(&tp(1));
         assert_eq!(offsets.idle(Duration::from_secs(3600)), vec![]);
+    }
+
+    #[test]
+    fn the_position_past_markers_is_committable_only_with_nothing_in_flight() {
+        let mut offsets = Offsets::default();
+        let epoch = offsets.assign(tp(0));
+        assert!(offsets.deliver(&tp(0), epoch, 4));
+        assert!(!offsets.advance_to(&tp(0), 9), "4 is in flight");
+        assert!(offsets.settle(&tp(0), epoch, 4));
+        assert_eq!(offsets.committable(), vec![(tp(0), 5)]);
+        // Offsets 5 to 8: an aborted transaction and its marker, never delivered.
+        assert!(offsets.advance_to(&tp(0), 9));
+        assert!(!offsets.advance_to(&tp(0), 9), "once");
+        assert_eq!(offsets.committable(), vec![(tp(0), 9)]);
+        assert!(!offsets.deliver(&tp(0), epoch, 8), "behind the position");
+        assert!(offsets.deliver(&tp(0), epoch, 9));
+    }
+
+    #[test]
+    fn a_new_incarnation_starts_over_under_a_new_epoch() {
+        let mut offsets = Offsets::default();
+        let epoch = offsets.assign(tp(0));
+        assert_eq!(offsets.take_assigned_topics().len(), 1);
+        assert!(offsets.deliver(&tp(0), epoch, 40));
+        assert!(offsets.settle(&tp(0), epoch, 40));
+        offsets.restart_incarnation(&tp(0));
+        let again = offsets.epoch(&tp(0)).expect("still owned");
+        assert_ne!(again, epoch);
+        assert!(!offsets.settle(&tp(0), epoch, 41), "stale");
+        assert!(offsets.deliver(&tp(0), again, 0), "offsets start over");
+        assert_eq!(offsets.committable(), vec![]);
+        assert_eq!(offsets.owned_of("orders"), vec![tp(0)]);
     }
 
     #[test]

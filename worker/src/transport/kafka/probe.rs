@@ -1,6 +1,9 @@
 //! Queue health of a consumer group, read on its own connection (a consumer that never joins
 //! the group and never commits): lag per partition (high watermark − committed offset),
-//! summed, and the age of the oldest un-committed record, from its timestamp.
+//! summed, and the age of the oldest un-committed record, from its timestamp. A partition with
+//! no committed offset counts from where the group would start: its low watermark under
+//! `startFrom: earliest`, its high watermark (nothing to read) under `startFrom: latest`. The
+//! transport commits past transaction markers, so they are not counted either.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -11,6 +14,7 @@ use prometheus_client::metrics::gauge::Gauge;
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::message::Message as _;
 use rdkafka::{Offset, TopicPartitionList};
+use switchboard_api::StartFrom;
 
 use super::client::{Setting, classify};
 use crate::health::now_ms;
@@ -37,7 +41,7 @@ pub enum Topics {
 }
 
 impl Topics {
-    fn matches(&self, topic: &str) -> bool {
+    pub fn matches(&self, topic: &str) -> bool {
         match self {
             Topics::Named(names) => names.iter().any(|name| name == topic),
             Topics::Pattern(pattern) => pattern.is_match(topic),
@@ -49,6 +53,7 @@ impl Topics {
 pub struct KafkaProbe {
     pub consumer: Arc<BaseConsumer>,
     pub topics: Topics,
+    pub start_from: StartFrom,
     pub adapter: String,
     pub lag: Family<PartitionLabels, Gauge>,
 }
@@ -57,9 +62,13 @@ impl QueueProbe for KafkaProbe {
     async fn queue_health(&mut self) -> Result<QueueHealth, TransportError> {
         let consumer = self.consumer.clone();
         let topics = self.topics.clone();
-        let lags = tokio::task::spawn_blocking(move || partition_lags(&consumer, &topics))
-            .await
-            .map_err(|err| TransportError::protocol(format!("the probe task failed: {err}")))??;
+        let start_from = self.start_from;
+        let lags =
+            tokio::task::spawn_blocking(move || partition_lags(&consumer, &topics, start_from))
+                .await
+                .map_err(|err| {
+                    TransportError::protocol(format!("the probe task failed: {err}"))
+                })??;
         let mut backlog = 0;
         for lag in &lags {
             backlog += lag.lag;
@@ -98,6 +107,7 @@ fn failed(context: &'static str) -> impl Fn(rdkafka::error::KafkaError) -> Trans
 fn partition_lags(
     consumer: &BaseConsumer,
     topics: &Topics,
+    start_from: StartFrom,
 ) -> Result<Vec<PartitionLag>, TransportError> {
     let metadata = match topics {
         Topics::Named(names) if names.len() == 1 => {
@@ -124,9 +134,10 @@ fn partition_lags(
         let (low, high) = consumer
             .fetch_watermarks(element.topic(), element.partition(), REQUEST_TIMEOUT)
             .map_err(failed("could not read the partitions' watermarks"))?;
-        let from = match element.offset() {
-            Offset::Offset(offset) => offset.max(low),
-            _ => low,
+        let from = match (element.offset(), start_from) {
+            (Offset::Offset(offset), _) => offset.max(low),
+            (_, StartFrom::Earliest) => low,
+            (_, StartFrom::Latest) => high,
         };
         let lag = u64::try_from(high - from).unwrap_or(0);
         if lag > 0 {

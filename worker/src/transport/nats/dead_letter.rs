@@ -14,6 +14,8 @@ const MAX_ERROR_BYTES: usize = 2048;
 #[derive(Debug, Clone, Copy)]
 pub struct WriteContext<'a> {
     pub stream: &'a str,
+    /// The stream's incarnation (`Incarnation::tag`).
+    pub incarnation: &'a str,
     pub consumer: &'a str,
     /// RFC 3339, now.
     pub last_seen: &'a str,
@@ -28,8 +30,9 @@ fn header_text(text: &str) -> String {
 }
 
 /// The headers of `message`'s dead letter. `Nats-Msg-Id` is derived from the original's
-/// position, so the dead-letter stream drops a letter written twice (a retried write) within
-/// its duplicate window.
+/// position in its stream's incarnation, so the dead-letter stream drops a letter written twice
+/// (a retried write) within its duplicate window, never the letter of a re-created stream's
+/// message at the same sequence.
 pub fn headers(
     message: &NatsDelivery,
     reason: PoisonReason,
@@ -46,7 +49,10 @@ pub fn headers(
     let seq = message.receipt.stream_sequence;
     headers.insert(
         "Nats-Msg-Id",
-        format!("switchboard-dlq:{}:{seq}", context.stream),
+        format!(
+            "switchboard-dlq:{}:{}:{seq}",
+            context.stream, context.incarnation
+        ),
     );
     headers.insert("Switchboard-Reason", reason.as_str());
     headers.insert(
@@ -59,6 +65,7 @@ pub fn headers(
     );
     headers.insert("Switchboard-Stream", context.stream);
     headers.insert("Switchboard-Stream-Seq", seq.to_string());
+    headers.insert("Switchboard-Stream-Incarnation", context.incarnation);
     headers.insert(
         "Switchboard-Subject",
         header_text(message.receipt.subject.as_str()),
@@ -121,6 +128,7 @@ mod tests {
     fn dead_letter_headers_carry_the_context_and_a_stable_message_id() {
         let context = WriteContext {
             stream: "ORDERS",
+            incarnation: "1764608400000000000",
             consumer: "worker-0",
             last_seen: "2026-12-01T17:00:00.000Z",
         };
@@ -148,7 +156,7 @@ mod tests {
         );
         assert_eq!(
             get("Nats-Msg-Id").as_deref(),
-            Some("switchboard-dlq:ORDERS:17")
+            Some("switchboard-dlq:ORDERS:1764608400000000000:17")
         );
         assert_eq!(
             get("Switchboard-Original-Msg-Id").as_deref(),

@@ -10,13 +10,32 @@
 //!   refused) and binds the consumer: created if missing, refused if an existing one differs
 //!   in a setting that matters (`consumer.rs`).
 //! - **Receive**: one `fetch` of up to the batch size; when the loop may block it waits at most
-//!   [`FETCH_EXPIRY`] for the first message (shutdown stays prompt). The delivery count is the
-//!   server's `num_delivered`; the key is `nats:{adapter}:{stream}:{stream_seq}`; headers
-//!   (`Nats-Msg-Id` included) and the subject become event headers.
-//! - **Re-binding**: after a reconnection or a failed fetch, the consumer is looked up again
-//!   (and re-created if the server lost it) before the next fetch; a consumer that delivers
-//!   nothing for 2 × [`FETCH_EXPIRY`] while the server says messages are pending is re-bound
-//!   as well (`nats_consumer_rebinds_total`).
+//!   [`FETCH_EXPIRY`] for the first message (shutdown stays prompt), and every wait for the
+//!   next message has a deadline ([`NEXT_DEADLINE`]: a connection cut after a pull request
+//!   never wedges the worker). The delivery count is the server's `num_delivered`; the key is
+//!   `nats:{adapter}:{stream}:{incarnation}:{stream_seq}`, the incarnation being the stream's
+//!   creation time (Unix ns): a stream deleted and created again restarts its sequences at 1,
+//!   and its messages are new ones, not redeliveries. Headers (`Nats-Msg-Id` included) and the
+//!   subject become event headers; the stream sequence is the checkpoint position (partition:
+//!   the incarnation).
+//! - **Delivery limit**: the consumer has none (MaxDeliver -1; the limit older workers set is
+//!   lifted in place): the worker counts deliveries and dead-letters past
+//!   `delivery.maxDeliveries`, so the server never drops a message the worker has neither
+//!   stored nor dead-lettered.
+//! - **Re-binding**: after a reconnection or a failed fetch, the stream and the consumer are
+//!   looked up again before the next fetch; a consumer that delivers nothing for
+//!   2 × [`FETCH_EXPIRY`] while the server says messages are pending is re-bound as well
+//!   (`nats_consumer_rebinds_total`). A stream with another creation time was re-created: said
+//!   once, in a warning, and read from its first message. A lost consumer is re-created after
+//!   the highest stream sequence stored (never at `deliverPolicy: new`, which would skip the
+//!   backlog), or, with nothing stored yet, at the creation time of the `new` consumer it
+//!   replaces.
+//! - **Undecodable frames**: `async-nats` drops the connection on a delivery whose headers are
+//!   not UTF-8 (a Go producer can publish one); the message never reaches the worker. After
+//!   every re-binding, the deliveries the server holds for the consumer that this worker never
+//!   received are read through the stream's JSON message API (`undeliverable.rs`); one the
+//!   client would refuse is delivered as undecodable (dead-lettered, raw headers in base64,
+//!   then terminated by its stream sequence).
 //! - **Acknowledge**: `+ACK` (or `+TERM` for a message just dead-lettered), the last of a batch
 //!   with a reply subject: the server processes one connection's acknowledgements of a consumer
 //!   in order, so its confirmation of the last confirms the batch ("double ack" at one reply per
@@ -24,7 +43,9 @@
 //!   `+WPI` (in progress) extends it while a batch is stored.
 //! - **Dead letters**: published to `deadLetter.subject` (default `<stream>.dlq.<subject>`),
 //!   the body byte-identical, context in `Switchboard-*` headers; every PubAck is awaited
-//!   before the originals are terminated (`dead_letter.rs`).
+//!   (with a deadline) before the originals are terminated (`dead_letter.rs`). A letter the
+//!   server can never take (over its max payload, over the dead-letter stream's max message
+//!   size) is refused for good: the pipeline keeps it in PostgreSQL.
 //! - **Shutdown**: messages received and not acknowledged are handed back with a delayed NAK
 //!   ([`NAK_DELAY`]), never a bare NAK that would burn through MaxDeliver.
 //! - **Queue health**: the consumer's `num_pending` (backlog) and `num_ack_pending` (pending),
@@ -33,31 +54,40 @@
 mod connect;
 mod consumer;
 mod dead_letter;
+mod undeliverable;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant, SystemTime};
 
+use async_nats::datetime::DateTime;
 use async_nats::jetstream::consumer::PullConsumer;
 use async_nats::jetstream::context::{
     ConsumerInfoErrorKind, CreateStreamErrorKind, GetStreamByNameErrorKind, GetStreamErrorKind,
     PublishErrorKind,
 };
-use async_nats::jetstream::stream::{self, ConsumerErrorKind};
+use async_nats::jetstream::stream::{self, ConsumerErrorKind, ConsumerUpdateErrorKind};
 use async_nats::jetstream::{self, AckKind, ErrorCode};
 use async_nats::{Client, RequestErrorKind, Subject};
 use futures::StreamExt as _;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::registry::Registry;
-use switchboard_store::Dedup;
+use switchboard_api::NatsDeliverPolicy;
+use switchboard_store::{Dedup, Position, Store};
 
 use self::connect::ConnectionEvents;
 pub use self::connect::{Auth, Connector};
+use self::consumer::{Fit, Start};
 use self::dead_letter::WriteContext;
 use crate::metrics::adapter_counter;
 use crate::transport::{
     Acked, DeadLetter, Message, QueueHealth, QueueProbe, Transport, TransportError,
 };
+
+/// A wait for the next message of a fetch: the fetch's expiry and a request's time.
+pub const NEXT_DEADLINE: Duration = Duration::from_secs(6);
+/// How long a publish (a dead letter, a batch of acknowledgements) may wait to be sent.
+const SEND_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// How long a blocking fetch waits for its first message.
 pub const FETCH_EXPIRY: Duration = Duration::from_secs(1);
@@ -115,6 +145,25 @@ pub struct DeadLetterStream {
     subjects: String,
 }
 
+/// Which incarnation of the stream the worker reads: the stream's creation time. A stream
+/// deleted and created again has another one, and restarts its sequences at 1.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Incarnation {
+    created: DateTime,
+    /// The creation time in Unix nanoseconds: in idempotency keys, dead-letter ids and the
+    /// checkpoint partition.
+    tag: String,
+}
+
+impl Incarnation {
+    fn new(created: DateTime) -> Self {
+        Self {
+            created,
+            tag: created.unix_timestamp_nanos().to_string(),
+        }
+    }
+}
+
 /// What `prepare` bound.
 #[derive(Debug)]
 struct Bound {
@@ -129,6 +178,16 @@ struct Bound {
 pub struct Nats {
     settings: NatsSettings,
     source: String,
+    /// Where the highest stored stream sequence is read when a consumer is re-created.
+    store: Store,
+    /// The stream incarnation read, once known.
+    incarnation: Option<Incarnation>,
+    /// When the consumer the worker bound was created: where a `deliverPolicy: new` consumer
+    /// lost before anything was stored starts again.
+    consumer_created: Option<DateTime>,
+    /// Deliveries the server made that the client could not decode, found after a re-binding,
+    /// handed to the pipeline by the next `receive`.
+    undeliverable: Vec<NatsDelivery>,
     events: ConnectionEvents,
     metrics: NatsMetrics,
     client: Option<Client>,
@@ -151,7 +210,7 @@ pub struct Nats {
 
 impl Nats {
     /// Builds the transport (no network yet).
-    pub fn new(settings: NatsSettings, registry: &mut Registry) -> Self {
+    pub fn new(settings: NatsSettings, store: Store, registry: &mut Registry) -> Self {
         let adapter = settings.adapter.clone();
         let events = ConnectionEvents::new(adapter_counter(
             registry,
@@ -161,6 +220,10 @@ impl Nats {
         ));
         Self {
             source: format!("nats:{adapter}"),
+            store,
+            incarnation: None,
+            consumer_created: None,
+            undeliverable: Vec::new(),
             events,
             metrics: NatsMetrics {
                 rebinds: adapter_counter(
@@ -201,10 +264,84 @@ impl Nats {
         Ok(client)
     }
 
-    /// The consumer, created if missing, refused if it differs.
-    async fn bind_consumer(&self, stream: &stream::Stream) -> Result<PullConsumer, TransportError> {
-        let spec = &self.settings.spec;
-        let wanted = consumer::desired(spec, self.settings.max_deliveries);
+    /// Reads the stream: fatal when it is missing. A creation time other than the one read
+    /// before means the stream was deleted and created again: said once, and what was held
+    /// of the old incarnation is forgotten. Returns the stream and whether it was re-created.
+    async fn read_stream(
+        &mut self,
+        js: &jetstream::Context,
+    ) -> Result<(stream::Stream, bool), TransportError> {
+        let name = &self.settings.spec.stream;
+        let stream = js.get_stream(name).await.map_err(|err| match err.kind() {
+            GetStreamErrorKind::JetStream(js) if js.error_code() == ErrorCode::STREAM_NOT_FOUND => {
+                stream_missing(name)
+            }
+            GetStreamErrorKind::InvalidStreamName | GetStreamErrorKind::EmptyName => {
+                TransportError::fatal(STREAM_SETTING, "not a valid stream name", None)
+            }
+            _ => TransportError::transient("could not read the NATS stream", err),
+        })?;
+        let current = Incarnation::new(stream.cached_info().created);
+        let recreated = match self.incarnation.replace(current.clone()) {
+            Some(earlier) if earlier != current => {
+                tracing::warn!(
+                    stream = %name,
+                    earlier_created = %humantime::format_rfc3339_nanos(earlier.created.into()),
+                    created = %humantime::format_rfc3339_nanos(current.created.into()),
+                    "the NATS stream was deleted and created again: its sequences restarted at 1 and its consumer went with it; its messages are new ones (stored under the new incarnation), read from its first message"
+                );
+                self.held.clear();
+                self.dead_lettered.clear();
+                self.undeliverable.clear();
+                self.consumer_created = None;
+                true
+            }
+            _ => false,
+        };
+        Ok((stream, recreated))
+    }
+
+    fn incarnation(&self) -> Result<&Incarnation, TransportError> {
+        self.incarnation
+            .as_ref()
+            .ok_or_else(|| TransportError::protocol("NATS stream used before it was read"))
+    }
+
+    /// Where a consumer the worker creates starts: at 1 on a re-created stream; after the
+    /// highest stream sequence stored; at the creation time of the lost `new` consumer it
+    /// replaces; else (the first creation) at `deliverPolicy`.
+    async fn start(&self, recreated: bool) -> Result<Start, TransportError> {
+        if recreated {
+            return Ok(Start::Sequence(1));
+        }
+        let stored = self
+            .store
+            .position(&self.source, &self.incarnation()?.tag)
+            .await
+            .map_err(TransportError::checkpoint)?;
+        Ok(
+            match (
+                stored.as_deref().and_then(|p| p.first()),
+                self.consumer_created,
+            ) {
+                (Some(&seq), _) => Start::Sequence(u64::try_from(seq).unwrap_or(0) + 1),
+                (None, Some(created))
+                    if self.settings.spec.deliver_policy == NatsDeliverPolicy::New =>
+                {
+                    Start::Time(created)
+                }
+                (None, _) => Start::Configured,
+            },
+        )
+    }
+
+    /// The consumer, created if missing (see [`Nats::start`]), refused if it differs.
+    async fn bind_consumer(
+        &mut self,
+        stream: &stream::Stream,
+        recreated: bool,
+    ) -> Result<PullConsumer, TransportError> {
+        let spec = self.settings.spec.clone();
         let read_failed = |err| TransportError::transient("could not read the NATS consumer", err);
         match stream.consumer_info(&spec.consumer).await {
             Ok(info) => {
@@ -218,15 +355,51 @@ impl Nats {
                         None,
                     ));
                 }
-                consumer::check_existing(&info.config, &wanted, &spec.consumer)?;
+                let wanted = consumer::desired(&spec, &Start::Configured);
+                let fit = consumer::check_existing(
+                    &info.config,
+                    &wanted,
+                    &spec.consumer,
+                    self.settings.max_deliveries,
+                )?;
+                if fit == Fit::LiftDeliveryLimit {
+                    let mut lifted: jetstream::consumer::pull::Config = serde_json::from_value(
+                        serde_json::to_value(&info.config).map_err(|err| {
+                            TransportError::protocol(format!("consumer config: {err}"))
+                        })?,
+                    )
+                    .map_err(|err| TransportError::protocol(format!("consumer config: {err}")))?;
+                    lifted.max_deliver = consumer::UNLIMITED;
+                    stream
+                        .update_consumer(lifted)
+                        .await
+                        .map_err(|err| match err.kind() {
+                            ConsumerUpdateErrorKind::JetStream(_) => TransportError::fatal(
+                                "spec.delivery.maxDeliveries",
+                                format!(
+                                    "the server refused to lift the delivery limit of consumer {} (max_deliver {}); delete the consumer so the worker creates it",
+                                    spec.consumer, info.config.max_deliver
+                                ),
+                                Some(Box::new(err)),
+                            ),
+                            _ => TransportError::transient("could not update the NATS consumer", err),
+                        })?;
+                    tracing::warn!(
+                        consumer = %spec.consumer,
+                        max_deliver = info.config.max_deliver,
+                        "lifted the delivery limit an older worker set on the NATS consumer: the worker counts deliveries itself"
+                    );
+                }
+                self.consumer_created = Some(info.created);
                 stream.get_consumer(&spec.consumer).await.map_err(|err| {
                     TransportError::protocol(format!("could not bind the NATS consumer: {err}"))
                 })
             }
             Err(err) => match err.kind() {
                 ConsumerInfoErrorKind::NotFound => {
+                    let start = self.start(recreated).await?;
                     let created = stream
-                        .create_consumer(wanted)
+                        .create_consumer(consumer::desired(&spec, &start))
                         .await
                         .map_err(|err| match err.kind() {
                             ConsumerErrorKind::JetStream(_) => TransportError::fatal(
@@ -238,7 +411,21 @@ impl Nats {
                                 TransportError::transient("could not create the NATS consumer", err)
                             }
                         })?;
-                    tracing::info!(consumer = %spec.consumer, "created the NATS consumer");
+                    if self.consumer_created.is_some() || start != Start::Configured {
+                        tracing::warn!(consumer = %spec.consumer, start = ?start, "the NATS consumer was missing; re-created it after what is stored");
+                    } else {
+                        tracing::info!(consumer = %spec.consumer, "created the NATS consumer");
+                    }
+                    let mut created = created;
+                    self.consumer_created = Some(
+                        created
+                            .info()
+                            .await
+                            .map_err(|err| {
+                                TransportError::transient("could not read the NATS consumer", err)
+                            })?
+                            .created,
+                    );
                     Ok(created)
                 }
                 ConsumerInfoErrorKind::StreamNotFound => Err(stream_missing(&spec.stream)),
@@ -320,19 +507,60 @@ impl Nats {
         }
     }
 
-    /// Looks the consumer up again (re-creating it if the server lost it).
+    /// Reads the stream and looks the consumer up again (re-creating it if the server lost
+    /// it); then looks for deliveries the client could not decode.
     async fn rebind(&mut self, why: &str) -> Result<(), TransportError> {
         let Some(bound) = &self.bound else {
             return Ok(());
         };
-        let consumer = self.bind_consumer(&bound.stream).await?;
+        let js = bound.js.clone();
+        let (stream, recreated) = self.read_stream(&js).await?;
+        let consumer = self.bind_consumer(&stream, recreated).await?;
         self.metrics.rebinds.inc();
         tracing::info!(reason = why, "re-bound the NATS consumer");
         if let Some(bound) = &mut self.bound {
             bound.consumer = consumer;
+            bound.stream = stream;
         }
         self.rebind_due = false;
         self.quiet_since = None;
+        self.find_undeliverable().await
+    }
+
+    /// Deliveries the server holds for the consumer that this worker never received and the
+    /// client would refuse (see `undeliverable.rs`): queued for the next `receive`.
+    async fn find_undeliverable(&mut self) -> Result<(), TransportError> {
+        let bound = self.bound()?;
+        let info =
+            bound.consumer.get_info().await.map_err(|err| {
+                TransportError::transient("could not read the NATS consumer", err)
+            })?;
+        let found = undeliverable::find(
+            &bound.js,
+            &self.settings.spec,
+            &info,
+            &self.held,
+            &Identity {
+                source: &self.source,
+                stream: &self.settings.spec.stream,
+                incarnation: &self.incarnation()?.tag,
+            },
+        )
+        .await?;
+        for message in found {
+            if !self
+                .undeliverable
+                .iter()
+                .any(|m| m.receipt.stream_sequence == message.receipt.stream_sequence)
+            {
+                tracing::warn!(
+                    stream_sequence = message.receipt.stream_sequence,
+                    reason = message.undecodable.as_deref().unwrap_or_default(),
+                    "a NATS delivery the client cannot decode (it dropped the connection for it): dead-lettering it by its stream sequence"
+                );
+                self.undeliverable.push(message);
+            }
+        }
         Ok(())
     }
 
@@ -361,13 +589,9 @@ impl Nats {
     /// One fetched message, converted; `None` for one without an acknowledgement subject
     /// (never a JetStream delivery: it can be neither acknowledged nor dead-lettered).
     fn convert(&mut self, message: jetstream::Message) -> Option<NatsDelivery> {
-        let (external_id, stream_sequence, delivered, published) = match message.info() {
-            Ok(info) => (
-                format!("{}:{}", info.stream, info.stream_sequence),
-                info.stream_sequence,
-                info.delivered,
-                info.published,
-            ),
+        let incarnation = &self.incarnation.as_ref()?.tag;
+        let (stream_sequence, delivered, published) = match message.info() {
+            Ok(info) => (info.stream_sequence, info.delivered, info.published),
             Err(err) => {
                 tracing::warn!(error = %err, subject = %message.subject, "skipped a NATS message that is not a JetStream delivery");
                 return None;
@@ -391,22 +615,75 @@ impl Nats {
             message.subject.as_bytes().to_vec(),
         ));
         self.held.insert(stream_sequence, reply.clone());
-        Some(Message {
-            receipt: Receipt {
+        let identity = Identity {
+            source: &self.source,
+            stream: &self.settings.spec.stream,
+            incarnation,
+        };
+        Some(identity.message(
+            Receipt {
                 reply,
                 stream_sequence,
                 subject: message.subject,
             },
+            message.payload.to_vec(),
+            headers,
+            u64::try_from(delivered).unwrap_or(1).max(1),
+            published,
+        ))
+    }
+}
+
+/// What identifies a message of the stream: the adapter's source, the stream and its
+/// incarnation.
+#[derive(Debug, Clone, Copy)]
+pub struct Identity<'a> {
+    pub source: &'a str,
+    pub stream: &'a str,
+    /// [`Incarnation::tag`].
+    pub incarnation: &'a str,
+}
+
+impl Identity<'_> {
+    /// A delivery of the message at `receipt.stream_sequence`: its external id
+    /// `{stream}:{incarnation}:{seq}`, idempotency key `{source}:{external id}` and checkpoint
+    /// position (partition: the incarnation).
+    fn message(
+        &self,
+        receipt: Receipt,
+        body: Vec<u8>,
+        headers: Vec<(String, Vec<u8>)>,
+        delivery_count: u64,
+        published: DateTime,
+    ) -> NatsDelivery {
+        let seq = receipt.stream_sequence;
+        let external_id = format!("{}:{}:{seq}", self.stream, self.incarnation);
+        Message {
+            receipt,
             idempotency_key: format!("{}:{external_id}", self.source),
             external_id,
-            body: message.payload.to_vec(),
+            body,
             headers,
-            delivery_count: u64::try_from(delivered).unwrap_or(1).max(1),
+            delivery_count,
             enqueued_at_ms: u64::try_from(published.unix_timestamp_nanos() / 1_000_000).ok(),
-            position: None,
+            position: Some(Position {
+                partition: self.incarnation.to_owned(),
+                value: vec![i64::try_from(seq).unwrap_or(i64::MAX)],
+            }),
             undecodable: None,
-        })
+        }
     }
+}
+
+/// Whether the server refuses a dead letter however often it is sent: larger than the
+/// server's max payload, or than the dead-letter stream's max message size.
+fn refused_for_good(err: &async_nats::jetstream::context::PublishError) -> bool {
+    use std::error::Error as _;
+    matches!(err.kind(), PublishErrorKind::MaxPayloadExceeded)
+        || err
+            .source()
+            .and_then(|source| source.downcast_ref::<jetstream::Error>())
+            .is_some_and(|js| js.error_code() == ErrorCode::STREAM_MESSAGE_EXCEEDS_MAXIMUM)
 }
 
 fn stream_missing(stream: &str) -> TransportError {
@@ -432,22 +709,13 @@ impl Transport for Nats {
     async fn prepare(&mut self) -> Result<(), TransportError> {
         let client = self.client().await?;
         let js = jetstream::new(client.clone());
-        let name = &self.settings.spec.stream.clone();
-        let stream = js.get_stream(name).await.map_err(|err| match err.kind() {
-            GetStreamErrorKind::JetStream(js) if js.error_code() == ErrorCode::STREAM_NOT_FOUND => {
-                stream_missing(name)
-            }
-            GetStreamErrorKind::InvalidStreamName | GetStreamErrorKind::EmptyName => {
-                TransportError::fatal(STREAM_SETTING, "not a valid stream name", None)
-            }
-            _ => TransportError::transient("could not read the NATS stream", err),
-        })?;
+        let (stream, recreated) = self.read_stream(&js).await?;
         self.ensure_dead_letter_stream(&js).await?;
         self.dead_letter_ready = true;
-        let consumer = self.bind_consumer(&stream).await?;
+        let consumer = self.bind_consumer(&stream, recreated).await?;
         if self.bound.is_none() {
             tracing::info!(
-                stream = %name,
+                stream = %self.settings.spec.stream,
                 consumer = %self.settings.spec.consumer,
                 ack_wait_seconds = self.settings.spec.ack_wait_seconds,
                 "NATS consumer ready"
@@ -477,25 +745,41 @@ impl Transport for Nats {
             self.rebind_due = true;
             self.rebind(why).await?;
         }
+        if !self.undeliverable.is_empty() {
+            return Ok(std::mem::take(&mut self.undeliverable));
+        }
         let bound = self.bound()?;
         let mut fetch = bound.consumer.fetch().max_messages(max.max(1));
         if block {
             fetch = fetch.expires(FETCH_EXPIRY);
         }
-        let mut batch = match fetch.messages().await {
-            Ok(batch) => batch,
-            Err(err) => {
+        let mut batch = match tokio::time::timeout(NEXT_DEADLINE, fetch.messages()).await {
+            Ok(Ok(batch)) => batch,
+            Ok(Err(err)) => {
                 self.rebind_due = true;
                 return Err(TransportError::transient("NATS fetch failed", err));
             }
+            Err(elapsed) => {
+                self.rebind_due = true;
+                return Err(TransportError::transient(
+                    "NATS did not take the pull request in time",
+                    elapsed,
+                ));
+            }
         };
         let mut fetched = Vec::new();
-        let mut failure = None;
-        while let Some(item) = batch.next().await {
-            match item {
-                Ok(message) => fetched.push(message),
-                Err(err) => {
+        let mut failure: Option<Box<dyn std::error::Error + Send + Sync>> = None;
+        loop {
+            match tokio::time::timeout(NEXT_DEADLINE, batch.next()).await {
+                Ok(None) => break,
+                Ok(Some(Ok(message))) => fetched.push(message),
+                Ok(Some(Err(err))) => {
                     failure = Some(err);
+                    break;
+                }
+                // The pull request's end never came (a connection cut after it was sent).
+                Err(elapsed) => {
+                    failure = Some(Box::new(elapsed));
                     break;
                 }
             }
@@ -538,11 +822,14 @@ impl Transport for Nats {
         let last_seen = humantime::format_rfc3339_millis(SystemTime::now()).to_string();
         let context = WriteContext {
             stream: &self.settings.spec.stream,
+            incarnation: &self.incarnation()?.tag,
             consumer: &self.settings.consumer,
             last_seen: &last_seen,
         };
         let mut pending = Vec::with_capacity(letters.len());
-        for letter in letters {
+        let mut refused = Vec::new();
+        let mut refusal = None;
+        for (index, letter) in letters.iter().enumerate() {
             let message = letter.message;
             let subject = dead_letter::subject(
                 self.settings.dead_letter_subject.as_deref(),
@@ -556,19 +843,44 @@ impl Transport for Nats {
                 &letter.attempts,
                 context,
             );
-            let ack = bound
-                .js
-                .publish_with_headers(subject, headers, message.body.clone().into())
-                .await
-                .map_err(|err| TransportError::transient("could not publish a dead letter", err))?;
-            pending.push(ack);
+            let sent = tokio::time::timeout(
+                SEND_TIMEOUT,
+                bound
+                    .js
+                    .publish_with_headers(subject, headers, message.body.clone().into()),
+            )
+            .await
+            .map_err(|elapsed| {
+                TransportError::transient("could not publish a dead letter in time", elapsed)
+            })?;
+            match sent {
+                Ok(ack) => pending.push((index, ack)),
+                Err(err) if refused_for_good(&err) => {
+                    refused.push(index);
+                    refusal.get_or_insert(err);
+                }
+                Err(err) => {
+                    return Err(TransportError::transient(
+                        "could not publish a dead letter",
+                        err,
+                    ));
+                }
+            }
         }
         let mut missing_stream = false;
         let mut failure = None;
-        for ack in pending {
-            if let Err(err) = ack.await {
-                missing_stream |= matches!(err.kind(), PublishErrorKind::StreamNotFound);
-                failure.get_or_insert(err);
+        for (index, ack) in pending {
+            // The PubAck future has the JetStream context's own timeout.
+            match ack.await {
+                Ok(_) => {}
+                Err(err) if refused_for_good(&err) => {
+                    refused.push(index);
+                    refusal.get_or_insert(err);
+                }
+                Err(err) => {
+                    missing_stream |= matches!(err.kind(), PublishErrorKind::StreamNotFound);
+                    failure.get_or_insert(err);
+                }
             }
         }
         if let Some(err) = failure {
@@ -583,11 +895,20 @@ impl Transport for Nats {
         self.dead_lettered.extend(
             letters
                 .iter()
-                .map(|letter| letter.message.receipt.stream_sequence),
+                .enumerate()
+                .filter(|(index, _)| !refused.contains(index))
+                .map(|(_, letter)| letter.message.receipt.stream_sequence),
         );
+        if let Some(err) = refusal {
+            refused.sort_unstable();
+            return Err(TransportError::dead_letters_refused(
+                refused,
+                "NATS refuses these dead letters for good (over the server's max payload or the dead-letter stream's max message size)",
+                Some(Box::new(err)),
+            ));
+        }
         Ok(())
     }
-
     /// Every acknowledgement but the last is sent as is; the last asks for the server's
     /// confirmation. The server takes the acknowledgements of one consumer from one connection
     /// in order, so confirming the last confirms that it processed them all: one reply per
@@ -612,11 +933,29 @@ impl Transport for Nats {
                 AckKind::Ack
             }
         };
-        for message in rest {
-            client
-                .publish(message.receipt.reply.clone(), kind(message).into())
-                .await
-                .map_err(|err| TransportError::transient("could not send acknowledgements", err))?;
+        let sent = tokio::time::timeout(SEND_TIMEOUT, async {
+            for message in rest {
+                client
+                    .publish(message.receipt.reply.clone(), kind(message).into())
+                    .await?;
+            }
+            Ok::<_, async_nats::PublishError>(())
+        })
+        .await;
+        match sent {
+            Ok(Ok(())) => {}
+            Ok(Err(err)) => {
+                return Err(TransportError::transient(
+                    "could not send acknowledgements",
+                    err,
+                ));
+            }
+            Err(elapsed) => {
+                return Err(TransportError::transient(
+                    "could not send acknowledgements in time",
+                    elapsed,
+                ));
+            }
         }
         let confirmation = client.request(last.receipt.reply.clone(), kind(last).into());
         let confirmed = tokio::time::timeout(ACK_TIMEOUT, confirmation).await;
@@ -666,16 +1005,24 @@ impl Transport for Nats {
 
     async fn extend_lease(&mut self, messages: &[&NatsDelivery]) -> Result<(), TransportError> {
         let client = &self.bound()?.client;
-        for message in messages {
+        let sent = tokio::time::timeout(SEND_TIMEOUT, async {
+            for message in messages {
+                client
+                    .publish(message.receipt.reply.clone(), AckKind::Progress.into())
+                    .await
+                    .map_err(|err| {
+                        TransportError::transient("could not send in-progress acks", err)
+                    })?;
+            }
             client
-                .publish(message.receipt.reply.clone(), AckKind::Progress.into())
+                .flush()
                 .await
-                .map_err(|err| TransportError::transient("could not send in-progress acks", err))?;
-        }
-        client
-            .flush()
-            .await
-            .map_err(|err| TransportError::transient("could not send in-progress acks", err))
+                .map_err(|err| TransportError::transient("could not send in-progress acks", err))
+        })
+        .await;
+        sent.map_err(|elapsed| {
+            TransportError::transient("could not send in-progress acks in time", elapsed)
+        })?
     }
 
     async fn maintain(&mut self) -> Result<(), TransportError> {
@@ -705,17 +1052,19 @@ impl Transport for Nats {
         if held.is_empty() {
             return;
         }
-        for reply in held.values() {
-            if bound
-                .client
-                .publish(reply.clone(), AckKind::Nak(Some(NAK_DELAY)).into())
-                .await
-                .is_err()
-            {
-                break;
+        let handed_back = tokio::time::timeout(SEND_TIMEOUT, async {
+            for reply in held.values() {
+                bound
+                    .client
+                    .publish(reply.clone(), AckKind::Nak(Some(NAK_DELAY)).into())
+                    .await
+                    .map_err(|err| err.to_string())?;
             }
-        }
-        match bound.client.flush().await {
+            bound.client.flush().await.map_err(|err| err.to_string())
+        })
+        .await
+        .unwrap_or_else(|_| Err("timed out".to_owned()));
+        match handed_back {
             Ok(()) => tracing::info!(
                 messages = held.len(),
                 delay = ?NAK_DELAY,

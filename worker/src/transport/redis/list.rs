@@ -21,6 +21,7 @@ use switchboard_store::Dedup;
 use tokio::task::JoinHandle;
 
 use super::{
+    refused_by_dead_letter_key,
     BLOCK, CONTROL_TIMEOUT, Connection, NamedKey, Origin, array, body_hash, dead_letter_record,
     integer, open, record_time_ms, text,
 };
@@ -523,7 +524,11 @@ impl Transport for RedisList {
         for letter in letters {
             write.arg(dead_letter_record(letter, origin));
         }
-        self.control.query("LPUSH", &write).await.map(drop)
+        self.control
+            .query("LPUSH", &write)
+            .await
+            .map(drop)
+            .map_err(|err| refused_by_dead_letter_key(err, letters.len()))
     }
 
     async fn maintain(&mut self) -> Result<(), TransportError> {

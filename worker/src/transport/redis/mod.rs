@@ -152,6 +152,24 @@ pub fn classify_redis_error(
     TransportError::transient(format!("redis command {command} failed"), source)
 }
 
+/// A failed dead-letter write: when the dead-letter key holds another type (WRONGTYPE, for
+/// good), every one of the `letters` is refused ([`TransportError::dead_letters_refused`], the
+/// error naming the key and its setting) and the pipeline keeps them in PostgreSQL instead;
+/// any other failure is returned as it is.
+pub fn refused_by_dead_letter_key(err: TransportError, letters: usize) -> TransportError {
+    let wrongtype = std::error::Error::source(&err)
+        .and_then(|source| source.downcast_ref::<redis::RedisError>())
+        .is_some_and(|source| server_codes(source).iter().any(|(_, code)| code == "WRONGTYPE"));
+    if !wrongtype {
+        return err;
+    }
+    TransportError::dead_letters_refused(
+        (0..letters).collect(),
+        "the dead-letter key refuses every letter",
+        Some(Box::new(err)),
+    )
+}
+
 /// [`classify_redis_error`] for a call on no named key.
 pub fn redis_error(command: &'static str) -> impl FnOnce(redis::RedisError) -> TransportError {
     move |source| classify_redis_error(command, &[], &[], source)

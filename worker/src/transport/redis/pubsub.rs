@@ -13,6 +13,7 @@ use switchboard_store::Dedup;
 use tokio::time::{Instant, timeout, timeout_at};
 
 use super::{
+    refused_by_dead_letter_key,
     BLOCK, CONTROL_TIMEOUT, Connection, NamedKey, Origin, body_hash, dead_letter_record, integer,
     open, protocol, redis_error,
 };
@@ -236,7 +237,11 @@ impl Transport for RedisPubSub {
         for letter in letters {
             cmd.arg(dead_letter_record(letter, origin));
         }
-        self.control.query("LPUSH", &cmd).await.map(drop)
+        self.control
+            .query("LPUSH", &cmd)
+            .await
+            .map(drop)
+            .map_err(|err| refused_by_dead_letter_key(err, letters.len()))
     }
 
     async fn maintain(&mut self) -> Result<(), TransportError> {

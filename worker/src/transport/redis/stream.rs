@@ -21,6 +21,7 @@ use switchboard_api::StartFrom;
 use switchboard_store::{Dedup, Store};
 
 use super::{
+    refused_by_dead_letter_key,
     BLOCK, CONTROL_TIMEOUT, Connection, NamedKey, array, error_code, integer, now_rfc3339, open,
     protocol, rfc3339_ms, text,
 };
@@ -799,7 +800,10 @@ impl Transport for RedisStream {
                 .arg(letter.attempts.to_json())
                 .ignore();
         }
-        self.control.pipeline::<()>("XADD", &pipe).await
+        self.control
+            .pipeline::<()>("XADD", &pipe)
+            .await
+            .map_err(|err| refused_by_dead_letter_key(err, letters.len()))
     }
 
     async fn maintain(&mut self) -> Result<(), TransportError> {

@@ -1,0 +1,164 @@
+//! Dead letters kept in PostgreSQL's `dead_letters` table (the broker's dead-letter destination
+//! refused them for good), listed, shown and purged with the broker's own, for every broker.
+
+use switchboard_store::{KeptLetterRow, Store, StoreError};
+
+use super::{DeadLetterReader, StoredLetter, headers_from_json};
+use crate::transport::TransportError;
+
+/// What a kept letter's handle starts with (broker handles never do).
+const KEPT: &str = "postgresql:";
+
+/// A broker's dead-letter reader (if `switchboard-worker dlq` has one for it) with the letters
+/// PostgreSQL keeps for the same adapter (if `DATABASE_URL` is set).
+pub struct WithKept<R> {
+    pub broker: Option<R>,
+    pub kept: Option<KeptLetters>,
+}
+
+/// The `dead_letters` rows of one source (`{kind}:{adapter}`).
+pub struct KeptLetters {
+    store: Store,
+    source: String,
+}
+
+impl KeptLetters {
+    pub async fn connect(url: &str, source: String) -> Result<Self, TransportError> {
+        let store = Store::connect(url, 1, "switchboard-dlq")
+            .await
+            .map_err(database)?;
+        Ok(Self { store, source })
+    }
+}
+
+fn database(err: StoreError) -> TransportError {
+    TransportError::database("cannot read PostgreSQL's dead_letters table", err)
+}
+
+fn letter(row: KeptLetterRow) -> StoredLetter {
+    StoredLetter {
+        id: format!("db-{}", row.id),
+        dead_lettered_at_ms: Some(row.dead_lettered_at_ms),
+        reason: Some(row.reason),
+        delivery_count: Some(row.delivery_count),
+        last_error: Some(row.error),
+        body: row.body,
+        headers: headers_from_json(&row.headers),
+        attempts: serde_json::from_str(&row.attempts).ok(),
+        origin: format!(
+            "kept in PostgreSQL's dead_letters table (the broker refused it: {})",
+            row.refused_because
+        ),
+        original_id: Some(row.external_id),
+        handle: format!("{KEPT}{}", row.id),
+    }
+}
+
+fn is_kept(letter: &StoredLetter) -> bool {
+    letter.handle.starts_with(KEPT)
+}
+
+impl<R: DeadLetterReader> DeadLetterReader for WithKept<R> {
+    fn destination(&self) -> String {
+        let broker = self.broker.as_ref().map(R::destination);
+        let kept = self
+            .kept
+            .as_ref()
+            .map(|_| "PostgreSQL's dead_letters table".to_owned());
+        let both: Vec<String> = broker.into_iter().chain(kept).collect();
+        both.join(" and ")
+    }
+
+    fn source(&self) -> String {
+        self.broker
+            .as_ref()
+            .map_or_else(|| "the source".to_owned(), R::source)
+    }
+
+    fn caveats(&self) -> Vec<String> {
+        self.broker.as_ref().map(R::caveats).unwrap_or_default()
+    }
+
+    async fn letters(&mut self, limit: usize) -> Result<Vec<StoredLetter>, TransportError> {
+        let mut letters = match &mut self.broker {
+            Some(broker) => broker.letters(limit).await?,
+            None => Vec::new(),
+        };
+        if let Some(kept) = &self.kept {
+            let rows = kept
+                .store
+                .kept_dead_letters(&kept.source, limit.saturating_sub(letters.len()))
+                .await
+                .map_err(database)?;
+            letters.extend(rows.into_iter().map(letter));
+        }
+        Ok(letters)
+    }
+
+    async fn redrive(&mut self, letter: &StoredLetter) -> Result<(), TransportError> {
+        match &mut self.broker {
+            Some(broker) if !is_kept(letter) => broker.redrive(letter).await,
+            _ => Err(TransportError::protocol(format!(
+                "{} is kept in PostgreSQL's dead_letters table: `dlq redrive` does not put those \
+                 back; `dlq show {} -o raw` prints its body",
+                letter.id, letter.id
+            ))),
+        }
+    }
+
+    async fn remove(&mut self, letters: &[StoredLetter]) -> Result<(), TransportError> {
+        let (kept, theirs): (Vec<StoredLetter>, Vec<StoredLetter>) =
+            letters.iter().cloned().partition(is_kept);
+        if let Some(broker) = &mut self.broker
+            && !theirs.is_empty()
+        {
+            broker.remove(&theirs).await?;
+        }
+        if let Some(store) = &self.kept
+            && !kept.is_empty()
+        {
+            let ids: Vec<i64> = kept
+                .iter()
+                .filter_map(|letter| letter.handle.strip_prefix(KEPT)?.parse().ok())
+                .collect();
+            store
+                .store
+                .delete_kept_dead_letters(&store.source, &ids)
+                .await
+                .map_err(database)?;
+        }
+        Ok(())
+    }
+
+    async fn release(&mut self, letters: &[StoredLetter]) -> Result<(), TransportError> {
+        let theirs: Vec<StoredLetter> = letters.iter().filter(|l| !is_kept(l)).cloned().collect();
+        match &mut self.broker {
+            Some(broker) if !theirs.is_empty() => broker.release(&theirs).await,
+            _ => Ok(()),
+        }
+    }
+}
+
+/// The broker reader of a broker `switchboard-worker dlq` cannot read yet: none.
+pub enum NoBrokerReader {}
+
+impl DeadLetterReader for NoBrokerReader {
+    fn destination(&self) -> String {
+        match *self {}
+    }
+    fn source(&self) -> String {
+        match *self {}
+    }
+    fn caveats(&self) -> Vec<String> {
+        match *self {}
+    }
+    async fn letters(&mut self, _limit: usize) -> Result<Vec<StoredLetter>, TransportError> {
+        match *self {}
+    }
+    async fn redrive(&mut self, _letter: &StoredLetter) -> Result<(), TransportError> {
+        match *self {}
+    }
+    async fn remove(&mut self, _letters: &[StoredLetter]) -> Result<(), TransportError> {
+        match *self {}
+    }
+}

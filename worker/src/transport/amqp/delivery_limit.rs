@@ -1,0 +1,203 @@
+//! The worker owns redelivery limits: a quorum queue whose `x-delivery-limit` is below
+//! `spec.delivery.maxDeliveries` would have RabbitMQ drop (or dead-letter to the queue's own
+//! `x-dead-letter-exchange`) a message the worker has not stored or dead-lettered. Refused at
+//! start, naming both settings.
+//!
+//! What AMQP 0-9-1 shows: a passive declare returns only the counts, never the arguments. A
+//! non-passive declare of an existing queue with other arguments fails with 406
+//! PRECONDITION_FAILED naming the first argument that differs and its current value
+//! (`inequivalent arg 'x-delivery-limit' for queue 'q' in vhost '/': received none but current
+//! is the value '3' of type 'long'`). So the check declares the queue with the arguments learnt so
+//! far, each on a channel of its own (a refused declare closes it), adding the current value of
+//! each argument named, until the declare succeeds (a no-op: every argument equals the queue's)
+//! or names `x-delivery-limit`. What it cannot see: a `delivery-limit` set by a **policy**
+//! (policies are not queue arguments; only the management API shows them), and queues the user
+//! may not configure (a declare needs the configure permission: then the check is skipped, and
+//! says so once).
+
+use lapin::Connection;
+use lapin::options::QueueDeclareOptions;
+use lapin::types::{AMQPValue, FieldTable, LongString};
+
+use super::classify::{self, Addressed, Names};
+use super::{call, open_channel};
+use crate::transport::TransportError;
+
+/// The queue argument RabbitMQ limits deliveries with (quorum queues).
+pub const DELIVERY_LIMIT: &str = "x-delivery-limit";
+/// At most this many arguments are learnt before the check gives up.
+const MAX_ROUNDS: usize = 16;
+
+/// An argument a refused declare named, with the queue's current value.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Inequivalent {
+    /// A queue argument (`x-…`) and its current value (`None`: the queue has none).
+    Argument(String, Option<AMQPValue>),
+    /// A declare flag (`durable`, `exclusive`, `auto_delete`) and its current value.
+    Flag(String, bool),
+}
+
+/// What a 406 reply text says differs, if it is an equivalence failure this can echo back.
+pub fn inequivalent(text: &str) -> Option<Inequivalent> {
+    let rest = &text[text.find("inequivalent arg '")? + "inequivalent arg '".len()..];
+    let name = &rest[..rest.find('\'')?];
+    let current = &rest[rest.find("but current is ")? + "but current is ".len()..];
+    if matches!(name, "durable" | "exclusive" | "auto_delete") {
+        let value = current.trim_matches(|c: char| c == '\'' || c.is_whitespace());
+        return Some(Inequivalent::Flag(name.to_owned(), value == "true"));
+    }
+    if current.starts_with("none") {
+        return Some(Inequivalent::Argument(name.to_owned(), None));
+    }
+    let value = current.strip_prefix("the value '")?;
+    let (value, kind) = value.rsplit_once("' of type '")?;
+    let kind = kind.trim_end_matches(['\'', ' ']);
+    let number = || value.parse::<i64>().ok();
+    let value = match kind {
+        "long" => AMQPValue::LongLongInt(number()?),
+        "signedint" => AMQPValue::LongInt(i32::try_from(number()?).ok()?),
+        "short" => AMQPValue::ShortInt(i16::try_from(number()?).ok()?),
+        "byte" => AMQPValue::ShortShortInt(i8::try_from(number()?).ok()?),
+        "unsignedint" => AMQPValue::LongUInt(u32::try_from(number()?).ok()?),
+        "unsignedshort" => AMQPValue::ShortUInt(u16::try_from(number()?).ok()?),
+        "unsignedbyte" => AMQPValue::ShortShortUInt(u8::try_from(number()?).ok()?),
+        "bool" => AMQPValue::Boolean(value == "true"),
+        "longstr" => AMQPValue::LongString(LongString::from(value.as_bytes().to_vec())),
+        _ => return None,
+    };
+    Some(Inequivalent::Argument(name.to_owned(), Some(value)))
+}
+
+/// An integer argument's value.
+fn integer(value: &AMQPValue) -> Option<i64> {
+    match value {
+        AMQPValue::LongLongInt(v) => Some(*v),
+        AMQPValue::LongInt(v) => Some(i64::from(*v)),
+        AMQPValue::ShortInt(v) => Some(i64::from(*v)),
+        AMQPValue::ShortShortInt(v) => Some(i64::from(*v)),
+        AMQPValue::LongUInt(v) => Some(i64::from(*v)),
+        AMQPValue::ShortUInt(v) => Some(i64::from(*v)),
+        AMQPValue::ShortShortUInt(v) => Some(i64::from(*v)),
+        _ => None,
+    }
+}
+
+/// Fails fatally when `queue` has an `x-delivery-limit` argument below `max_deliveries`.
+pub async fn check(
+    names: &Names,
+    connection: &Connection,
+    queue: &str,
+    max_deliveries: u64,
+) -> Result<(), TransportError> {
+    let mut arguments = FieldTable::default();
+    let mut options = QueueDeclareOptions {
+        durable: true,
+        ..QueueDeclareOptions::default()
+    };
+    for _ in 0..MAX_ROUNDS {
+        let channel = open_channel(names, connection).await?;
+        let declared = call(
+            names,
+            "queue declare (argument check)",
+            Addressed::Queue,
+            async {
+                Ok(channel
+                    .queue_declare(queue.into(), options, arguments.clone())
+                    .await)
+            },
+        )
+        .await?;
+        let err = match declared {
+            Ok(_) => {
+                let _ = channel.close(200, "checked".into()).await;
+                return Ok(());
+            }
+            Err(err) => err,
+        };
+        let found = match (classify::reply_code(&err), &err.kind()) {
+            (Some(406), lapin::ErrorKind::ProtocolError(amqp)) => {
+                inequivalent(amqp.get_message().as_str())
+            }
+            (Some(403), _) => {
+                tracing::info!(
+                    queue,
+                    "cannot check the queue's x-delivery-limit (declaring needs the configure permission); make sure no delivery limit below spec.delivery.maxDeliveries applies"
+                );
+                return Ok(());
+            }
+            _ => return Err(names.error("queue declare (argument check)", Addressed::Queue, err)),
+        };
+        match found {
+            Some(Inequivalent::Argument(name, Some(value))) if name == DELIVERY_LIMIT => {
+                return match integer(&value) {
+                    Some(limit)
+                        if u64::try_from(limit).is_ok_and(|limit| limit < max_deliveries) =>
+                    {
+                        Err(TransportError::fatal(
+                            "spec.delivery.maxDeliveries",
+                            format!(
+                                "the queue {queue:?} has x-delivery-limit {limit}, below spec.delivery.maxDeliveries {max_deliveries}: RabbitMQ would drop or dead-letter messages the worker has not stored; remove the queue's x-delivery-limit or raise it to at least {max_deliveries}, or lower maxDeliveries"
+                            ),
+                            None,
+                        ))
+                    }
+                    _ => Ok(()),
+                };
+            }
+            Some(Inequivalent::Argument(name, Some(value))) => {
+                arguments.insert(name.as_str().into(), value);
+            }
+            Some(Inequivalent::Argument(name, None)) => {
+                arguments = arguments
+                    .inner()
+                    .iter()
+                    .filter(|(key, _)| key.as_str() != name)
+                    .map(|(key, value)| (key.clone(), value.clone()))
+                    .collect::<std::collections::BTreeMap<_, _>>()
+                    .into();
+            }
+            Some(Inequivalent::Flag(name, value)) => match name.as_str() {
+                "durable" => options.durable = value,
+                "exclusive" => options.exclusive = value,
+                _ => options.auto_delete = value,
+            },
+            None => break,
+        }
+    }
+    tracing::info!(
+        queue,
+        "could not read the queue's arguments to check its x-delivery-limit; make sure no delivery limit below spec.delivery.maxDeliveries applies"
+    );
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_the_current_value_of_the_argument_named() {
+        let text = "PRECONDITION_FAILED - inequivalent arg 'x-delivery-limit' for queue 'orders' in vhost '/': received none but current is the value '3' of type 'long'";
+        assert_eq!(
+            inequivalent(text),
+            Some(Inequivalent::Argument(
+                DELIVERY_LIMIT.into(),
+                Some(AMQPValue::LongLongInt(3))
+            ))
+        );
+        let text = "PRECONDITION_FAILED - inequivalent arg 'x-queue-type' for queue 'orders' in vhost '/': received none but current is the value 'quorum' of type 'longstr'";
+        assert_eq!(
+            inequivalent(text),
+            Some(Inequivalent::Argument(
+                "x-queue-type".into(),
+                Some(AMQPValue::LongString("quorum".into()))
+            ))
+        );
+        let text = "PRECONDITION_FAILED - inequivalent arg 'durable' for queue 'orders' in vhost '/': received 'true' but current is 'false'";
+        assert_eq!(
+            inequivalent(text),
+            Some(Inequivalent::Flag("durable".into(), false))
+        );
+        assert_eq!(inequivalent("PRECONDITION_FAILED - something else"), None);
+    }
+}

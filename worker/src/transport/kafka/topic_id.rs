@@ -1,0 +1,136 @@
+//! Topic ids (KIP-516, Kafka ≥ 2.8): the incarnation of a topic. A topic deleted and created
+//! again under the same name starts its offsets at 0 again; its id is new.
+//!
+//! librdkafka 2.12 returns the id from its `DescribeTopics` admin call, which the `rdkafka` crate
+//! does not wrap (its `Metadata` has no id either), so this module calls it through the bindings
+//! `rdkafka` re-exports: the one place the worker uses `unsafe`. Every pointer comes from
+//! librdkafka, is used only while the object owning it lives, and every object created here is
+//! destroyed by a guard, whatever path is taken.
+#![allow(unsafe_code)]
+
+use std::collections::HashMap;
+use std::ffi::{CStr, CString, c_char};
+use std::time::Duration;
+
+use rdkafka::bindings as rd;
+use rdkafka::client::{Client, ClientContext};
+use rdkafka::error::{KafkaError, RDKafkaErrorCode};
+
+/// The id of a broker that has none (before Kafka 2.8), as librdkafka prints it.
+const NO_TOPIC_ID: &str = "AAAAAAAAAAAAAAAAAAAAAA";
+
+/// What `DescribeTopics` says of one topic.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Described {
+    /// The topic exists; its id (base64, as Kafka's tools print it), `None` where the brokers
+    /// keep none.
+    Exists(Option<String>),
+    /// The brokers answered with this error for the topic (it does not exist, access denied…).
+    Failed(RDKafkaErrorCode),
+}
+
+/// Destroys what librdkafka allocated, on every path.
+struct Owned<T> {
+    ptr: *mut T,
+    destroy: unsafe extern "C" fn(*mut T),
+}
+
+impl<T> Drop for Owned<T> {
+    fn drop(&mut self) {
+        if !self.ptr.is_null() {
+            // SAFETY: `ptr` was returned by the librdkafka constructor matching `destroy` and is
+            // destroyed once, here.
+            unsafe { (self.destroy)(self.ptr) }
+        }
+    }
+}
+
+/// Describes `topics` on `client`'s connections, waiting at most `timeout` (a blocking call:
+/// run it off the async runtime).
+pub fn describe_topics<C: ClientContext>(
+    client: &Client<C>,
+    topics: &[String],
+    timeout: Duration,
+) -> Result<HashMap<String, Described>, KafkaError> {
+    let admin_error = |code: RDKafkaErrorCode| KafkaError::AdminOp(code);
+    let names: Vec<CString> = topics
+        .iter()
+        .map(|topic| CString::new(topic.as_str()))
+        .collect::<Result<_, _>>()
+        .map_err(|_| admin_error(RDKafkaErrorCode::InvalidTopic))?;
+    let mut pointers: Vec<*const c_char> = names.iter().map(|name| name.as_ptr()).collect();
+    let timeout_ms = i32::try_from(timeout.as_millis()).unwrap_or(i32::MAX);
+    let rk = client.native_ptr();
+    // SAFETY: `rk` is the live client `client` owns; the names outlive the collection, which
+    // copies them; each object is destroyed by its guard after its last use.
+    unsafe {
+        let collection = Owned {
+            ptr: rd::rd_kafka_TopicCollection_of_topic_names(pointers.as_mut_ptr(), pointers.len()),
+            destroy: rd::rd_kafka_TopicCollection_destroy,
+        };
+        let queue = Owned {
+            ptr: rd::rd_kafka_queue_new(rk),
+            destroy: rd::rd_kafka_queue_destroy,
+        };
+        let options = Owned {
+            ptr: rd::rd_kafka_AdminOptions_new(
+                rk,
+                rd::rd_kafka_admin_op_t::RD_KAFKA_ADMIN_OP_DESCRIBETOPICS,
+            ),
+            destroy: rd::rd_kafka_AdminOptions_destroy,
+        };
+        let mut errstr = [0 as c_char; 256];
+        rd::rd_kafka_AdminOptions_set_request_timeout(
+            options.ptr,
+            timeout_ms,
+            errstr.as_mut_ptr(),
+            errstr.len(),
+        );
+        rd::rd_kafka_DescribeTopics(rk, collection.ptr, options.ptr, queue.ptr);
+        let event = Owned {
+            ptr: rd::rd_kafka_queue_poll(queue.ptr, timeout_ms),
+            destroy: rd::rd_kafka_event_destroy,
+        };
+        if event.ptr.is_null() {
+            return Err(admin_error(RDKafkaErrorCode::OperationTimedOut));
+        }
+        let code = RDKafkaErrorCode::from(rd::rd_kafka_event_error(event.ptr));
+        if code != RDKafkaErrorCode::NoError {
+            return Err(admin_error(code));
+        }
+        let result = rd::rd_kafka_event_DescribeTopics_result(event.ptr);
+        if result.is_null() {
+            return Err(admin_error(RDKafkaErrorCode::BadMessage));
+        }
+        let mut count = 0;
+        let descriptions = rd::rd_kafka_DescribeTopics_result_topics(result, &mut count);
+        let mut described = HashMap::with_capacity(count);
+        for index in 0..count {
+            let description = *descriptions.add(index);
+            let name = CStr::from_ptr(rd::rd_kafka_TopicDescription_name(description))
+                .to_string_lossy()
+                .into_owned();
+            let error = rd::rd_kafka_TopicDescription_error(description);
+            let code = if error.is_null() {
+                RDKafkaErrorCode::NoError
+            } else {
+                RDKafkaErrorCode::from(rd::rd_kafka_error_code(error))
+            };
+            let state = if code == RDKafkaErrorCode::NoError {
+                let id = rd::rd_kafka_TopicDescription_topic_id(description);
+                let id = (!id.is_null())
+                    .then(|| {
+                        CStr::from_ptr(rd::rd_kafka_Uuid_base64str(id))
+                            .to_string_lossy()
+                            .into_owned()
+                    })
+                    .filter(|id| id != NO_TOPIC_ID);
+                Described::Exists(id)
+            } else {
+                Described::Failed(code)
+            };
+            described.insert(name, state);
+        }
+        Ok(described)
+    }
+}
