@@ -21,9 +21,8 @@ use switchboard_store::Dedup;
 use tokio::task::JoinHandle;
 
 use super::{
-    refused_by_dead_letter_key,
     BLOCK, CONTROL_TIMEOUT, Connection, NamedKey, Origin, array, body_hash, dead_letter_record,
-    integer, open, record_time_ms, text,
+    integer, open, record_time_ms, refused_by_dead_letter_key, text,
 };
 use crate::health::now_ms;
 use crate::metrics::adapter_counter;
