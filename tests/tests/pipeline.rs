@@ -525,10 +525,7 @@ async fn refused_dead_letters_are_kept_in_postgresql_once_and_their_originals_ac
         }
         let script = Script {
             batches: VecDeque::from([batch(), again]),
-            fail_dead_letters: VecDeque::from([
-                Failure::Refused(vec![1]),
-                Failure::Refused(vec![1]),
-            ]),
+            fail_dead_letters: VecDeque::from([Failure::Refused(vec![1]), Failure::Refused(vec![1])]),
             ..Script::default()
         };
         let running = start(&fx, script, None);
@@ -556,19 +553,14 @@ async fn refused_dead_letters_are_kept_in_postgresql_once_and_their_originals_ac
             )],
             "one row, the body byte-identical, kept once across the redelivery: {rows:?}"
         );
-        let (headers, attempts): (serde_json::Value, serde_json::Value) =
-            sqlx::query_as("SELECT headers, attempts FROM dead_letters WHERE external_id = 'm101'")
-                .fetch_one(fx.pool())
-                .await?;
-        ensure!(
-            headers["trace"]["base64"] == "/wA=",
-            "headers kept: {headers}"
-        );
+        let (headers, attempts): (serde_json::Value, serde_json::Value) = sqlx::query_as(
+            "SELECT headers, attempts FROM dead_letters WHERE external_id = 'm101'",
+        )
+        .fetch_one(fx.pool())
+        .await?;
+        ensure!(headers["trace"]["base64"] == "/wA=", "headers kept: {headers}");
         ensure!(attempts["total"] == 1, "attempts kept: {attempts}");
-        ensure!(
-            running.metrics.kept_in_database.get() == 2,
-            "counted at each refusal"
-        );
+        ensure!(running.metrics.kept_in_database.get() == 2, "counted at each refusal");
         running.stop().await??;
         fx.assert_exactly_once("pipeline", 3).await
     })
@@ -591,10 +583,7 @@ async fn refused_dead_letters_wait_out_a_read_only_database_and_are_never_acknow
             Ok(running.health.not_ready_because().contains("read-only"))
         })
         .await?;
-        ensure!(
-            running.acked().is_empty(),
-            "nothing acknowledged without its row"
-        );
+        ensure!(running.acked().is_empty(), "nothing acknowledged without its row");
         fx.set_read_only(false).await?;
         wait_for(DEADLINE, "the original is acknowledged", || async {
             Ok(running.acked() == vec![1])
@@ -617,14 +606,10 @@ async fn read_only_database_is_retried_and_nothing_is_dead_lettered() -> Result<
             ..Script::default()
         };
         let running = start(&fx, script, None);
-        wait_for(
-            DEADLINE,
-            "readiness says the database is read-only",
-            || async {
-                let because = running.health.not_ready_because();
-                Ok(because.contains("database unavailable") && because.contains("read-only"))
-            },
-        )
+        wait_for(DEADLINE, "readiness says the database is read-only", || async {
+            let because = running.health.not_ready_because();
+            Ok(because.contains("database unavailable") && because.contains("read-only"))
+        })
         .await?;
         ensure!(running.acked().is_empty() && running.calls().is_empty());
         fx.set_read_only(false).await?;
@@ -683,15 +668,10 @@ async fn row_postgresql_refuses_with_a_program_limit_is_dead_lettered_and_its_ne
             .metrics
             .encode()
             .lines()
-            .find(|line| {
-                line.starts_with("switchboard_dependency_errors_total") && line.contains("database")
-            })
+            .find(|line| line.starts_with("switchboard_dependency_errors_total") && line.contains("database"))
             .map(str::to_owned)
             .unwrap_or_default();
-        ensure!(
-            errors.ends_with(" 0"),
-            "no retry loop on the database: {errors}"
-        );
+        ensure!(errors.ends_with(" 0"), "no retry loop on the database: {errors}");
         running.stop().await??;
         fx.assert_exactly_once("pipeline", 8).await
     })
@@ -719,10 +699,7 @@ async fn header_value_name_and_id_holding_nul_are_stored_encoded_not_rejected() 
         })
         .await?;
         ensure!(
-            running
-                .calls()
-                .iter()
-                .all(|c| !matches!(c, Call::DeadLetters(_))),
+            running.calls().iter().all(|c| !matches!(c, Call::DeadLetters(_))),
             "nothing dead-lettered: {:?}",
             running.calls()
         );
@@ -757,19 +734,15 @@ async fn liveness_fails_while_work_waits_and_no_batch_completes_then_recovers() 
         };
         let running = start(&fx, script, None);
         running.health.set_stall_limit(Duration::from_millis(500));
-        wait_for(
-            DEADLINE,
-            "/healthz fails: work waits, nothing completes",
-            || async { Ok(!running.health.is_live()) },
-        )
+        wait_for(DEADLINE, "/healthz fails: work waits, nothing completes", || async {
+            Ok(!running.health.is_live())
+        })
         .await?;
         sqlx::query("ROLLBACK").execute(&mut lock).await?;
         running.script.lock().expect("script").backlog = 0;
-        wait_for(
-            DEADLINE,
-            "the batch completes and /healthz passes",
-            || async { Ok(running.acked() == vec![0, 1, 2] && running.health.is_live()) },
-        )
+        wait_for(DEADLINE, "the batch completes and /healthz passes", || async {
+            Ok(running.acked() == vec![0, 1, 2] && running.health.is_live())
+        })
         .await?;
         running.stop().await??;
         fx.assert_exactly_once("pipeline", 3).await

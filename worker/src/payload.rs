@@ -693,11 +693,7 @@ mod fields_tests {
     fn text_with_nul_is_stored_in_base64_and_other_text_unchanged() {
         assert_eq!(storable_text("kafka:a/b:0:17"), "kafka:a/b:0:17");
         assert_eq!(storable_text("k\0"), "base64:awA=");
-        assert_eq!(
-            storable_text("k\0"),
-            storable_text("k\0"),
-            "the same at every delivery"
-        );
+        assert_eq!(storable_text("k\0"), storable_text("k\0"), "the same at every delivery");
     }
 
     #[test]

@@ -269,11 +269,8 @@ impl StoreContext {
         let mut pending = vec![0..events.len()];
         let mut split = false;
         while let Some(range) = pending.pop() {
-            let positions = highest_positions(
-                origins[range.clone()]
-                    .iter()
-                    .filter_map(|o| o.position.as_ref()),
-            );
+            let positions =
+                highest_positions(origins[range.clone()].iter().filter_map(|o| o.position.as_ref()));
             match self.ingest(&events[range.clone()], &positions).await {
                 Ok(None) => return Ok(None),
                 Ok(Some(stored)) => {

@@ -214,11 +214,7 @@ pub async fn run(command: DlqCommand) -> Result<(), WorkerError> {
     let broker = source.broker().ok_or(WorkerError::NoSource)?;
     let name = format!("{}:{}", broker.kind(), adapter.adapter_name());
     let kept = match std::env::var("DATABASE_URL") {
-        Ok(url) => Some(
-            KeptLetters::connect(&url, name)
-                .await
-                .map_err(DlqError::from)?,
-        ),
+        Ok(url) => Some(KeptLetters::connect(&url, name).await.map_err(DlqError::from)?),
         Err(_) => None,
     };
     let unread = match source {
@@ -604,11 +600,7 @@ pub(crate) fn headers_from_json(text: &str) -> Vec<(String, Vec<u8>)> {
 fn original_name(name: String) -> String {
     use base64::Engine as _;
     name.strip_prefix(crate::payload::BASE64_NAME_PREFIX)
-        .and_then(|encoded| {
-            base64::engine::general_purpose::STANDARD
-                .decode(encoded)
-                .ok()
-        })
+        .and_then(|encoded| base64::engine::general_purpose::STANDARD.decode(encoded).ok())
         .and_then(|bytes| String::from_utf8(bytes).ok())
         .filter(|decoded| decoded.contains('\0'))
         .unwrap_or(name)

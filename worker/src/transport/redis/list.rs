@@ -21,8 +21,9 @@ use switchboard_store::Dedup;
 use tokio::task::JoinHandle;
 
 use super::{
+    refused_by_dead_letter_key,
     BLOCK, CONTROL_TIMEOUT, Connection, NamedKey, Origin, array, body_hash, dead_letter_record,
-    integer, open, record_time_ms, refused_by_dead_letter_key, text,
+    integer, open, record_time_ms, text,
 };
 use crate::health::now_ms;
 use crate::metrics::adapter_counter;

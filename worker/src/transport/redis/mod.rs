@@ -159,11 +159,7 @@ pub fn classify_redis_error(
 pub fn refused_by_dead_letter_key(err: TransportError, letters: usize) -> TransportError {
     let wrongtype = std::error::Error::source(&err)
         .and_then(|source| source.downcast_ref::<redis::RedisError>())
-        .is_some_and(|source| {
-            server_codes(source)
-                .iter()
-                .any(|(_, code)| code == "WRONGTYPE")
-        });
+        .is_some_and(|source| server_codes(source).iter().any(|(_, code)| code == "WRONGTYPE"));
     if !wrongtype {
         return err;
     }

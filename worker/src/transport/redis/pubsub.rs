@@ -13,8 +13,9 @@ use switchboard_store::Dedup;
 use tokio::time::{Instant, timeout, timeout_at};
 
 use super::{
+    refused_by_dead_letter_key,
     BLOCK, CONTROL_TIMEOUT, Connection, NamedKey, Origin, body_hash, dead_letter_record, integer,
-    open, protocol, redis_error, refused_by_dead_letter_key,
+    open, protocol, redis_error,
 };
 use crate::health::now_ms;
 use crate::metrics::adapter_counter;

@@ -21,8 +21,9 @@ use switchboard_api::StartFrom;
 use switchboard_store::{Dedup, Store};
 
 use super::{
+    refused_by_dead_letter_key,
     BLOCK, CONTROL_TIMEOUT, Connection, NamedKey, array, error_code, integer, now_rfc3339, open,
-    protocol, refused_by_dead_letter_key, rfc3339_ms, text,
+    protocol, rfc3339_ms, text,
 };
 use crate::health::now_ms;
 use crate::metrics::{adapter_counter, adapter_gauge};
