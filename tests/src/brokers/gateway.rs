@@ -1129,6 +1129,11 @@ impl BrokerFixture for GatewayBroker {
         self.gateway.restart()
     }
 
+    /// The gateway's (the worker's token requests go to the OAuth2 server, not counted here).
+    fn address(&self, _fx: &Fixture) -> Result<String> {
+        Ok(format!("127.0.0.1:{}", self.gateway.port))
+    }
+
     /// The SQS server behind the gateway dies (SIGKILL) and comes back on its data; the
     /// gateway stays up and answers 502 meanwhile, as a real one in front of a failing SQS.
     async fn crash(&mut self, fx: &mut Fixture) -> Result<()> {

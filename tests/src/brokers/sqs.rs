@@ -618,6 +618,11 @@ impl BrokerFixture for SqsBroker {
         self.server.restart()
     }
 
+    /// The proxy's: the worker reaches ElasticMQ through it.
+    fn address(&self, _fx: &Fixture) -> Result<String> {
+        Ok(format!("127.0.0.1:{}", self.proxy.port))
+    }
+
     /// SIGKILL, then a start on the same port and data: ElasticMQ keeps queues and messages
     /// in its directory (see [`ElasticMq`]).
     async fn crash(&mut self, _fx: &mut Fixture) -> Result<()> {
