@@ -552,11 +552,12 @@ async fn connections_cut_mid_flow_lose_nothing<B: BrokerFixture>() -> Result<()>
 }
 
 /// The suite, for one broker.
-/// `recreate:` and `cut:` take attributes for those two tests of a broker: an `#[ignore]` there
+/// `recreate:`, `undecodable:` and `cut:` take attributes for those tests of a broker: an `#[ignore]` there
 /// names a limit the README's guarantees section states for that broker.
 macro_rules! contract_suite {
     ($($module:ident => $broker:ty {
         recreate: [$(#[$recreate:meta])*],
+        undecodable: [$(#[$undecodable:meta])*],
         cut: [$(#[$cut:meta])*] $(,)?
     }),* $(,)?) => {$(
         mod $module {
@@ -608,6 +609,7 @@ macro_rules! contract_suite {
                 recreated_source_is_stored_not_deduplicated::<$broker>().await
             }
 
+            $(#[$undecodable])*
             #[tokio::test]
             async fn undecodable_header_key_or_attribute_spares_its_neighbours() -> Result<()> {
                 undecodable_part_spares_the_neighbours::<$broker>().await
@@ -628,21 +630,29 @@ macro_rules! contract_suite {
 }
 
 contract_suite! {
-    redis_stream => RedisStreamBroker { recreate: [], cut: [] },
-    redis_list => RedisListBroker { recreate: [], cut: [] },
-    sqs_standard => SqsBroker { recreate: [], cut: [] },
-    nats => NatsBroker { recreate: [], cut: [] },
+    redis_stream => RedisStreamBroker { recreate: [], undecodable: [], cut: [] },
+    redis_list => RedisListBroker { recreate: [], undecodable: [], cut: [] },
+    sqs_standard => SqsBroker { recreate: [], undecodable: [], cut: [] },
+    nats => NatsBroker {
+        recreate: [],
+        undecodable: [#[ignore = "not guaranteed (README): async-nats drops the connection on a \
+            header block that is not UTF-8; the message is dead-lettered and its neighbours \
+            stored (tests/tests/nats.rs), but those that followed it are redelivered once"]],
+        cut: [],
+    },
     amqp_quorum => AmqpQuorumBroker {
         recreate: [#[ignore = "not guaranteed (README): RabbitMQ 3.10 tells a consumer nothing \
             when its quorum queue is deleted and declared again; the worker receives nothing from \
             the new queue until it is restarted"]],
+        undecodable: [],
         cut: [],
     },
-    amqp_classic => AmqpClassicBroker { recreate: [], cut: [] },
+    amqp_classic => AmqpClassicBroker { recreate: [], undecodable: [], cut: [] },
     kafka => KafkaBroker {
         recreate: [],
+        undecodable: [],
         cut: [#[ignore = "not built yet (README): librdkafka connects to the advertised listener \
             after bootstrap, so the proxy needs a listener Kafka advertises at its address"]],
     },
-    gateway => GatewayBroker { recreate: [], cut: [] },
+    gateway => GatewayBroker { recreate: [], undecodable: [], cut: [] },
 }

@@ -60,7 +60,12 @@ impl NatsServer {
 
     /// `nats://127.0.0.1:PORT`; it stays the same across restarts.
     pub fn url(&self) -> String {
-        format!("nats://127.0.0.1:{}", self.port)
+        format!("nats://{}", self.address())
+    }
+
+    /// `127.0.0.1:PORT`.
+    pub fn address(&self) -> String {
+        format!("127.0.0.1:{}", self.port)
     }
 
     /// The server's process id, for CPU accounting.
@@ -444,6 +449,10 @@ impl BrokerFixture for NatsBroker {
 
     async fn crash(&mut self, _fx: &mut Fixture) -> Result<()> {
         self.server.crash().await
+    }
+
+    fn address(&self, _fx: &Fixture) -> Result<String> {
+        Ok(self.server.address())
     }
 
     async fn recreate(&self, _fx: &Fixture, name: &str) -> Result<()> {
