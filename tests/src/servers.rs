@@ -7,6 +7,7 @@ use std::os::unix::fs::chown;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
+use std::sync::{Mutex, PoisonError};
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
@@ -16,22 +17,83 @@ use tempfile::TempDir;
 
 use crate::wait::wait_until;
 
-/// A free TCP port on 127.0.0.1 (bound, then released for the server to take).
+/// A free TCP port on 127.0.0.1 for a server to listen on, reserved for the rest of this process.
 pub fn free_port() -> Result<u16> {
     Ok(free_ports::<1>()?[0])
 }
 
-/// `N` distinct free TCP ports on 127.0.0.1: all are bound at once, then released, so two
-/// picks cannot return the same port (two `free_port` calls can).
+/// `N` distinct free TCP ports on 127.0.0.1 for servers to listen on (and to listen on again after
+/// a crash), each reserved for the rest of this process.
+///
+/// A port the kernel picks for `bind(0)` is only free until someone else binds it: two tests
+/// could be handed the same port, and a server's port could be taken by another test's server
+/// while it is down for a restart (CI once ran migrations against a RabbitMQ that had taken
+/// PostgreSQL's port). So the ports come from below the kernel's ephemeral range, which neither
+/// `bind(0)` nor outgoing connections use; each is handed out once per process and held across
+/// processes by a lock file that lives until this process exits.
 pub fn free_ports<const N: usize>() -> Result<[u16; N]> {
-    let listeners = (0..N)
-        .map(|_| TcpListener::bind("127.0.0.1:0").context("binding a probe port"))
-        .collect::<Result<Vec<_>>>()?;
     let mut ports = [0; N];
-    for (port, listener) in ports.iter_mut().zip(&listeners) {
-        *port = listener.local_addr()?.port();
+    for port in &mut ports {
+        *port = PORTS
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .reserve()?;
     }
     Ok(ports)
+}
+
+static PORTS: Mutex<PortReservations> = Mutex::new(PortReservations {
+    next: None,
+    locks: Vec::new(),
+});
+
+/// The ports this process has handed out, as the lock files that reserve them.
+struct PortReservations {
+    next: Option<u16>,
+    locks: Vec<std::fs::File>,
+}
+
+/// Servers' ports are taken from `FIRST_PORT` up to the start of the ephemeral range.
+const FIRST_PORT: u16 = 10_000;
+
+impl PortReservations {
+    fn reserve(&mut self) -> Result<u16> {
+        let end = ephemeral_range_start();
+        let span = end - FIRST_PORT;
+        let start = *self.next.get_or_insert_with(|| {
+            // Spread concurrent processes apart so they seldom meet each other's lock files.
+            FIRST_PORT + u16::try_from(std::process::id() % u32::from(span)).unwrap_or(0)
+        });
+        let dir = std::env::temp_dir().join("switchboard-ports");
+        std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+        for step in 0..span {
+            let port = FIRST_PORT + (start - FIRST_PORT + step) % span;
+            let path = dir.join(format!("{port}.lock"));
+            let lock = std::fs::OpenOptions::new()
+                .create(true)
+                .truncate(false)
+                .write(true)
+                .open(&path)
+                .with_context(|| format!("opening {}", path.display()))?;
+            if lock.try_lock().is_err() || TcpListener::bind(("127.0.0.1", port)).is_err() {
+                continue;
+            }
+            self.next = Some(FIRST_PORT + (port - FIRST_PORT + 1) % span);
+            self.locks.push(lock);
+            return Ok(port);
+        }
+        bail!("no free port in 127.0.0.1:{FIRST_PORT}..{end} (all bound or reserved)")
+    }
+}
+
+/// The first port of the kernel's ephemeral range (`net.ipv4.ip_local_port_range`), 32768 if
+/// it cannot be read or leaves no room below it.
+fn ephemeral_range_start() -> u16 {
+    std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|range| range.split_whitespace().next()?.parse().ok())
+        .filter(|&start: &u16| start > FIRST_PORT + 1_000)
+        .unwrap_or(32_768)
 }
 
 fn signal_child(child: &Child, signal: Signal) {
@@ -273,7 +335,16 @@ impl Postgres {
             "PostgreSQL accepts connections",
             || std::net::TcpStream::connect(("127.0.0.1", port)).is_ok(),
         )
-        .with_context(|| self.log_tail())
+        .with_context(|| self.log_tail())?;
+        // What accepted may be another server on this port if postgres could not bind it.
+        if let Some(status) = self
+            .child
+            .as_mut()
+            .and_then(|c| c.try_wait().ok().flatten())
+        {
+            bail!("postgres exited ({status}): {}", self.log_tail());
+        }
+        Ok(())
     }
 
     /// `postgres://…` for the `postgres` database.

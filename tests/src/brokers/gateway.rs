@@ -49,7 +49,7 @@ use super::hydra::{Hydra, OAuthClient};
 use super::sqs::ElasticMq;
 use super::{BrokerFixture, SqsBroker};
 use crate::Fixture;
-use crate::servers::http_get;
+use crate::servers::{free_port, http_get};
 
 /// A CA made for one test and the certificate of the gateway (`127.0.0.1`, `localhost`) it
 /// issued.
@@ -262,8 +262,9 @@ impl Gateway {
             hooks: Arc::default(),
             keys: Mutex::default(),
         });
-        let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
-        let port = listener.local_addr()?.port();
+        // A reserved port, not `bind(0)`'s: `restart` binds it again.
+        let port = free_port()?;
+        let listener = std::net::TcpListener::bind(("127.0.0.1", port))?;
         let mut gateway = Self {
             port,
             shared,

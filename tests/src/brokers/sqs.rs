@@ -29,7 +29,7 @@ use tokio::sync::oneshot;
 
 use super::BrokerFixture;
 use crate::Fixture;
-use crate::servers::stop_child;
+use crate::servers::{free_port, stop_child};
 use crate::wait::wait_until;
 
 /// The ElasticMQ version `scripts/elasticmq.sh` installs and this harness looks for.
@@ -73,14 +73,14 @@ pub struct ElasticMq {
 }
 
 impl ElasticMq {
-    /// Starts a server on a port it picks itself, waiting until it accepts requests. Fails when
+    /// Starts a server on a reserved free port, waiting until it accepts requests. Fails when
     /// the jars are not installed (`make sqs-server`).
     pub fn start() -> Result<Self> {
         let lib = lib_dir()?;
         let dir = tempfile::Builder::new()
             .prefix("switchboard-elasticmq-")
             .tempdir()?;
-        let (child, port) = spawn(dir.path(), &lib, 0)?;
+        let (child, port) = spawn(dir.path(), &lib, free_port()?)?;
         Ok(Self {
             client: sqs_client(&format!("http://127.0.0.1:{port}"), "us-east-1"),
             dir,
@@ -422,7 +422,7 @@ fn has_server_jar(dir: &Path) -> bool {
         })
 }
 
-/// The configuration BROKERS.md settled on; `port` 0 lets the server pick a free one. Queues
+/// The configuration BROKERS.md settled on, serving `port`. Queues
 /// and messages are persisted in `dir` (queue definitions in a file, messages in an H2
 /// database), so a restart keeps them like a real broker's restart does.
 fn config(dir: &Path, port: u16) -> String {
@@ -438,7 +438,7 @@ fn config(dir: &Path, port: u16) -> String {
     )
 }
 
-/// Starts the JVM with the config for `port` (0: any) and waits for the start-up line; returns
+/// Starts the JVM with the config for `port` and waits for the start-up line; returns
 /// the child and the port it serves. The log file is appended to, so a restart keeps the
 /// previous run's lines.
 fn spawn(dir: &Path, lib: &Path, port: u16) -> Result<(Child, u16)> {
