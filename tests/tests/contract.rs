@@ -122,6 +122,7 @@ async fn chaos_worker_and_broker_kills<B: BrokerFixture>() -> Result<()> {
     const TOTAL: usize = 5_000;
     const WAVES: usize = 7;
     const BROKER_KILLS: [usize; 2] = [2, 5];
+    let started = Instant::now();
     let mut contract = Contract::<B>::start("chaos").await?;
     let manifest = contract.manifest("batchSize: 100, maxDeliveries: 50", "")?;
     let produced = bodies(0..TOTAL);
@@ -162,7 +163,22 @@ async fn chaos_worker_and_broker_kills<B: BrokerFixture>() -> Result<()> {
     ensure!(worker_kills >= 5 && broker_kills >= 2);
     let last = contract.fx.worker(&manifest, "chaos-final")?;
     contract.wait_settled(TOTAL as i64, &last).await?;
-    contract.assert_stored_exactly(&produced).await
+    contract.assert_stored_exactly(&produced).await?;
+    let mut letters = contract
+        .broker
+        .dead_letters(&contract.fx, contract.name)
+        .await?;
+    letters.extend(contract.fx.database_dead_letters(contract.name).await?);
+    ensure!(letters.is_empty(), "no dead letter: {letters:?}");
+    // The figures the closing notes quote.
+    println!(
+        "chaos: produced {TOTAL} stored {} worker_kills {worker_kills} broker_kills \
+         {broker_kills} dead_letters {} in {:.0} s",
+        contract.todos().await?,
+        letters.len(),
+        started.elapsed().as_secs_f64()
+    );
+    Ok(())
 }
 
 /// A crash after the commit and before the acknowledgement: the redelivery is a duplicate.
