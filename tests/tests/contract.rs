@@ -72,11 +72,7 @@ impl<B: BrokerFixture> Contract<B> {
         wait_for(
             LONG,
             &format!("{expected} todos and nothing un-acknowledged"),
-            || async {
-                let (t, u) = (self.todos().await?, self.unacknowledged().await?);
-                eprintln!("DEBUG todos {t} unacked {u}");
-                Ok(t >= expected && u == 0)
-            },
+            || async { Ok(self.todos().await? >= expected && self.unacknowledged().await? == 0) },
         )
         .await
         .map_err(|err| err.context(worker.log_tail()))
