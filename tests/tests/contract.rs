@@ -659,15 +659,7 @@ contract_suite! {
         cut: [],
     },
     amqp_classic => AmqpClassicBroker { chaos: [], recreate: [], undecodable: [], cut: [] },
-    kafka => KafkaBroker {
-        chaos: [],
-        recreate: [#[ignore = "fails (README): records of the re-created topic fetched before \
-            the worker reads its new topic id are stored twice (157 of 400 in the last run: \
-            duplicates, none lost)"]],
-        undecodable: [],
-        cut: [#[ignore = "not built yet (README): librdkafka connects to the advertised listener \
-            after bootstrap, so the proxy needs a listener Kafka advertises at its address"]],
-    },
+    kafka => KafkaBroker { chaos: [], recreate: [], undecodable: [], cut: [] },
     gateway => GatewayBroker {
         chaos: [#[ignore = "fails, not diagnosed (README): after ElasticMQ behind the gateway is \
             SIGKILLed mid-flow the last worker does not settle within 180 s"]],
