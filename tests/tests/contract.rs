@@ -118,6 +118,7 @@ async fn chaos_worker_and_broker_kills<B: BrokerFixture>() -> Result<()> {
     const TOTAL: usize = 5_000;
     const WAVES: usize = 7;
     const BROKER_KILLS: [usize; 2] = [2, 5];
+    let started = Instant::now();
     let mut contract = Contract::<B>::start("chaos").await?;
     let manifest = contract.manifest("batchSize: 100, maxDeliveries: 50", "")?;
     let produced = bodies(0..TOTAL);
@@ -157,7 +158,24 @@ async fn chaos_worker_and_broker_kills<B: BrokerFixture>() -> Result<()> {
     }
     ensure!(worker_kills >= 5 && broker_kills >= 2);
     let last = contract.fx.worker(&manifest, "chaos-final")?;
-    contract.wait_settled(TOTAL as i64, &last).await?;
+    let settled = contract.wait_settled(TOTAL as i64, &last).await;
+    let dead_letters = contract
+        .broker
+        .dead_letters(&contract.fx, contract.name)
+        .await?
+        .len()
+        + contract
+            .fx
+            .database_dead_letters(contract.name)
+            .await?
+            .len();
+    println!(
+        "chaos: produced {TOTAL} stored {} worker_kills {worker_kills} broker_kills {broker_kills} \
+         dead_letters {dead_letters} in {} s",
+        contract.todos().await?,
+        started.elapsed().as_secs()
+    );
+    settled?;
     contract.assert_stored_exactly(&produced).await
 }
 
