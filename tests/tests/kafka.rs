@@ -1,9 +1,9 @@
 //! Kafka-specific behaviour against a real Kafka node (KRaft) and the real worker binary: two
 //! workers of one group sharing three partitions under SIGKILLs, a rebalance while batches are
 //! in flight, dead letters byte-identical with their key and headers, and issue 27's examples:
-//! a re-created topic, a binary key holding NUL, a key twice in one batch, a dead letter too
-//! large for the producer, a pattern matching the dead-letter topic, the lag after aborted
-//! transactions and under `startFrom: latest`.
+//! a re-created topic (once, and twelve times while its records flow), a binary key holding
+//! NUL, a key twice in one batch, a dead letter too large for the producer, a pattern matching
+//! the dead-letter topic, the lag after aborted transactions and under `startFrom: latest`.
 
 use std::time::{Duration, Instant};
 
