@@ -158,15 +158,13 @@ async fn chaos_worker_and_broker_kills<B: BrokerFixture>() -> Result<()> {
     }
     ensure!(worker_kills >= 5 && broker_kills >= 2);
     let last = contract.fx.worker(&manifest, "chaos-final")?;
-    contract.wait_settled(TOTAL as i64, &last).await?;
-    contract.assert_stored_exactly(&produced).await?;
+    let settled = contract.wait_settled(TOTAL as i64, &last).await;
     let mut letters = contract
         .broker
         .dead_letters(&contract.fx, contract.name)
         .await?;
     letters.extend(contract.fx.database_dead_letters(contract.name).await?);
-    ensure!(letters.is_empty(), "no dead letter: {letters:?}");
-    // The figures the closing notes quote.
+    // The figures the closing notes quote, printed whether or not the run settled.
     println!(
         "chaos: produced {TOTAL} stored {} worker_kills {worker_kills} broker_kills \
          {broker_kills} dead_letters {} in {:.0} s",
@@ -174,6 +172,9 @@ async fn chaos_worker_and_broker_kills<B: BrokerFixture>() -> Result<()> {
         letters.len(),
         started.elapsed().as_secs_f64()
     );
+    settled?;
+    contract.assert_stored_exactly(&produced).await?;
+    ensure!(letters.is_empty(), "no dead letter: {letters:?}");
     Ok(())
 }
 
@@ -673,15 +674,7 @@ contract_suite! {
         cut: [],
     },
     amqp_classic => AmqpClassicBroker { chaos: [], recreate: [], undecodable: [], cut: [] },
-    kafka => KafkaBroker {
-        chaos: [],
-        recreate: [#[ignore = "fails (README): records of the re-created topic fetched before \
-            the worker reads its new topic id are stored twice (157 of 400 in the last run: \
-            duplicates, none lost)"]],
-        undecodable: [],
-        cut: [#[ignore = "not built yet (README): librdkafka connects to the advertised listener \
-            after bootstrap, so the proxy needs a listener Kafka advertises at its address"]],
-    },
+    kafka => KafkaBroker { chaos: [], recreate: [], undecodable: [], cut: [] },
     gateway => GatewayBroker {
         chaos: [#[ignore = "fails, not diagnosed (README): after ElasticMQ behind the gateway is \
             SIGKILLed mid-flow the last worker does not settle within 180 s"]],
