@@ -624,10 +624,21 @@ impl Kafka {
         self.fetched
             .retain(|fetched| fetched.message.receipt.partition.topic != *topic);
         let restarts: Vec<(TopicPartition, Offset)> = partitions
-            .into_iter()
-            .map(|partition| (partition, Offset::Beginning))
+            .iter()
+            .map(|partition| (partition.clone(), Offset::Beginning))
             .collect();
         self.restart_epochs(&restarts);
+        // Committed offsets are kept by topic name: a commit of the old incarnation still in
+        // flight could land on the new topic, and a worker that died then would leave the group
+        // past the new topic's first records. The new incarnation's beginning is committed
+        // after it (same coordinator, in order), synchronously.
+        let beginnings = partitions
+            .into_iter()
+            .map(|partition| (partition, 0))
+            .collect();
+        if let Err(err) = self.commit(beginnings, CommitMode::Sync) {
+            tracing::warn!(error = %switchboard_telemetry::ErrorChain(&err), topic = %topic, "could not commit the re-created topic's beginning");
+        }
     }
 
     /// Fetches each owned partition again from its offset, under a new epoch: its records in
