@@ -560,7 +560,12 @@ impl Shared {
             .queue_name(queue)
             .send()
             .await
-            .map_err(|err| sqs_failure(&err))?;
+            .map_err(|err| {
+                // Counted: a test waits for a call that found its queue missing.
+                let failure = sqs_failure(&err);
+                self.hooks.count(failure.0);
+                failure
+            })?;
         output.queue_url.ok_or_else(|| {
             Failure(
                 StatusCode::BAD_GATEWAY,
@@ -1141,10 +1146,15 @@ impl BrokerFixture for GatewayBroker {
         self.sqs.crash(fx).await
     }
 
-    /// Deletes and creates the queue behind the gateway again. The gateway's messageId is
-    /// SQS's MessageId, unique per send: a new queue's messages can never re-use one.
-    async fn recreate(&self, fx: &Fixture, name: &str) -> Result<()> {
-        self.sqs.recreate(fx, name).await
+    /// Deletes the queue behind the gateway and creates it again once the gateway has answered
+    /// a call 404 (see [`SqsBroker::recreate_after`]). The gateway's messageId is SQS's
+    /// MessageId, unique per send: a new queue's messages can never re-use one.
+    async fn recreate(&self, _fx: &Fixture, name: &str) -> Result<()> {
+        let hooks = self.gateway.hooks();
+        let seen = hooks.answered(404);
+        self.sqs
+            .recreate_after(name, || hooks.answered(404) > seen)
+            .await
     }
 
     /// A message whose `Number` attribute the gateway serves as a JSON number (`"n": 5`),

@@ -30,7 +30,7 @@ use tokio::sync::oneshot;
 use super::BrokerFixture;
 use crate::Fixture;
 use crate::servers::{free_port, stop_child};
-use crate::wait::wait_until;
+use crate::wait::{wait_for, wait_until};
 
 /// The ElasticMQ version `scripts/elasticmq.sh` installs and this harness looks for.
 pub const ELASTICMQ_VERSION: &str = "1.7.1";
@@ -569,9 +569,9 @@ pub struct SqsBroker {
 const CONTRACT_QUEUE: [(QueueAttributeName, &str); 1] =
     [(QueueAttributeName::VisibilityTimeout, "2")];
 
-/// How long [`SqsBroker::recreate`] leaves the queue deleted: the outage the test is about, not
-/// a wait for anything.
-const RECREATE_GAP: Duration = Duration::from_secs(3);
+/// How long [`SqsBroker::recreate_after`] waits for a worker call to find the deleted queue
+/// missing (a hung long poll on the deleted queue ends after the worker's 11 s deadline).
+const RECREATE_TIMEOUT: Duration = Duration::from_secs(60);
 
 impl BrokerFixture for SqsBroker {
     async fn start(_fx: &Fixture) -> Result<(Self, Vec<(String, String)>)> {
@@ -640,18 +640,14 @@ impl BrokerFixture for SqsBroker {
         self.server.restart()
     }
 
-    /// `DeleteQueue`, then `CreateQueue` with the same name and attributes
-    /// [`RECREATE_GAP`] later (AWS asks for 60 s between the two; ElasticMQ allows none):
-    /// longer than the contract queues' 1 s long polls, so the worker's receives and deletes
-    /// find the queue missing. SQS MessageIds are unique per send, so the new queue's messages
-    /// can never take an old one's id.
+    /// `DeleteQueue`, then `CreateQueue` with the same name and attributes once a worker call
+    /// through the proxy found the queue missing (see [`SqsBroker::recreate_after`]). SQS
+    /// MessageIds are unique per send, so the new queue's messages can never take an old
+    /// one's id.
     async fn recreate(&self, _fx: &Fixture, name: &str) -> Result<()> {
-        self.server.delete_queue(&self.url(name)).await?;
-        tokio::time::sleep(RECREATE_GAP).await;
-        self.server
-            .create_queue(name, &CONTRACT_QUEUE)
+        let seen = self.proxy.missing_queue_answers();
+        self.recreate_after(name, || self.proxy.missing_queue_answers() > seen)
             .await
-            .map(drop)
     }
 
     /// Message attributes that are not plain text: a `Binary` value holding NUL (UTF-8, but
@@ -685,6 +681,24 @@ pub fn odd_attributes() -> Vec<(&'static str, &'static str, Vec<u8>)> {
 }
 
 impl SqsBroker {
+    /// Deletes queue `name` and creates it again with the contract queues' attributes once
+    /// `found_missing` says a worker call found it missing: the worker meets the deleted queue
+    /// whatever the timing, as it would on AWS, which asks for 60 s between the two (ElasticMQ
+    /// allows none).
+    pub async fn recreate_after(&self, name: &str, found_missing: impl Fn() -> bool) -> Result<()> {
+        self.server.delete_queue(&self.url(name)).await?;
+        wait_for(
+            RECREATE_TIMEOUT,
+            &format!("a worker call finds queue {name} missing"),
+            || std::future::ready(Ok(found_missing())),
+        )
+        .await?;
+        self.server
+            .create_queue(name, &CONTRACT_QUEUE)
+            .await
+            .map(drop)
+    }
+
     /// The URL of queue `name` (ElasticMQ's account is `000000000000`).
     pub fn url(&self, name: &str) -> String {
         format!("{}/000000000000/{name}", self.server.endpoint())
@@ -751,6 +765,8 @@ struct ProxyState {
     hang_receives: AtomicBool,
     /// Receives held so far.
     hung: AtomicU64,
+    /// Calls ElasticMQ answered `QueueDoesNotExist`.
+    missing_queue: AtomicU64,
 }
 
 type ProxyClient = hyper_util::client::legacy::Client<
@@ -820,6 +836,11 @@ impl SqsProxy {
     /// How many receives were held so far.
     pub fn hung_receives(&self) -> u64 {
         self.state.hung.load(Ordering::SeqCst)
+    }
+
+    /// How many calls ElasticMQ answered `QueueDoesNotExist` so far.
+    pub fn missing_queue_answers(&self) -> u64 {
+        self.state.missing_queue.load(Ordering::SeqCst)
     }
 }
 
@@ -924,10 +945,15 @@ async fn forward(
         Ok(response) => {
             let (parts, body) = response.into_parts();
             match body.collect().await {
-                Ok(collected) => axum::response::Response::from_parts(
-                    parts,
-                    axum::body::Body::from(collected.to_bytes()),
-                ),
+                Ok(collected) => {
+                    let body = collected.to_bytes();
+                    if parts.status.is_client_error()
+                        && body.windows(17).any(|w| w == b"QueueDoesNotExist")
+                    {
+                        state.missing_queue.fetch_add(1, Ordering::SeqCst);
+                    }
+                    axum::response::Response::from_parts(parts, axum::body::Body::from(body))
+                }
                 Err(_) => axum::http::StatusCode::BAD_GATEWAY.into_response(),
             }
         }
