@@ -640,13 +640,13 @@ impl BrokerFixture for SqsBroker {
         self.server.restart()
     }
 
-    /// `DeleteQueue`, then `CreateQueue` with the same name and attributes once a worker call
-    /// through the proxy found the queue missing (see [`SqsBroker::recreate_after`]). SQS
+    /// `DeleteQueue`, then `CreateQueue` with the same name and attributes once a worker's
+    /// receive, delete or visibility change through the proxy found the queue missing (see [`SqsBroker::recreate_after`]). SQS
     /// MessageIds are unique per send, so the new queue's messages can never take an old
     /// one's id.
     async fn recreate(&self, _fx: &Fixture, name: &str) -> Result<()> {
-        let seen = self.proxy.missing_queue_answers();
-        self.recreate_after(name, || self.proxy.missing_queue_answers() > seen)
+        let seen = self.proxy.missing_queue_calls();
+        self.recreate_after(name, || self.proxy.missing_queue_calls() > seen)
             .await
     }
 
@@ -765,7 +765,7 @@ struct ProxyState {
     hang_receives: AtomicBool,
     /// Receives held so far.
     hung: AtomicU64,
-    /// Calls ElasticMQ answered `QueueDoesNotExist`.
+    /// Receives, deletes and visibility changes ElasticMQ answered `QueueDoesNotExist`.
     missing_queue: AtomicU64,
 }
 
@@ -838,8 +838,10 @@ impl SqsProxy {
         self.state.hung.load(Ordering::SeqCst)
     }
 
-    /// How many calls ElasticMQ answered `QueueDoesNotExist` so far.
-    pub fn missing_queue_answers(&self) -> u64 {
+    /// How many receives, deletes and visibility changes ElasticMQ answered
+    /// `QueueDoesNotExist` so far (the worker's probe reads queue attributes too, and its
+    /// failures matter to nobody: not counted).
+    pub fn missing_queue_calls(&self) -> u64 {
         self.state.missing_queue.load(Ordering::SeqCst)
     }
 }
@@ -947,7 +949,15 @@ async fn forward(
             match body.collect().await {
                 Ok(collected) => {
                     let body = collected.to_bytes();
-                    if parts.status.is_client_error()
+                    let worker_call = [
+                        ".ReceiveMessage",
+                        ".DeleteMessageBatch",
+                        ".ChangeMessageVisibilityBatch",
+                    ]
+                    .iter()
+                    .any(|call| target.ends_with(call));
+                    if worker_call
+                        && parts.status.is_client_error()
                         && body.windows(17).any(|w| w == b"QueueDoesNotExist")
                     {
                         state.missing_queue.fetch_add(1, Ordering::SeqCst);
