@@ -1,9 +1,9 @@
 //! Kafka-specific behaviour against a real Kafka node (KRaft) and the real worker binary: two
 //! workers of one group sharing three partitions under SIGKILLs, a rebalance while batches are
 //! in flight, dead letters byte-identical with their key and headers, and issue 27's examples:
-//! a re-created topic, a binary key holding NUL, a key twice in one batch, a dead letter too
-//! large for the producer, a pattern matching the dead-letter topic, the lag after aborted
-//! transactions and under `startFrom: latest`.
+//! a re-created topic (once, and twelve times while its records flow), a binary key holding
+//! NUL, a key twice in one batch, a dead letter too large for the producer, a pattern matching
+//! the dead-letter topic, the lag after aborted transactions and under `startFrom: latest`.
 
 use std::time::{Duration, Instant};
 
@@ -99,6 +99,21 @@ impl Setup {
             );
         }
         Ok(())
+    }
+
+    /// How many todos hold one of the JSON bodies `wanted`.
+    async fn stored_among(&self, wanted: &[Vec<u8>]) -> Result<i64> {
+        let wanted: Vec<serde_json::Value> = wanted
+            .iter()
+            .map(|body| serde_json::from_slice(body))
+            .collect::<Result<_, _>>()?;
+        Ok(
+            sqlx::query_scalar("SELECT count(*) FROM todos WHERE queue = $1 AND payload = ANY($2)")
+                .bind(self.name)
+                .bind(&wanted)
+                .fetch_one(self.fx.pool())
+                .await?,
+        )
     }
 
     async fn wait_settled(&self, expected: i64, workers: &[&WorkerProcess]) -> Result<()> {
@@ -346,6 +361,67 @@ async fn recreated_topic_records_are_stored_not_taken_for_duplicates() -> Result
         ids == 2,
         "two incarnations, two topic ids in the keys: {ids}"
     );
+    Ok(())
+}
+
+/// Issue 27: the topic is deleted and created again while its records flow, twelve times, and
+/// records go into each new incarnation at once: no record is stored twice (a record of the new
+/// incarnation taking the old id, or one of the old taking the new one), the last incarnation's
+/// records are all stored, and nothing stored was never produced. Records of an incarnation not
+/// read before its deletion are gone with it (Kafka deleted them).
+#[tokio::test]
+async fn topic_recreated_while_its_records_flow_never_stores_a_record_twice() -> Result<()> {
+    const CYCLES: usize = 12;
+    const WAVE: usize = 300;
+    let setup = Setup::start("recreatedflow", "batchSize: 10, claimIdleSeconds: 2", "").await?;
+    let worker = setup.worker("w1")?;
+    for cycle in 0..CYCLES {
+        let before = setup.todos().await?;
+        setup
+            .server()
+            .produce(setup.name, bodies(cycle * WAVE..(cycle + 1) * WAVE))
+            .await?;
+        wait_for(
+            LONG,
+            &format!("records of wave {cycle} flowing"),
+            || async { Ok(setup.todos().await? >= before + 20) },
+        )
+        .await
+        .map_err(|err| err.context(worker.log_tail()))?;
+        setup.broker.recreate(&setup.fx, setup.name).await?;
+    }
+    let last = bodies(CYCLES * WAVE..(CYCLES + 1) * WAVE);
+    setup.server().produce(setup.name, last.clone()).await?;
+    wait_for(
+        LONG,
+        "the last incarnation's records stored, no lag",
+        || async { Ok(setup.stored_among(&last).await? >= WAVE as i64 && setup.lag().await? == 0) },
+    )
+    .await
+    .map_err(|err| err.context(worker.log_tail()))?;
+    let stored = setup.fx.stored_payloads(setup.name).await?;
+    let distinct: std::collections::BTreeSet<&String> = stored.iter().collect();
+    if distinct.len() != stored.len() {
+        let twice: Vec<(String, String)> = sqlx::query_as(
+            "SELECT payload::text, idempotency_key FROM todos WHERE queue = $1 AND payload IN \
+             (SELECT payload FROM todos WHERE queue = $1 GROUP BY payload HAVING count(*) > 1) \
+             ORDER BY payload::text, id LIMIT 8",
+        )
+        .bind(setup.name)
+        .fetch_all(setup.fx.pool())
+        .await?;
+        anyhow::bail!(
+            "{} records stored twice of {} stored; (body, key) of the first: {twice:?}\n{}",
+            stored.len() - distinct.len(),
+            stored.len(),
+            worker.log_tail()
+        );
+    }
+    ensure!(
+        setup.stored_among(&bodies(0..(CYCLES + 1) * WAVE)).await? == stored.len() as i64,
+        "only produced records are stored"
+    );
+    ensure!(setup.stored_among(&last).await? == WAVE as i64);
     Ok(())
 }
 

@@ -6,6 +6,12 @@
 //! stops the JVM with SIGTERM (a controlled shutdown) and [`KafkaServer::crash`] with SIGKILL,
 //! then starts it again on the same ports and log directory, so topics, acknowledged records and
 //! committed offsets survive and running workers reconnect by themselves.
+//!
+//! Kafka clients connect to the addresses the brokers *advertise* once bootstrapped, so a proxy
+//! in front of the bootstrap address would see only the first connection. The node has a
+//! second listener, `PROXIED`, which advertises a port of its own where a connection-cutting
+//! proxy may listen ([`BrokerFixture::address`] declares that route): a client bootstrapped
+//! through the proxy makes every connection through it.
 
 use std::fs::OpenOptions;
 use std::path::{Path, PathBuf};
@@ -65,6 +71,11 @@ pub struct KafkaServer {
     dir: TempDir,
     lib: PathBuf,
     port: u16,
+    /// The `PROXIED` listener's port, which advertises `proxy_port`.
+    proxied_port: u16,
+    /// Where a proxy in front of the `PROXIED` listener listens (nothing listens there
+    /// otherwise).
+    proxy_port: u16,
     child: Option<Child>,
 }
 
@@ -76,9 +87,20 @@ impl KafkaServer {
         let dir = tempfile::Builder::new()
             .prefix("switchboard-kafka-")
             .tempdir()?;
-        let [port, controller] = free_ports()?;
+        let [port, controller, proxied_port, proxy_port] = free_ports()?;
         let properties = dir.path().join("server.properties");
-        std::fs::write(&properties, server_properties(dir.path(), port, controller))?;
+        std::fs::write(
+            &properties,
+            server_properties(
+                dir.path(),
+                Ports {
+                    port,
+                    controller,
+                    proxied: proxied_port,
+                    proxy: proxy_port,
+                },
+            ),
+        )?;
         std::fs::write(dir.path().join("log4j2.properties"), LOG4J)?;
         let format = java(dir.path(), &lib)
             .arg("kafka.tools.StorageTool")
@@ -100,6 +122,8 @@ impl KafkaServer {
             dir,
             lib,
             port,
+            proxied_port,
+            proxy_port,
             child: Some(child),
         })
     }
@@ -107,6 +131,16 @@ impl KafkaServer {
     /// `127.0.0.1:PORT`; the same across restarts.
     pub fn bootstrap(&self) -> String {
         format!("127.0.0.1:{}", self.port)
+    }
+
+    /// Routes the proxy for [`KafkaServer::bootstrap`] through the `PROXIED` listener, whose
+    /// metadata sends clients back to the proxy.
+    pub fn route_proxy(&self) {
+        crate::proxy::route(
+            &self.bootstrap(),
+            self.proxy_port,
+            &format!("127.0.0.1:{}", self.proxied_port),
+        );
     }
 
     /// The node's (the JVM's) process id, for CPU accounting.
@@ -446,18 +480,33 @@ fn cluster_id() -> String {
     base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(bytes)
 }
 
+/// The node's ports: clients', the controller's, and the `PROXIED` listener's with the proxy's
+/// port it advertises.
+struct Ports {
+    port: u16,
+    controller: u16,
+    proxied: u16,
+    proxy: u16,
+}
+
 /// Single node, combined broker and controller, replication factor 1 for the internal topics,
 /// no initial rebalance delay (BROKERS.md §4).
-fn server_properties(dir: &Path, port: u16, controller: u16) -> String {
+fn server_properties(dir: &Path, ports: Ports) -> String {
+    let Ports {
+        port,
+        controller,
+        proxied,
+        proxy,
+    } = ports;
     format!(
         "process.roles=broker,controller\n\
          node.id=1\n\
          controller.quorum.voters=1@127.0.0.1:{controller}\n\
-         listeners=PLAINTEXT://127.0.0.1:{port},CONTROLLER://127.0.0.1:{controller}\n\
-         advertised.listeners=PLAINTEXT://127.0.0.1:{port}\n\
+         listeners=PLAINTEXT://127.0.0.1:{port},CONTROLLER://127.0.0.1:{controller},PROXIED://127.0.0.1:{proxied}\n\
+         advertised.listeners=PLAINTEXT://127.0.0.1:{port},PROXIED://127.0.0.1:{proxy}\n\
          controller.listener.names=CONTROLLER\n\
          inter.broker.listener.name=PLAINTEXT\n\
-         listener.security.protocol.map=CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT\n\
+         listener.security.protocol.map=CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT,PROXIED:PLAINTEXT\n\
          log.dirs={}/data\n\
          num.partitions=1\n\
          auto.create.topics.enable=false\n\
@@ -616,6 +665,13 @@ impl BrokerFixture for KafkaBroker {
 
     async fn recreate(&self, _fx: &Fixture, name: &str) -> Result<()> {
         self.server.recreate_topic(name, KAFKA_PARTITIONS).await
+    }
+
+    /// The bootstrap address; the proxy started for it listens where the `PROXIED` listener
+    /// sends its clients.
+    fn address(&self, _fx: &Fixture) -> Result<String> {
+        self.server.route_proxy();
+        Ok(self.server.bootstrap())
     }
 
     /// A record whose key is an `IntegerSerializer` 300 (`00 00 01 2c`: NUL bytes) and whose

@@ -7,7 +7,9 @@
 //!   connection of its own (`publisher.rs`: published once, `connection.blocked` reported,
 //!   refusals bounded). lapin does not reconnect by itself: when the channel or the connection
 //!   fails, the session is dropped and the next call opens a new one (the pipeline backs off between attempts and logs the
-//!   outage once). Delivery tags belong to their channel: every receipt carries its session's
+//!   outage once). A session idle for [`IDLE_RESUBSCRIBE`] subscribes again on a new channel:
+//!   RabbitMQ can lose a consumer without cancelling it (a quorum queue deleted and declared
+//!   again). Delivery tags belong to their channel: every receipt carries its session's
 //!   generation, and a receipt of an earlier session is stale (RabbitMQ has put the message
 //!   back; it is redelivered and deduplicated).
 //! - **Prepare**: a passive declare of the queue (missing: fatal, naming
@@ -85,6 +87,9 @@ const GATHER: Duration = Duration::from_millis(50);
 const CALL_TIMEOUT: Duration = Duration::from_secs(10);
 /// How often `maintain` (reopening a lost session) and the queue-health probe run.
 const MAINTENANCE_INTERVAL: Duration = Duration::from_secs(5);
+/// After how long without a delivery, holding nothing, the consumer subscribes again on a new
+/// channel (one channel open, `basic.qos` and `basic.consume`; the connection stays).
+const IDLE_RESUBSCRIBE: Duration = Duration::from_secs(30);
 
 /// Everything the AMQP transport needs to know.
 #[derive(Debug, Clone)]
@@ -184,6 +189,8 @@ struct Session {
     consumer: Consumer,
     /// Delivery tag → arrival (Unix ms) of every delivery not acknowledged yet.
     outstanding: BTreeMap<u64, u64>,
+    /// When the consumer last delivered (or was subscribed).
+    last_delivery: Instant,
 }
 
 impl Session {
@@ -479,16 +486,48 @@ impl Amqp {
             self.settings.max_deliveries,
         )
         .await?;
-        let consume = open_channel(names, &connection).await?;
-        // What the pipeline holds at most: its batches in flight and the one being received.
-        // A prefetch of one batch would make every batch wait for the previous one's ack.
-        let prefetch =
-            u16::try_from(self.settings.batch_size.max(1) * (HELD + 1)).unwrap_or(u16::MAX);
+        let (consume, consumer) = self.subscribe(&connection).await?;
+        self.generations += 1;
+        self.metrics.sessions.inc();
+        if self.generations == 1 {
+            tracing::info!(
+                queue = %self.settings.spec.queue,
+                prefetch = self.prefetch(),
+                dead_letters = %self.names.dead_letter,
+                "RabbitMQ queue ready"
+            );
+        }
+        self.buffer.clear();
+        self.session = Some(Session {
+            generation: self.generations,
+            connection,
+            consume,
+            consumer,
+            outstanding: BTreeMap::new(),
+            last_delivery: Instant::now(),
+        });
+        self.held.record(&BTreeMap::new());
+        Ok(())
+    }
+
+    /// What the pipeline holds at most: its batches in flight and the one being received. A
+    /// prefetch of one batch would make every batch wait for the previous one's ack.
+    fn prefetch(&self) -> u16 {
+        u16::try_from(self.settings.batch_size.max(1) * (HELD + 1)).unwrap_or(u16::MAX)
+    }
+
+    /// A channel of `connection` with QoS and a consumer of the queue.
+    async fn subscribe(
+        &self,
+        connection: &Connection,
+    ) -> Result<(Channel, Consumer), TransportError> {
+        let names = &self.names;
+        let consume = open_channel(names, connection).await?;
         call(
             names,
             "basic.qos",
             Addressed::Connection,
-            consume.basic_qos(prefetch, BasicQosOptions::default()),
+            consume.basic_qos(self.prefetch(), BasicQosOptions::default()),
         )
         .await?;
         let consumer = call(
@@ -503,25 +542,42 @@ impl Amqp {
             ),
         )
         .await?;
-        self.generations += 1;
-        self.metrics.sessions.inc();
-        if self.generations == 1 {
-            tracing::info!(
-                queue = %self.settings.spec.queue,
-                prefetch,
-                dead_letters = %self.names.dead_letter,
-                "RabbitMQ queue ready"
-            );
+        Ok((consume, consumer))
+    }
+
+    /// Subscribes again on a new channel of the session's connection when the session has
+    /// held nothing and received nothing for [`IDLE_RESUBSCRIBE`]. A consumer can be lost
+    /// without a word: RabbitMQ 3.10 does not cancel a quorum queue's consumer when the queue is
+    /// deleted and declared again, and then checks the new queue's messages out to the old
+    /// consumer, which never delivers them. Closing its channel puts them back.
+    async fn resubscribe_if_idle(&mut self) -> Result<(), TransportError> {
+        let Some(session) = self.session.as_ref() else {
+            return Ok(());
+        };
+        if !session.outstanding.is_empty()
+            || !self.buffer.is_empty()
+            || session.last_delivery.elapsed() < IDLE_RESUBSCRIBE
+        {
+            return Ok(());
         }
-        self.buffer.clear();
-        self.session = Some(Session {
-            generation: self.generations,
-            connection,
-            consume,
-            consumer,
-            outstanding: BTreeMap::new(),
-        });
-        self.held.record(&BTreeMap::new());
+        let subscribed = self.subscribe(&session.connection).await;
+        let Some(session) = self.session.as_mut() else {
+            return Ok(());
+        };
+        let (consume, consumer) = match subscribed {
+            Ok(subscribed) => subscribed,
+            Err(err) => {
+                self.lose_session();
+                return Err(err);
+            }
+        };
+        tracing::debug!("idle: subscribed again on a new channel");
+        let old = std::mem::replace(&mut session.consume, consume);
+        session.consumer = consumer;
+        self.generations += 1;
+        session.generation = self.generations;
+        session.last_delivery = Instant::now();
+        let _ = tokio::time::timeout(CALL_TIMEOUT, old.close(200, "resubscribed".into())).await;
         Ok(())
     }
 
@@ -586,6 +642,7 @@ impl Amqp {
             match next {
                 None => break,
                 Some(Some(Ok(delivery))) => {
+                    session.last_delivery = Instant::now();
                     session.outstanding.insert(delivery.delivery_tag, now_ms());
                     buffered.push(delivery);
                     gather_until.get_or_insert_with(|| Instant::now() + GATHER);
@@ -923,9 +980,11 @@ impl Transport for Amqp {
         false
     }
 
-    /// Reopens a lost session, so that the loop sees an outage as such between receives.
+    /// Reopens a lost session, so that the loop sees an outage as such between receives, and
+    /// subscribes again after a long idle spell.
     async fn maintain(&mut self) -> Result<(), TransportError> {
-        self.session().await.map(drop)
+        self.session().await?;
+        self.resubscribe_if_idle().await
     }
 
     fn maintenance_interval(&self) -> Duration {

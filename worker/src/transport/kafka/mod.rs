@@ -15,10 +15,17 @@
 //!   record's headers become the event's headers and its key (any bytes) the `kafka.key` header;
 //!   the pipeline encodes what is not UTF-8 text. A record without a value (a tombstone) or
 //!   whose header names are not UTF-8 is undecodable: it is dead-lettered.
-//! - **Incarnations**: see [`topic_id`]. The id of each topic read is looked up when its
-//!   partitions are assigned and every maintenance; a new id (the topic was re-created) is
-//!   logged once, and the topic's partitions are read again from their beginning under new
-//!   keys, their old incarnation's acknowledgements stale.
+//! - **Incarnations**: see [`topic_id`]. A record carries no topic id, so its keys are set only
+//!   once its incarnation is certain: the ids of the topics in hand are read (`DescribeTopics`)
+//!   after their records were taken from librdkafka, before they are handed on, and a record
+//!   takes that id only if the same id had been read before its partition's epoch began (before
+//!   its fetch). Ids are never re-used, so the topic was that incarnation all along, and so was
+//!   every record fetched in between. A topic the brokers do not describe (deleted) holds its
+//!   records; a new id (the topic was re-created) is logged once and the topic's partitions are
+//!   read again from their beginning under new epochs (records in hand dropped, the old
+//!   incarnation's acknowledgements stale); records fetched before their topic's id was first
+//!   read (a topic a pattern picked up later) are fetched again. The ids are also read every
+//!   maintenance, so an idle worker notices a re-creation.
 //! - **Its own dead letters**: a subscription that includes the dead-letter topic (a pattern
 //!   matching `<topic>.dlq`, or `deadLetter.topic` itself) is fatal at start, naming both
 //!   settings, and so is a record of it that reaches the worker anyway.
@@ -57,7 +64,7 @@ mod topic_id;
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::panic::AssertUnwindSafe;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use futures::FutureExt as _;
 use futures::StreamExt as _;
@@ -147,17 +154,10 @@ impl Receipt {
 struct Incarnation {
     /// The topic's id; `None` where the brokers keep none.
     id: Option<Arc<str>>,
-    /// When the brokers last said the topic exists with this id; `None`: since then the topic
-    /// was missing or a fetch failed (it may have been deleted): read again before any record
-    /// of it takes this id.
-    verified: Option<std::time::Instant>,
+    /// When the first read that returned this id completed: the topic was this incarnation
+    /// then, and is until a read returns another id.
+    seen: Instant,
 }
-
-/// How long a topic's id is taken as current before it is read again for new records: a topic
-/// deleted and created again within this time, with no fetch failing meanwhile, could give a
-/// record of the new incarnation the old id (stored, and stored again under the new id: a
-/// duplicate, never a loss).
-const VERIFY_TOPIC_ID_EVERY: Duration = Duration::from_secs(1);
 
 /// A record fetched and not yet handed on.
 #[derive(Debug)]
@@ -476,11 +476,6 @@ impl Kafka {
                     });
                 }
                 Err(err) => {
-                    // The error may be a topic's deletion (librdkafka does not say which
-                    // topic): no record takes a topic id read before it.
-                    for known in self.topic_ids.values_mut() {
-                        known.verified = None;
-                    }
                     if self.fetched.is_empty() {
                         return Err(classify(err, "could not fetch records", Setting::Topics));
                     }
@@ -492,72 +487,92 @@ impl Kafka {
         Ok(())
     }
 
-    /// Sets the keys of the first `max` records in hand from their topic's incarnation, reading
-    /// the ids of topics not known yet or assigned again since they were read. A topic whose id
-    /// changed was re-created: see [`Kafka::recreated`].
+    /// Sets the keys of the first `max` records in hand whose incarnation is certain. The ids
+    /// of their topics are read now, after every record in hand was taken from librdkafka; a
+    /// record takes its topic's id only if that id was read before its partition's epoch began,
+    /// so before the record was fetched: ids are never re-used, so the topic was that
+    /// incarnation from then until now. Records of a topic the brokers do not describe now
+    /// (deleted) stay in hand, without keys. A topic whose id changed was re-created (see
+    /// [`Kafka::recreated`]); a partition whose records were fetched before its topic's id was
+    /// first read is fetched again from its first record in hand, under a new epoch.
     async fn identify(&mut self, max: usize) -> Result<(), TransportError> {
-        let mut wanted: BTreeSet<Arc<str>> = self.state.offsets().take_assigned_topics();
-        for fetched in self.fetched.iter().take(max) {
-            let topic = &fetched.message.receipt.partition.topic;
-            if fetched.identified {
-                continue;
-            }
-            match self.topic_ids.get(topic) {
-                None => {
-                    // A topic read for the first time (a pattern picks up topics created
-                    // later).
-                    self.refuse_own_dead_letters(topic)?;
-                    wanted.insert(topic.clone());
-                }
-                Some(known)
-                    if known
-                        .verified
-                        .is_none_or(|at| at.elapsed() >= VERIFY_TOPIC_ID_EVERY) =>
-                {
-                    wanted.insert(topic.clone());
-                }
-                Some(_) => {}
+        let wanted: BTreeSet<Arc<str>> = self
+            .fetched
+            .iter()
+            .take(max)
+            .filter(|fetched| !fetched.identified)
+            .map(|fetched| fetched.message.receipt.partition.topic.clone())
+            .collect();
+        if wanted.is_empty() {
+            return Ok(());
+        }
+        for topic in &wanted {
+            if !self.topic_ids.contains_key(topic) {
+                // A topic read for the first time (a pattern picks up topics created later).
+                self.refuse_own_dead_letters(topic)?;
             }
         }
-        if !wanted.is_empty()
-            && let Err(err) = self.describe(wanted.clone()).await
+        let existing = self.describe(wanted).await?;
+        let mut unproven = BTreeSet::new();
         {
-            // Read again next time: a record must never take a stale id.
-            self.state.offsets().return_assigned_topics(wanted);
-            return Err(err);
-        }
-        let count = self.fetched.len().min(max);
-        for fetched in self.fetched.iter_mut().take(count) {
-            if fetched.identified {
-                continue;
+            let offsets = self.state.offsets();
+            for fetched in self.fetched.iter_mut().take(max) {
+                let receipt = &fetched.message.receipt;
+                if fetched.identified || !existing.contains(&receipt.partition.topic) {
+                    continue;
+                }
+                let (Some(known), Some(began)) = (
+                    self.topic_ids.get(&receipt.partition.topic),
+                    offsets.began(&receipt.partition, receipt.epoch),
+                ) else {
+                    // Revoked since it was fetched: dropped by the next receive.
+                    continue;
+                };
+                if known.seen > began {
+                    unproven.insert(receipt.partition.clone());
+                    continue;
+                }
+                let message = &mut fetched.message;
+                message.receipt.topic_id = known.id.clone();
+                message.external_id = format!(
+                    "{}:{}",
+                    message.receipt.incarnation(),
+                    message.receipt.offset
+                );
+                message.idempotency_key = format!("{}:{}", self.source, message.external_id);
+                fetched.identified = true;
             }
-            let message = &mut fetched.message;
-            let Some(Incarnation {
-                id,
-                verified: Some(_),
-            }) = self.topic_ids.get(&message.receipt.partition.topic)
-            else {
-                return Err(TransportError::protocol(format!(
-                    "the brokers did not describe topic {:?}, whose records are in hand; tried again",
-                    message.receipt.partition.topic
-                )));
-            };
-            message.receipt.topic_id = id.clone();
-            message.external_id = format!(
-                "{}:{}",
-                message.receipt.incarnation(),
-                message.receipt.offset
+        }
+        if !unproven.is_empty() {
+            let restarts: Vec<(TopicPartition, Offset)> = unproven
+                .into_iter()
+                .filter_map(|partition| {
+                    let first = self
+                        .fetched
+                        .iter()
+                        .map(|fetched| &fetched.message.receipt)
+                        .filter(|receipt| receipt.partition == partition)
+                        .map(|receipt| receipt.offset)
+                        .min()?;
+                    Some((partition, Offset::Offset(first)))
+                })
+                .collect();
+            tracing::info!(
+                partitions = ?restarts.iter().map(|(partition, _)| partition.name()).collect::<Vec<_>>(),
+                "records fetched before their topic's id was first read are fetched again"
             );
-            message.idempotency_key = format!("{}:{}", self.source, message.external_id);
-            fetched.identified = true;
+            self.restart_epochs(&restarts);
         }
         Ok(())
     }
 
     /// Reads the ids of `topics` and records them; a topic whose id changed was re-created.
-    /// A topic the brokers do not describe (deleted meanwhile) keeps its id, unverified: none of
-    /// its records takes an id until it exists again.
-    async fn describe(&mut self, topics: BTreeSet<Arc<str>>) -> Result<(), TransportError> {
+    /// Returns the topics the brokers described (they exist now); a topic they do not describe
+    /// keeps the id last read.
+    async fn describe(
+        &mut self,
+        topics: BTreeSet<Arc<str>>,
+    ) -> Result<BTreeSet<Arc<str>>, TransportError> {
         let consumer = self.consumer.clone();
         let names: Vec<String> = topics.iter().map(|topic| topic.to_string()).collect();
         let described = tokio::task::spawn_blocking(move || {
@@ -566,26 +581,31 @@ impl Kafka {
         .await
         .map_err(|err| TransportError::protocol(format!("the describe task failed: {err}")))?
         .map_err(|err| classify(err, "could not describe the topics", Setting::Topics))?;
+        let seen = Instant::now();
+        let mut existing = BTreeSet::new();
         for (name, described) in described {
-            let topic: Arc<str> = Arc::from(name);
             let Described::Exists(id) = described else {
-                if let Some(known) = self.topic_ids.get_mut(&topic) {
-                    known.verified = None;
-                }
                 continue;
             };
+            let topic: Arc<str> = Arc::from(name);
+            existing.insert(topic.clone());
             let id = id.map(Arc::<str>::from);
-            let current = Incarnation {
-                id: id.clone(),
-                verified: Some(std::time::Instant::now()),
+            let previous = match self.topic_ids.get(&topic) {
+                Some(known) if known.id == id => continue,
+                previous => previous.map(|known| known.id.clone()),
             };
-            if let Some(previous) = self.topic_ids.insert(topic.clone(), current)
-                && previous.id != id
-            {
-                self.recreated(&topic, previous.id.as_deref(), id.as_deref());
+            self.topic_ids.insert(
+                topic.clone(),
+                Incarnation {
+                    id: id.clone(),
+                    seen,
+                },
+            );
+            if let Some(previous) = previous {
+                self.recreated(&topic, previous.as_deref(), id.as_deref());
             }
         }
-        Ok(())
+        Ok(existing)
     }
 
     /// `topic` was deleted and created again (its id changed): its owned partitions are read
@@ -603,29 +623,49 @@ impl Kafka {
         );
         self.fetched
             .retain(|fetched| fetched.message.receipt.partition.topic != *topic);
-        if partitions.is_empty() {
+        let restarts: Vec<(TopicPartition, Offset)> = partitions
+            .iter()
+            .map(|partition| (partition.clone(), Offset::Beginning))
+            .collect();
+        self.restart_epochs(&restarts);
+        // Committed offsets are kept by topic name: a commit of the old incarnation still in
+        // flight could land on the new topic, and a worker that died then would leave the group
+        // past the new topic's first records. The new incarnation's beginning is committed
+        // after it (same coordinator, in order), synchronously.
+        let beginnings = partitions
+            .into_iter()
+            .map(|partition| (partition, 0))
+            .collect();
+        if let Err(err) = self.commit(beginnings, CommitMode::Sync) {
+            tracing::warn!(error = %switchboard_telemetry::ErrorChain(&err), topic = %topic, "could not commit the re-created topic's beginning");
+        }
+    }
+
+    /// Fetches each owned partition again from its offset, under a new epoch: its records in
+    /// hand are dropped, and those librdkafka fetched before are discarded by it.
+    fn restart_epochs(&mut self, restarts: &[(TopicPartition, Offset)]) {
+        if restarts.is_empty() {
             return;
         }
-        let mut restart = TopicPartitionList::new();
+        self.fetched.retain(|fetched| {
+            restarts
+                .iter()
+                .all(|(partition, _)| *partition != fetched.message.receipt.partition)
+        });
+        let mut list = TopicPartitionList::new();
         {
             let mut offsets = self.state.offsets();
-            for partition in &partitions {
-                offsets.restart_incarnation(partition);
-                let _ = restart.add_partition_offset(
-                    &partition.topic,
-                    partition.partition,
-                    Offset::Beginning,
-                );
+            for (partition, offset) in restarts {
+                offsets.restart_epoch(partition);
+                let _ = list.add_partition_offset(&partition.topic, partition.partition, *offset);
             }
-            // The restart is not an assignment: its topic's id is already known.
-            offsets.take_assigned_topics();
         }
         if let Err(err) = self
             .consumer
-            .incremental_unassign(&restart)
-            .and_then(|()| self.consumer.incremental_assign(&restart))
+            .incremental_unassign(&list)
+            .and_then(|()| self.consumer.incremental_assign(&list))
         {
-            tracing::warn!(error = %switchboard_telemetry::ErrorChain(&err), "could not restart the re-created topic's partitions from their beginning");
+            tracing::warn!(error = %switchboard_telemetry::ErrorChain(&err), "could not restart the partitions' fetch");
         }
     }
 
@@ -725,10 +765,14 @@ impl Transport for Kafka {
         if let Some(dead_letter) = &self.dead_letter_topic {
             self.refuse_own_dead_letters(dead_letter)?;
         }
+        // The topics read now: their ids are read before any partition is assigned, so their
+        // first records need not be fetched again (see `identify`).
+        let mut read_now = BTreeSet::new();
         match &topics {
             Topics::Named(names) => {
                 for name in names {
                     self.refuse_own_dead_letters(name)?;
+                    read_now.insert(Arc::from(name.as_str()));
                 }
             }
             Topics::Pattern(_) => {
@@ -749,6 +793,7 @@ impl Transport for Kafka {
                     if self.reads(topic.name()) {
                         self.refuse_own_dead_letters(topic.name())?;
                         self.refuse_own_dead_letters(&self.dead_letter_topic(topic.name()))?;
+                        read_now.insert(Arc::from(topic.name()));
                     }
                 }
             }
@@ -781,6 +826,9 @@ impl Transport for Kafka {
                 }
             }
         }
+        if !read_now.is_empty() {
+            self.describe(read_now).await?;
+        }
         let subscription: Vec<&str> = match (&self.spec.topics, &self.spec.topic_pattern) {
             (Some(names), _) => names.iter().map(String::as_str).collect(),
             (None, Some(pattern)) => vec![pattern.as_str()],
@@ -806,8 +854,28 @@ impl Transport for Kafka {
             });
         }
         self.identify(max).await?;
-        let count = self.fetched.len().min(max);
+        // Records whose keys are not set (their topic is not described now) stay in hand, in
+        // order, behind those handed on.
+        let window = self.fetched.len().min(max);
+        let (ready, held): (Vec<Fetched>, Vec<Fetched>) = self
+            .fetched
+            .drain(..window)
+            .partition(|fetched| fetched.identified);
+        let count = ready.len();
+        let held_topics: BTreeSet<Arc<str>> = held
+            .iter()
+            .map(|fetched| fetched.message.receipt.partition.topic.clone())
+            .collect();
+        for fetched in held.into_iter().rev().chain(ready.into_iter().rev()) {
+            self.fetched.push_front(fetched);
+        }
         if count == 0 {
+            if !held_topics.is_empty() {
+                return Err(TransportError::protocol(format!(
+                    "the brokers do not describe topic(s) {held_topics:?} (deleted?): their \
+                     records in hand are held until their incarnation is known"
+                )));
+            }
             return Ok(Vec::new());
         }
         if self

@@ -37,6 +37,8 @@ struct Owned {
     committed: Option<i64>,
     /// When the partition last delivered a record (or was assigned, or its fetch restarted).
     last_delivery: Instant,
+    /// When the epoch began, before its first fetch: a record of the epoch was fetched after it.
+    began: Instant,
 }
 
 /// The owned partitions and their settled records.
@@ -44,15 +46,11 @@ struct Owned {
 pub struct Offsets {
     owned: BTreeMap<TopicPartition, Owned>,
     next_epoch: u64,
-    /// Topics with a partition assigned since [`Offsets::take_assigned_topics`]: their
-    /// incarnation (topic id) is read again.
-    assigned_topics: std::collections::BTreeSet<Arc<str>>,
 }
 
 impl Offsets {
     /// `partition` is assigned to this worker: a new epoch (an owned partition keeps its own).
     pub fn assign(&mut self, partition: TopicPartition) -> u64 {
-        self.assigned_topics.insert(partition.topic.clone());
         let next_epoch = &mut self.next_epoch;
         self.owned
             .entry(partition)
@@ -64,6 +62,7 @@ impl Offsets {
                     settled_up_to: None,
                     committed: None,
                     last_delivery: Instant::now(),
+                    began: Instant::now(),
                 }
             })
             .epoch
@@ -89,17 +88,6 @@ impl Offsets {
         }
     }
 
-    /// Topics with a partition assigned since the last call.
-    pub fn take_assigned_topics(&mut self) -> std::collections::BTreeSet<Arc<str>> {
-        std::mem::take(&mut self.assigned_topics)
-    }
-
-    /// Topics taken by [`Offsets::take_assigned_topics`] whose ids could not be read: they are
-    /// read again.
-    pub fn return_assigned_topics(&mut self, topics: std::collections::BTreeSet<Arc<str>>) {
-        self.assigned_topics.extend(topics);
-    }
-
     /// The owned partitions of `topic`.
     pub fn owned_of(&self, topic: &str) -> Vec<TopicPartition> {
         self.owned
@@ -109,10 +97,11 @@ impl Offsets {
             .collect()
     }
 
-    /// `partition` now reads another incarnation of its topic (deleted and created again): a
-    /// new epoch, nothing delivered, settled or committed (the old incarnation's offsets mean
-    /// nothing in the new one, and its acknowledgements are stale).
-    pub fn restart_incarnation(&mut self, partition: &TopicPartition) {
+    /// `partition`'s fetch starts over under a new epoch, with nothing delivered, settled or
+    /// committed: it reads another incarnation of its topic (deleted and created again: the old
+    /// one's offsets mean nothing in the new one, its acknowledgements are stale), or its records
+    /// in hand were fetched before its topic's id was known.
+    pub fn restart_epoch(&mut self, partition: &TopicPartition) {
         if self.owned.remove(partition).is_some() {
             self.assign(partition.clone());
         }
@@ -136,6 +125,14 @@ impl Offsets {
     /// The epoch of an owned partition.
     pub fn epoch(&self, partition: &TopicPartition) -> Option<u64> {
         self.owned.get(partition).map(|owned| owned.epoch)
+    }
+
+    /// When `epoch` of `partition` began (before its first fetch), while it is owned under it.
+    pub fn began(&self, partition: &TopicPartition, epoch: u64) -> Option<Instant> {
+        self.owned
+            .get(partition)
+            .filter(|owned| owned.epoch == epoch)
+            .map(|owned| owned.began)
     }
 
     /// Records `offset` as delivered to the pipeline under `epoch`. `false`: the partition is no
@@ -325,12 +322,14 @@ mod tests {
     fn a_new_incarnation_starts_over_under_a_new_epoch() {
         let mut offsets = Offsets::default();
         let epoch = offsets.assign(tp(0));
-        assert_eq!(offsets.take_assigned_topics().len(), 1);
+        let began = offsets.began(&tp(0), epoch).expect("owned");
         assert!(offsets.deliver(&tp(0), epoch, 40));
         assert!(offsets.settle(&tp(0), epoch, 40));
-        offsets.restart_incarnation(&tp(0));
+        offsets.restart_epoch(&tp(0));
         let again = offsets.epoch(&tp(0)).expect("still owned");
         assert_ne!(again, epoch);
+        assert_eq!(offsets.began(&tp(0), epoch), None, "the old epoch is over");
+        assert!(offsets.began(&tp(0), again).expect("owned") >= began);
         assert!(!offsets.settle(&tp(0), epoch, 41), "stale");
         assert!(offsets.deliver(&tp(0), again, 0), "offsets start over");
         assert_eq!(offsets.committable(), vec![]);
