@@ -651,14 +651,7 @@ macro_rules! contract_suite {
 contract_suite! {
     redis_stream => RedisStreamBroker { chaos: [], recreate: [], undecodable: [], cut: [] },
     redis_list => RedisListBroker { chaos: [], recreate: [], undecodable: [], cut: [] },
-    sqs_standard => SqsBroker {
-        chaos: [#[ignore = "fails, not diagnosed (README): after ElasticMQ is SIGKILLed mid-flow \
-            the last worker does not settle the 5,000 messages within 180 s"]],
-        recreate: [#[ignore = "fails, not diagnosed (README): a queue deleted and created again \
-            under a running worker is not settled within 180 s"]],
-        undecodable: [],
-        cut: [],
-    },
+    sqs_standard => SqsBroker { chaos: [], recreate: [], undecodable: [], cut: [] },
     nats => NatsBroker {
         chaos: [],
         recreate: [],
@@ -675,11 +668,5 @@ contract_suite! {
     },
     amqp_classic => AmqpClassicBroker { chaos: [], recreate: [], undecodable: [], cut: [] },
     kafka => KafkaBroker { chaos: [], recreate: [], undecodable: [], cut: [] },
-    gateway => GatewayBroker {
-        chaos: [#[ignore = "fails, not diagnosed (README): after ElasticMQ behind the gateway is \
-            SIGKILLed mid-flow the last worker does not settle within 180 s"]],
-        recreate: [],
-        undecodable: [],
-        cut: [],
-    },
+    gateway => GatewayBroker { chaos: [], recreate: [], undecodable: [], cut: [] },
 }

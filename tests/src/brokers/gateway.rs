@@ -1141,10 +1141,14 @@ impl BrokerFixture for GatewayBroker {
         self.sqs.crash(fx).await
     }
 
-    /// Deletes and creates the queue behind the gateway again. The gateway's messageId is
-    /// SQS's MessageId, unique per send: a new queue's messages can never re-use one.
-    async fn recreate(&self, fx: &Fixture, name: &str) -> Result<()> {
-        self.sqs.recreate(fx, name).await
+    /// Deletes and creates the queue behind the gateway again at once. Not after a worker call
+    /// found it missing, as [`SqsBroker::recreate`] does: ElasticMQ leaves calls to a deleted
+    /// queue unanswered for a while (a receive got no answer until the worker's 11 s deadline,
+    /// and no call was answered 404 within the next 60 s), so that wait would time out. The
+    /// gateway's messageId is SQS's MessageId, unique per send: a new queue's messages can
+    /// never re-use one.
+    async fn recreate(&self, _fx: &Fixture, name: &str) -> Result<()> {
+        self.sqs.recreate_after(name, || true).await
     }
 
     /// A message whose `Number` attribute the gateway serves as a JSON number (`"n": 5`),

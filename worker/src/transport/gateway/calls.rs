@@ -6,7 +6,7 @@
 //! | 2xx | done | — |
 //! | 401 | missing, expired or revoked token | on the current token: invalidates it, fetches a new one (one fetch for all the calls refused) and sends the call once more; on an older one (replaced while the call was in flight): sends it again with the current token; a 401 on the token fetched after the call's own refusal is an authentication failure: transient (backoff, readiness false, the log names the token endpoint), counted by `…_gateway_auth_failures_total` |
 //! | 403 | the token is valid but its claims do not allow this | transient, naming the queue and the claims to check (the grant can be fixed without a new spec) |
-//! | 404 | the queue does not exist | fatal, naming `spec.source.gateway.queue` |
+//! | 404 | the queue does not exist | fatal, naming `spec.source.gateway.queue`; once `prepare` found the queue, transient until it has been missing for 120 s (deleted and created again) |
 //! | 410 | the receipt handle is no longer valid | stale receipt |
 //! | 429, 502, 503, 504, no answer | overloaded or unreachable | transient, counted by the circuit breaker |
 //! | other | — | transient, the gateway's message (redacted) in the log |
@@ -25,7 +25,7 @@ use super::breaker::CircuitBreaker;
 use super::http::{Answer, HttpClient};
 use super::token::{AfterRefusal, TokenProvider};
 use crate::transport::TransportError;
-use crate::transport::sqs::classify::redact;
+use crate::transport::sqs::classify::{QUEUE_MISSING_DEADLINE, QueueAbsence, redact};
 
 /// A call other than a long poll.
 pub const CALL_TIMEOUT: Duration = Duration::from_secs(10);
@@ -76,6 +76,7 @@ pub struct Gateway {
     tokens: Arc<TokenProvider>,
     breaker: Arc<CircuitBreaker>,
     counters: AuthCounters,
+    absence: QueueAbsence,
 }
 
 /// What the calls count of authentication.
@@ -107,7 +108,13 @@ impl Gateway {
             tokens,
             breaker,
             counters,
+            absence: QueueAbsence::default(),
         }
+    }
+
+    /// `prepare` found the queue: from now on its absence is waited for (see [`QueueAbsence`]).
+    pub fn queue_found(&mut self) {
+        self.absence.found();
     }
 
     pub fn queue(&self) -> &str {
@@ -211,6 +218,7 @@ impl Gateway {
                 self.counters.failures.inc();
             }
             if (200..300).contains(&answer.status) {
+                self.absence.reached();
                 return Ok(answer);
             }
             return Err(self.refusal(call, &answer));
@@ -247,14 +255,30 @@ impl Gateway {
                 refused,
             ),
             404 if refused.code.contains("Queue") || refused.code.is_empty() => {
-                TransportError::fatal(
-                    "spec.source.gateway.queue",
-                    format!(
-                        "gateway {}: queue {queue} does not exist behind {} (404)",
-                        call.name, self.base
+                match self.absence.missing_for() {
+                    Some(missing) if missing < QUEUE_MISSING_DEADLINE => TransportError::transient(
+                        format!(
+                            "gateway {}: queue {queue} no longer exists behind {} (404, for {} s); waiting up to {} s for it to be created again",
+                            call.name,
+                            self.base,
+                            missing.as_secs(),
+                            QUEUE_MISSING_DEADLINE.as_secs()
+                        ),
+                        refused,
                     ),
-                    Some(Box::new(refused)),
-                )
+                    missing => TransportError::fatal(
+                        "spec.source.gateway.queue",
+                        format!(
+                            "gateway {}: queue {queue} does not exist behind {} (404){}",
+                            call.name,
+                            self.base,
+                            missing
+                                .map(|m| format!("; missing for {} s", m.as_secs()))
+                                .unwrap_or_default()
+                        ),
+                        Some(Box::new(refused)),
+                    ),
+                }
             }
             404 => TransportError::fatal(
                 "spec.source.gateway.url",

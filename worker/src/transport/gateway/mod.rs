@@ -10,7 +10,9 @@
 //!   TLS is always verified (the web roots, plus the CA of `spec.source.gateway.tls`, a file
 //!   the operator mounts and names in `GATEWAY_CA_FILE`).
 //! - **`prepare`** checks `GET /health`, then `GET /stats` of the queue: a missing queue is
-//!   fatal (naming `spec.source.gateway.queue`), a refused token is not.
+//!   fatal (naming `spec.source.gateway.queue`), a refused token is not. A queue that goes
+//!   missing later (deleted, maybe created again) is waited for, readiness false, and fatal
+//!   only once it has been missing for 120 s.
 //! - **Receive**: long polls of at most ten messages, a larger batch gathered from concurrent
 //!   receives like the SQS transport's; bodies are base64; the key is
 //!   `gateway:{adapter}:{messageId}` (the gateway passes SQS's MessageId, unique per send, so
@@ -442,6 +444,7 @@ impl Transport for GatewayTransport {
             visibility_seconds = self.visibility_seconds(),
             "gateway queue ready"
         );
+        self.calls.queue_found();
         Ok(())
     }
 

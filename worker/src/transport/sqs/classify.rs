@@ -4,6 +4,9 @@
 //! Service error messages are never passed on verbatim: SQS quotes receipt handles in some of
 //! them (`ReceiptHandleIsInvalid`), so long tokens are redacted first.
 
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
 use aws_sdk_sqs::config::http::HttpResponse;
 use aws_sdk_sqs::error::{ProvideErrorMetadata, SdkError};
 
@@ -14,6 +17,43 @@ pub const CREDENTIALS_SETTING: &str =
     "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY (spec.source.sqs.accessKeyIdSecretRef)";
 /// The setting naming the dead-letter queue.
 pub const DEAD_LETTER_SETTING: &str = "spec.delivery.deadLetter.queueUrl";
+/// How long a queue may be missing, once `prepare` found it, before that is fatal: a queue
+/// deleted and created again under the worker is waited for (AWS asks for 60 s between
+/// deleting a queue and creating one of the same name).
+pub const QUEUE_MISSING_DEADLINE: Duration = Duration::from_secs(120);
+
+/// Whether the worker's queue was found, and since when calls have found it missing: a queue
+/// deleted after `prepare` found it may be created again and is waited for until
+/// [`QUEUE_MISSING_DEADLINE`]; one never found is a setting to fix. Clones share the clock.
+#[derive(Debug, Clone, Default)]
+pub struct QueueAbsence {
+    found: bool,
+    since: Arc<Mutex<Option<Instant>>>,
+}
+
+impl QueueAbsence {
+    /// `prepare` found the queue.
+    pub fn found(&mut self) {
+        self.found = true;
+    }
+
+    /// A call reached the queue: a later absence counts from zero again.
+    pub fn reached(&self) {
+        *self.since.lock().unwrap_or_else(PoisonError::into_inner) = None;
+    }
+
+    /// A call found the queue missing: for how long it has been, counted from the first such
+    /// call; `None` when `prepare` never found it.
+    pub fn missing_for(&self) -> Option<Duration> {
+        self.found.then(|| {
+            self.since
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .get_or_insert_with(Instant::now)
+                .elapsed()
+        })
+    }
+}
 
 /// What an SQS error code means, whatever the call.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -129,6 +169,8 @@ pub struct Settings {
     pub source_queue: String,
     pub region: String,
     pub dead_letter_queue: String,
+    /// Whether `prepare` found the source queue, and since when it has been missing.
+    pub source_absence: QueueAbsence,
 }
 
 /// An SQS service error with its code and a redacted message, in place of the SDK's error
@@ -203,6 +245,38 @@ where
 }
 
 impl Settings {
+    /// The source queue does not exist: a setting to fix, unless `prepare` found it (then it
+    /// was deleted, and is waited for until [`QUEUE_MISSING_DEADLINE`]).
+    fn source_missing(
+        &self,
+        call: &str,
+        source: Box<dyn std::error::Error + Send + Sync>,
+    ) -> TransportError {
+        match self.source_absence.missing_for() {
+            Some(missing) if missing < QUEUE_MISSING_DEADLINE => TransportError::transient(
+                format!(
+                    "SQS {call}: queue {} no longer exists (for {} s); waiting up to {} s for it to be created again",
+                    self.source_queue,
+                    missing.as_secs(),
+                    QUEUE_MISSING_DEADLINE.as_secs()
+                ),
+                Boxed(source),
+            ),
+            missing => TransportError::fatal(
+                self.source_setting,
+                format!(
+                    "SQS {call}: queue {} does not exist in region {} (or its URL is malformed){}",
+                    self.source_queue,
+                    self.region,
+                    missing
+                        .map(|m| format!("; missing for {} s", m.as_secs()))
+                        .unwrap_or_default()
+                ),
+                Some(source),
+            ),
+        }
+    }
+
     /// The one mapping from a failed call to what the worker does about it.
     pub fn error<E>(
         &self,
@@ -223,14 +297,7 @@ impl Settings {
                 Some(source),
             ),
             Verdict::QueueMissing => match addressed {
-                Addressed::Source => TransportError::fatal(
-                    self.source_setting,
-                    format!(
-                        "SQS {call}: queue {} does not exist in region {} (or its URL is malformed)",
-                        self.source_queue, self.region
-                    ),
-                    Some(source),
-                ),
+                Addressed::Source => self.source_missing(call, source),
                 Addressed::DeadLetter => TransportError::fatal(
                     DEAD_LETTER_SETTING,
                     format!(
@@ -295,6 +362,40 @@ pub fn redact(text: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::transport::ErrorKind;
+
+    fn missing(settings: &Settings) -> TransportError {
+        let fault = ServiceFault {
+            code: "QueueDoesNotExist".into(),
+            status: Some(400),
+            message: "The specified queue does not exist.".into(),
+        };
+        settings.source_missing("ReceiveMessage", Box::new(fault))
+    }
+
+    #[test]
+    fn source_queue_deleted_after_prepare_is_waited_for_until_the_deadline() {
+        let mut settings = Settings {
+            source_setting: "spec.source.sqs.queueUrl",
+            source_queue: "http://sqs/000000000000/orders".into(),
+            region: "us-east-1".into(),
+            dead_letter_queue: "http://sqs/000000000000/orders-dlq".into(),
+            source_absence: QueueAbsence::default(),
+        };
+        // Never found: a setting to fix, at once.
+        assert!(matches!(missing(&settings).kind(), ErrorKind::Fatal { .. }));
+        settings.source_absence.found();
+        let waited = missing(&settings);
+        assert!(matches!(waited.kind(), ErrorKind::Transient), "{waited}");
+        *settings.source_absence.since.lock().unwrap() =
+            Instant::now().checked_sub(QUEUE_MISSING_DEADLINE);
+        let gone = missing(&settings);
+        assert!(matches!(gone.kind(), ErrorKind::Fatal { .. }), "{gone}");
+        assert!(gone.to_string().contains("missing for 120 s"), "{gone}");
+        // Reached again (re-created): a later deletion is waited for from zero.
+        settings.source_absence.reached();
+        assert!(matches!(missing(&settings).kind(), ErrorKind::Transient));
+    }
 
     #[test]
     fn missing_queue_codes_in_both_spellings_mean_the_queue_is_missing() {

@@ -10,7 +10,9 @@
 //!   `RedrivePolicy` and `FifoQueue`, checks that the dead-letter queue exists (default: the
 //!   queue's name with `-dlq`, before `.fifo`) and that credentials resolve. What cannot work
 //!   (no queue, no credentials, refused credentials, no region) is fatal and names the setting;
-//!   see `classify.rs` for the one mapping of error codes used by every call.
+//!   see `classify.rs` for the one mapping of error codes used by every call. A source queue
+//!   that goes missing later (deleted, maybe created again: AWS asks for 60 s between the two)
+//!   is waited for, readiness false, and fatal only once it has been missing for 120 s.
 //! - **Receive**: long polls of at most ten messages; a larger batch is gathered from
 //!   concurrent receives. All system and message attributes are read; the key is
 //!   `sqs:{adapter}:{MessageId}`.
@@ -216,6 +218,7 @@ impl Sqs {
             source_queue,
             region: region.to_string(),
             dead_letter_queue,
+            source_absence: classify::QueueAbsence::default(),
         };
         Ok(Self {
             source: format!("sqs:{}", settings.adapter),
@@ -387,6 +390,7 @@ impl Sqs {
             .send()
             .await
             .map_err(|err| self.errors.error("ReceiveMessage", Addressed::Source, err))?;
+        self.errors.source_absence.reached();
         Ok(output.messages.unwrap_or_default())
     }
 
@@ -842,6 +846,7 @@ impl Transport for Sqs {
             dead_letter_fifo,
             dead_letter_max_bytes,
         });
+        self.errors.source_absence.found();
         Ok(())
     }
 
