@@ -540,13 +540,14 @@ async fn filter_subject_matching_the_dead_letter_subject_is_refused_naming_both_
     )
 }
 
-/// Issue 27, a wait without a deadline: the connection is cut right after each of the first
-/// no-wait pull requests; the worker notices (every wait has a deadline), reconnects and
-/// stores everything.
+/// Issue 27, a wait without a deadline: the connection goes silent (no FIN, no RST: nothing
+/// more is forwarded either way) right after each of the first two no-wait pull requests; the
+/// worker notices (every wait has a deadline, pings go unanswered), dials again and stores
+/// everything. A worker that waited for the pull request's end would wait forever.
 #[tokio::test]
 async fn connection_cut_after_a_no_wait_pull_does_not_wedge_the_worker() -> Result<()> {
     let mut setup = Setup::start("cutpull", ", ackWaitSeconds: 2", "batchSize: 20").await?;
-    let proxy = CuttingProxy::start(setup.server.url(), 3).await?;
+    let proxy = SilencingProxy::start(setup.server.url(), 2).await?;
     setup.fx.extra_env = vec![("NATS_URL".to_owned(), proxy.url())];
     setup.produce(bodies(0..600)).await?;
     let worker = setup.fx.worker(&setup.manifest, "worker-a")?;
@@ -562,62 +563,92 @@ async fn connection_cut_after_a_no_wait_pull_does_not_wedge_the_worker() -> Resu
         .await
 }
 
-/// A TCP proxy in front of nats-server that closes a client's connection right after
-/// forwarding a no-wait pull request (`"no_wait":true`), the first `cuts` times: the answer to
-/// that request is lost with the connection.
-struct CuttingProxy {
+/// A TCP proxy in front of nats-server that silences a client's connection at a no-wait pull
+/// request (`"no_wait":true`), the first `cuts` times: neither it nor anything more is
+/// forwarded either way, and both sockets stay open (as behind a dropped route) until the
+/// proxy is dropped. The answer to that request never comes.
+struct SilencingProxy {
     port: u16,
     cut: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    stop: tokio_util::sync::CancellationToken,
     task: tokio::task::JoinHandle<()>,
 }
 
-impl CuttingProxy {
+impl SilencingProxy {
     async fn start(upstream: String, cuts: usize) -> Result<Self> {
         use std::sync::Arc;
-        use std::sync::atomic::{AtomicUsize, Ordering};
+        use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
         use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
         let port = listener.local_addr()?.port();
         let upstream = upstream.trim_start_matches("nats://").to_owned();
         let cut = Arc::new(AtomicUsize::new(0));
+        let stop = tokio_util::sync::CancellationToken::new();
         let counter = cut.clone();
+        let stopped = stop.clone();
         let task = tokio::spawn(async move {
             while let Ok((client, _)) = listener.accept().await {
                 let Ok(server) = tokio::net::TcpStream::connect(&upstream).await else {
                     continue;
                 };
                 let counter = counter.clone();
+                let stopped = stopped.clone();
                 tokio::spawn(async move {
                     let (mut client_read, mut client_write) = client.into_split();
                     let (mut server_read, mut server_write) = server.into_split();
-                    let down = tokio::spawn(async move {
-                        let _ = tokio::io::copy(&mut server_read, &mut client_write).await;
-                    });
-                    let mut buffer = vec![0; 64 * 1024];
-                    while let Ok(read) = client_read.read(&mut buffer).await {
-                        if read == 0 || server_write.write_all(&buffer[..read]).await.is_err() {
-                            break;
+                    let silenced = Arc::new(AtomicBool::new(false));
+                    let down_silenced = silenced.clone();
+                    let down = async move {
+                        let mut buffer = vec![0; 64 * 1024];
+                        while let Ok(read) = server_read.read(&mut buffer).await {
+                            if read == 0
+                                || down_silenced.load(Ordering::Acquire)
+                                || client_write.write_all(&buffer[..read]).await.is_err()
+                            {
+                                break;
+                            }
                         }
-                        let chunk = &buffer[..read];
-                        let holds =
-                            |needle: &[u8]| chunk.windows(needle.len()).any(|w| w == needle);
-                        let no_wait_pull =
-                            holds(b"CONSUMER.MSG.NEXT") && holds(b"\"no_wait\":true");
-                        if no_wait_pull
-                            && counter
-                                .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
-                                    (n < cuts).then_some(n + 1)
-                                })
-                                .is_ok()
-                        {
-                            break;
+                        // Holds the sockets open, silent, until the proxy is dropped.
+                        stopped.cancelled().await;
+                        drop((server_read, client_write));
+                    };
+                    let up = async move {
+                        let mut buffer = vec![0; 64 * 1024];
+                        while let Ok(read) = client_read.read(&mut buffer).await {
+                            let chunk = &buffer[..read];
+                            let holds =
+                                |needle: &[u8]| chunk.windows(needle.len()).any(|w| w == needle);
+                            let no_wait_pull =
+                                holds(b"CONSUMER.MSG.NEXT") && holds(b"\"no_wait\":true");
+                            // The pull request is sent, as far as the client can tell, and
+                            // neither it nor anything after it is forwarded.
+                            if no_wait_pull
+                                && counter
+                                    .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                                        (n < cuts).then_some(n + 1)
+                                    })
+                                    .is_ok()
+                            {
+                                silenced.store(true, Ordering::Release);
+                                break;
+                            }
+                            if read == 0 || server_write.write_all(chunk).await.is_err() {
+                                break;
+                            }
                         }
-                    }
-                    down.abort();
+                        (client_read, server_write)
+                    };
+                    let (held, ()) = tokio::join!(up, down);
+                    drop(held);
                 });
             }
         });
-        Ok(Self { port, cut, task })
+        Ok(Self {
+            port,
+            cut,
+            stop,
+            task,
+        })
     }
 
     fn url(&self) -> String {
@@ -629,8 +660,9 @@ impl CuttingProxy {
     }
 }
 
-impl Drop for CuttingProxy {
+impl Drop for SilencingProxy {
     fn drop(&mut self) {
+        self.stop.cancel();
         self.task.abort();
     }
 }

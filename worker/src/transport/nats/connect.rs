@@ -14,6 +14,10 @@ use crate::transport::TransportError;
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// How long a request (JetStream API call, PubAck) may take.
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
+/// How often the client pings the server: a connection that went silent (no FIN, no RST: a
+/// dropped route, a frozen proxy) is given up after two unanswered pings and dialled again.
+/// async-nats' default, 60 s, left a worker on a dead connection for minutes.
+const PING_INTERVAL: Duration = Duration::from_secs(10);
 
 /// How the worker authenticates.
 #[derive(Clone)]
@@ -148,6 +152,7 @@ impl Connector {
             .name(&self.name)
             .connection_timeout(CONNECT_TIMEOUT)
             .request_timeout(Some(REQUEST_TIMEOUT))
+            .ping_interval(PING_INTERVAL)
             .max_reconnects(None::<usize>);
         options = match &self.auth {
             Auth::None => options,
