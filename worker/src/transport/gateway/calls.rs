@@ -25,7 +25,7 @@ use super::breaker::CircuitBreaker;
 use super::http::{Answer, HttpClient};
 use super::token::{AfterRefusal, TokenProvider};
 use crate::transport::TransportError;
-use crate::transport::sqs::classify::{QUEUE_MISSING_DEADLINE, QueueAbsence, redact};
+use crate::transport::sqs::classify::{QueueAbsence, redact};
 
 /// A call other than a long poll.
 pub const CALL_TIMEOUT: Duration = Duration::from_secs(10);
@@ -254,32 +254,13 @@ impl Gateway {
                 ),
                 refused,
             ),
-            404 if refused.code.contains("Queue") || refused.code.is_empty() => {
-                match self.absence.missing_for() {
-                    Some(missing) if missing < QUEUE_MISSING_DEADLINE => TransportError::transient(
-                        format!(
-                            "gateway {}: queue {queue} no longer exists behind {} (404, for {} s); waiting up to {} s for it to be created again",
-                            call.name,
-                            self.base,
-                            missing.as_secs(),
-                            QUEUE_MISSING_DEADLINE.as_secs()
-                        ),
-                        refused,
-                    ),
-                    missing => TransportError::fatal(
-                        "spec.source.gateway.queue",
-                        format!(
-                            "gateway {}: queue {queue} does not exist behind {} (404){}",
-                            call.name,
-                            self.base,
-                            missing
-                                .map(|m| format!("; missing for {} s", m.as_secs()))
-                                .unwrap_or_default()
-                        ),
-                        Some(Box::new(refused)),
-                    ),
-                }
-            }
+            404 if refused.code.contains("Queue") || refused.code.is_empty() => self.absence.error(
+                "spec.source.gateway.queue",
+                &format!("gateway {}", call.name),
+                &queue.to_string(),
+                &format!("does not exist behind {} (404)", self.base),
+                Box::new(refused),
+            ),
             404 => TransportError::fatal(
                 "spec.source.gateway.url",
                 format!(

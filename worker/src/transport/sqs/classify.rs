@@ -42,9 +42,42 @@ impl QueueAbsence {
         *self.since.lock().unwrap_or_else(PoisonError::into_inner) = None;
     }
 
+    /// A call found `queue` missing: transient while it has been missing for less than
+    /// [`QUEUE_MISSING_DEADLINE`] since `prepare` found it, else fatal naming `setting`.
+    /// `call` prefixes the message, `absent` says what "missing" means where it was asked.
+    pub fn error(
+        &self,
+        setting: &str,
+        call: &str,
+        queue: &str,
+        absent: &str,
+        source: Box<dyn std::error::Error + Send + Sync>,
+    ) -> TransportError {
+        match self.missing_for() {
+            Some(missing) if missing < QUEUE_MISSING_DEADLINE => TransportError::transient(
+                format!(
+                    "{call}: queue {queue} no longer exists (for {} s); waiting up to {} s for it to be created again",
+                    missing.as_secs(),
+                    QUEUE_MISSING_DEADLINE.as_secs()
+                ),
+                Boxed(source),
+            ),
+            missing => TransportError::fatal(
+                setting,
+                format!(
+                    "{call}: queue {queue} {absent}{}",
+                    missing
+                        .map(|m| format!("; missing for {} s", m.as_secs()))
+                        .unwrap_or_default()
+                ),
+                Some(source),
+            ),
+        }
+    }
+
     /// A call found the queue missing: for how long it has been, counted from the first such
     /// call; `None` when `prepare` never found it.
-    pub fn missing_for(&self) -> Option<Duration> {
+    fn missing_for(&self) -> Option<Duration> {
         self.found.then(|| {
             self.since
                 .lock()
@@ -252,29 +285,16 @@ impl Settings {
         call: &str,
         source: Box<dyn std::error::Error + Send + Sync>,
     ) -> TransportError {
-        match self.source_absence.missing_for() {
-            Some(missing) if missing < QUEUE_MISSING_DEADLINE => TransportError::transient(
-                format!(
-                    "SQS {call}: queue {} no longer exists (for {} s); waiting up to {} s for it to be created again",
-                    self.source_queue,
-                    missing.as_secs(),
-                    QUEUE_MISSING_DEADLINE.as_secs()
-                ),
-                Boxed(source),
+        self.source_absence.error(
+            self.source_setting,
+            &format!("SQS {call}"),
+            &self.source_queue,
+            &format!(
+                "does not exist in region {} (or its URL is malformed)",
+                self.region
             ),
-            missing => TransportError::fatal(
-                self.source_setting,
-                format!(
-                    "SQS {call}: queue {} does not exist in region {} (or its URL is malformed){}",
-                    self.source_queue,
-                    self.region,
-                    missing
-                        .map(|m| format!("; missing for {} s", m.as_secs()))
-                        .unwrap_or_default()
-                ),
-                Some(source),
-            ),
-        }
+            source,
+        )
     }
 
     /// The one mapping from a failed call to what the worker does about it.
