@@ -652,14 +652,7 @@ contract_suite! {
     redis_stream => RedisStreamBroker { chaos: [], recreate: [], undecodable: [], cut: [] },
     redis_list => RedisListBroker { chaos: [], recreate: [], undecodable: [], cut: [] },
     sqs_standard => SqsBroker { chaos: [], recreate: [], undecodable: [], cut: [] },
-    nats => NatsBroker {
-        chaos: [],
-        recreate: [],
-        undecodable: [#[ignore = "not guaranteed (README): async-nats drops the connection on a \
-            header block that is not UTF-8; the message is dead-lettered and its neighbours \
-            stored (tests/tests/nats.rs), but those that followed it are redelivered once"]],
-        cut: [],
-    },
+    nats => NatsBroker { chaos: [], recreate: [], undecodable: [], cut: [] },
     amqp_quorum => AmqpQuorumBroker {
         chaos: [],
         recreate: [],

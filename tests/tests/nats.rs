@@ -431,25 +431,72 @@ async fn consumer_lost_under_deliver_policy_new_resumes_after_the_highest_stored
         .await
 }
 
-/// Issue 27, undecodable per message: a header value that is not UTF-8 makes `async-nats`
-/// drop its connection; that message is dead-lettered (body byte-identical, raw headers in
-/// base64, reason `undecodable`) and every neighbour is stored.
+/// Issue 27, undecodable per message, at every layer of the frame: upstream `async-nats` drops
+/// its connection for a header block or a subject it cannot decode (the message never arrives,
+/// those after it on the connection are redelivered). With the patched client no connection
+/// is dropped: a header value and a subject that are not UTF-8 are stored base64-encoded; a
+/// header block the worker cannot read either is that message's dead letter alone (body
+/// byte-identical, raw block in base64, reason `undecodable`); every neighbour is stored.
 #[tokio::test]
-async fn non_utf8_header_value_is_dead_lettered_alone_and_its_neighbours_stored() -> Result<()> {
+async fn undecodable_headers_and_subjects_cost_no_connection_and_spare_the_neighbours() -> Result<()>
+{
     let setup = Setup::start("rawheader", ", ackWaitSeconds: 2", "batchSize: 20").await?;
-    let odd = br#"{"odd":true}"#.to_vec();
-    setup.produce(bodies(0..50)).await?;
+    let subject = NatsBroker::subject(setup.name);
+    let odd = |n: u8| format!(r#"{{"odd":{n}}}"#).into_bytes();
+    setup.produce(bodies(0..30)).await?;
     setup
         .server
-        .publish_non_utf8_header(&NatsBroker::subject(setup.name), &odd)
+        .publish_non_utf8_header(&subject, &odd(1))
         .await?;
-    setup.produce(bodies(50..99)).await?;
+    setup.produce(bodies(30..60)).await?;
+    let unreadable: &[u8] = b"NATS/1.0\r\nno colon on this line\r\n\r\n";
+    setup
+        .server
+        .publish_raw(subject.as_bytes(), unreadable, &odd(2))
+        .await?;
+    setup.produce(bodies(60..90)).await?;
+    let mut raw_subject = format!("{}.or", setup.name).into_bytes();
+    raw_subject.extend_from_slice(b"\xff\xfe");
+    setup
+        .server
+        .publish_raw(&raw_subject, b"NATS/1.0\r\ntenant: acme\r\n\r\n", &odd(3))
+        .await?;
+    setup.produce(bodies(90..99)).await?;
     let worker = setup.fx.worker(&setup.manifest, "worker-a")?;
-    setup.wait_settled(99, &worker).await?;
+    setup.wait_settled(101, &worker).await?;
+    let mut expected = bodies(0..99);
+    expected.extend([odd(1), odd(3)]);
     setup
         .fx
-        .assert_stored_exactly(setup.name, &bodies(0..99))
+        .assert_stored_exactly(setup.name, &expected)
         .await?;
+    let headers = |body: Vec<u8>| {
+        let fx = &setup.fx;
+        async move {
+            let headers: serde_json::Value = sqlx::query_scalar(
+                "SELECT e.headers FROM events e JOIN todos t ON t.event_id = e.id \
+                 WHERE t.queue = $1 AND t.payload = $2::jsonb",
+            )
+            .bind(setup.name)
+            .bind(String::from_utf8(body)?)
+            .fetch_one(fx.pool())
+            .await?;
+            anyhow::Ok(headers)
+        }
+    };
+    let first = headers(odd(1)).await?;
+    ensure!(
+        first["trace"]["base64"] == "//4gYmluYXJ5",
+        "the header value is stored base64-encoded: {first}"
+    );
+    let third = headers(odd(3)).await?;
+    use base64::Engine as _;
+    ensure!(
+        third["Nats-Subject"]["base64"]
+            == base64::engine::general_purpose::STANDARD.encode(&raw_subject)
+            && third["tenant"] == "acme",
+        "the subject is stored base64-encoded, the headers as they are: {third}"
+    );
     let letters = setup
         .server
         .stream_messages(&format!("{}_DLQ", setup.stream()))
@@ -457,10 +504,7 @@ async fn non_utf8_header_value_is_dead_lettered_alone_and_its_neighbours_stored(
         .unwrap_or_default();
     ensure!(letters.len() == 1, "one dead letter: {letters:?}");
     let letter = &letters[0];
-    ensure!(
-        letter.payload.as_ref() == odd.as_slice(),
-        "byte-identical body"
-    );
+    ensure!(letter.payload.as_ref() == odd(2), "byte-identical body");
     let header = |name: &str| {
         letter
             .headers
@@ -469,14 +513,20 @@ async fn non_utf8_header_value_is_dead_lettered_alone_and_its_neighbours_stored(
             .unwrap_or_default()
     };
     ensure!(header("Switchboard-Reason") == "undecodable", "{letter:?}");
-    use base64::Engine as _;
     let raw = base64::engine::general_purpose::STANDARD
         .decode(header("Switchboard-Raw-Headers-Base64"))
         .context("raw headers in base64")?;
-    ensure!(
-        raw.windows(2).any(|w| w == b"\xff\xfe"),
-        "the raw header bytes are kept: {raw:?}"
-    );
+    ensure!(raw == unreadable, "the raw header block is kept: {raw:?}");
+    for family in [
+        "switchboard_nats_reconnects_total",
+        "switchboard_messages_redelivered_total",
+    ] {
+        ensure!(
+            setup.metric(&worker, family)? == 0.0,
+            "{family} is 0: no connection was dropped\n{}",
+            worker.log_tail()
+        );
+    }
     Ok(())
 }
 

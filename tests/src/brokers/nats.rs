@@ -146,17 +146,32 @@ impl NatsServer {
     }
 
     /// Publishes one message to `subject` whose header `trace` is not UTF-8, as a Go producer
-    /// can: a raw `HPUB` on a connection of its own (`async-nats` cannot build it), waiting for
-    /// the stream's PubAck.
+    /// can (see [`Self::publish_raw`]).
     pub async fn publish_non_utf8_header(&self, subject: &str, body: &[u8]) -> Result<()> {
-        use tokio::io::{AsyncBufReadExt as _, AsyncWriteExt as _, BufReader};
-        let headers: &[u8] = b"NATS/1.0\r\ntrace: \xff\xfe binary\r\n\r\n";
-        let mut frame = format!(
-            "CONNECT {{\"verbose\":false,\"headers\":true}}\r\nSUB _INBOX.raw 1\r\nHPUB {subject} _INBOX.raw {} {}\r\n",
-            headers.len(),
-            headers.len() + body.len()
+        self.publish_raw(
+            subject.as_bytes(),
+            b"NATS/1.0\r\ntrace: \xff\xfe binary\r\n\r\n",
+            body,
         )
-        .into_bytes();
+        .await
+    }
+
+    /// Publishes one message as raw bytes, as a Go or C producer can (`async-nats` builds
+    /// neither a subject nor a header block that is not UTF-8): an `HPUB` on a connection of
+    /// its own, waiting for the stream's PubAck.
+    pub async fn publish_raw(&self, subject: &[u8], headers: &[u8], body: &[u8]) -> Result<()> {
+        use tokio::io::{AsyncBufReadExt as _, AsyncWriteExt as _, BufReader};
+        let mut frame =
+            b"CONNECT {\"verbose\":false,\"headers\":true}\r\nSUB _INBOX.raw 1\r\nHPUB ".to_vec();
+        frame.extend_from_slice(subject);
+        frame.extend_from_slice(
+            format!(
+                " _INBOX.raw {} {}\r\n",
+                headers.len(),
+                headers.len() + body.len()
+            )
+            .as_bytes(),
+        );
         frame.extend_from_slice(headers);
         frame.extend_from_slice(body);
         frame.extend_from_slice(b"\r\n");

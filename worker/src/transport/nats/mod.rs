@@ -30,12 +30,14 @@
 //!   the highest stream sequence stored (never at `deliverPolicy: new`, which would skip the
 //!   backlog), or, with nothing stored yet, at the creation time of the `new` consumer it
 //!   replaces.
-//! - **Undecodable frames**: `async-nats` drops the connection on a delivery whose headers are
-//!   not UTF-8 (a Go producer can publish one); the message never reaches the worker. After
-//!   every re-binding, the deliveries the server holds for the consumer that this worker never
-//!   received are read through the stream's JSON message API (`undeliverable.rs`); one the
-//!   client would refuse is delivered as undecodable (dead-lettered, raw headers in base64,
-//!   then terminated by its stream sequence).
+//! - **Undecodable frames**: a header block the client cannot parse (a value or name that is
+//!   not UTF-8, a line without `:`: a Go producer can publish any of these) or a subject that
+//!   is not UTF-8 (the server does not check) never costs the connection: the workspace builds
+//!   a patched `async-nats` that hands over the raw bytes (`vendor/async-nats/PATCH.md`;
+//!   upstream drops the connection and every delivery after it). The worker reads such a
+//!   block as bytes (`headers.rs`): values that are not UTF-8, and such a subject, are stored
+//!   encoded; a block it cannot read either makes the message undecodable: dead-lettered, its
+//!   body byte-identical and the block in base64 ([`RAW_HEADERS`]), then terminated.
 //! - **Acknowledge**: `+ACK` (or `+TERM` for a message just dead-lettered), the last of a batch
 //!   with a reply subject: the server processes one connection's acknowledgements of a consumer
 //!   in order, so its confirmation of the last confirms the batch ("double ack" at one reply per
@@ -54,7 +56,7 @@
 mod connect;
 mod consumer;
 mod dead_letter;
-mod undeliverable;
+mod headers;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::Ordering;
@@ -69,6 +71,7 @@ use async_nats::jetstream::context::{
 use async_nats::jetstream::stream::{self, ConsumerErrorKind, ConsumerUpdateErrorKind};
 use async_nats::jetstream::{self, AckKind, ErrorCode};
 use async_nats::{Client, RequestErrorKind, Subject};
+use base64::Engine as _;
 use futures::StreamExt as _;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::registry::Registry;
@@ -79,6 +82,7 @@ use self::connect::ConnectionEvents;
 pub use self::connect::{Auth, Connector};
 use self::consumer::{Fit, Start};
 use self::dead_letter::WriteContext;
+use self::headers::RAW_HEADERS;
 use crate::metrics::adapter_counter;
 use crate::transport::{
     Acked, DeadLetter, Message, QueueHealth, QueueProbe, Transport, TransportError,
@@ -185,9 +189,6 @@ pub struct Nats {
     /// When the consumer the worker bound was created: where a `deliverPolicy: new` consumer
     /// lost before anything was stored starts again.
     consumer_created: Option<DateTime>,
-    /// Deliveries the server made that the client could not decode, found after a re-binding,
-    /// handed to the pipeline by the next `receive`.
-    undeliverable: Vec<NatsDelivery>,
     events: ConnectionEvents,
     metrics: NatsMetrics,
     client: Option<Client>,
@@ -223,7 +224,6 @@ impl Nats {
             store,
             incarnation: None,
             consumer_created: None,
-            undeliverable: Vec::new(),
             events,
             metrics: NatsMetrics {
                 rebinds: adapter_counter(
@@ -292,7 +292,6 @@ impl Nats {
                 );
                 self.held.clear();
                 self.dead_lettered.clear();
-                self.undeliverable.clear();
                 self.consumer_created = None;
                 true
             }
@@ -541,43 +540,6 @@ impl Nats {
         }
         self.rebind_due = false;
         self.quiet_since = None;
-        self.find_undeliverable().await
-    }
-
-    /// Deliveries the server holds for the consumer that this worker never received and the
-    /// client would refuse (see `undeliverable.rs`): queued for the next `receive`.
-    async fn find_undeliverable(&mut self) -> Result<(), TransportError> {
-        let bound = self.bound()?;
-        let info =
-            bound.consumer.get_info().await.map_err(|err| {
-                TransportError::transient("could not read the NATS consumer", err)
-            })?;
-        let found = undeliverable::find(
-            &bound.js,
-            &self.settings.spec,
-            &info,
-            &self.held,
-            &Identity {
-                source: &self.source,
-                stream: &self.settings.spec.stream,
-                incarnation: &self.incarnation()?.tag,
-            },
-        )
-        .await?;
-        for message in found {
-            if !self
-                .undeliverable
-                .iter()
-                .any(|m| m.receipt.stream_sequence == message.receipt.stream_sequence)
-            {
-                tracing::warn!(
-                    stream_sequence = message.receipt.stream_sequence,
-                    reason = message.undecodable.as_deref().unwrap_or_default(),
-                    "a NATS delivery the client cannot decode (it dropped the connection for it): dead-lettering it by its stream sequence"
-                );
-                self.undeliverable.push(message);
-            }
-        }
         Ok(())
     }
 
@@ -616,28 +578,42 @@ impl Nats {
         };
         let message = message.message;
         let reply = message.reply?;
-        let mut headers: Vec<(String, Vec<u8>)> = message
-            .headers
-            .iter()
-            .flat_map(|headers| headers.iter())
-            .flat_map(|(name, values)| {
-                values
-                    .iter()
-                    .map(move |value| (name.to_string(), value.as_str().as_bytes().to_vec()))
-            })
-            .collect();
+        let undecodable = message.undecodable.unwrap_or_default();
+        let mut refusal = None;
+        let mut headers: Vec<(String, Vec<u8>)> = match &undecodable.raw_headers {
+            None => message
+                .headers
+                .iter()
+                .flat_map(|headers| headers.iter())
+                .flat_map(|(name, values)| {
+                    values
+                        .iter()
+                        .map(move |value| (name.to_string(), value.as_str().as_bytes().to_vec()))
+                })
+                .collect(),
+            Some(block) => headers::read_block(block).unwrap_or_else(|reason| {
+                refusal = Some(reason);
+                vec![(
+                    RAW_HEADERS.to_owned(),
+                    base64::engine::general_purpose::STANDARD
+                        .encode(block)
+                        .into_bytes(),
+                )]
+            }),
+        };
         headers.sort();
-        headers.push((
-            "Nats-Subject".to_owned(),
-            message.subject.as_bytes().to_vec(),
-        ));
+        // Stored encoded when it is not UTF-8 (the server does not check subjects).
+        let subject = undecodable
+            .raw_subject
+            .map_or_else(|| message.subject.as_bytes().to_vec(), |raw| raw.to_vec());
+        headers.push(("Nats-Subject".to_owned(), subject));
         self.held.insert(stream_sequence, reply.clone());
         let identity = Identity {
             source: &self.source,
             stream: &self.settings.spec.stream,
             incarnation,
         };
-        Some(identity.message(
+        let mut delivery = identity.message(
             Receipt {
                 reply,
                 stream_sequence,
@@ -647,7 +623,11 @@ impl Nats {
             headers,
             u64::try_from(delivered).unwrap_or(1).max(1),
             published,
-        ))
+        );
+        delivery.undecodable = refusal.map(|reason| {
+            format!("the NATS delivery's headers cannot be read ({reason}); raw header block in {RAW_HEADERS}")
+        });
+        Some(delivery)
     }
 }
 
@@ -753,9 +733,6 @@ impl Transport for Nats {
             };
             self.rebind_due = true;
             self.rebind(why).await?;
-        }
-        if !self.undeliverable.is_empty() {
-            return Ok(std::mem::take(&mut self.undeliverable));
         }
         let bound = self.bound()?;
         let mut fetch = bound.consumer.fetch().max_messages(max.max(1));
