@@ -22,6 +22,7 @@ COPY telemetry telemetry
 COPY worker worker
 COPY operator operator
 COPY tests tests
+COPY vendor vendor
 COPY migrations migrations
 COPY crds crds
 RUN --mount=type=cache,target=/usr/local/cargo/registry \
