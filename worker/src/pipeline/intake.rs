@@ -1,0 +1,161 @@
+//! Intake: a received batch classified before anything is stored (undecodable, past
+//! `maxDeliveries`, not a valid payload or envelope: poison; the rest: events with their
+//! external id and idempotency key), and its store task started.
+
+use std::time::Instant;
+
+use switchboard_api::Envelope;
+use switchboard_store::{Dedup, NewEvent};
+
+use super::Pipeline;
+use super::settle::InFlight;
+use super::store::Origin;
+use crate::envelope::{self, PayloadRules, Unwrapped};
+use crate::payload::{Poison, PoisonReason, fields_json, payload_json, storable_text};
+use crate::transport::{IDEMPOTENCY_KEY_HEADER, Message, Transport};
+
+impl<T: Transport> Pipeline<T> {
+    /// Classifies a received batch and starts storing what can be stored.
+    pub(super) fn start(&self, batch: Vec<Message<T::Receipt>>) -> InFlight<T::Receipt> {
+        let settings = &self.settings;
+        let count = batch.len() as u64;
+        self.metrics.received.inc_by(count);
+        self.metrics.batch_size.observe(count as f64);
+        let redelivered = batch.iter().filter(|m| m.delivery_count > 1).count();
+        self.metrics.redelivered.inc_by(redelivered as u64);
+
+        let mut poison = Vec::new();
+        let mut stored = Vec::with_capacity(batch.len());
+        let mut events = Vec::with_capacity(batch.len());
+        let mut origins = Vec::with_capacity(batch.len());
+        let mut redelivered = Vec::new();
+        for (index, message) in batch.iter().enumerate() {
+            if let Some(detail) = &message.undecodable {
+                poison.push((
+                    index,
+                    Poison {
+                        reason: PoisonReason::Undecodable,
+                        detail: detail.clone(),
+                    },
+                ));
+                continue;
+            }
+            if self.count_deliveries && message.delivery_count > settings.max_deliveries {
+                let detail = format!(
+                    "delivered {} times without being stored; delivery.maxDeliveries is {}",
+                    message.delivery_count, settings.max_deliveries
+                );
+                poison.push((
+                    index,
+                    Poison {
+                        reason: PoisonReason::MaxDeliveries,
+                        detail,
+                    },
+                ));
+                continue;
+            }
+            match self.new_event(message) {
+                Ok(event) => {
+                    events.push(event);
+                    origins.push(Origin {
+                        position: message.position.clone(),
+                        enqueued_at_ms: message.enqueued_at_ms,
+                    });
+                    if message.delivery_count > 1 {
+                        redelivered.push((message.idempotency_key.clone(), message.delivery_count));
+                    }
+                    stored.push(index);
+                }
+                Err(verdict) => poison.push((index, verdict)),
+            }
+        }
+        let task = (!events.is_empty()).then(|| {
+            let context = self.context.clone();
+            tokio::spawn(async move { context.store_events(events, origins, redelivered).await })
+        });
+        InFlight {
+            batch,
+            stored,
+            poison,
+            task,
+            extend_at: self
+                .transport
+                .lease()
+                .map(|lease| Instant::now() + lease / 2),
+        }
+    }
+
+    /// The external id and idempotency key of `message` without an envelope: its own, or for a
+    /// redriven copy on a broker with native ids, the original's (its
+    /// [`IDEMPOTENCY_KEY_HEADER`], when that names this source).
+    fn identity(&self, message: &Message<T::Receipt>) -> (String, String) {
+        let source = &self.context.source;
+        let redriven = (self.context.dedup == Dedup::NativeId)
+            .then(|| {
+                message
+                    .headers
+                    .iter()
+                    .find(|(name, _)| name == IDEMPOTENCY_KEY_HEADER)
+            })
+            .flatten()
+            .and_then(|(_, value)| std::str::from_utf8(value).ok())
+            .and_then(|key| {
+                let id = key.strip_prefix(source.as_str())?.strip_prefix(':')?;
+                (!id.is_empty()).then(|| (id.to_owned(), key.to_owned()))
+            });
+        let (id, key) = redriven
+            .unwrap_or_else(|| (message.external_id.clone(), message.idempotency_key.clone()));
+        (storable(id), storable(key))
+    }
+
+    /// The external id the event of `message` has if it was stored: under an envelope, the
+    /// envelope's (`None`: its envelope does not parse, so it was never stored).
+    pub(super) fn event_id(&self, message: &Message<T::Receipt>) -> Option<String> {
+        match self.settings.envelope {
+            Envelope::None => Some(self.identity(message).0),
+            Envelope::CloudEvents | Envelope::Sns => {
+                self.new_event(message).ok().map(|event| event.external_id)
+            }
+        }
+    }
+
+    /// The event to store for `message`: its body and headers, or what its envelope holds.
+    fn new_event(&self, message: &Message<T::Receipt>) -> Result<NewEvent, Poison> {
+        let settings = &self.settings;
+        let rules = PayloadRules {
+            format: settings.format,
+            max_bytes: settings.max_bytes,
+        };
+        let Unwrapped {
+            event_id,
+            payload,
+            headers,
+        } = match settings.envelope {
+            Envelope::None => {
+                let (external_id, idempotency_key) = self.identity(message);
+                return Ok(NewEvent {
+                    external_id,
+                    idempotency_key,
+                    payload: payload_json(&message.body, settings.format, settings.max_bytes)?,
+                    headers: fields_json(&message.headers),
+                });
+            }
+            Envelope::CloudEvents => envelope::cloud_event(&message.body, &message.headers, rules)?,
+            Envelope::Sns => envelope::sns_notification(&message.body, &message.headers, rules)?,
+        };
+        Ok(NewEvent {
+            idempotency_key: storable(format!("{}:{event_id}", self.context.source)),
+            external_id: storable(event_id),
+            payload,
+            headers: fields_json(&headers),
+        })
+    }
+}
+
+/// `text` as a text column holds it (see [`storable_text`]), without a copy when it is already.
+fn storable(text: String) -> String {
+    match storable_text(&text) {
+        std::borrow::Cow::Borrowed(_) => text,
+        std::borrow::Cow::Owned(encoded) => encoded,
+    }
+}
