@@ -6,6 +6,7 @@ use std::time::Instant;
 
 use switchboard_api::Envelope;
 use switchboard_store::{Dedup, NewEvent};
+use tracing::Instrument as _;
 
 use super::Pipeline;
 use super::settle::InFlight;
@@ -69,9 +70,18 @@ impl<T: Transport> Pipeline<T> {
                 Err(verdict) => poison.push((index, verdict)),
             }
         }
+        let span = tracing::info_span!(
+            "batch",
+            size = batch.len(),
+            first = %batch.first().map_or("", |m| m.external_id.as_str()),
+            last = %batch.last().map_or("", |m| m.external_id.as_str()),
+        );
         let task = (!events.is_empty()).then(|| {
             let context = self.context.clone();
-            tokio::spawn(async move { context.store_events(events, origins, redelivered).await })
+            tokio::spawn(
+                async move { context.store_events(events, origins, redelivered).await }
+                    .instrument(span.clone()),
+            )
         });
         InFlight {
             batch,
@@ -82,6 +92,7 @@ impl<T: Transport> Pipeline<T> {
                 .transport
                 .lease()
                 .map(|lease| Instant::now() + lease / 2),
+            span,
         }
     }
 

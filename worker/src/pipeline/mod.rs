@@ -17,6 +17,7 @@
 //! `monitor` (a dependency's outage state), `report` (queue health to the gauges and the
 //! operator). This file is the loop.
 
+mod dead_letter_log;
 mod intake;
 mod lease;
 mod monitor;
@@ -33,6 +34,7 @@ use switchboard_store::{Dedup, Store, StoreError};
 use switchboard_telemetry::ErrorChain;
 use tokio_util::sync::CancellationToken;
 
+use self::dead_letter_log::DeadLetterLog;
 use self::monitor::Monitor;
 use self::settle::{InFlight, settle_oldest};
 use self::store::StoreContext;
@@ -103,6 +105,7 @@ pub struct Pipeline<T: Transport> {
     count_deliveries: bool,
     /// When the attempts of messages that never settled are next pruned.
     next_prune: Instant,
+    dead_letter_log: DeadLetterLog,
 }
 
 /// What became of a broker operation that did not succeed.
@@ -149,6 +152,7 @@ impl<T: Transport> Pipeline<T> {
             commits: 0,
             count_deliveries: true,
             next_prune: Instant::now(),
+            dead_letter_log: DeadLetterLog::default(),
         }
     }
 
@@ -240,6 +244,7 @@ impl<T: Transport> Pipeline<T> {
                     }
                 }
                 next_maintenance = Instant::now() + interval;
+                self.dead_letter_log.flush(Instant::now(), false);
             }
             let (batch_size, block) = (self.settings.batch_size, in_flight.is_empty());
             let attempted = Instant::now();
@@ -297,6 +302,7 @@ impl<T: Transport> Pipeline<T> {
         if cancel.is_cancelled() {
             self.transport.shutdown().await;
         }
+        self.dead_letter_log.flush(Instant::now(), true);
         tracing::info!("worker stopped");
         Ok(())
     }

@@ -10,6 +10,7 @@ use std::time::Instant;
 
 use switchboard_store::Dedup;
 use switchboard_telemetry::ErrorChain;
+use tracing::Instrument as _;
 
 use super::store::StoreTask;
 use super::{HELD, IN_FLIGHT, Pipeline, PipelineError, Stopped};
@@ -28,6 +29,9 @@ pub(super) struct InFlight<R> {
     pub(super) task: Option<StoreTask>,
     /// When the broker's lease on the batch should next be extended (brokers with a lease).
     pub(super) extend_at: Option<Instant>,
+    /// The batch's span (size, first and last message): its store task and its settling run
+    /// in it.
+    pub(super) span: tracing::Span,
 }
 
 impl<R> InFlight<R> {
@@ -82,10 +86,19 @@ pub(super) fn plan(settled: &[Option<Settled>]) -> Plan {
 }
 
 impl<T: Transport> Pipeline<T> {
-    /// Waits for a batch's commit, then settles it by its [`plan`]. Returns early, leaving the
-    /// batch un-acknowledged, if shutdown interrupted a retry or its dead letters were not
-    /// written.
+    /// Waits for a batch's commit, then settles it by its [`plan`], in the batch's span.
+    /// Returns early, leaving the batch un-acknowledged, if shutdown interrupted a retry or its
+    /// dead letters were not written.
     pub(super) async fn finish(
+        &mut self,
+        in_flight: InFlight<T::Receipt>,
+        others: &mut VecDeque<InFlight<T::Receipt>>,
+    ) -> Result<(), PipelineError> {
+        let span = in_flight.span.clone();
+        self.settle(in_flight, others).instrument(span).await
+    }
+
+    async fn settle(
         &mut self,
         in_flight: InFlight<T::Receipt>,
         others: &mut VecDeque<InFlight<T::Receipt>>,
@@ -96,6 +109,7 @@ impl<T: Transport> Pipeline<T> {
             poison,
             task,
             mut extend_at,
+            span: _,
         } = in_flight;
         let mut settled: Vec<Option<Settled>> = vec![None; batch.len()];
         for (index, verdict) in poison {
@@ -195,45 +209,11 @@ impl<T: Transport> Pipeline<T> {
                 }
             }
         }
-        self.log_dead_letters(&letters);
-        Ok(true)
-    }
-
-    /// Counts the dead letters of a batch by reason, and logs them in one line (each one at
-    /// debug level): a poison storm is one warning per batch, not one per message.
-    fn log_dead_letters(&self, letters: &[DeadLetter<'_, T::Receipt>]) {
-        let mut reasons: Vec<(&str, usize)> = Vec::new();
-        for letter in letters {
+        for letter in &letters {
             self.metrics.dead_lettered(letter.reason);
-            tracing::debug!(
-                id = %letter.message.external_id,
-                reason = letter.reason.as_str(),
-                delivery_count = letter.message.delivery_count,
-                error = %letter.error,
-                "dead-lettered message"
-            );
-            match reasons
-                .iter_mut()
-                .find(|(reason, _)| *reason == letter.reason.as_str())
-            {
-                Some((_, count)) => *count += 1,
-                None => reasons.push((letter.reason.as_str(), 1)),
-            }
         }
-        let Some(first) = letters.first() else {
-            return;
-        };
-        let reasons: Vec<String> = reasons
-            .iter()
-            .map(|(reason, count)| format!("{reason}: {count}"))
-            .collect();
-        tracing::warn!(
-            count = letters.len(),
-            reasons = %reasons.join(", "),
-            first_id = %first.message.external_id,
-            first_error = %first.error,
-            "dead-lettered messages of a batch"
-        );
+        self.dead_letter_log.add(&letters, Instant::now());
+        Ok(true)
     }
 
     /// The dead letters of `poison`, each with its recorded attempts and this last one.
@@ -575,6 +555,7 @@ mod tests {
                 .collect(),
             task: Some(task),
             extend_at: None,
+            span: tracing::Span::none(),
         }
     }
 
