@@ -8,9 +8,10 @@ use std::time::Instant;
 
 use anyhow::{Context, Result, ensure};
 
-use crate::{Bench, Measurement, PHASE_TIMEOUT, Table, ensure_stored_once};
-use crate::{load_average, seconds_in_store, status_kib, stop_worker, todo_count};
-use crate::{verdict, wait_acked};
+use crate::measure::{Measurement, load_average, status_kib};
+use crate::table::{Table, verdict};
+use crate::{Bench, PHASE_TIMEOUT, ensure_stored_once};
+use crate::{seconds_in_store, stop_worker, todo_count, wait_acked};
 use switchboard_tests::source_manifest;
 use switchboard_tests::wait::wait_for;
 use switchboard_tests::worker::WorkerProcess;
