@@ -159,14 +159,26 @@ fn deserialize_strictly(yaml: &str) -> Result<QueueAdapter, ManifestError> {
         return Err(ManifestError::UnknownFields(fields));
     }
     result.map_err(|err| {
-        let field = err.path().to_string();
+        let mut field = err.path().to_string();
         let inner = err.into_inner();
         let line = inner.location().map(|location| location.line());
+        let mut message = bare_message(&inner, &field);
+        // serde names a missing field's parent: name the field itself, as the API server does.
+        if let Some(missing) = message
+            .strip_prefix("missing field `")
+            .and_then(|rest| rest.strip_suffix('`'))
+        {
+            field = match field.as_str() {
+                "." => missing.to_owned(),
+                parent => format!("{parent}.{missing}"),
+            };
+            message = "required, and missing".to_owned();
+        }
         if field == "." {
             return ManifestError::Parse(inner);
         }
         ManifestError::InvalidValue {
-            message: bare_message(&inner, &field),
+            message,
             field,
             line,
         }

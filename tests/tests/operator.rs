@@ -213,6 +213,28 @@ fn invalid_manifests() -> Vec<(String, &'static str)> {
     ]
 }
 
+/// The local loader (`switchboard-worker --manifest`, `make demo`) gives the API server's
+/// verdicts: every manifest the API server rejects above is rejected, naming the same field,
+/// and the manifest they start from is accepted. One list for both, so their bounds (the
+/// schema's and the loader's checks) cannot drift apart unseen.
+#[test]
+fn local_loader_rejects_the_api_servers_invalid_manifests_naming_the_same_field() -> Result<()> {
+    switchboard_api::load_manifest(&ORDERS).context("the valid manifest is accepted")?;
+    for (yaml, field) in invalid_manifests() {
+        let err = switchboard_api::load_manifest(&yaml)
+            .err()
+            .with_context(|| {
+                format!("the loader accepted a manifest that must name {field}:\n{yaml}")
+            })?;
+        let message = format!("{:#}", anyhow::Error::new(err));
+        ensure!(
+            message.contains(field),
+            "the loader's rejection does not name {field}: {message}"
+        );
+    }
+    Ok(())
+}
+
 #[tokio::test]
 async fn api_server_rejects_invalid_manifests_naming_the_field() -> Result<()> {
     let env = OperatorEnv::start().await?;
