@@ -325,7 +325,7 @@ pub async fn run(options: RunOptions) -> Result<(), WorkerError> {
     // raised while batches are stored; the health reports).
     let store = Store::connect(
         &env("DATABASE_URL")?,
-        pipeline::IN_FLIGHT as u32 + 1,
+        transport::IN_FLIGHT as u32 + 1,
         &database_application_name(&consumer),
     )
     .await?

@@ -34,6 +34,16 @@ pub use switchboard_store::Position;
 use crate::health::Dependency;
 use crate::payload::PoisonReason;
 
+/// Batches stored concurrently: they keep PostgreSQL busy while the loop waits on the broker
+/// (a NATS acknowledgement's confirmation, a fetch). Three left a quarter of the CPU idle
+/// behind NATS and Kafka on 2 cores (docs/PERFORMANCE.md).
+pub const IN_FLIGHT: usize = 4;
+
+/// Batches received and not yet acknowledged: those being stored, and stored ones waiting for
+/// an older batch's commit (acknowledgements go in receive order). A transport sizes what it
+/// lets the broker hand out by it (AMQP's prefetch).
+pub const HELD: usize = IN_FLIGHT + 2;
+
 /// One message received from a broker and not yet acknowledged.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Message<R> {
