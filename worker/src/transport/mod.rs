@@ -22,6 +22,7 @@ pub mod amqp;
 pub mod gateway;
 pub mod kafka;
 pub mod nats;
+pub mod reader;
 pub mod redis;
 pub mod sqs;
 

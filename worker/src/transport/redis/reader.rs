@@ -13,7 +13,7 @@ use switchboard_api::{QueueAdapter, RedisSource};
 
 use super::stream::{parse_entries, parse_id};
 use super::{CONTROL_TIMEOUT, Connection, NamedKey, array, open, record_time_ms};
-use crate::dlq::{DeadLetterReader, StoredLetter, headers_from_json, redrive_key};
+use crate::transport::reader::{DeadLetterReader, StoredLetter, headers_from_json, redrive_key};
 use crate::transport::{Attempts, IDEMPOTENCY_KEY_HEADER, TransportError};
 
 /// Letters removed per command of a purge.
