@@ -3,9 +3,10 @@
 use kube::KubeSchema;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
+use serde_json::json;
 
-use super::{Broker, MissingSecret, SecretEnv};
-use crate::{Delivery, DeliveryGuarantee, FieldError, SecretKeyRef};
+use super::{Broker, MissingSecret, SecretEnv, Triggers};
+use crate::{Autoscaling, Delivery, DeliveryGuarantee, FieldError, SecretKeyRef};
 
 /// How the worker reads from Redis.
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
@@ -118,6 +119,36 @@ impl Broker for RedisSource {
 
     fn strip_secrets(&mut self) {
         self.url_secret_ref = None;
+    }
+
+    /// A stream's consumer-group lag (what waits; the only count KEDA can scale to zero on) and
+    /// its pending entries (what the workers hold): KEDA scales to the larger of the two.
+    fn autoscaling(&self, _adapter: &str, autoscaling: &Autoscaling) -> Option<Triggers> {
+        let stream = self.stream.clone().unwrap_or_default();
+        let target = autoscaling.target_backlog_per_replica.to_string();
+        let triggers = vec![
+            json!({
+                "type": "redis-streams",
+                "metadata": {
+                    "stream": stream,
+                    "consumerGroup": self.group,
+                    "lagCount": target,
+                    "activationLagCount": autoscaling.activation_backlog.to_string(),
+                },
+            }),
+            json!({
+                "type": "redis-streams",
+                "metadata": {
+                    "stream": stream,
+                    "consumerGroup": self.group,
+                    "pendingEntriesCount": target,
+                },
+            }),
+        ];
+        Some(Triggers {
+            triggers,
+            authentication: None,
+        })
     }
 
     fn validate(&self, delivery: &Delivery, fail: &mut dyn FnMut(FieldError)) {
