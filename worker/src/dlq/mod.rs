@@ -17,14 +17,13 @@ use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use switchboard_api::{RedisMode, Source};
+use switchboard_api::QueueAdapter;
 
 use self::kept::{KeptLetters, NoBrokerReader, WithKept};
+use crate::brokers::{self, Letters, Plugin, Use};
 use crate::transport::TransportError;
 pub use crate::transport::reader::{DeadLetterReader, StoredLetter};
-use crate::transport::redis::reader::{ListReader, StreamReader};
-use crate::transport::sqs::reader::SqsReader;
-use crate::{WorkerError, env, read_adapter};
+use crate::{WorkerError, read_adapter};
 
 /// Why a `dlq` command failed.
 #[derive(Debug, thiserror::Error)]
@@ -175,41 +174,55 @@ pub async fn run(command: DlqCommand) -> Result<(), WorkerError> {
         ),
         Err(_) => None,
     };
-    let unread = match source {
-        Source {
-            redis: Some(redis), ..
-        } => {
-            let url = env("REDIS_URL")?;
-            match redis.mode {
-                RedisMode::Stream => {
-                    let broker = Some(StreamReader::new(&adapter, redis, &url)?);
-                    return execute(WithKept { broker, kept }, command).await;
-                }
-                RedisMode::List => {
-                    let broker = Some(ListReader::new(&adapter, redis, &url)?);
-                    return execute(WithKept { broker, kept }, command).await;
-                }
-                RedisMode::Pubsub => "Redis pub/sub",
-            }
-        }
-        Source { sqs: Some(_), .. } => {
-            let broker = Some(SqsReader::new(&adapter).await?);
-            return execute(WithKept { broker, kept }, command).await;
-        }
-        Source { nats: Some(_), .. } => "NATS JetStream",
-        Source { amqp: Some(_), .. } => "AMQP",
-        Source { kafka: Some(_), .. } => "Kafka",
-        _ => "this broker",
+    let session = Session {
+        adapter: &adapter,
+        kept,
+        command,
     };
-    if kept.is_none() {
-        return Err(DlqError::Unsupported(unread).into());
+    brokers::with_plugin(source, session)
+        .await
+        .unwrap_or(Err(WorkerError::NoSource))
+}
+
+/// One `dlq` command over the letters kept in PostgreSQL and those the adapter's broker's
+/// plugin reads at the broker, if it has a reader.
+struct Session<'a> {
+    adapter: &'a QueueAdapter,
+    kept: Option<KeptLetters>,
+    command: DlqCommand,
+}
+
+impl Use for Session<'_> {
+    type Output = Result<(), WorkerError>;
+
+    async fn with<P: Plugin>(self, plugin: &P) -> Self::Output {
+        plugin.read_letters(self.adapter, self).await
     }
-    eprintln!(
-        "note: `switchboard-worker dlq` does not read the dead letters of {unread} at the broker yet; \
-         these are the letters kept in PostgreSQL's dead_letters table"
-    );
-    let broker: Option<NoBrokerReader> = None;
-    execute(WithKept { broker, kept }, command).await
+}
+
+impl Letters for Session<'_> {
+    async fn read<R: DeadLetterReader>(self, reader: R) -> Result<(), WorkerError> {
+        let letters = WithKept {
+            broker: Some(reader),
+            kept: self.kept,
+        };
+        execute(letters, self.command).await
+    }
+
+    async fn unread(self, broker: &'static str) -> Result<(), WorkerError> {
+        if self.kept.is_none() {
+            return Err(DlqError::Unsupported(broker).into());
+        }
+        eprintln!(
+            "note: `switchboard-worker dlq` does not read the dead letters of {broker} at the broker yet; \
+             these are the letters kept in PostgreSQL's dead_letters table"
+        );
+        let letters = WithKept {
+            broker: None::<NoBrokerReader>,
+            kept: self.kept,
+        };
+        execute(letters, self.command).await
+    }
 }
 
 /// The current time (Unix ms).

@@ -1,0 +1,38 @@
+//! NATS JetStream, read by a durable pull consumer.
+
+use switchboard_api::{NatsSource, QueueAdapter};
+
+use super::{Context, Letters, Loop, Plugin};
+use crate::transport::nats::{Auth, Connector, Nats, NatsSettings};
+use crate::{WorkerError, env};
+
+impl Plugin for NatsSource {
+    async fn run<L: Loop>(&self, context: Context<'_>, run: L) -> Result<(), WorkerError> {
+        let connector = Connector {
+            url: env("NATS_URL")?,
+            auth: Auth::from_env()?,
+            name: format!("switchboard-worker/{}", context.consumer),
+        };
+        let dead_letter = context.dead_letter();
+        let settings = NatsSettings {
+            max_deliveries: context.max_deliveries(),
+            adapter: context.name,
+            consumer: context.consumer,
+            spec: self.clone(),
+            connector,
+            dead_letter_subject: dead_letter.subject.clone(),
+            dead_letter_retention: dead_letter.retention(),
+        };
+        let mut registry = context.registry;
+        let transport = Nats::new(settings, context.store, &mut registry);
+        run.drive(transport, registry, self).await
+    }
+
+    async fn read_letters<D: Letters>(
+        &self,
+        _adapter: &QueueAdapter,
+        letters: D,
+    ) -> Result<(), WorkerError> {
+        letters.unread("NATS JetStream").await
+    }
+}
