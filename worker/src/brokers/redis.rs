@@ -26,10 +26,7 @@ impl Plugin for RedisSource {
                 let stream = self.stream.clone().unwrap_or_default();
                 let settings = StreamSettings {
                     adapter,
-                    dead_letter_stream: dead_letter
-                        .stream
-                        .clone()
-                        .unwrap_or_else(|| format!("{stream}.dlq")),
+                    dead_letter_stream: self.dead_letter_key(dead_letter),
                     stream,
                     group: self.group.clone(),
                     consumer,
@@ -46,10 +43,7 @@ impl Plugin for RedisSource {
                 let list = self.list.clone().unwrap_or_default();
                 let settings = ListSettings {
                     adapter,
-                    dead_letter_list: dead_letter
-                        .list
-                        .clone()
-                        .unwrap_or_else(|| format!("{list}.dlq")),
+                    dead_letter_list: self.dead_letter_key(dead_letter),
                     list,
                     consumer,
                     heartbeat_ttl: claim_idle,
@@ -67,10 +61,7 @@ impl Plugin for RedisSource {
                 let channel = self.channel.clone().unwrap_or_default();
                 let settings = PubSubSettings {
                     adapter,
-                    dead_letter_list: dead_letter
-                        .list
-                        .clone()
-                        .unwrap_or_else(|| format!("{channel}.dlq")),
+                    dead_letter_list: self.dead_letter_key(dead_letter),
                     channel,
                     pattern: self.pattern,
                     consumer,
