@@ -93,3 +93,59 @@ pub fn autoscaling_objects(
         trigger_authentication,
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+    use serde_json::json;
+    use switchboard_api::QueueAdapter;
+
+    use super::autoscaling_objects;
+
+    fn adapter(autoscaling: &str) -> QueueAdapter {
+        let yaml = include_str!("../fixtures/orders-stream.yaml").replace(
+            "    replicas: 2\n",
+            &format!("    autoscaling: {autoscaling}\n"),
+        );
+        serde_yaml_ng::from_str(&yaml).expect("an adapter")
+    }
+
+    /// The generic part (metadata, replica bounds, `authenticationRef`) around the broker's own
+    /// triggers, here a Redis stream's lag and pending entries.
+    #[test]
+    fn a_redis_stream_is_scaled_on_its_lag_and_pending_entries_with_the_named_authentication() {
+        let adapter = adapter(
+            "{minReplicas: 0, maxReplicas: 5, targetBacklogPerReplica: 50, activationBacklog: 3, triggerAuthenticationRef: redis-keda}",
+        );
+        let broker = adapter.spec.source.broker().expect("one broker");
+        let metadata = ObjectMeta {
+            name: Some("orders-worker".to_owned()),
+            namespace: Some("shop".to_owned()),
+            ..ObjectMeta::default()
+        };
+        let objects = autoscaling_objects(&adapter, broker, &metadata).expect("autoscaled");
+        assert_eq!(objects.trigger_authentication, None);
+        let auth = json!({"name": "redis-keda"});
+        assert_eq!(
+            objects.scaled_object,
+            json!({
+                "apiVersion": "keda.sh/v1alpha1",
+                "kind": "ScaledObject",
+                "metadata": {"name": "orders-worker", "namespace": "shop"},
+                "spec": {
+                    "scaleTargetRef": {"name": "orders-worker"},
+                    "minReplicaCount": 0,
+                    "maxReplicaCount": 5,
+                    "triggers": [
+                        {"type": "redis-streams", "authenticationRef": auth, "metadata": {
+                            "stream": "orders", "consumerGroup": "switchboard",
+                            "lagCount": "50", "activationLagCount": "3"}},
+                        {"type": "redis-streams", "authenticationRef": auth, "metadata": {
+                            "stream": "orders", "consumerGroup": "switchboard",
+                            "pendingEntriesCount": "50"}},
+                    ],
+                },
+            })
+        );
+    }
+}
