@@ -371,12 +371,13 @@ async fn run_source(
         name: deps.adapter.clone(),
         consumer,
         store: deps.store.clone(),
+    };
+    let driver = Driver {
+        deps,
+        probes,
         registry: Metrics::registry(),
     };
-    let start = Start {
-        context,
-        driver: Driver { deps, probes },
-    };
+    let start = Start { context, driver };
     brokers::with_plugin(&adapter.spec.source, start)
         .await
         .unwrap_or(Err(WorkerError::NoSource))
@@ -400,16 +401,20 @@ impl Use for Start<'_> {
 struct Driver<'a> {
     deps: Deps,
     probes: &'a WorkerProbes,
+    registry: Registry,
 }
 
 impl Loop for Driver<'_> {
+    fn registry(&mut self) -> &mut Registry {
+        &mut self.registry
+    }
+
     async fn drive<T: Transport>(
         self,
         transport: T,
-        registry: Registry,
         broker: &dyn Broker,
     ) -> Result<(), WorkerError> {
-        drive(transport, registry, broker, self.deps, self.probes).await
+        drive(transport, self.registry, broker, self.deps, self.probes).await
     }
 }
 

@@ -1,13 +1,17 @@
 //! RabbitMQ (AMQP 0-9-1), a quorum or classic queue.
 
-use switchboard_api::{AmqpSource, QueueAdapter};
+use switchboard_api::AmqpSource;
 
-use super::{Context, Letters, Loop, Plugin};
+use super::{Context, Loop, Plugin};
 use crate::transport::amqp::{Amqp, AmqpSettings};
 use crate::{WorkerError, env};
 
 impl Plugin for AmqpSource {
-    async fn run<L: Loop>(&self, context: Context<'_>, run: L) -> Result<(), WorkerError> {
+    fn title(&self) -> &'static str {
+        "AMQP"
+    }
+
+    async fn run<L: Loop>(&self, context: Context<'_>, mut run: L) -> Result<(), WorkerError> {
         let dead_letter = context.dead_letter();
         let settings = AmqpSettings {
             batch_size: context.batch_size(),
@@ -18,16 +22,7 @@ impl Plugin for AmqpSource {
             dead_letter_exchange: dead_letter.exchange.clone(),
             dead_letter_routing_key: dead_letter.routing_key.clone(),
         };
-        let mut registry = context.registry;
-        let transport = Amqp::new(settings, env("AMQP_URL")?, &mut registry)?;
-        run.drive(transport, registry, self).await
-    }
-
-    async fn read_letters<D: Letters>(
-        &self,
-        _adapter: &QueueAdapter,
-        letters: D,
-    ) -> Result<(), WorkerError> {
-        letters.unread("AMQP").await
+        let transport = Amqp::new(settings, env("AMQP_URL")?, run.registry())?;
+        run.drive(transport, self).await
     }
 }

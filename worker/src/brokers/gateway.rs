@@ -2,28 +2,23 @@
 
 use switchboard_api::{GatewaySource, QueueAdapter};
 
-use super::{Context, Letters, Loop, Plugin};
+use super::{Context, Loop, Plugin};
 use crate::WorkerError;
 use crate::transport::gateway::{self, GatewaySettings, GatewayTransport};
 
 impl Plugin for GatewaySource {
-    async fn run<L: Loop>(&self, context: Context<'_>, run: L) -> Result<(), WorkerError> {
+    fn title(&self) -> &'static str {
+        "this broker"
+    }
+
+    async fn run<L: Loop>(&self, context: Context<'_>, mut run: L) -> Result<(), WorkerError> {
         let settings = GatewaySettings {
             adapter: context.name,
             consumer: context.consumer,
             spec: self.clone(),
         };
-        let mut registry = context.registry;
-        let transport = GatewayTransport::new(settings, &mut registry)?;
-        run.drive(transport, registry, self).await
-    }
-
-    async fn read_letters<D: Letters>(
-        &self,
-        _adapter: &QueueAdapter,
-        letters: D,
-    ) -> Result<(), WorkerError> {
-        letters.unread("this broker").await
+        let transport = GatewayTransport::new(settings, run.registry())?;
+        run.drive(transport, self).await
     }
 
     async fn send(

@@ -20,16 +20,22 @@ use crate::transport::reader::DeadLetterReader;
 
 /// What a broker's spec turns into in the worker.
 pub(crate) trait Plugin: Broker {
-    /// Builds the broker's transport for `context` and hands it to `run`.
+    /// The broker as messages name it (`NATS JetStream`, `Redis pub/sub`).
+    fn title(&self) -> &'static str;
+
+    /// Builds the broker's transport for `context`, its metrics in `run`'s registry, and hands
+    /// it to `run`.
     async fn run<L: Loop>(&self, context: Context<'_>, run: L) -> Result<(), WorkerError>;
 
-    /// Opens the broker's dead-letter reader for `adapter` and hands it to `letters`, or tells
-    /// `letters` whose dead letters it cannot read at the broker.
+    /// Opens the broker's dead-letter reader for `adapter` and hands it to `letters`; without
+    /// one (the default), `letters` reads only what PostgreSQL keeps.
     async fn read_letters<D: Letters>(
         &self,
-        adapter: &QueueAdapter,
+        _adapter: &QueueAdapter,
         letters: D,
-    ) -> Result<(), WorkerError>;
+    ) -> Result<(), WorkerError> {
+        letters.unread(self.title()).await
+    }
 
     /// Sends one message to the source (`switchboard-worker send`); returns its id.
     async fn send(
@@ -44,11 +50,12 @@ pub(crate) trait Plugin: Broker {
 
 /// The run loop, as a plugin sees it: it drives the transport the plugin built.
 pub(crate) trait Loop {
-    /// Runs the loop over `transport`, whose own metrics are in `registry`.
+    /// Where the transport registers its own metrics.
+    fn registry(&mut self) -> &mut Registry;
+    /// Runs the loop over `transport`.
     async fn drive<T: Transport>(
         self,
         transport: T,
-        registry: Registry,
         broker: &dyn Broker,
     ) -> Result<(), WorkerError>;
 }
@@ -74,8 +81,6 @@ pub(crate) struct Context<'a> {
     pub name: String,
     pub consumer: String,
     pub store: Store,
-    /// Where the transport registers its own metrics.
-    pub registry: Registry,
 }
 
 impl<'a> Context<'a> {

@@ -1,13 +1,17 @@
 //! NATS JetStream, read by a durable pull consumer.
 
-use switchboard_api::{NatsSource, QueueAdapter};
+use switchboard_api::NatsSource;
 
-use super::{Context, Letters, Loop, Plugin};
+use super::{Context, Loop, Plugin};
 use crate::transport::nats::{Auth, Connector, Nats, NatsSettings};
 use crate::{WorkerError, env};
 
 impl Plugin for NatsSource {
-    async fn run<L: Loop>(&self, context: Context<'_>, run: L) -> Result<(), WorkerError> {
+    fn title(&self) -> &'static str {
+        "NATS JetStream"
+    }
+
+    async fn run<L: Loop>(&self, context: Context<'_>, mut run: L) -> Result<(), WorkerError> {
         let connector = Connector {
             url: env("NATS_URL")?,
             auth: Auth::from_env()?,
@@ -23,16 +27,7 @@ impl Plugin for NatsSource {
             dead_letter_subject: dead_letter.subject.clone(),
             dead_letter_retention: dead_letter.retention(),
         };
-        let mut registry = context.registry;
-        let transport = Nats::new(settings, context.store, &mut registry);
-        run.drive(transport, registry, self).await
-    }
-
-    async fn read_letters<D: Letters>(
-        &self,
-        _adapter: &QueueAdapter,
-        letters: D,
-    ) -> Result<(), WorkerError> {
-        letters.unread("NATS JetStream").await
+        let transport = Nats::new(settings, context.store, run.registry());
+        run.drive(transport, self).await
     }
 }

@@ -10,7 +10,15 @@ use crate::transport::redis::stream::{RedisStream, StreamSettings};
 use crate::{WorkerError, env};
 
 impl Plugin for RedisSource {
-    async fn run<L: Loop>(&self, context: Context<'_>, run: L) -> Result<(), WorkerError> {
+    fn title(&self) -> &'static str {
+        match self.mode {
+            RedisMode::Stream => "Redis stream",
+            RedisMode::List => "Redis list",
+            RedisMode::Pubsub => "Redis pub/sub",
+        }
+    }
+
+    async fn run<L: Loop>(&self, context: Context<'_>, mut run: L) -> Result<(), WorkerError> {
         let url = env("REDIS_URL")?;
         let dead_letter = context.dead_letter();
         let (claim_idle, batch_size) = (context.claim_idle(), context.batch_size());
@@ -18,7 +26,6 @@ impl Plugin for RedisSource {
             name: adapter,
             consumer,
             store,
-            mut registry,
             ..
         } = context;
         match self.mode {
@@ -36,8 +43,8 @@ impl Plugin for RedisSource {
                     batch_size,
                     dead_letter_retention: dead_letter.retention(),
                 };
-                let transport = RedisStream::new(settings, &url, store, &mut registry)?;
-                run.drive(transport, registry, self).await
+                let transport = RedisStream::new(settings, &url, store, run.registry())?;
+                run.drive(transport, self).await
             }
             RedisMode::List => {
                 let list = self.list.clone().unwrap_or_default();
@@ -50,8 +57,8 @@ impl Plugin for RedisSource {
                     batch_size,
                     dead_letter_retention: dead_letter.retention(),
                 };
-                let transport = RedisList::new(settings, &url, &mut registry)?;
-                run.drive(transport, registry, self).await
+                let transport = RedisList::new(settings, &url, run.registry())?;
+                run.drive(transport, self).await
             }
             RedisMode::Pubsub => {
                 tracing::warn!(
@@ -66,8 +73,8 @@ impl Plugin for RedisSource {
                     pattern: self.pattern,
                     consumer,
                 };
-                let transport = RedisPubSub::new(settings, &url, &mut registry)?;
-                run.drive(transport, registry, self).await
+                let transport = RedisPubSub::new(settings, &url, run.registry())?;
+                run.drive(transport, self).await
             }
         }
     }
@@ -86,7 +93,7 @@ impl Plugin for RedisSource {
                 let url = env("REDIS_URL")?;
                 letters.read(ListReader::new(adapter, self, &url)?).await
             }
-            RedisMode::Pubsub => letters.unread("Redis pub/sub").await,
+            RedisMode::Pubsub => letters.unread(self.title()).await,
         }
     }
 }

@@ -8,7 +8,11 @@ use crate::transport::sqs::reader::SqsReader;
 use crate::transport::sqs::{Sqs, SqsSettings};
 
 impl Plugin for SqsSource {
-    async fn run<L: Loop>(&self, context: Context<'_>, run: L) -> Result<(), WorkerError> {
+    fn title(&self) -> &'static str {
+        "SQS"
+    }
+
+    async fn run<L: Loop>(&self, context: Context<'_>, mut run: L) -> Result<(), WorkerError> {
         let dead_letter = context.dead_letter();
         let settings = SqsSettings {
             batch_size: context.batch_size(),
@@ -18,9 +22,8 @@ impl Plugin for SqsSource {
             dead_letter_queue_url: dead_letter.queue_url.clone(),
             dead_letter_retention: dead_letter.retention(),
         };
-        let mut registry = context.registry;
-        let transport = Sqs::new(settings, &mut registry).await?;
-        run.drive(transport, registry, self).await
+        let transport = Sqs::new(settings, run.registry()).await?;
+        run.drive(transport, self).await
     }
 
     async fn read_letters<D: Letters>(
