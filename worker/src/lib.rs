@@ -10,6 +10,7 @@ pub mod metrics;
 pub mod payload;
 pub mod pipeline;
 pub mod send;
+mod text;
 pub mod transport;
 
 use std::net::SocketAddr;

@@ -34,6 +34,7 @@ pub use switchboard_store::Position;
 
 use crate::health::Dependency;
 use crate::payload::PoisonReason;
+pub(crate) use crate::text::truncate;
 
 /// Batches stored concurrently: they keep PostgreSQL busy while the loop waits on the broker
 /// (a NATS acknowledgement's confirmation, a fetch). Three left a quarter of the CPU idle
@@ -318,19 +319,6 @@ impl Acked {
     pub fn all() -> Self {
         Self::default()
     }
-}
-
-/// At most `max` bytes of `text`, cut at a character boundary, with `…` when cut (error texts
-/// kept in dead letters).
-pub(crate) fn truncate(text: &str, max: usize) -> String {
-    if text.len() <= max {
-        return text.to_owned();
-    }
-    let mut end = max.saturating_sub('…'.len_utf8());
-    while !text.is_char_boundary(end) {
-        end -= 1;
-    }
-    format!("{}…", &text[..end])
 }
 
 /// A Unix time in milliseconds as RFC 3339 (`2026-12-01T17:12:30.123Z`).
