@@ -19,7 +19,10 @@ pub use source::kafka::{KafkaSasl, KafkaSource, KafkaTls, SaslMechanism};
 pub use source::nats::{NatsDeliverPolicy, NatsSource};
 pub use source::redis::{RedisMode, RedisSource, StartFrom};
 pub use source::sqs::SqsSource;
-pub use source::{Broker, FileSource, MissingSecret, MountedFile, SecretEnv, Source};
+pub use source::{
+    BROKERS, Broker, BrokerSpec, FileSource, MissingSecret, MountedFile, SecretEnv, Source,
+    Triggers, broker_list, exactly_one_broker,
+};
 pub use validate::{FieldError, InvalidSpec};
 
 use k8s_openapi::api::core::v1::ResourceRequirements;
@@ -65,8 +68,9 @@ pub struct QueueAdapterSpec {
     /// disabled in the database; messages stay in the broker until it is enabled again.
     #[serde(default = "default_true")]
     pub enabled: bool,
-    /// The broker to pull from. Exactly one broker key must be set (`redis`, `sqs`, `nats`, `amqp` or `kafka`). The kind
-    /// of source cannot be changed after creation: create a new QueueAdapter instead.
+    /// The broker to pull from: exactly one of [`BROKERS`]. The kind of source cannot be
+    /// changed after creation: create a new QueueAdapter instead.
+    #[schemars(description = source_description())]
     pub source: Source,
     /// Where the messages land.
     pub target: Target,
@@ -331,6 +335,14 @@ impl Default for Workload {
     }
 }
 
+/// `kubectl explain`'s line for `spec.source`, listing the brokers of the registry.
+fn source_description() -> String {
+    format!(
+        "The broker to pull from. Exactly one broker key must be set ({}). The kind of source cannot be changed after creation: create a new QueueAdapter instead.",
+        broker_list("`")
+    )
+}
+
 /// What the operator last observed.
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
 #[serde(rename_all = "camelCase")]
@@ -347,8 +359,9 @@ pub struct QueueAdapterStatus {
     /// `at-least-once` (Redis stream and list, SQS, NATS) or `at-most-once` (Redis pubsub).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub delivery_guarantee: Option<String>,
-    /// The broker kind: `redis`, `sqs` or `nats`.
+    /// The broker kind: one of [`BROKERS`].
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(description = format!("The broker kind: {}.", broker_list("`")))]
     pub source: Option<String>,
     /// The broker-specific mode: `stream`, `list`, `pubsub` (Redis), `standard` or `fifo` (SQS), `jetstream` (NATS).
     #[serde(default, skip_serializing_if = "Option::is_none")]

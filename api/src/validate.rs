@@ -120,10 +120,7 @@ impl QueueAdapterSpec {
             errors.push(FieldError { field, message });
         };
         match self.source.broker() {
-            None => fail(
-                "spec.source",
-                "exactly one broker must be set (redis, sqs, nats, amqp, kafka or gateway)".into(),
-            ),
+            None => fail("spec.source", crate::exactly_one_broker()),
             Some(broker) => {
                 broker.validate(&self.delivery, &mut |error| errors_of_broker.push(error))
             }

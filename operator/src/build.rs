@@ -485,7 +485,7 @@ pub fn build(
         .ok_or(BuildError::NoUid)?;
     let manifest = worker_manifest(valid)?;
     let hash = config_hash(&manifest, &secrets);
-    let autoscaled = autoscaling_objects(valid, &owner);
+    let autoscaled = autoscaling_objects(valid.adapter, valid.broker, &object_meta(valid, &owner));
     let name = worker_name(valid.name);
     let spec = &valid.adapter.spec;
     let config_map = ConfigMap {

@@ -181,7 +181,7 @@ fn summary(error: &str) -> String {
             from = end;
         }
     }
-    crate::transport::truncate(&line, MAX_SUMMARY_BYTES)
+    crate::text::truncate(&line, MAX_SUMMARY_BYTES)
 }
 
 #[cfg(test)]

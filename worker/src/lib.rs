@@ -2,6 +2,7 @@
 //! acknowledging each message only after its todo is committed (store-then-ack).
 
 pub mod backoff;
+mod brokers;
 pub mod dlq;
 pub mod envelope;
 pub mod health;
@@ -9,6 +10,7 @@ pub mod metrics;
 pub mod payload;
 pub mod pipeline;
 pub mod send;
+mod text;
 pub mod transport;
 
 use std::net::SocketAddr;
@@ -17,26 +19,17 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use prometheus_client::registry::Registry;
-use switchboard_api::{
-    Broker, ManifestError, QueueAdapter, QueueAdapterSpec, RedisMode, Source, load_manifest,
-};
+use switchboard_api::{Broker, ManifestError, QueueAdapter, QueueAdapterSpec, load_manifest};
 use switchboard_store::{Store, StoreError};
 use switchboard_telemetry::{ErrorChain, Probes};
 use tokio::signal::unix::{Signal, SignalKind, signal};
 use tokio_util::sync::CancellationToken;
 
 use crate::backoff::Backoff;
+use crate::brokers::{Context, Loop, Plugin, Use};
 use crate::health::{Dependency, Health};
 use crate::metrics::Metrics;
 use crate::pipeline::{Pipeline, PipelineError, PipelineSettings};
-use crate::transport::amqp::{Amqp, AmqpSettings};
-use crate::transport::gateway::{GatewaySettings, GatewayTransport};
-use crate::transport::kafka::{Kafka, KafkaSettings};
-use crate::transport::nats::{Auth, Connector, Nats, NatsSettings};
-use crate::transport::redis::list::{ListSettings, RedisList};
-use crate::transport::redis::pubsub::{PubSubSettings, RedisPubSub};
-use crate::transport::redis::stream::{RedisStream, StreamSettings};
-use crate::transport::sqs::{Sqs, SqsSettings};
 use crate::transport::{Transport, TransportError};
 
 /// Environment variable for the testing hook that aborts between commit and ack.
@@ -80,7 +73,8 @@ pub enum WorkerError {
     #[error("no consumer name: pass --consumer or set HOSTNAME")]
     NoConsumer,
     #[error(
-        "the manifest has no supported source (spec.source.redis, sqs, nats, amqp, kafka or gateway)"
+        "the manifest has no supported source (spec.source.{})",
+        switchboard_api::broker_list("")
     )]
     NoSource,
     #[error(transparent)]
@@ -325,7 +319,7 @@ pub async fn run(options: RunOptions) -> Result<(), WorkerError> {
     // raised while batches are stored; the health reports).
     let store = Store::connect(
         &env("DATABASE_URL")?,
-        pipeline::IN_FLIGHT as u32 + 1,
+        transport::IN_FLIGHT as u32 + 1,
         &database_application_name(&consumer),
     )
     .await?
@@ -365,157 +359,63 @@ pub async fn run(options: RunOptions) -> Result<(), WorkerError> {
     Ok(())
 }
 
-/// The one place that turns a source spec into its transport, and runs it.
+/// Runs the loop over the transport of the adapter's broker, which its plugin builds
+/// ([`brokers`]: the one place that knows the brokers).
 async fn run_source(
     adapter: &QueueAdapter,
     consumer: String,
     deps: Deps,
     probes: &WorkerProbes,
 ) -> Result<(), WorkerError> {
-    let spec = &adapter.spec;
-    let name = deps.adapter.clone();
-    let mut registry = Metrics::registry();
-    let batch_size = deps.settings.batch_size;
-    let claim_idle = Duration::from_secs(u64::from(spec.delivery.claim_idle_seconds));
-    let dead_letter = &spec.delivery.dead_letter;
-    // The spec was validated: exactly one broker is set.
-    match &spec.source {
-        Source {
-            redis: Some(redis), ..
-        } => {
-            let url = env("REDIS_URL")?;
-            match redis.mode {
-                RedisMode::Stream => {
-                    let stream = redis.stream.clone().unwrap_or_default();
-                    let settings = StreamSettings {
-                        adapter: name,
-                        dead_letter_stream: dead_letter
-                            .stream
-                            .clone()
-                            .unwrap_or_else(|| format!("{stream}.dlq")),
-                        stream,
-                        group: redis.group.clone(),
-                        consumer,
-                        body_field: redis.body_field.clone(),
-                        start_from: redis.start_from,
-                        claim_idle,
-                        batch_size,
-                        dead_letter_retention: dead_letter.retention(),
-                    };
-                    let store = deps.store.clone();
-                    let transport = RedisStream::new(settings, &url, store, &mut registry)?;
-                    drive(transport, registry, redis, deps, probes).await
-                }
-                RedisMode::List => {
-                    let list = redis.list.clone().unwrap_or_default();
-                    let settings = ListSettings {
-                        adapter: name,
-                        dead_letter_list: dead_letter
-                            .list
-                            .clone()
-                            .unwrap_or_else(|| format!("{list}.dlq")),
-                        list,
-                        consumer,
-                        heartbeat_ttl: claim_idle,
-                        batch_size,
-                        dead_letter_retention: dead_letter.retention(),
-                    };
-                    let transport = RedisList::new(settings, &url, &mut registry)?;
-                    drive(transport, registry, redis, deps, probes).await
-                }
-                RedisMode::Pubsub => {
-                    tracing::warn!(
-                        "pub/sub mode is AT-MOST-ONCE: messages published while no worker is subscribed, \
-                         or in memory when the worker dies, are lost; use stream or list mode for durable work"
-                    );
-                    let channel = redis.channel.clone().unwrap_or_default();
-                    let settings = PubSubSettings {
-                        adapter: name,
-                        dead_letter_list: dead_letter
-                            .list
-                            .clone()
-                            .unwrap_or_else(|| format!("{channel}.dlq")),
-                        channel,
-                        pattern: redis.pattern,
-                        consumer,
-                    };
-                    let transport = RedisPubSub::new(settings, &url, &mut registry)?;
-                    drive(transport, registry, redis, deps, probes).await
-                }
-            }
-        }
-        Source { sqs: Some(sqs), .. } => {
-            let settings = SqsSettings {
-                adapter: name,
-                consumer,
-                spec: sqs.clone(),
-                dead_letter_queue_url: dead_letter.queue_url.clone(),
-                batch_size,
-                dead_letter_retention: dead_letter.retention(),
-            };
-            let transport = Sqs::new(settings, &mut registry).await?;
-            drive(transport, registry, sqs, deps, probes).await
-        }
-        Source {
-            nats: Some(nats), ..
-        } => {
-            let connector = Connector {
-                url: env("NATS_URL")?,
-                auth: Auth::from_env()?,
-                name: format!("switchboard-worker/{consumer}"),
-            };
-            let settings = NatsSettings {
-                adapter: name,
-                consumer,
-                spec: nats.clone(),
-                connector,
-                dead_letter_subject: dead_letter.subject.clone(),
-                max_deliveries: u64::from(spec.delivery.max_deliveries),
-                dead_letter_retention: dead_letter.retention(),
-            };
-            let transport = Nats::new(settings, deps.store.clone(), &mut registry);
-            drive(transport, registry, nats, deps, probes).await
-        }
-        Source {
-            amqp: Some(amqp), ..
-        } => {
-            let settings = AmqpSettings {
-                adapter: name,
-                consumer,
-                spec: amqp.clone(),
-                dead_letter_exchange: dead_letter.exchange.clone(),
-                dead_letter_routing_key: dead_letter.routing_key.clone(),
-                batch_size,
-                max_deliveries: u64::from(spec.delivery.max_deliveries),
-            };
-            let transport = Amqp::new(settings, env("AMQP_URL")?, &mut registry)?;
-            drive(transport, registry, amqp, deps, probes).await
-        }
-        Source {
-            kafka: Some(kafka), ..
-        } => {
-            let settings = KafkaSettings {
-                adapter: name,
-                consumer,
-                spec: kafka.clone(),
-                dead_letter_topic: dead_letter.topic.clone(),
-            };
-            let transport = Kafka::new(settings, deps.store.clone(), &mut registry)?;
-            drive(transport, registry, kafka, deps, probes).await
-        }
-        Source {
-            gateway: Some(gateway),
-            ..
-        } => {
-            let settings = GatewaySettings {
-                adapter: name,
-                consumer,
-                spec: gateway.clone(),
-            };
-            let transport = GatewayTransport::new(settings, &mut registry)?;
-            drive(transport, registry, gateway, deps, probes).await
-        }
-        _ => Err(WorkerError::NoSource),
+    let context = Context {
+        adapter,
+        name: deps.adapter.clone(),
+        consumer,
+        store: deps.store.clone(),
+    };
+    let driver = Driver {
+        deps,
+        probes,
+        registry: Metrics::registry(),
+    };
+    let start = Start { context, driver };
+    brokers::with_plugin(&adapter.spec.source, start)
+        .await
+        .unwrap_or(Err(WorkerError::NoSource))
+}
+
+/// Starting the loop: the plugin builds its transport from `context` and hands it to `driver`.
+struct Start<'a> {
+    context: Context<'a>,
+    driver: Driver<'a>,
+}
+
+impl Use for Start<'_> {
+    type Output = Result<(), WorkerError>;
+
+    async fn with<P: Plugin>(self, plugin: &P) -> Self::Output {
+        plugin.run(self.context, self.driver).await
+    }
+}
+
+/// [`drive`], for the transport a plugin built.
+struct Driver<'a> {
+    deps: Deps,
+    probes: &'a WorkerProbes,
+    registry: Registry,
+}
+
+impl Loop for Driver<'_> {
+    fn registry(&mut self) -> &mut Registry {
+        &mut self.registry
+    }
+
+    async fn drive<T: Transport>(
+        self,
+        transport: T,
+        broker: &dyn Broker,
+    ) -> Result<(), WorkerError> {
+        drive(transport, self.registry, broker, self.deps, self.probes).await
     }
 }
 

@@ -4,11 +4,10 @@
 
 use std::path::PathBuf;
 
-use switchboard_api::Source;
+use switchboard_api::QueueAdapter;
 
 use crate::WorkerError;
-use crate::transport::gateway;
-use crate::transport::sqs::Sqs;
+use crate::brokers::{self, Plugin, Use};
 
 /// Options of `switchboard-worker send`.
 #[derive(Debug, Clone)]
@@ -35,15 +34,27 @@ pub async fn send(options: SendOptions, body: Vec<u8>) -> Result<String, WorkerE
     let adapter = super::read_adapter(&options.file)?;
     let mut attributes = vec![("chunk_id".to_owned(), chunk_id())];
     attributes.extend(options.attributes);
-    match &adapter.spec.source {
-        Source {
-            gateway: Some(spec),
-            ..
-        } => Ok(gateway::send_message(spec, &adapter.adapter_name(), &body, &attributes).await?),
-        Source { sqs: Some(_), .. } => Ok(Sqs::for_command(&adapter, "switchboard-worker-send")
-            .await?
-            .send(&body, &attributes)
-            .await?),
-        _ => Err(WorkerError::SendUnsupported),
+    let message = Message {
+        adapter: &adapter,
+        body: &body,
+        attributes: &attributes,
+    };
+    brokers::with_plugin(&adapter.spec.source, message)
+        .await
+        .unwrap_or(Err(WorkerError::SendUnsupported))
+}
+
+/// One message for the plugin of the adapter's broker to send.
+struct Message<'a> {
+    adapter: &'a QueueAdapter,
+    body: &'a [u8],
+    attributes: &'a [(String, String)],
+}
+
+impl Use for Message<'_> {
+    type Output = Result<String, WorkerError>;
+
+    async fn with<P: Plugin>(self, plugin: &P) -> Self::Output {
+        plugin.send(self.adapter, self.body, self.attributes).await
     }
 }

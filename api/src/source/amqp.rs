@@ -3,9 +3,10 @@
 use kube::KubeSchema;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
+use serde_json::json;
 
-use super::{Broker, MissingSecret, SecretEnv};
-use crate::{Delivery, DeliveryGuarantee, FieldError, SecretKeyRef};
+use super::{Broker, MissingSecret, SecretEnv, Triggers};
+use crate::{Autoscaling, Delivery, DeliveryGuarantee, FieldError, SecretKeyRef};
 
 /// How the worker reads from RabbitMQ.
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
@@ -104,6 +105,25 @@ impl Broker for AmqpSource {
 
     fn strip_secrets(&mut self) {
         self.url_secret_ref = None;
+    }
+
+    /// Ready plus unacknowledged messages, through the management API (`host` comes from the
+    /// adapter's TriggerAuthentication).
+    fn autoscaling(&self, _adapter: &str, autoscaling: &Autoscaling) -> Option<Triggers> {
+        let trigger = json!({
+            "type": "rabbitmq",
+            "metadata": {
+                "protocol": "http",
+                "queueName": self.queue,
+                "mode": "QueueLength",
+                "value": autoscaling.target_backlog_per_replica.to_string(),
+                "activationValue": autoscaling.activation_backlog.to_string(),
+            },
+        });
+        Some(Triggers {
+            triggers: vec![trigger],
+            authentication: None,
+        })
     }
 
     fn validate(&self, delivery: &Delivery, fail: &mut dyn FnMut(FieldError)) {

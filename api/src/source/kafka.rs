@@ -3,10 +3,11 @@
 use kube::KubeSchema;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
+use serde_json::json;
 
 use super::redis::StartFrom;
-use super::{Broker, MissingSecret, SecretEnv};
-use crate::{Delivery, DeliveryGuarantee, FieldError, SecretKeyRef};
+use super::{Broker, MissingSecret, SecretEnv, Triggers};
+use crate::{Autoscaling, Delivery, DeliveryGuarantee, FieldError, SecretKeyRef};
 
 /// How the worker reads from Kafka.
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
@@ -156,6 +157,28 @@ impl Broker for KafkaSource {
         if let Some(tls) = &mut self.tls {
             tls.ca_secret_ref = None;
         }
+    }
+
+    /// The group's lag, which counts the records the workers hold: offsets are committed only
+    /// after they are stored.
+    fn autoscaling(&self, adapter: &str, autoscaling: &Autoscaling) -> Option<Triggers> {
+        let mut metadata = json!({
+            "bootstrapServers": self.bootstrap_servers,
+            "consumerGroup": self.group_id(adapter),
+            "lagThreshold": autoscaling.target_backlog_per_replica.to_string(),
+            "activationLagThreshold": autoscaling.activation_backlog.to_string(),
+            "offsetResetPolicy": match self.start_from {
+                StartFrom::Earliest => "earliest",
+                StartFrom::Latest => "latest",
+            },
+        });
+        if let Some([topic]) = self.topics.as_deref() {
+            metadata["topic"] = json!(topic);
+        }
+        Some(Triggers {
+            triggers: vec![json!({"type": "kafka", "metadata": metadata})],
+            authentication: None,
+        })
     }
 
     fn validate(&self, delivery: &Delivery, fail: &mut dyn FnMut(FieldError)) {

@@ -1,51 +1,118 @@
 //! The brokers a QueueAdapter can pull from: one file per broker, each with its spec, defaults,
-//! CEL rules, the Secret keys it turns into environment variables, its delivery guarantee and
-//! its dead-letter target. [`Source::broker`] is the one place that knows which brokers exist.
-
-pub mod amqp;
-pub mod gateway;
-pub mod kafka;
-pub mod nats;
-pub mod redis;
-pub mod sqs;
+//! CEL rules, the Secret keys it turns into environment variables, its delivery guarantee,
+//! its dead-letter target and its autoscaling trigger. The `brokers!` registry below is the one
+//! place that knows which brokers exist.
 
 use kube::KubeSchema;
 use serde::{Deserialize, Serialize};
 
-use crate::{Delivery, DeliveryGuarantee, FieldError, SecretKeyRef};
-use amqp::AmqpSource;
-use gateway::GatewaySource;
-use kafka::KafkaSource;
-use nats::NatsSource;
-use redis::RedisSource;
-use sqs::SqsSource;
+use crate::{Autoscaling, Delivery, DeliveryGuarantee, FieldError, SecretKeyRef};
 
-/// The broker to pull from: exactly one key.
-#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
-#[x_kube(
-    validation = Rule::new("[has(self.redis), has(self.sqs), has(self.nats), has(self.amqp), has(self.kafka), has(self.gateway)].filter(x, x).size() == 1").message("spec.source: exactly one broker must be set (redis, sqs, nats, amqp, kafka or gateway)"),
-    validation = Rule::new("has(self.redis) == has(oldSelf.redis) && has(self.sqs) == has(oldSelf.sqs) && has(self.nats) == has(oldSelf.nats) && has(self.amqp) == has(oldSelf.amqp) && has(self.kafka) == has(oldSelf.kafka) && has(self.gateway) == has(oldSelf.gateway)").message("spec.source: the kind of source is immutable; create a new QueueAdapter instead")
-)]
-#[serde(rename_all = "camelCase")]
-pub struct Source {
+/// The registry of brokers: each broker once, as its key under `spec.source` (also its module,
+/// `api/src/source/<key>.rs`), its spec type and its [`BrokerSpec`] variant, after the line
+/// `kubectl explain` shows for it. Everything that lists or dispatches on brokers is derived
+/// from here: the `Source` fields, the CEL rules and their messages, [`BROKERS`],
+/// [`Source::broker`], [`Source::spec`]. Adding a broker is one entry.
+macro_rules! brokers {
+    ($( $(#[doc = $doc:literal])* $key:ident: $spec:ident => $variant:ident, )*) => {
+        $( pub mod $key; )*
+
+        /// The broker to pull from: exactly one key.
+        #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
+        #[x_kube(
+            validation = Rule::new(exactly_one_rule()).message(exactly_one_message().as_str()),
+            validation = Rule::new(immutable_kind_rule()).message("spec.source: the kind of source is immutable; create a new QueueAdapter instead")
+        )]
+        #[serde(rename_all = "camelCase")]
+        pub struct Source {
+            $(
+                $(#[doc = $doc])*
+                #[serde(default, skip_serializing_if = "Option::is_none")]
+                pub $key: Option<$key::$spec>,
+            )*
+        }
+
+        /// The set broker's spec, by kind: what the worker matches on, once, to turn a spec into
+        /// its running pieces.
+        #[derive(Debug, Clone, Copy)]
+        pub enum BrokerSpec<'a> {
+            $( $variant(&'a $key::$spec), )*
+        }
+
+        /// Every broker's key under `spec.source`, in the registry's order.
+        pub const BROKERS: &[&str] = &[$( stringify!($key) ),*];
+
+        impl Source {
+            /// The spec of the one broker that is set, if exactly one is.
+            pub fn spec(&self) -> Option<BrokerSpec<'_>> {
+                only_one([$( self.$key.as_ref().map(BrokerSpec::$variant) ),*])
+            }
+
+            /// The one broker that is set, if exactly one is.
+            pub fn broker(&self) -> Option<&dyn Broker> {
+                only_one([$( self.$key.as_ref().map(|b| b as &dyn Broker) ),*])
+            }
+
+            /// [`Source::broker`], mutable.
+            pub fn broker_mut(&mut self) -> Option<&mut dyn Broker> {
+                only_one([$( self.$key.as_mut().map(|b| b as &mut dyn Broker) ),*])
+            }
+        }
+    };
+}
+
+brokers! {
     /// A Redis stream (consumer group), reliable list, or pub/sub channel.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub redis: Option<RedisSource>,
+    redis: RedisSource => Redis,
     /// An Amazon SQS queue (standard or FIFO), or a queue of an SQS-compatible server.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub sqs: Option<SqsSource>,
+    sqs: SqsSource => Sqs,
     /// A NATS JetStream stream, read by a durable pull consumer.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub nats: Option<NatsSource>,
+    nats: NatsSource => Nats,
     /// A RabbitMQ (AMQP 0-9-1) queue, quorum or classic.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub amqp: Option<AmqpSource>,
+    amqp: AmqpSource => Amqp,
     /// Topics of an Apache Kafka cluster, read by a consumer group.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub kafka: Option<KafkaSource>,
+    kafka: KafkaSource => Kafka,
     /// An SQS queue behind an HTTP gateway that takes JWT bearer tokens.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub gateway: Option<GatewaySource>,
+    gateway: GatewaySource => Gateway,
+}
+
+/// The brokers' keys as people read a list of them: `redis, sqs, … or gateway` (each key
+/// `wrapped`, e.g. in backticks).
+pub fn broker_list(wrap: &str) -> String {
+    let keys: Vec<String> = BROKERS
+        .iter()
+        .map(|key| format!("{wrap}{key}{wrap}"))
+        .collect();
+    match keys.split_last() {
+        Some((last, [])) => last.clone(),
+        Some((last, rest)) => format!("{} or {last}", rest.join(", ")),
+        None => String::new(),
+    }
+}
+
+/// What the CEL rule, the local loader and the worker say when no broker or more than one is set.
+pub fn exactly_one_broker() -> String {
+    format!("exactly one broker must be set ({})", broker_list(""))
+}
+
+fn exactly_one_message() -> String {
+    format!("spec.source: {}", exactly_one_broker())
+}
+
+fn exactly_one_rule() -> String {
+    let set: Vec<String> = BROKERS
+        .iter()
+        .map(|key| format!("has(self.{key})"))
+        .collect();
+    format!("[{}].filter(x, x).size() == 1", set.join(", "))
+}
+
+fn immutable_kind_rule() -> String {
+    let same: Vec<String> = BROKERS
+        .iter()
+        .map(|key| format!("has(self.{key}) == has(oldSelf.{key})"))
+        .collect();
+    same.join(" && ")
 }
 
 /// A Secret key the worker reads from its environment.
@@ -84,6 +151,16 @@ pub struct MissingSecret {
     pub env: &'static str,
 }
 
+/// KEDA's view of a broker's backlog (`spec.workload.autoscaling`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Triggers {
+    /// The ScaledObject's triggers (without `authenticationRef`, which the operator adds).
+    pub triggers: Vec<serde_json::Value>,
+    /// The spec of the TriggerAuthentication the operator writes when the adapter names none of
+    /// its own, if the broker has one.
+    pub authentication: Option<serde_json::Value>,
+}
+
 /// What every broker's spec tells the operator and the worker.
 pub trait Broker: std::fmt::Debug + Send + Sync {
     /// The key under `spec.source` (`redis`, `sqs`, `nats`, `amqp`, `kafka`, `gateway`): the status's `source` and the prefix of
@@ -104,33 +181,10 @@ pub trait Broker: std::fmt::Debug + Send + Sync {
     fn strip_secrets(&mut self);
     /// The rules of the CRD schema and CEL for this broker, checked in Rust.
     fn validate(&self, delivery: &Delivery, fail: &mut dyn FnMut(FieldError));
-}
-
-impl Source {
-    /// The one broker that is set, if exactly one is.
-    pub fn broker(&self) -> Option<&dyn Broker> {
-        let brokers: [Option<&dyn Broker>; 6] = [
-            self.redis.as_ref().map(|b| b as &dyn Broker),
-            self.sqs.as_ref().map(|b| b as &dyn Broker),
-            self.nats.as_ref().map(|b| b as &dyn Broker),
-            self.amqp.as_ref().map(|b| b as &dyn Broker),
-            self.kafka.as_ref().map(|b| b as &dyn Broker),
-            self.gateway.as_ref().map(|b| b as &dyn Broker),
-        ];
-        only_one(brokers)
-    }
-
-    /// [`Source::broker`], mutable.
-    pub fn broker_mut(&mut self) -> Option<&mut dyn Broker> {
-        let brokers: [Option<&mut dyn Broker>; 6] = [
-            self.redis.as_mut().map(|b| b as &mut dyn Broker),
-            self.sqs.as_mut().map(|b| b as &mut dyn Broker),
-            self.nats.as_mut().map(|b| b as &mut dyn Broker),
-            self.amqp.as_mut().map(|b| b as &mut dyn Broker),
-            self.kafka.as_mut().map(|b| b as &mut dyn Broker),
-            self.gateway.as_mut().map(|b| b as &mut dyn Broker),
-        ];
-        only_one(brokers)
+    /// KEDA's triggers on this broker's backlog for adapter `adapter` (`namespace/name`), as
+    /// data; `None`: KEDA cannot scale on this broker.
+    fn autoscaling(&self, _adapter: &str, _autoscaling: &Autoscaling) -> Option<Triggers> {
+        None
     }
 }
 
@@ -139,4 +193,53 @@ fn only_one<T, const N: usize>(options: [Option<T>; N]) -> Option<T> {
     let mut set = options.into_iter().flatten();
     let first = set.next()?;
     set.next().is_none().then_some(first)
+}
+
+#[cfg(test)]
+mod tests {
+    use kube::CustomResourceExt;
+
+    use super::BROKERS;
+    use crate::QueueAdapter;
+
+    /// Every list of brokers a user reads in the CRD (`kubectl explain`, the CEL rules and their
+    /// messages) is derived from the registry: each broker is in each of them.
+    #[test]
+    fn every_broker_of_the_registry_is_in_every_list_the_crd_shows() {
+        let crd = serde_json::to_value(QueueAdapter::crd()).expect("the CRD serializes");
+        let spec = &crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"];
+        let source = &spec["spec"]["properties"]["source"];
+        let rules = source["x-kubernetes-validations"].to_string();
+        let described = [
+            source["description"].to_string(),
+            spec["status"]["properties"]["source"]["description"].to_string(),
+        ];
+        let message = super::exactly_one_message();
+        assert!(rules.contains(&message), "{message} in {rules}");
+        let (_, list) = message.split_once('(').expect("a list");
+        let named: Vec<&str> = list
+            .trim_end_matches(')')
+            .split([',', ' '])
+            .filter(|word| !word.is_empty() && *word != "or")
+            .collect();
+        assert_eq!(named, BROKERS, "{message}");
+        for key in BROKERS {
+            assert!(source["properties"][key].is_object(), "field {key}");
+            assert!(
+                rules.contains(&format!("has(self.{key}) == has(oldSelf.{key})")),
+                "{rules}"
+            );
+            assert!(
+                rules.contains(&format!("has(self.{key}),"))
+                    || rules.contains(&format!("has(self.{key})]")),
+                "{rules}"
+            );
+            for description in &described {
+                assert!(
+                    description.contains(&format!("`{key}`")),
+                    "{key} in {description}"
+                );
+            }
+        }
+    }
 }

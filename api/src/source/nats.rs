@@ -3,9 +3,10 @@
 use kube::KubeSchema;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
+use serde_json::json;
 
-use super::{Broker, MissingSecret, SecretEnv};
-use crate::{Delivery, DeliveryGuarantee, FieldError, SecretKeyRef};
+use super::{Broker, MissingSecret, SecretEnv, Triggers};
+use crate::{Autoscaling, Delivery, DeliveryGuarantee, FieldError, SecretKeyRef};
 
 /// How the worker reads from NATS JetStream.
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
@@ -122,6 +123,25 @@ impl Broker for NatsSource {
         self.user_secret_ref = None;
         self.password_secret_ref = None;
         self.token_secret_ref = None;
+    }
+
+    /// The consumer's pending plus unacknowledged messages, from nats-server's monitoring
+    /// endpoint.
+    fn autoscaling(&self, _adapter: &str, autoscaling: &Autoscaling) -> Option<Triggers> {
+        let trigger = json!({
+            "type": "nats-jetstream",
+            "metadata": {
+                "natsServerMonitoringEndpoint": autoscaling.nats_monitoring_endpoint.clone().unwrap_or_default(),
+                "stream": self.stream,
+                "consumer": self.consumer,
+                "lagThreshold": autoscaling.target_backlog_per_replica.to_string(),
+                "activationLagThreshold": autoscaling.activation_backlog.to_string(),
+            },
+        });
+        Some(Triggers {
+            triggers: vec![trigger],
+            authentication: None,
+        })
     }
 
     fn validate(&self, delivery: &Delivery, fail: &mut dyn FnMut(FieldError)) {

@@ -3,9 +3,10 @@
 use kube::KubeSchema;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
+use serde_json::json;
 
-use super::{Broker, MissingSecret, SecretEnv};
-use crate::{Delivery, DeliveryGuarantee, FieldError, SecretKeyRef};
+use super::{Broker, MissingSecret, SecretEnv, Triggers};
+use crate::{Autoscaling, DeadLetter, Delivery, DeliveryGuarantee, FieldError, SecretKeyRef};
 
 /// How the worker reads from Redis.
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
@@ -89,6 +90,23 @@ impl RedisMode {
     }
 }
 
+impl RedisSource {
+    /// The key dead letters go to in this mode: `spec.delivery.deadLetter.stream` (mode
+    /// `stream`) or `.list` (modes `list` and `pubsub`), by default the source's key with
+    /// `.dlq` appended.
+    pub fn dead_letter_key(&self, dead_letter: &DeadLetter) -> String {
+        let (set, source) = match self.mode {
+            RedisMode::Stream => (&dead_letter.stream, &self.stream),
+            RedisMode::List => (&dead_letter.list, &self.list),
+            RedisMode::Pubsub => (&dead_letter.list, &self.channel),
+        };
+        set.clone().unwrap_or_else(|| {
+            let source = source.as_deref().unwrap_or_default();
+            format!("{source}.dlq")
+        })
+    }
+}
+
 impl Broker for RedisSource {
     fn kind(&self) -> &'static str {
         "redis"
@@ -118,6 +136,36 @@ impl Broker for RedisSource {
 
     fn strip_secrets(&mut self) {
         self.url_secret_ref = None;
+    }
+
+    /// A stream's consumer-group lag (what waits; the only count KEDA can scale to zero on) and
+    /// its pending entries (what the workers hold): KEDA scales to the larger of the two.
+    fn autoscaling(&self, _adapter: &str, autoscaling: &Autoscaling) -> Option<Triggers> {
+        let stream = self.stream.clone().unwrap_or_default();
+        let target = autoscaling.target_backlog_per_replica.to_string();
+        let triggers = vec![
+            json!({
+                "type": "redis-streams",
+                "metadata": {
+                    "stream": stream,
+                    "consumerGroup": self.group,
+                    "lagCount": target,
+                    "activationLagCount": autoscaling.activation_backlog.to_string(),
+                },
+            }),
+            json!({
+                "type": "redis-streams",
+                "metadata": {
+                    "stream": stream,
+                    "consumerGroup": self.group,
+                    "pendingEntriesCount": target,
+                },
+            }),
+        ];
+        Some(Triggers {
+            triggers,
+            authentication: None,
+        })
     }
 
     fn validate(&self, delivery: &Delivery, fail: &mut dyn FnMut(FieldError)) {
@@ -159,4 +207,32 @@ fn default_group() -> String {
 }
 fn default_body_field() -> String {
     "body".into()
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::{DeadLetter, RedisSource};
+
+    fn redis(mode: &str) -> RedisSource {
+        serde_json::from_value(serde_json::json!({
+            "mode": mode, "stream": "orders", "list": "jobs", "channel": "news",
+        }))
+        .expect("a Redis source")
+    }
+
+    #[test]
+    fn dead_letters_go_to_the_set_key_else_the_source_key_with_dlq() {
+        let unset = DeadLetter::default();
+        assert_eq!(redis("stream").dead_letter_key(&unset), "orders.dlq");
+        assert_eq!(redis("list").dead_letter_key(&unset), "jobs.dlq");
+        assert_eq!(redis("pubsub").dead_letter_key(&unset), "news.dlq");
+        let set = DeadLetter {
+            stream: Some("dead-orders".into()),
+            list: Some("dead-jobs".into()),
+            ..DeadLetter::default()
+        };
+        assert_eq!(redis("stream").dead_letter_key(&set), "dead-orders");
+        assert_eq!(redis("list").dead_letter_key(&set), "dead-jobs");
+        assert_eq!(redis("pubsub").dead_letter_key(&set), "dead-jobs");
+    }
 }

@@ -3,9 +3,10 @@
 
 use kube::KubeSchema;
 use serde::{Deserialize, Serialize};
+use serde_json::{Value, json};
 
-use super::{Broker, MissingSecret, SecretEnv};
-use crate::{Delivery, DeliveryGuarantee, FieldError, SecretKeyRef};
+use super::{Broker, MissingSecret, SecretEnv, Triggers};
+use crate::{Autoscaling, Delivery, DeliveryGuarantee, FieldError, SecretKeyRef};
 
 /// How the worker reads from SQS.
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
@@ -116,6 +117,43 @@ impl Broker for SqsSource {
         self.access_key_id_secret_ref = None;
         self.secret_access_key_secret_ref = None;
         self.session_token_secret_ref = None;
+    }
+
+    /// Visible and in-flight messages (`scaleOnInFlight`), so held messages keep their pods;
+    /// KEDA connects with the source's own credential Secrets, or the worker's pod identity
+    /// (IRSA) without them.
+    fn autoscaling(&self, _adapter: &str, autoscaling: &Autoscaling) -> Option<Triggers> {
+        let mut metadata = json!({
+            "queueURL": self.queue_url.clone().unwrap_or_default(),
+            "awsRegion": self.keda_region().unwrap_or_default(),
+            "queueLength": autoscaling.target_backlog_per_replica.to_string(),
+            "activationQueueLength": autoscaling.activation_backlog.to_string(),
+            "scaleOnInFlight": "true",
+        });
+        if let Some(endpoint) = &self.endpoint {
+            metadata["awsEndpoint"] = json!(endpoint);
+        }
+        let refs = [
+            ("awsAccessKeyID", &self.access_key_id_secret_ref),
+            ("awsSecretAccessKey", &self.secret_access_key_secret_ref),
+            ("awsSessionToken", &self.session_token_secret_ref),
+        ];
+        let targets: Vec<Value> = refs
+            .into_iter()
+            .filter_map(|(parameter, reference)| {
+                let reference = reference.as_ref()?;
+                Some(json!({"parameter": parameter, "name": reference.name, "key": reference.key}))
+            })
+            .collect();
+        let authentication = if targets.is_empty() {
+            json!({"podIdentity": {"provider": "aws", "identityOwner": "workload"}})
+        } else {
+            json!({"secretTargetRef": targets})
+        };
+        Some(Triggers {
+            triggers: vec![json!({"type": "aws-sqs-queue", "metadata": metadata})],
+            authentication: Some(authentication),
+        })
     }
 
     fn validate(&self, delivery: &Delivery, fail: &mut dyn FnMut(FieldError)) {

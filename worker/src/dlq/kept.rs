@@ -3,8 +3,8 @@
 
 use switchboard_store::{KeptLetterRow, Store, StoreError};
 
-use super::{DeadLetterReader, StoredLetter, headers_from_json};
 use crate::transport::TransportError;
+use crate::transport::reader::{DeadLetterReader, StoredLetter, headers_from_json};
 
 /// What a kept letter's handle starts with (broker handles never do).
 const KEPT: &str = "postgresql:";

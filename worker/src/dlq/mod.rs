@@ -17,60 +17,13 @@ use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use switchboard_api::{RedisMode, Source};
+use switchboard_api::QueueAdapter;
 
 use self::kept::{KeptLetters, NoBrokerReader, WithKept};
-use crate::transport::redis::reader::{ListReader, StreamReader};
-use crate::transport::sqs::reader::SqsReader;
-use crate::transport::{Attempts, TransportError};
-use crate::{WorkerError, env, read_adapter};
-
-/// One dead letter as a reader found it.
-#[derive(Debug, Clone, PartialEq)]
-pub struct StoredLetter {
-    /// The letter's id in its destination: a stream entry id, an SQS message id, the first 16
-    /// hex digits of a list record's SHA-256.
-    pub id: String,
-    /// When it was dead-lettered (Unix ms), where known.
-    pub dead_lettered_at_ms: Option<u64>,
-    pub reason: Option<String>,
-    pub delivery_count: Option<u64>,
-    pub last_error: Option<String>,
-    /// The original body, byte-for-byte.
-    pub body: Vec<u8>,
-    /// The original message's fields, attributes or headers, byte-for-byte.
-    pub headers: Vec<(String, Vec<u8>)>,
-    pub attempts: Option<Attempts>,
-    /// Where it came from, for people (`stream orders, entry 1764…-0`).
-    pub origin: String,
-    /// The original message's id where the broker has native ids: its redriven copy carries
-    /// the key made from it.
-    pub original_id: Option<String>,
-    /// What the reader needs to redrive or remove it (never printed).
-    pub(crate) handle: String,
-}
-
-/// What every transport's dead-letter destination can do.
-#[allow(async_fn_in_trait)]
-pub trait DeadLetterReader {
-    /// The dead-letter destination, for people (`Redis stream orders.dlq`).
-    fn destination(&self) -> String;
-    /// Where redrive puts letters back, for people.
-    fn source(&self) -> String;
-    /// What to know before redriving (ordering, FIFO groups).
-    fn caveats(&self) -> Vec<String>;
-    /// The dead letters, oldest first, at most `limit`.
-    async fn letters(&mut self, limit: usize) -> Result<Vec<StoredLetter>, TransportError>;
-    /// Publishes `letter` to the source, waits for the broker's confirmation, and only then
-    /// removes it from the destination.
-    async fn redrive(&mut self, letter: &StoredLetter) -> Result<(), TransportError>;
-    /// Removes `letters` from the destination.
-    async fn remove(&mut self, letters: &[StoredLetter]) -> Result<(), TransportError>;
-    /// Hands back letters read and neither redriven nor removed (SQS hides what it hands out).
-    async fn release(&mut self, _letters: &[StoredLetter]) -> Result<(), TransportError> {
-        Ok(())
-    }
-}
+use crate::brokers::{self, Letters, Plugin, Use};
+use crate::transport::TransportError;
+pub use crate::transport::reader::{DeadLetterReader, StoredLetter};
+use crate::{WorkerError, read_adapter};
 
 /// Why a `dlq` command failed.
 #[derive(Debug, thiserror::Error)]
@@ -221,41 +174,55 @@ pub async fn run(command: DlqCommand) -> Result<(), WorkerError> {
         ),
         Err(_) => None,
     };
-    let unread = match source {
-        Source {
-            redis: Some(redis), ..
-        } => {
-            let url = env("REDIS_URL")?;
-            match redis.mode {
-                RedisMode::Stream => {
-                    let broker = Some(StreamReader::new(&adapter, redis, &url)?);
-                    return execute(WithKept { broker, kept }, command).await;
-                }
-                RedisMode::List => {
-                    let broker = Some(ListReader::new(&adapter, redis, &url)?);
-                    return execute(WithKept { broker, kept }, command).await;
-                }
-                RedisMode::Pubsub => "Redis pub/sub",
-            }
-        }
-        Source { sqs: Some(_), .. } => {
-            let broker = Some(SqsReader::new(&adapter).await?);
-            return execute(WithKept { broker, kept }, command).await;
-        }
-        Source { nats: Some(_), .. } => "NATS JetStream",
-        Source { amqp: Some(_), .. } => "AMQP",
-        Source { kafka: Some(_), .. } => "Kafka",
-        _ => "this broker",
+    let session = Session {
+        adapter: &adapter,
+        kept,
+        command,
     };
-    if kept.is_none() {
-        return Err(DlqError::Unsupported(unread).into());
+    brokers::with_plugin(source, session)
+        .await
+        .unwrap_or(Err(WorkerError::NoSource))
+}
+
+/// One `dlq` command over the letters kept in PostgreSQL and those the adapter's broker's
+/// plugin reads at the broker, if it has a reader.
+struct Session<'a> {
+    adapter: &'a QueueAdapter,
+    kept: Option<KeptLetters>,
+    command: DlqCommand,
+}
+
+impl Use for Session<'_> {
+    type Output = Result<(), WorkerError>;
+
+    async fn with<P: Plugin>(self, plugin: &P) -> Self::Output {
+        plugin.read_letters(self.adapter, self).await
     }
-    eprintln!(
-        "note: `switchboard-worker dlq` does not read the dead letters of {unread} at the broker yet; \
-         these are the letters kept in PostgreSQL's dead_letters table"
-    );
-    let broker: Option<NoBrokerReader> = None;
-    execute(WithKept { broker, kept }, command).await
+}
+
+impl Letters for Session<'_> {
+    async fn read<R: DeadLetterReader>(self, reader: R) -> Result<(), WorkerError> {
+        let letters = WithKept {
+            broker: Some(reader),
+            kept: self.kept,
+        };
+        execute(letters, self.command).await
+    }
+
+    async fn unread(self, broker: &'static str) -> Result<(), WorkerError> {
+        if self.kept.is_none() {
+            return Err(DlqError::Unsupported(broker).into());
+        }
+        eprintln!(
+            "note: `switchboard-worker dlq` does not read the dead letters of {broker} at the broker yet; \
+             these are the letters kept in PostgreSQL's dead_letters table"
+        );
+        let letters = WithKept {
+            broker: None::<NoBrokerReader>,
+            kept: self.kept,
+        };
+        execute(letters, self.command).await
+    }
 }
 
 /// The current time (Unix ms).
@@ -559,61 +526,6 @@ fn confirm(question: &str) -> Result<bool, DlqError> {
     Ok(matches!(answer.trim(), "y" | "Y" | "yes"))
 }
 
-/// The idempotency key a redriven copy carries: the one the letter's original already carried
-/// (it was itself a redriven copy), else `{source}:{id}` from its original id.
-pub(crate) fn redrive_key(
-    headers: &[(String, Vec<u8>)],
-    source: &str,
-    original_id: &str,
-) -> String {
-    headers
-        .iter()
-        .find(|(name, _)| name == crate::transport::IDEMPOTENCY_KEY_HEADER)
-        .and_then(|(_, value)| std::str::from_utf8(value).ok())
-        .filter(|key| {
-            key.strip_prefix(source)
-                .is_some_and(|rest| rest.starts_with(':'))
-        })
-        .map_or_else(|| format!("{source}:{original_id}"), str::to_owned)
-}
-
-/// Headers from their JSON form in a dead letter (`{"name": "text" | {"base64": …}}`, as
-/// [`crate::payload::fields_json`] writes them).
-pub(crate) fn headers_from_json(text: &str) -> Vec<(String, Vec<u8>)> {
-    use base64::Engine as _;
-    let Ok(serde_json::Value::Object(object)) = serde_json::from_str(text) else {
-        return Vec::new();
-    };
-    object
-        .into_iter()
-        .filter_map(|(name, value)| {
-            let bytes = match value {
-                serde_json::Value::String(text) => text.into_bytes(),
-                serde_json::Value::Object(encoded) => base64::engine::general_purpose::STANDARD
-                    .decode(encoded.get("base64")?.as_str()?)
-                    .ok()?,
-                _ => return None,
-            };
-            Some((original_name(name), bytes))
-        })
-        .collect()
-}
-
-/// A header name as [`crate::payload::fields_json`] wrote it, back as it was: a name holding
-/// NUL was written in base64 after a prefix.
-fn original_name(name: String) -> String {
-    use base64::Engine as _;
-    name.strip_prefix(crate::payload::BASE64_NAME_PREFIX)
-        .and_then(|encoded| {
-            base64::engine::general_purpose::STANDARD
-                .decode(encoded)
-                .ok()
-        })
-        .and_then(|bytes| String::from_utf8(bytes).ok())
-        .filter(|decoded| decoded.contains('\0'))
-        .unwrap_or(name)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -624,41 +536,5 @@ mod tests {
         assert_eq!(per_second("2.5/s"), Ok(2.5));
         assert!(per_second("0").is_err());
         assert!(per_second("fast").is_err());
-    }
-
-    #[test]
-    fn a_redriven_key_is_kept_and_a_foreign_one_ignored() {
-        let source = "redis:shop/orders";
-        assert_eq!(redrive_key(&[], source, "1-0"), "redis:shop/orders:1-0");
-        let own = vec![(
-            crate::transport::IDEMPOTENCY_KEY_HEADER.to_owned(),
-            b"redis:shop/orders:0-1".to_vec(),
-        )];
-        assert_eq!(redrive_key(&own, source, "1-0"), "redis:shop/orders:0-1");
-        let foreign = vec![(
-            crate::transport::IDEMPOTENCY_KEY_HEADER.to_owned(),
-            b"redis:shop/ordersX:0-1".to_vec(),
-        )];
-        assert_eq!(
-            redrive_key(&foreign, source, "1-0"),
-            "redis:shop/orders:1-0"
-        );
-    }
-
-    #[test]
-    fn headers_round_trip_through_their_json_form() {
-        let headers = vec![
-            ("kind".to_owned(), b"order".to_vec()),
-            ("raw".to_owned(), vec![0xff, 0x00]),
-            ("nul".to_owned(), b"a\0b".to_vec()),
-            ("name\0with nul".to_owned(), b"v".to_vec()),
-            ("base64:bm8gbnVs".to_owned(), b"a real name".to_vec()),
-        ];
-        let json = crate::payload::fields_json(&headers);
-        let mut back = headers_from_json(&json);
-        back.sort();
-        let mut headers = headers;
-        headers.sort();
-        assert_eq!(back, headers);
     }
 }

@@ -22,6 +22,7 @@ pub mod amqp;
 pub mod gateway;
 pub mod kafka;
 pub mod nats;
+pub mod reader;
 pub mod redis;
 pub mod sqs;
 
@@ -33,6 +34,17 @@ pub use switchboard_store::Position;
 
 use crate::health::Dependency;
 use crate::payload::PoisonReason;
+pub(crate) use crate::text::truncate;
+
+/// Batches stored concurrently: they keep PostgreSQL busy while the loop waits on the broker
+/// (a NATS acknowledgement's confirmation, a fetch). Three left a quarter of the CPU idle
+/// behind NATS and Kafka on 2 cores (docs/PERFORMANCE.md).
+pub const IN_FLIGHT: usize = 4;
+
+/// Batches received and not yet acknowledged: those being stored, and stored ones waiting for
+/// an older batch's commit (acknowledgements go in receive order). A transport sizes what it
+/// lets the broker hand out by it (AMQP's prefetch).
+pub const HELD: usize = IN_FLIGHT + 2;
 
 /// One message received from a broker and not yet acknowledged.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -307,19 +319,6 @@ impl Acked {
     pub fn all() -> Self {
         Self::default()
     }
-}
-
-/// At most `max` bytes of `text`, cut at a character boundary, with `…` when cut (error texts
-/// kept in dead letters).
-pub(crate) fn truncate(text: &str, max: usize) -> String {
-    if text.len() <= max {
-        return text.to_owned();
-    }
-    let mut end = max.saturating_sub('…'.len_utf8());
-    while !text.is_char_boundary(end) {
-        end -= 1;
-    }
-    format!("{}…", &text[..end])
 }
 
 /// A Unix time in milliseconds as RFC 3339 (`2026-12-01T17:12:30.123Z`).

@@ -76,8 +76,9 @@ use self::delivery::{AmqpDelivery, Count, Origin, Original};
 use self::publisher::{Outgoing, Publisher};
 use crate::health::now_ms;
 use crate::metrics::{adapter_counter, adapter_gauge};
-use crate::pipeline::HELD;
-use crate::transport::{Acked, DeadLetter, QueueHealth, QueueProbe, Transport, TransportError};
+use crate::transport::{
+    Acked, DeadLetter, HELD, QueueHealth, QueueProbe, Transport, TransportError,
+};
 
 /// How long a blocking receive waits for a first delivery.
 const BLOCK: Duration = Duration::from_secs(1);

@@ -13,7 +13,7 @@ use switchboard_api::{QueueAdapter, RedisSource};
 
 use super::stream::{parse_entries, parse_id};
 use super::{CONTROL_TIMEOUT, Connection, NamedKey, array, open, record_time_ms};
-use crate::dlq::{DeadLetterReader, StoredLetter, headers_from_json, redrive_key};
+use crate::transport::reader::{DeadLetterReader, StoredLetter, headers_from_json, redrive_key};
 use crate::transport::{Attempts, IDEMPOTENCY_KEY_HEADER, TransportError};
 
 /// Letters removed per command of a purge.
@@ -36,13 +36,7 @@ impl StreamReader {
         url: &str,
     ) -> Result<Self, TransportError> {
         let stream = redis.stream.clone().unwrap_or_default();
-        let dead_letter_stream = adapter
-            .spec
-            .delivery
-            .dead_letter
-            .stream
-            .clone()
-            .unwrap_or_else(|| format!("{stream}.dlq"));
+        let dead_letter_stream = redis.dead_letter_key(&adapter.spec.delivery.dead_letter);
         let keys = vec![
             NamedKey::new(&stream, "spec.source.redis.stream", "stream"),
             NamedKey::new(
@@ -173,13 +167,7 @@ impl ListReader {
         url: &str,
     ) -> Result<Self, TransportError> {
         let list = redis.list.clone().unwrap_or_default();
-        let dead_letter_list = adapter
-            .spec
-            .delivery
-            .dead_letter
-            .list
-            .clone()
-            .unwrap_or_else(|| format!("{list}.dlq"));
+        let dead_letter_list = redis.dead_letter_key(&adapter.spec.delivery.dead_letter);
         let keys = vec![
             NamedKey::new(&list, "spec.source.redis.list", "list"),
             NamedKey::new(&dead_letter_list, "spec.delivery.deadLetter.list", "list"),

@@ -25,7 +25,7 @@ use switchboard_store::Store;
 
 use super::Sqs;
 use super::classify::Addressed;
-use crate::dlq::{DeadLetterReader, StoredLetter, headers_from_json, redrive_key};
+use crate::transport::reader::{DeadLetterReader, StoredLetter, headers_from_json, redrive_key};
 use crate::transport::{Attempt, Attempts, IDEMPOTENCY_KEY_HEADER, Transport, TransportError};
 
 /// How long a letter read by a command stays hidden from other readers (seconds).

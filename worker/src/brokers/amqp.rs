@@ -1,0 +1,28 @@
+//! RabbitMQ (AMQP 0-9-1), a quorum or classic queue.
+
+use switchboard_api::AmqpSource;
+
+use super::{Context, Loop, Plugin};
+use crate::transport::amqp::{Amqp, AmqpSettings};
+use crate::{WorkerError, env};
+
+impl Plugin for AmqpSource {
+    fn title(&self) -> &'static str {
+        "AMQP"
+    }
+
+    async fn run<L: Loop>(&self, context: Context<'_>, mut run: L) -> Result<(), WorkerError> {
+        let dead_letter = context.dead_letter();
+        let settings = AmqpSettings {
+            batch_size: context.batch_size(),
+            max_deliveries: context.max_deliveries(),
+            adapter: context.name,
+            consumer: context.consumer,
+            spec: self.clone(),
+            dead_letter_exchange: dead_letter.exchange.clone(),
+            dead_letter_routing_key: dead_letter.routing_key.clone(),
+        };
+        let transport = Amqp::new(settings, env("AMQP_URL")?, run.registry())?;
+        run.drive(transport, self).await
+    }
+}

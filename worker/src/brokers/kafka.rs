@@ -1,0 +1,24 @@
+//! Apache Kafka topics, read by a consumer group.
+
+use switchboard_api::KafkaSource;
+
+use super::{Context, Loop, Plugin};
+use crate::WorkerError;
+use crate::transport::kafka::{Kafka, KafkaSettings};
+
+impl Plugin for KafkaSource {
+    fn title(&self) -> &'static str {
+        "Kafka"
+    }
+
+    async fn run<L: Loop>(&self, context: Context<'_>, mut run: L) -> Result<(), WorkerError> {
+        let settings = KafkaSettings {
+            dead_letter_topic: context.dead_letter().topic.clone(),
+            adapter: context.name,
+            consumer: context.consumer,
+            spec: self.clone(),
+        };
+        let transport = Kafka::new(settings, context.store, run.registry())?;
+        run.drive(transport, self).await
+    }
+}

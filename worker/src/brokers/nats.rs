@@ -1,0 +1,33 @@
+//! NATS JetStream, read by a durable pull consumer.
+
+use switchboard_api::NatsSource;
+
+use super::{Context, Loop, Plugin};
+use crate::transport::nats::{Auth, Connector, Nats, NatsSettings};
+use crate::{WorkerError, env};
+
+impl Plugin for NatsSource {
+    fn title(&self) -> &'static str {
+        "NATS JetStream"
+    }
+
+    async fn run<L: Loop>(&self, context: Context<'_>, mut run: L) -> Result<(), WorkerError> {
+        let connector = Connector {
+            url: env("NATS_URL")?,
+            auth: Auth::from_env()?,
+            name: format!("switchboard-worker/{}", context.consumer),
+        };
+        let dead_letter = context.dead_letter();
+        let settings = NatsSettings {
+            max_deliveries: context.max_deliveries(),
+            adapter: context.name,
+            consumer: context.consumer,
+            spec: self.clone(),
+            connector,
+            dead_letter_subject: dead_letter.subject.clone(),
+            dead_letter_retention: dead_letter.retention(),
+        };
+        let transport = Nats::new(settings, context.store, run.registry());
+        run.drive(transport, self).await
+    }
+}
