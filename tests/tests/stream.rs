@@ -405,7 +405,7 @@ async fn statement_stuck_in_the_database_times_out_and_is_retried_without_loss_o
     );
     // Each timed-out statement ended on the server: retries do not pile up waiting backends.
     let connections = fx.connections_of("w1").await?;
-    let pool = i64::try_from(switchboard_worker::pipeline::IN_FLIGHT + 1)?;
+    let pool = i64::try_from(switchboard_worker::transport::IN_FLIGHT + 1)?;
     ensure!(
         connections <= pool,
         "{connections} connections, more than the worker's pool of {pool}"

@@ -5,11 +5,11 @@
 //! per outage, and reported through readiness; shutdown is checked between batches, and a
 //! batch in hand is finished or left un-acknowledged.
 //!
-//! Up to [`IN_FLIGHT`] batches are stored at once (each in its own transaction, on its own
+//! Up to [`IN_FLIGHT`](crate::transport::IN_FLIGHT) batches are stored at once (each in its own transaction, on its own
 //! connection): while one commits, the next is received and starts committing. Batches are
 //! still acknowledged one by one, in the order they were received, each only after its own
 //! commit; a batch stored before an older one waits for it without counting as a store, so up
-//! to [`HELD`] batches are held.
+//! to [`HELD`](crate::transport::HELD) batches are held.
 //!
 //! The rooms: `intake` (classify a batch, start its store), `store` (the only one that writes
 //! SQL), `lease` (extend the broker's lease while storing), `settle` (the settle order, a pure
@@ -44,15 +44,6 @@ use crate::transport::{ErrorKind, Message, Transport, TransportError};
 
 /// How long past its own next deadline the loop may be silent before `/healthz` fails.
 const LIVENESS_SLACK: Duration = Duration::from_secs(60);
-
-/// Batches stored concurrently: they keep PostgreSQL busy while the loop waits on the broker
-/// (a NATS acknowledgement's confirmation, a fetch). Three left a quarter of the CPU idle
-/// behind NATS and Kafka on 2 cores (docs/PERFORMANCE.md).
-pub const IN_FLIGHT: usize = 4;
-
-/// Batches received and not yet acknowledged: those being stored, and stored ones waiting for
-/// an older batch's commit (acknowledgements go in receive order).
-pub const HELD: usize = IN_FLIGHT + 2;
 
 /// How often the worker reads its queue's health and reports it to the operator.
 pub const REPORT_INTERVAL: Duration = Duration::from_secs(5);

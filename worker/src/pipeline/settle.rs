@@ -13,10 +13,10 @@ use switchboard_telemetry::ErrorChain;
 use tracing::Instrument as _;
 
 use super::store::StoreTask;
-use super::{HELD, IN_FLIGHT, Pipeline, PipelineError, Stopped};
+use super::{Pipeline, PipelineError, Stopped};
 use crate::payload::{Poison, PoisonReason};
 use crate::transport::{
-    Attempt, Attempts, DeadLetter, ErrorKind, Message, Transport, TransportError,
+    Attempt, Attempts, DeadLetter, ErrorKind, HELD, IN_FLIGHT, Message, Transport, TransportError,
 };
 
 /// A received batch whose events are being stored.
