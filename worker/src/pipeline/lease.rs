@@ -48,8 +48,9 @@ impl<T: Transport> Pipeline<T> {
         }
     }
 
-    /// Extends the lease of every batch whose extension is due.
-    async fn extend_leases(
+    /// Extends the lease of every batch whose extension is due (`batch`, whose next extension
+    /// is `extend_at`, and `others`); a no-op on brokers without a lease.
+    pub(super) async fn extend_leases(
         &mut self,
         extend_at: &mut Option<Instant>,
         batch: &[Message<T::Receipt>],

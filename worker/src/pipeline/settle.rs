@@ -151,9 +151,14 @@ impl<T: Transport> Pipeline<T> {
                 _ => None,
             })
             .collect();
+        // The batches held behind this one keep their lease while it is settled (each broker
+        // call below can take a while): a lease run out would hand their messages to another
+        // receive, and a poison message would be dead-lettered twice.
+        self.extend_leases(&mut extend_at, &batch, others).await?;
         if !self.write_dead_letters(&poison).await? {
             return Ok(());
         }
+        self.extend_leases(&mut extend_at, &batch, others).await?;
         let acks: Vec<&Message<T::Receipt>> = plan
             .acknowledge
             .iter()
