@@ -37,14 +37,19 @@ impl fmt::Display for ErrorChain<'_> {
 }
 
 /// Sets up logging: `RUST_LOG` filters (default `info`); JSON lines when `json`; colours only
-/// on a terminal. lapin's own lines are off unless `RUST_LOG` names lapin: it logs every AMQP
-/// failure that it also returns, and the caller logs an outage once.
+/// on a terminal. Unless `RUST_LOG` names them, lapin's own lines are off (it logs every AMQP
+/// failure that it also returns, and the caller logs an outage once) and async-nats' are
+/// warnings only (its `event: connected` lines, on its own task, repeat the worker's).
 pub fn init_tracing(json: bool) {
     let mut filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let names_lapin = std::env::var("RUST_LOG").is_ok_and(|value| value.contains("lapin"));
-    if !names_lapin && let Ok(directive) = "lapin=off".parse() {
-        filter = filter.add_directive(directive);
+    let rust_log = std::env::var("RUST_LOG").unwrap_or_default();
+    for (library, directive) in [("lapin", "lapin=off"), ("async_nats", "async_nats=warn")] {
+        if !rust_log.contains(library)
+            && let Ok(directive) = directive.parse()
+        {
+            filter = filter.add_directive(directive);
+        }
     }
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)

@@ -10,6 +10,7 @@ pub mod metrics;
 pub mod payload;
 pub mod pipeline;
 pub mod send;
+mod task;
 mod text;
 pub mod transport;
 
@@ -24,6 +25,7 @@ use switchboard_store::{Store, StoreError};
 use switchboard_telemetry::{ErrorChain, Probes};
 use tokio::signal::unix::{Signal, SignalKind, signal};
 use tokio_util::sync::CancellationToken;
+use tracing::Instrument as _;
 
 use crate::backoff::Backoff;
 use crate::brokers::{Context, Loop, Plugin, Use};
@@ -195,7 +197,7 @@ impl Signals {
 
     /// First SIGTERM/SIGINT cancels `cancel`; a second one exits at once.
     fn spawn(mut self, cancel: CancellationToken) {
-        tokio::spawn(async move {
+        crate::task::spawn(async move {
             self.next().await;
             tracing::info!("shutdown requested; finishing the batch in hand");
             cancel.cancel();
@@ -297,22 +299,39 @@ impl Probes for WorkerProbes {
 }
 
 /// `switchboard-worker run`: one store-then-ack loop for the adapter in `options.file`.
+/// Every line it logs, its tasks' lines included, is in the span `adapter` naming the adapter.
 pub async fn run(options: RunOptions) -> Result<(), WorkerError> {
     let signals = Signals::install()?;
-    let cancel = CancellationToken::new();
-    signals.spawn(cancel.clone());
-
     let adapter = read_adapter(&options.file)?;
     let name = adapter.adapter_name();
+    let span = tracing::info_span!("adapter", adapter = %name);
+    run_adapter(options, signals, adapter, name)
+        .instrument(span)
+        .await
+}
+
+async fn run_adapter(
+    options: RunOptions,
+    signals: Signals,
+    adapter: QueueAdapter,
+    name: String,
+) -> Result<(), WorkerError> {
+    let cancel = CancellationToken::new();
+    signals.spawn(cancel.clone());
     let spec = &adapter.spec;
     let Some(broker) = spec.source.broker() else {
         return Err(WorkerError::NoSource);
     };
     if !spec.enabled {
-        tracing::warn!(adapter = %name, "adapter is disabled (spec.enabled: false); nothing to do");
+        tracing::warn!("adapter is disabled (spec.enabled: false); nothing to do");
         return Ok(());
     }
-    tracing::info!(adapter = %name, source = broker.kind(), mode = broker.mode(), guarantee = broker.guarantee().as_str(), "starting");
+    tracing::info!(
+        source = broker.kind(),
+        mode = broker.mode(),
+        guarantee = broker.guarantee().as_str(),
+        "starting"
+    );
 
     let consumer = consumer_name(options.consumer)?;
     // One connection per batch being stored and one for the rest (Kafka's delivery marks,

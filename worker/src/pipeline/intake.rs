@@ -78,7 +78,7 @@ impl<T: Transport> Pipeline<T> {
         );
         let task = (!events.is_empty()).then(|| {
             let context = self.context.clone();
-            tokio::spawn(
+            crate::task::spawn(
                 async move { context.store_events(events, origins, redelivered).await }
                     .instrument(span.clone()),
             )

@@ -340,7 +340,7 @@ impl<T: Transport> Pipeline<T> {
     fn spawn_prune(&self) {
         let context = self.context.clone();
         let retention = self.settings.dead_letter_retention;
-        tokio::spawn(async move {
+        crate::task::spawn(async move {
             match context
                 .store
                 .prune_deliveries(&context.source, retention)
@@ -370,7 +370,7 @@ impl<T: Transport> Pipeline<T> {
             return;
         }
         let context = self.context.clone();
-        tokio::spawn(async move {
+        crate::task::spawn(async move {
             let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
             if let Err(err) = context
                 .store

@@ -24,14 +24,14 @@ impl<T: Transport> Pipeline<T> {
         let metrics = self.metrics.clone();
         let health = self.health.clone();
         let (latest, reading) = tokio::sync::watch::channel(None);
-        let reporter = tokio::spawn(report_queue_health(
+        let reporter = crate::task::spawn(report_queue_health(
             self.context.store.clone(),
             self.settings.adapter.clone(),
             self.settings.worker.clone(),
             reading,
             health.clone(),
         ));
-        tokio::spawn(async move {
+        crate::task::spawn(async move {
             // Aborting the probe task drops the reporter with it.
             let _reporter = AbortOnDrop(reporter);
             loop {

@@ -600,7 +600,7 @@ impl Amqp {
         self.buffer.clear();
         if let Some(session) = self.session.take() {
             self.held.record(&BTreeMap::new());
-            tokio::spawn(async move {
+            crate::task::spawn(async move {
                 let _ = tokio::time::timeout(
                     CALL_TIMEOUT,
                     session.connection.close(200, "reconnecting".into()),

@@ -163,7 +163,7 @@ impl Publisher {
         self.outstanding.clear();
         self.blocked_gauge.set(0);
         if let Some(open) = self.open.take() {
-            tokio::spawn(async move {
+            crate::task::spawn(async move {
                 let _ = tokio::time::timeout(
                     CALL_TIMEOUT,
                     open.connection.close(200, "reconnecting".into()),
@@ -432,7 +432,7 @@ impl Publisher {
 /// while it is blocked.
 fn watch_blocked(connection: &Connection, gauge: Gauge) {
     let mut events = connection.events_listener();
-    tokio::spawn(
+    crate::task::spawn(
         async move {
             while let Some(event) = events.next().await {
                 match event {

@@ -149,6 +149,9 @@ impl ConsumerState {
 #[derive(Debug, Clone)]
 pub struct KafkaContext {
     pub state: Arc<ConsumerState>,
+    /// The span the consumer was made in (the adapter's): librdkafka calls back on its own
+    /// threads, and their lines name the adapter too.
+    pub span: tracing::Span,
 }
 
 fn partitions(list: &TopicPartitionList) -> Vec<TopicPartition> {
@@ -161,25 +164,64 @@ fn partitions(list: &TopicPartitionList) -> Vec<TopicPartition> {
         .collect()
 }
 
-impl ClientContext for KafkaContext {
-    fn log(&self, level: RDKafkaLogLevel, facility: &str, message: &str) {
-        // Broker outages are reported by the pipeline, once per outage; librdkafka's own
-        // lines (one per connection attempt) are for debugging.
-        match level {
-            RDKafkaLogLevel::Emerg | RDKafkaLogLevel::Alert | RDKafkaLogLevel::Critical => {
-                tracing::warn!(facility, message, "librdkafka")
-            }
-            _ => tracing::debug!(facility, message, "librdkafka"),
+/// The context of the worker's other Kafka clients (the dead-letter producer, the probe): only
+/// their log lines, in the span they were made in.
+pub struct LogContext {
+    pub span: tracing::Span,
+}
+
+impl LogContext {
+    /// A context in the current span.
+    pub fn current() -> Self {
+        Self {
+            span: tracing::Span::current(),
         }
+    }
+}
+
+impl ClientContext for LogContext {
+    fn log(&self, level: RDKafkaLogLevel, facility: &str, message: &str) {
+        log(&self.span, level, facility, message);
     }
 
     fn error(&self, error: KafkaError, reason: &str) {
-        tracing::debug!(error = %error, reason, "librdkafka error");
+        log_error(&self.span, &error, reason);
     }
+}
+
+impl ConsumerContext for LogContext {}
+
+impl ClientContext for KafkaContext {
+    fn log(&self, level: RDKafkaLogLevel, facility: &str, message: &str) {
+        log(&self.span, level, facility, message);
+    }
+
+    fn error(&self, error: KafkaError, reason: &str) {
+        log_error(&self.span, &error, reason);
+    }
+}
+
+/// A librdkafka line (it logs on its own threads) in `span`. Broker outages are reported by the
+/// pipeline, once per outage; librdkafka's own lines (one per connection attempt, a coordinator
+/// still loading) are for debugging.
+fn log(span: &tracing::Span, level: RDKafkaLogLevel, facility: &str, message: &str) {
+    let _span = span.enter();
+    match level {
+        RDKafkaLogLevel::Emerg | RDKafkaLogLevel::Alert | RDKafkaLogLevel::Critical => {
+            tracing::warn!(facility, message, "librdkafka")
+        }
+        _ => tracing::debug!(facility, message, "librdkafka"),
+    }
+}
+
+fn log_error(span: &tracing::Span, error: &KafkaError, reason: &str) {
+    let _span = span.enter();
+    tracing::debug!(error = %error, reason, "librdkafka error");
 }
 
 impl ConsumerContext for KafkaContext {
     fn pre_rebalance(&self, consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
+        let _span = self.span.enter();
         self.state.rebalances.inc();
         match rebalance {
             Rebalance::Assign(list) => {
@@ -225,6 +267,7 @@ impl ConsumerContext for KafkaContext {
     }
 
     fn commit_callback(&self, result: KafkaResult<()>, offsets: &TopicPartitionList) {
+        let _span = self.span.enter();
         if let Err(err) = result {
             self.state.commit_failures.inc();
             tracing::debug!(error = %ErrorChain(&err), "offset commit failed; it is sent again");

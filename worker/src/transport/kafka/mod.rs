@@ -79,7 +79,7 @@ use rdkafka::{Offset, TopicPartitionList};
 use switchboard_api::{KafkaSource, StartFrom};
 use switchboard_store::{Dedup, Store};
 
-use self::client::{ConsumerState, KafkaContext, Setting, base_config, classify};
+use self::client::{ConsumerState, KafkaContext, LogContext, Setting, base_config, classify};
 use self::offsets::{Offsets, TopicPartition};
 use self::probe::{KafkaProbe, Topics};
 use self::topic_id::{Described, describe_topics};
@@ -198,7 +198,7 @@ pub struct Kafka {
     spec: KafkaSource,
     consumer: Arc<StreamConsumer<KafkaContext>>,
     state: Arc<ConsumerState>,
-    producer: Option<FutureProducer>,
+    producer: Option<FutureProducer<LogContext>>,
     producer_id: String,
     dead_letter_topic: Option<String>,
     store: Store,
@@ -206,7 +206,7 @@ pub struct Kafka {
     in_hand: InHand,
     /// The id of each topic read (its incarnation), as last described.
     topic_ids: HashMap<Arc<str>, Incarnation>,
-    probe: Arc<BaseConsumer>,
+    probe: Arc<BaseConsumer<LogContext>>,
     lag: Family<probe::PartitionLabels, prometheus_client::metrics::gauge::Gauge>,
 }
 
@@ -288,6 +288,7 @@ impl Kafka {
         let consumer: StreamConsumer<KafkaContext> = config
             .create_with_context(KafkaContext {
                 state: state.clone(),
+                span: tracing::Span::current(),
             })
             .map_err(|err| classify(err, "could not create the Kafka consumer", Setting::Topics))?;
         let mut probe_config = base_config(&spec, &format!("{client_id}-probe"))?;
@@ -295,8 +296,8 @@ impl Kafka {
             .set("group.id", &group)
             .set("enable.auto.commit", "false")
             .set("enable.auto.offset.store", "false");
-        let probe: BaseConsumer = probe_config
-            .create()
+        let probe: BaseConsumer<LogContext> = probe_config
+            .create_with_context(LogContext::current())
             .map_err(|err| classify(err, "could not create the Kafka probe", Setting::Topics))?;
         Ok(Self {
             source: format!("kafka:{adapter}"),
@@ -339,7 +340,7 @@ impl Kafka {
     }
 
     /// The dead-letter producer, created on the first dead letter.
-    fn producer(&mut self) -> Result<&FutureProducer, TransportError> {
+    fn producer(&mut self) -> Result<&FutureProducer<LogContext>, TransportError> {
         if self.producer.is_none() {
             let mut config = base_config(&self.spec, &self.producer_id)?;
             config
@@ -349,13 +350,15 @@ impl Kafka {
                     "message.timeout.ms",
                     PRODUCE_TIMEOUT.as_millis().to_string(),
                 );
-            let producer = config.create().map_err(|err| {
-                classify(
-                    err,
-                    "could not create the dead-letter producer",
-                    Setting::DeadLetterTopic,
-                )
-            })?;
+            let producer = config
+                .create_with_context(LogContext::current())
+                .map_err(|err| {
+                    classify(
+                        err,
+                        "could not create the dead-letter producer",
+                        Setting::DeadLetterTopic,
+                    )
+                })?;
             self.producer = Some(producer);
         }
         Ok(self.producer.as_ref().expect("created above"))
@@ -575,7 +578,7 @@ impl Kafka {
     ) -> Result<BTreeSet<Arc<str>>, TransportError> {
         let consumer = self.consumer.clone();
         let names: Vec<String> = topics.iter().map(|topic| topic.to_string()).collect();
-        let described = tokio::task::spawn_blocking(move || {
+        let described = crate::task::spawn_blocking(move || {
             describe_topics(consumer.client(), &names, REQUEST_TIMEOUT)
         })
         .await
@@ -779,7 +782,7 @@ impl Transport for Kafka {
                 // The default dead-letter topic of each topic the pattern matches now (created
                 // or not); a topic created later is checked when its first record comes.
                 let consumer = self.consumer.clone();
-                let metadata = tokio::task::spawn_blocking(move || {
+                let metadata = crate::task::spawn_blocking(move || {
                     consumer.fetch_metadata(None, REQUEST_TIMEOUT)
                 })
                 .await
@@ -802,7 +805,7 @@ impl Transport for Kafka {
             for name in names {
                 let consumer = self.consumer.clone();
                 let topic = name.clone();
-                let metadata = tokio::task::spawn_blocking(move || {
+                let metadata = crate::task::spawn_blocking(move || {
                     consumer.fetch_metadata(Some(&topic), REQUEST_TIMEOUT)
                 })
                 .await
@@ -1105,7 +1108,7 @@ impl Kafka {
             unknown.add_partition(&partition.topic, partition.partition);
         }
         let probe = self.probe.clone();
-        let committed = match tokio::task::spawn_blocking(move || match unknown.count() {
+        let committed = match crate::task::spawn_blocking(move || match unknown.count() {
             0 => Ok(unknown),
             _ => probe.committed_offsets(unknown, REQUEST_TIMEOUT),
         })

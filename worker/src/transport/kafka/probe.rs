@@ -16,7 +16,7 @@ use rdkafka::message::Message as _;
 use rdkafka::{Offset, TopicPartitionList};
 use switchboard_api::StartFrom;
 
-use super::client::{Setting, classify};
+use super::client::{LogContext, Setting, classify};
 use crate::health::now_ms;
 use crate::transport::{QueueHealth, QueueProbe, TransportError};
 
@@ -51,7 +51,7 @@ impl Topics {
 
 /// Reads the group's lag on its own consumer.
 pub struct KafkaProbe {
-    pub consumer: Arc<BaseConsumer>,
+    pub consumer: Arc<BaseConsumer<LogContext>>,
     pub topics: Topics,
     pub start_from: StartFrom,
     pub adapter: String,
@@ -64,7 +64,7 @@ impl QueueProbe for KafkaProbe {
         let topics = self.topics.clone();
         let start_from = self.start_from;
         let lags =
-            tokio::task::spawn_blocking(move || partition_lags(&consumer, &topics, start_from))
+            crate::task::spawn_blocking(move || partition_lags(&consumer, &topics, start_from))
                 .await
                 .map_err(|err| {
                     TransportError::protocol(format!("the probe task failed: {err}"))
@@ -105,7 +105,7 @@ fn failed(context: &'static str) -> impl Fn(rdkafka::error::KafkaError) -> Trans
 }
 
 fn partition_lags(
-    consumer: &BaseConsumer,
+    consumer: &BaseConsumer<LogContext>,
     topics: &Topics,
     start_from: StartFrom,
 ) -> Result<Vec<PartitionLag>, TransportError> {
@@ -162,7 +162,7 @@ fn partition_lags(
 
 /// Reads the first un-committed record of each partition of `unread` for its timestamp.
 fn oldest_timestamps(
-    consumer: &BaseConsumer,
+    consumer: &BaseConsumer<LogContext>,
     unread: &TopicPartitionList,
     lags: &mut [PartitionLag],
 ) -> Result<(), TransportError> {

@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use async_nats::{Client, ConnectErrorKind, ConnectOptions, Event};
 use prometheus_client::metrics::counter::Counter;
+use tracing::Instrument as _;
 
 use crate::transport::TransportError;
 
@@ -174,8 +175,11 @@ impl Connector {
             options = options.require_tls(true);
         }
         if let Some(events) = events {
+            // The client calls back on its own task: its lines are put in the adapter's span.
+            let span = tracing::Span::current();
             options = options.event_callback(move |event| {
                 let events = events.clone();
+                let span = span.clone();
                 async move {
                     match event {
                         // The first connection is reported too: only one after a
@@ -192,6 +196,7 @@ impl Connector {
                         other => tracing::debug!(event = %other, "NATS client event"),
                     }
                 }
+                .instrument(span)
             });
         }
         let addrs: Vec<async_nats::ServerAddr> = servers

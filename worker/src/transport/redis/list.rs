@@ -165,7 +165,7 @@ impl RedisList {
         let ttl_ms = millis(ttl);
         let client = self.client.clone();
         let consumers = self.consumers.clone();
-        self.heartbeat = Some(tokio::spawn(async move {
+        self.heartbeat = Some(crate::task::spawn(async move {
             let mut conn = Connection::new(client, CONTROL_TIMEOUT);
             loop {
                 tokio::time::sleep(ttl / 3).await;
