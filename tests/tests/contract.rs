@@ -233,6 +233,48 @@ async fn poison_is_dead_lettered_at_once<B: BrokerFixture>() -> Result<()> {
     Ok(())
 }
 
+/// A poison storm (1,000 bodies that are not JSON between good ones) is a handful of warn
+/// lines, not one per message, and every line the worker logs names its adapter (its span),
+/// its tasks' and the broker client's included.
+async fn poison_storm_logs_few_lines_each_naming_the_adapter<B: BrokerFixture>() -> Result<()> {
+    const STORM: usize = 1_000;
+    let contract = Contract::<B>::start("storm").await?;
+    let manifest = contract.manifest("batchSize: 100", "format: json")?;
+    let mut all = bodies(0..10);
+    all.extend((0..STORM).map(|i| format!("not json {i}").into_bytes()));
+    all.extend(bodies(10..20));
+    contract.produce(all).await?;
+    let worker = contract.fx.worker(&manifest, "w1")?;
+    contract.wait_settled(20, &worker).await?;
+    let dead_lettered = worker.metric(&format!(
+        r#"switchboard_messages_dead_lettered_total{{adapter="test/{}",reason="invalid_json"}}"#,
+        contract.name
+    ))?;
+    ensure!(
+        dead_lettered == STORM as f64,
+        "{STORM} dead-lettered, counted: {dead_lettered}"
+    );
+    let log = worker.log();
+    let warnings: Vec<&str> = log.lines().filter(|line| line.contains(" WARN ")).collect();
+    ensure!(
+        warnings.len() <= 10,
+        "a poison storm of {STORM} is at most 10 warn lines, not {}:\n{}",
+        warnings.len(),
+        warnings.join("\n")
+    );
+    let adapter = format!("adapter=test/{}", contract.name);
+    let unnamed: Vec<&str> = log
+        .lines()
+        .filter(|line| !line.trim().is_empty() && !line.contains(&adapter))
+        .collect();
+    ensure!(
+        unnamed.is_empty(),
+        "every line names the adapter ({adapter}); these do not:\n{}",
+        unnamed.join("\n")
+    );
+    Ok(())
+}
+
 /// A message whose workers keep dying before they store it is dead-lettered once it was
 /// delivered more than maxDeliveries times: the workers are real processes killed while their
 /// batch waits on a lock of the todos table.
@@ -595,6 +637,11 @@ macro_rules! contract_suite {
             #[tokio::test]
             async fn poison_is_dead_lettered_at_once_byte_identical_while_its_batch_is_stored() -> Result<()> {
                 poison_is_dead_lettered_at_once::<$broker>().await
+            }
+
+            #[tokio::test]
+            async fn poison_storm_logs_few_lines_each_naming_the_adapter() -> Result<()> {
+                super::poison_storm_logs_few_lines_each_naming_the_adapter::<$broker>().await
             }
 
             #[tokio::test]
