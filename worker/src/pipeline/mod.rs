@@ -36,7 +36,7 @@ use tokio_util::sync::CancellationToken;
 
 use self::dead_letter_log::DeadLetterLog;
 use self::monitor::Monitor;
-use self::settle::{InFlight, settle_oldest};
+use self::settle::{InFlight, RecentLetters, settle_oldest};
 use self::store::StoreContext;
 use crate::health::{Dependency, Health};
 use crate::metrics::Metrics;
@@ -97,6 +97,8 @@ pub struct Pipeline<T: Transport> {
     /// When the attempts of messages that never settled are next pruned.
     next_prune: Instant,
     dead_letter_log: DeadLetterLog,
+    /// Keys this worker dead-lettered lately: never dead-lettered twice.
+    recent_letters: RecentLetters,
 }
 
 /// What became of a broker operation that did not succeed.
@@ -144,6 +146,7 @@ impl<T: Transport> Pipeline<T> {
             count_deliveries: true,
             next_prune: Instant::now(),
             dead_letter_log: DeadLetterLog::default(),
+            recent_letters: RecentLetters::default(),
         }
     }
 

@@ -5,7 +5,7 @@
 //! settled oldest first ([`settle_oldest`]): a younger batch stored first waits for the older
 //! one's acknowledgement.
 
-use std::collections::VecDeque;
+use std::collections::{HashSet, VecDeque};
 use std::time::Instant;
 
 use switchboard_store::Dedup;
@@ -85,6 +85,33 @@ pub(super) fn plan(settled: &[Option<Settled>]) -> Plan {
     }
 }
 
+/// How many dead-lettered keys a worker remembers.
+const RECENT_LETTERS: usize = 10_000;
+
+/// Idempotency keys this worker dead-lettered lately, the oldest forgotten first.
+#[derive(Debug, Default)]
+pub(super) struct RecentLetters {
+    keys: HashSet<String>,
+    order: VecDeque<String>,
+}
+
+impl RecentLetters {
+    pub(super) fn contains(&self, key: &str) -> bool {
+        self.keys.contains(key)
+    }
+
+    pub(super) fn insert(&mut self, key: &str) {
+        if self.keys.insert(key.to_owned()) {
+            self.order.push_back(key.to_owned());
+            if self.order.len() > RECENT_LETTERS
+                && let Some(oldest) = self.order.pop_front()
+            {
+                self.keys.remove(&oldest);
+            }
+        }
+    }
+}
+
 impl<T: Transport> Pipeline<T> {
     /// Waits for a batch's commit, then settles it by its [`plan`], in the batch's span.
     /// Returns early, leaving the batch un-acknowledged, if shutdown interrupted a retry or its
@@ -151,12 +178,16 @@ impl<T: Transport> Pipeline<T> {
                 _ => None,
             })
             .collect();
+        let poison = self.not_dead_lettered_yet(poison);
         // The batches held behind this one keep their lease while it is settled (each broker
         // call below can take a while): a lease run out would hand their messages to another
         // receive, and a poison message would be dead-lettered twice.
         self.extend_leases(&mut extend_at, &batch, others).await?;
         if !self.write_dead_letters(&poison).await? {
             return Ok(());
+        }
+        for (message, _) in &poison {
+            self.recent_letters.insert(&message.idempotency_key);
         }
         self.extend_leases(&mut extend_at, &batch, others).await?;
         let acks: Vec<&Message<T::Receipt>> = plan
@@ -168,6 +199,29 @@ impl<T: Transport> Pipeline<T> {
         self.acknowledge(acks).await?;
         self.health.progressed();
         Ok(())
+    }
+
+    /// `poison` without the messages this worker dead-lettered lately (native ids only): a copy
+    /// received again, its lease run out while its batch waited its turn under a slow broker,
+    /// is acknowledged as the duplicate it is, never dead-lettered twice.
+    fn not_dead_lettered_yet<'m>(
+        &self,
+        poison: Vec<(&'m Message<T::Receipt>, &'m Poison)>,
+    ) -> Vec<(&'m Message<T::Receipt>, &'m Poison)> {
+        if self.context.dedup != Dedup::NativeId {
+            return poison;
+        }
+        let (again, poison): (Vec<_>, Vec<_>) = poison
+            .into_iter()
+            .partition(|(message, _)| self.recent_letters.contains(&message.idempotency_key));
+        if !again.is_empty() {
+            self.metrics.duplicates.inc_by(again.len() as u64);
+            tracing::debug!(
+                count = again.len(),
+                "received again after their dead letters were written: acknowledged, not dead-lettered twice"
+            );
+        }
+        poison
     }
 
     /// Writes the dead letters of `poison`, confirmed by the broker; those its destination
@@ -686,6 +740,31 @@ mod tests {
             calls(&log),
             [call(Call::Ack, &["o1", "o2"]), call(Call::Ack, &["y1"])]
         );
+    }
+
+    #[tokio::test]
+    async fn a_poison_message_received_again_after_its_dead_letter_is_not_dead_lettered_twice() {
+        let (mut pipeline, log) = pipeline(Fake::default()).await;
+        pipeline
+            .finish(batch(&["a", "p"], &[1], stored(1)), &mut VecDeque::new())
+            .await
+            .expect("settled");
+        // The copy of `p` its lease let go of, received again before its ack.
+        let mut again = batch(&["p", "b"], &[0], stored(1));
+        again.batch[0].delivery_count = 2;
+        pipeline
+            .finish(again, &mut VecDeque::new())
+            .await
+            .expect("settled");
+        assert_eq!(
+            calls(&log),
+            [
+                call(Call::DeadLetters, &["p"]),
+                call(Call::Ack, &["a", "p"]),
+                call(Call::Ack, &["p", "b"])
+            ]
+        );
+        assert_eq!(pipeline.metrics.duplicates.get(), 1);
     }
 
     #[tokio::test]
