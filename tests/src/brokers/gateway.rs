@@ -160,6 +160,8 @@ pub struct Hooks {
     tokens: Mutex<HashSet<String>>,
     /// Answers by status code.
     answers: Mutex<BTreeMap<u16, u64>>,
+    /// Calls refused because their token had expired (each also counted as a 401).
+    expired: AtomicU64,
     /// Messages deleted through the gateway.
     deleted: AtomicU64,
     /// TLS handshakes that failed (a client that does not trust the certificate).
@@ -217,6 +219,11 @@ impl Hooks {
     /// How many TLS handshakes failed.
     pub fn handshake_failures(&self) -> u64 {
         self.handshake_failures.load(Ordering::Relaxed)
+    }
+
+    /// How many calls were refused because their token had expired.
+    pub fn expired(&self) -> u64 {
+        self.expired.load(Ordering::Relaxed)
     }
 
     /// How many calls were answered with `status`.
@@ -500,6 +507,7 @@ impl Shared {
             .and_then(|bytes| serde_json::from_slice(&bytes).ok())
             .ok_or_else(|| unauthorized("malformed claims"))?;
         if claims["exp"].as_u64().is_none_or(|exp| exp <= now_secs()) {
+            self.hooks.expired.fetch_add(1, Ordering::Relaxed);
             return Err(unauthorized("the token has expired"));
         }
         let audience = &self.config.audience;

@@ -3,9 +3,11 @@
 //! crate: one form POST and one JSON answer do not need it, and hyper is already built).
 //!
 //! - **Cached**, and refreshed *before* it expires: at `expires_in` minus a margin of a tenth
-//!   of the lifetime, at most [`MAX_MARGIN`] (so a 5 s token is refreshed after 4.5 s, an
-//!   hour's 30 s before its end). Without `expires_in` a token is reused for
-//!   [`UNKNOWN_LIFETIME`] at most.
+//!   of the lifetime, at least [`MIN_MARGIN`] (a JWT's `exp` is in whole seconds, so a token
+//!   can end up to a second before `expires_in` says, and a call still has to reach the
+//!   gateway) but never more than half the lifetime, at most [`MAX_MARGIN`] (so a 5 s token is
+//!   refreshed after 4 s, an hour's 30 s before its end). Without `expires_in` a token is
+//!   reused for [`UNKNOWN_LIFETIME`] at most.
 //! - **One refresh at a time**: the cache is behind an async lock held across the refresh;
 //!   callers that arrive meanwhile wait and then take the new token.
 //! - **Generations**: every token fetched is one generation newer than the last, and a caller
@@ -34,6 +36,8 @@ use crate::transport::sqs::classify::redact;
 
 /// The most a token is refreshed ahead of its expiry.
 const MAX_MARGIN: Duration = Duration::from_secs(30);
+/// The least a token is refreshed ahead of its expiry (when it lives two of these at least).
+const MIN_MARGIN: Duration = Duration::from_secs(1);
 /// How long a token whose lifetime the endpoint did not say is reused.
 const UNKNOWN_LIFETIME: Duration = Duration::from_secs(60);
 /// One token request.
@@ -150,7 +154,10 @@ struct Granted {
 
 /// How long before `lifetime` ends the token is refreshed.
 pub fn refresh_after(lifetime: Duration) -> Duration {
-    lifetime - (lifetime / 10).min(MAX_MARGIN)
+    let margin = (lifetime / 10)
+        .clamp(MIN_MARGIN, MAX_MARGIN)
+        .min(lifetime / 2);
+    lifetime - margin
 }
 
 impl TokenProvider {
@@ -300,16 +307,13 @@ mod tests {
     use super::*;
 
     #[test]
-    fn tokens_are_refreshed_a_tenth_of_their_lifetime_early_at_most_thirty_seconds() {
-        assert_eq!(
-            refresh_after(Duration::from_secs(5)),
-            Duration::from_millis(4500)
-        );
-        assert_eq!(
-            refresh_after(Duration::from_secs(3600)),
-            Duration::from_secs(3570)
-        );
-        assert_eq!(refresh_after(Duration::ZERO), Duration::ZERO);
+    fn tokens_are_refreshed_a_tenth_of_their_lifetime_early_at_least_a_second_at_most_thirty() {
+        let after = |ms| refresh_after(Duration::from_millis(ms)).as_millis();
+        assert_eq!(after(5_000), 4_000, "a second early");
+        assert_eq!(after(20_000), 18_000, "a tenth early");
+        assert_eq!(after(3_600_000), 3_570_000, "thirty seconds early");
+        assert_eq!(after(1_500), 750, "never more than half the lifetime early");
+        assert_eq!(after(0), 0);
     }
 
     #[test]
