@@ -23,10 +23,10 @@ demo-cluster: deps build helm cluster-bins
 	$(CARGO) run --quiet -p switchboard-tests --bin switchboard-demo-cluster
 
 ## make test: formatting, lints and every test against real servers (tests/tests/cluster.rs on a
-## real cluster: needs root, containerd, runc, buildah; see docs/cluster.md)
+## real cluster: needs root, containerd, runc, buildah; see docs/cluster.md), the contract suite in a
+## lane of its own beside the rest (scripts/test.sh; logs in $CARGO_TARGET_DIR/test-logs)
 test: deps lint build helm prometheus control-plane cluster-bins sqs-server nats-server kafka-server hydra
-	@set -o pipefail; $(CARGO) test --workspace --no-fail-fast 2>&1 | tee $(CARGO_TARGET_DIR)/test.log; \
-		status=$$?; scripts/test-summary.sh $(CARGO_TARGET_DIR)/test.log; exit $$status
+	CARGO=$(CARGO) scripts/test.sh
 
 deps:
 	scripts/install-deps.sh

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Every test of the workspace, in two lanes at once: the contract suite (13 tests × 8 brokers,
+# about half of the whole time, mostly waiting on brokers) and everything else. Both lanes run
+# the same compiled binaries (built once first); each lane's output is printed whole when it
+# ends, then one closing line sums both. Exits non-zero when a lane failed.
+#
+# The second lane names every `tests/tests/*.rs` but the contract, so a new test file is in it
+# without a change here.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+cargo=${CARGO:-cargo}
+log_dir=${CARGO_TARGET_DIR:?}/test-logs
+mkdir -p "$log_dir"
+rm -f "$log_dir"/*.log
+
+"$cargo" test --workspace --no-run || exit 101
+
+others=(--lib --bins)
+for file in tests/tests/*.rs; do
+    name=$(basename "$file" .rs)
+    [[ $name == contract ]] || others+=(--test "$name")
+done
+
+lane() {
+    local name=$1
+    shift
+    local started=$SECONDS
+    "$@" >"$log_dir/$name.log" 2>&1
+    local status=$?
+    echo "== lane $name: exit $status after $((SECONDS - started)) s" >>"$log_dir/$name.log"
+    cat "$log_dir/$name.log"
+    return "$status"
+}
+
+lane contract "$cargo" test -p switchboard-tests --test contract --no-fail-fast &
+contract=$!
+lane others "$cargo" test --workspace --no-fail-fast "${others[@]}" &
+rest=$!
+status=0
+wait "$rest" || status=$?
+wait "$contract" || status=$?
+# Doc tests last: they cannot be selected with the targets above.
+lane doc "$cargo" test --workspace --doc || status=$?
+
+cat "$log_dir"/*.log >"$log_dir/all.log"
+scripts/test-summary.sh "$log_dir/all.log"
+exit "$status"
