@@ -19,6 +19,7 @@
 //!   connection, so the gauges keep moving while the database is down.
 
 pub mod amqp;
+pub mod dead_letter;
 pub mod gateway;
 pub mod kafka;
 pub mod nats;
