@@ -3,7 +3,7 @@ SHELL := /bin/bash
 export CARGO_TARGET_DIR ?= $(HOME)/.cache/switchboard/target
 CARGO ?= cargo
 
-.PHONY: demo demo-k8s demo-cluster control-plane cluster-bins image test deps build lint bench helm prometheus sqs-server nats-server kafka-server hydra kind-up kind-demo kind-down
+.PHONY: rust-side servers-side demo demo-k8s demo-cluster control-plane cluster-bins image test deps build lint bench helm prometheus sqs-server nats-server kafka-server hydra kind-up kind-demo kind-down
 
 ## make demo: the whole pipeline locally (ephemeral PostgreSQL + Redis, 20,000 messages, a kill -9 mid-way),
 ## then the Kubernetes path (make demo-k8s)
@@ -25,8 +25,19 @@ demo-cluster: deps build helm cluster-bins
 ## make test: formatting, lints and every test against real servers (tests/tests/cluster.rs on a
 ## real cluster: needs root, containerd, runc, buildah; see docs/cluster.md), the contract suite in a
 ## lane of its own beside the rest (scripts/test.sh; logs in $CARGO_TARGET_DIR/test-logs)
-test: deps lint build helm prometheus control-plane cluster-bins sqs-server nats-server kafka-server hydra
+test: deps
+	$(MAKE) --no-print-directory -j2 --output-sync=recurse rust-side servers-side
 	CARGO=$(CARGO) scripts/test.sh
+
+# The two halves of what the tests need, built side by side (each half in order): the Rust side
+# (lints, binaries, test binaries) and the servers (mostly Go builds and downloads), so that one
+# half's downloads and single-threaded links overlap the other's compiles.
+rust-side:
+	$(MAKE) --no-print-directory -j1 lint build
+	$(CARGO) test --workspace --no-run
+
+servers-side:
+	$(MAKE) --no-print-directory -j1 helm prometheus control-plane cluster-bins sqs-server nats-server kafka-server hydra
 
 deps:
 	scripts/install-deps.sh
