@@ -97,6 +97,10 @@ async fn five_second_tokens_over_a_minute_are_refreshed_before_expiry_without_a_
     const REVOCATIONS: u64 = 2;
     /// How long after a revocation the calls in flight with the revoked token are answered.
     const SETTLE: Duration = Duration::from_secs(3);
+    /// Calls that may reach the gateway after their token ended: one sent in the last second
+    /// of a token's life and delayed in transit on a loaded machine. A worker that waits for
+    /// the 401 instead of refreshing meets one per token lifetime (15 in the run).
+    const LATE: u64 = 2;
     let setup = Setup::start("tokens", Duration::from_secs(5), None).await?;
     let hooks = setup.broker.gateway.hooks();
     let worker = setup.worker()?;
@@ -105,7 +109,7 @@ async fn five_second_tokens_over_a_minute_are_refreshed_before_expiry_without_a_
     let started = Instant::now();
     let mut produced = 0;
     let mut revoked = 0;
-    // 401 answers come only from revocations: none from expiry.
+    // 401 answers come from revocations, and from expiry at most `LATE` times.
     let mut settled_401 = hooks.answered(401);
     // Per revocation: (401 answers of the gateway, token requests it forced).
     let mut per_revocation = Vec::new();
@@ -117,8 +121,9 @@ async fn five_second_tokens_over_a_minute_are_refreshed_before_expiry_without_a_
             .await?;
         produced += 10;
         ensure!(
-            hooks.expired() == 0,
-            "the gateway refused a token used past its expiry:\n{}",
+            hooks.expired() <= LATE,
+            "the gateway refused {} calls for a token used past its expiry:\n{}",
+            hooks.expired(),
             worker.log_tail()
         );
         let due = started.elapsed().as_secs() / (RUN.as_secs() / (REVOCATIONS + 1));
@@ -182,7 +187,8 @@ async fn five_second_tokens_over_a_minute_are_refreshed_before_expiry_without_a_
         metric("gateway_token_requests_total")? == requests,
         "the worker counts its token requests"
     );
-    let scheduled = requests - REVOCATIONS as f64;
+    // A late call's refusal forces a token request too.
+    let scheduled = requests - REVOCATIONS as f64 - hooks.expired() as f64;
     ensure!(
         scheduled >= elapsed / 5.0 && scheduled <= elapsed / 3.0 + 1.0,
         "{requests} token requests in {elapsed:.0} s of 4 s tokens with {REVOCATIONS} revocations"
