@@ -24,7 +24,9 @@ demo-cluster: deps build helm cluster-bins
 
 ## make test: formatting, lints and every test against real servers (tests/tests/cluster.rs on a
 ## real cluster: needs root, containerd, runc, buildah; see docs/cluster.md), the contract suite in a
-## lane of its own beside the rest (scripts/test.sh; logs in $CARGO_TARGET_DIR/test-logs)
+## lane of its own beside the rest (scripts/test.sh; logs in $CARGO_TARGET_DIR/test-logs); without
+## incremental compilation (a one-shot build: faster, and 13 GB less on disk)
+test: export CARGO_INCREMENTAL ?= 0
 test: deps
 	$(MAKE) --no-print-directory -j2 --output-sync=recurse rust-side servers-side
 	CARGO=$(CARGO) scripts/test.sh
