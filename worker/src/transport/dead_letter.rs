@@ -5,7 +5,7 @@
 //! A broker's own letter writer adds what only it has (its position: topic and offset, stream
 //! and sequence, queue; its original properties) by [`Convention::name`], so every field of
 //! every letter is named by one rule per convention. The names are the documented contract of
-//! the dead letters already written (`docs/dead-letters.md`): they do not change.
+//! the dead letters already written (README, each broker's *Dead letters*): they do not change.
 
 use super::{DeadLetter, rfc3339_ms, truncate};
 
