@@ -11,12 +11,11 @@ use rdkafka::producer::{FutureProducer, FutureRecord};
 
 use super::client::{LogContext, Setting, classify, producer_config};
 use super::{Kafka, Receipt};
+use crate::transport::dead_letter::{Convention, DeadLetterContext};
 use crate::transport::{DeadLetter, Message, TransportError};
 
 /// How long a dead letter may wait for the brokers' acknowledgement.
 const PRODUCE_TIMEOUT: Duration = Duration::from_secs(30);
-/// The error text kept in `x-dlq-error`.
-const MAX_ERROR_BYTES: usize = 2048;
 
 impl Kafka {
     /// Produces `letters` and waits for the brokers' acknowledgement of each.
@@ -158,37 +157,109 @@ fn refused_for_good(err: &KafkaError) -> bool {
     )
 }
 
-/// The `x-dlq-*` headers of a dead letter.
+/// The `x-dlq-*` headers of a dead letter: the context every broker's letters carry, then
+/// where the record was (`x-dlq-original-topic`, `-topic-id`, `-partition`, `-offset`).
 fn context_headers(letter: &DeadLetter<'_, Receipt>) -> Vec<(String, String)> {
     let receipt = &letter.message.receipt;
-    let mut error = letter.error.clone();
-    if error.len() > MAX_ERROR_BYTES {
-        let mut end = MAX_ERROR_BYTES;
-        while !error.is_char_boundary(end) {
-            end -= 1;
-        }
-        error.truncate(end);
-    }
-    [
-        ("x-dlq-reason", letter.reason.as_str().to_owned()),
-        ("x-dlq-error", error),
-        ("x-dlq-original-topic", receipt.partition.topic.to_string()),
+    // Kafka's letters have never carried `x-dlq-first-seen` (the documented headers do not
+    // list it): adding it is a change of its own.
+    let context = DeadLetterContext {
+        first_seen: None,
+        ..DeadLetterContext::new(letter)
+    };
+    let name = |field| Convention::Dlq.name(field);
+    let mut headers = context.fields(Convention::Dlq);
+    headers.extend([
+        (name("original-topic"), receipt.partition.topic.to_string()),
         (
-            "x-dlq-original-topic-id",
+            name("original-topic-id"),
             receipt.topic_id.as_deref().unwrap_or_default().to_owned(),
         ),
         (
-            "x-dlq-original-partition",
+            name("original-partition"),
             receipt.partition.partition.to_string(),
         ),
-        ("x-dlq-original-offset", receipt.offset.to_string()),
-        (
-            "x-dlq-delivery-count",
-            letter.message.delivery_count.to_string(),
-        ),
-        ("x-dlq-attempts", letter.attempts.to_json()),
-    ]
-    .into_iter()
-    .map(|(name, value)| (name.to_owned(), value))
-    .collect()
+        (name("original-offset"), receipt.offset.to_string()),
+    ]);
+    headers
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use super::*;
+    use crate::payload::PoisonReason;
+    use crate::transport::Attempts;
+    use crate::transport::dead_letter::MAX_ERROR_BYTES;
+    use crate::transport::kafka::offsets::TopicPartition;
+
+    #[test]
+    fn dead_letter_headers_name_the_context_and_where_the_record_was() {
+        let message = Message {
+            receipt: Receipt {
+                partition: TopicPartition {
+                    topic: Arc::from("orders"),
+                    partition: 2,
+                },
+                topic_id: Some(Arc::from("q9mX1xWbS1aJ3cR0Yk3l2w")),
+                offset: 41,
+                epoch: 1,
+                key: None,
+                has_value: true,
+                record_headers: 0,
+                null_headers: Vec::new(),
+            },
+            external_id: "orders:q9mX1xWbS1aJ3cR0Yk3l2w:2:41".into(),
+            idempotency_key: "kafka:shop/orders:orders:q9mX1xWbS1aJ3cR0Yk3l2w:2:41".into(),
+            body: b"{broken".to_vec(),
+            headers: Vec::new(),
+            delivery_count: 3,
+            enqueued_at_ms: Some(1_764_608_400_000),
+            position: None,
+            undecodable: None,
+        };
+        let letter = DeadLetter {
+            message: &message,
+            reason: PoisonReason::InvalidJson,
+            error: "x".repeat(5000),
+            attempts: Attempts::default(),
+        };
+        let headers = context_headers(&letter);
+        let get = |name: &str| {
+            headers
+                .iter()
+                .find(|(header, _)| header == name)
+                .map(|(_, value)| value.as_str())
+        };
+        let mut names: Vec<&str> = headers.iter().map(|(name, _)| name.as_str()).collect();
+        names.sort_unstable();
+        assert_eq!(
+            names,
+            [
+                "x-dlq-attempts",
+                "x-dlq-delivery-count",
+                "x-dlq-error",
+                "x-dlq-original-offset",
+                "x-dlq-original-partition",
+                "x-dlq-original-topic",
+                "x-dlq-original-topic-id",
+                "x-dlq-reason",
+            ]
+        );
+        assert_eq!(get("x-dlq-reason"), Some("invalid_json"));
+        assert_eq!(get("x-dlq-delivery-count"), Some("3"));
+        assert_eq!(get("x-dlq-original-topic"), Some("orders"));
+        assert_eq!(
+            get("x-dlq-original-topic-id"),
+            Some("q9mX1xWbS1aJ3cR0Yk3l2w")
+        );
+        assert_eq!(get("x-dlq-original-partition"), Some("2"));
+        assert_eq!(get("x-dlq-original-offset"), Some("41"));
+        let error = get("x-dlq-error").expect("error");
+        assert!(
+            error.len() <= MAX_ERROR_BYTES && error.ends_with('…'),
+            "{error}"
+        );
+    }
 }
