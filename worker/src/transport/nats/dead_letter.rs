@@ -13,13 +13,9 @@ use async_nats::jetstream::context::{
 };
 use async_nats::jetstream::{self, ErrorCode, stream};
 
-use super::NatsDelivery;
 use super::{DEAD_LETTER_SETTING, DeadLetterStream, Nats, Receipt, SEND_TIMEOUT};
-use crate::payload::PoisonReason;
-use crate::transport::{Attempts, DeadLetter, TransportError, rfc3339_ms, truncate};
-
-/// The error text kept in `Switchboard-Error`.
-const MAX_ERROR_BYTES: usize = 2048;
+use crate::transport::dead_letter::{Convention, DeadLetterContext};
+use crate::transport::{DeadLetter, TransportError};
 
 /// What every dead letter of one write shares.
 #[derive(Debug, Clone, Copy)]
@@ -113,13 +109,7 @@ impl Nats {
                 SEND_TIMEOUT,
                 bound.js.publish_with_headers(
                     subject,
-                    headers(
-                        message,
-                        letter.reason,
-                        &letter.error,
-                        &letter.attempts,
-                        context,
-                    ),
+                    headers(letter, context),
                     message.body.clone().into(),
                 ),
             )
@@ -261,17 +251,13 @@ fn header_text(text: &str) -> String {
         .collect()
 }
 
-/// The headers of `message`'s dead letter. `Nats-Msg-Id` is derived from the original's
-/// position in its stream's incarnation, so the dead-letter stream drops a letter written twice
-/// (a retried write) within its duplicate window, never the letter of a re-created stream's
-/// message at the same sequence.
-pub fn headers(
-    message: &NatsDelivery,
-    reason: PoisonReason,
-    error: &str,
-    attempts: &Attempts,
-    context: WriteContext<'_>,
-) -> HeaderMap {
+/// The headers of `letter`'s dead letter: the original's (but the server's `Nats-*`), the
+/// context every broker's letters carry, then where the message was and who wrote the letter.
+/// `Nats-Msg-Id` is derived from the original's position in its stream's incarnation, so the
+/// dead-letter stream drops a letter written twice (a retried write) within its duplicate
+/// window, never the letter of a re-created stream's message at the same sequence.
+pub fn headers(letter: &DeadLetter<'_, Receipt>, context: WriteContext<'_>) -> HeaderMap {
+    let message = letter.message;
     let mut headers = HeaderMap::new();
     for (name, value) in &message.headers {
         if !name.starts_with("Nats-") {
@@ -286,35 +272,26 @@ pub fn headers(
             context.stream, context.incarnation
         ),
     );
-    headers.insert("Switchboard-Reason", reason.as_str());
+    for (name, value) in DeadLetterContext::new(letter).fields(Convention::Title) {
+        headers.insert(name, header_text(&value));
+    }
+    let name = |field| Convention::Title.name(field);
+    headers.insert(name("stream"), context.stream);
+    headers.insert(name("stream-seq"), seq.to_string());
+    headers.insert(name("stream-incarnation"), context.incarnation);
     headers.insert(
-        "Switchboard-Error",
-        header_text(&truncate(error, MAX_ERROR_BYTES)),
-    );
-    headers.insert(
-        "Switchboard-Delivery-Count",
-        message.delivery_count.to_string(),
-    );
-    headers.insert("Switchboard-Stream", context.stream);
-    headers.insert("Switchboard-Stream-Seq", seq.to_string());
-    headers.insert("Switchboard-Stream-Incarnation", context.incarnation);
-    headers.insert(
-        "Switchboard-Subject",
+        name("subject"),
         header_text(message.receipt.subject.as_str()),
     );
-    if let Some(first_seen) = message.enqueued_at_ms.map(rfc3339_ms) {
-        headers.insert("Switchboard-First-Seen", first_seen);
-    }
-    headers.insert("Switchboard-Last-Seen", context.last_seen);
-    headers.insert("Switchboard-Consumer", header_text(context.consumer));
-    headers.insert("Switchboard-Attempts", header_text(&attempts.to_json()));
+    headers.insert(name("last-seen"), context.last_seen);
+    headers.insert(name("consumer"), header_text(context.consumer));
     if let Some((_, id)) = message
         .headers
         .iter()
         .find(|(name, _)| name == "Nats-Msg-Id")
     {
         headers.insert(
-            "Switchboard-Original-Msg-Id",
+            name("original-msg-id"),
             header_text(&String::from_utf8_lossy(id)),
         );
     }
@@ -332,8 +309,10 @@ pub fn subject(configured: Option<&str>, stream: &str, original: &str) -> String
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::transport::Message;
-    use crate::transport::nats::Receipt;
+    use crate::payload::PoisonReason;
+    use crate::transport::dead_letter::MAX_ERROR_BYTES;
+    use crate::transport::nats::NatsDelivery;
+    use crate::transport::{Attempts, Message};
 
     fn message() -> NatsDelivery {
         Message {
@@ -364,14 +343,14 @@ mod tests {
             consumer: "worker-0",
             last_seen: "2026-12-01T17:00:00.000Z",
         };
-        let error = format!("line one\r\nline two {}", "x".repeat(5000));
-        let headers = headers(
-            &message(),
-            PoisonReason::InvalidJson,
-            &error,
-            &Attempts::default(),
-            context,
-        );
+        let message = message();
+        let letter = DeadLetter {
+            message: &message,
+            reason: PoisonReason::InvalidJson,
+            error: format!("line one\r\nline two {}", "x".repeat(5000)),
+            attempts: Attempts::default(),
+        };
+        let headers = headers(&letter, context);
         let get = |name: &str| headers.get(name).map(|v| v.as_str().to_owned());
         assert_eq!(get("Switchboard-Reason").as_deref(), Some("invalid_json"));
         assert_eq!(get("Switchboard-Delivery-Count").as_deref(), Some("3"));
@@ -395,7 +374,17 @@ mod tests {
             Some("order-17")
         );
         assert_eq!(get("tenant").as_deref(), Some("acme"));
+        assert_eq!(
+            get("Switchboard-Stream-Incarnation").as_deref(),
+            Some("1764608400000000000")
+        );
+        assert_eq!(get("Switchboard-Consumer").as_deref(), Some("worker-0"));
+        assert_eq!(
+            get("Switchboard-Attempts"),
+            Some(Attempts::default().to_json())
+        );
         let kept = get("Switchboard-Error").expect("error");
+        assert!(kept.ends_with('…'), "{kept}");
         assert!(kept.len() <= MAX_ERROR_BYTES, "{}", kept.len());
         assert!(kept.starts_with("line one  line two"), "{kept}");
     }
