@@ -1,25 +1,32 @@
-//! librdkafka clients: their configuration from the spec and the Secret-fed environment, the
-//! one mapping of librdkafka errors to what the worker does, and the consumer's callbacks
-//! (rebalances, commits, logs).
+//! librdkafka clients: their configuration from the spec and the Secret-fed environment (the
+//! consumer, the probe, the dead-letter producer), the one mapping of librdkafka errors to what
+//! the worker does, and the consumer's callbacks (rebalances, commits, logs).
 
 use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
 
 use prometheus_client::metrics::counter::Counter;
+use prometheus_client::registry::Registry;
 use rdkafka::client::ClientContext;
 use rdkafka::config::{ClientConfig, RDKafkaLogLevel};
 use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer, ConsumerContext, Rebalance};
 use rdkafka::error::{KafkaError, KafkaResult, RDKafkaErrorCode};
 use rdkafka::{Offset, TopicPartitionList};
-use switchboard_api::KafkaSource;
+use switchboard_api::{KafkaSource, StartFrom};
 use switchboard_telemetry::ErrorChain;
 
 use super::offsets::{Offsets, TopicPartition};
+use crate::metrics::adapter_counter;
 use crate::transport::TransportError;
 
 /// The environment variables the operator fills from the spec's Secret references.
 pub const SASL_USERNAME_ENV: &str = "KAFKA_SASL_USERNAME";
 pub const SASL_PASSWORD_ENV: &str = "KAFKA_SASL_PASSWORD";
 pub const TLS_CA_ENV: &str = "KAFKA_TLS_CA_PEM";
+/// How far librdkafka fetches ahead of the pipeline: records per partition
+/// (`queued.min.messages`) and KiB in all (`queued.max.messages.kbytes`).
+const PREFETCH_RECORDS: u32 = 10_000;
+const PREFETCH_KIB: u32 = 8 * 1024;
 
 /// What every client of the adapter shares: brokers, TLS, SASL.
 pub fn base_config(spec: &KafkaSource, client_id: &str) -> Result<ClientConfig, TransportError> {
@@ -51,6 +58,71 @@ pub fn base_config(spec: &KafkaSource, client_id: &str) -> Result<ClientConfig, 
             .set("sasl.username", secret_env(SASL_USERNAME_ENV)?)
             .set("sasl.password", secret_env(SASL_PASSWORD_ENV)?);
     }
+    Ok(config)
+}
+
+/// The group member's consumer: cooperative-sticky assignment, no auto-commit, a bounded
+/// prefetch.
+pub fn consumer_config(
+    spec: &KafkaSource,
+    client_id: &str,
+    group: &str,
+) -> Result<ClientConfig, TransportError> {
+    let session_ms = u64::from(spec.session_timeout_seconds) * 1000;
+    let start_from = match spec.start_from {
+        StartFrom::Earliest => "earliest",
+        StartFrom::Latest => "latest",
+    };
+    let mut config = base_config(spec, client_id)?;
+    config
+        .set("group.id", group)
+        .set("partition.assignment.strategy", "cooperative-sticky")
+        .set("enable.auto.commit", "false")
+        .set("enable.auto.offset.store", "false")
+        .set("auto.offset.reset", start_from)
+        .set("session.timeout.ms", session_ms.to_string())
+        .set(
+            "heartbeat.interval.ms",
+            (session_ms / 3).min(3000).to_string(),
+        )
+        .set("enable.partition.eof", "false")
+        // librdkafka prefetches up to 100,000 records or 64 MiB per partition by default;
+        // a fraction of a second of what one worker stores is plenty, and keeps the pod
+        // within its memory limit.
+        .set("queued.min.messages", PREFETCH_RECORDS.to_string())
+        .set("queued.max.messages.kbytes", PREFETCH_KIB.to_string())
+        // A partition whose prefetch is full is fetched again after this (default 1 s,
+        // which starves a worker that drains its prefetch in a fraction of that).
+        .set("fetch.queue.backoff.ms", "10");
+    Ok(config)
+}
+
+/// The probe's client: reads the group's committed offsets, never joins it, never commits.
+pub fn probe_config(
+    spec: &KafkaSource,
+    client_id: &str,
+    group: &str,
+) -> Result<ClientConfig, TransportError> {
+    let mut config = base_config(spec, &format!("{client_id}-probe"))?;
+    config
+        .set("group.id", group)
+        .set("enable.auto.commit", "false")
+        .set("enable.auto.offset.store", "false");
+    Ok(config)
+}
+
+/// The dead-letter producer: every letter acknowledged by all in-sync replicas, idempotent,
+/// given up after `timeout`.
+pub fn producer_config(
+    spec: &KafkaSource,
+    client_id: &str,
+    timeout: Duration,
+) -> Result<ClientConfig, TransportError> {
+    let mut config = base_config(spec, client_id)?;
+    config
+        .set("acks", "all")
+        .set("enable.idempotence", "true")
+        .set("message.timeout.ms", timeout.as_millis().to_string());
     Ok(config)
 }
 
@@ -140,6 +212,37 @@ pub struct ConsumerState {
 }
 
 impl ConsumerState {
+    /// The state of a new consumer, its counters registered in `registry`.
+    pub fn register(registry: &mut Registry, adapter: &str) -> Self {
+        Self {
+            offsets: Mutex::new(Offsets::default()),
+            rebalances: adapter_counter(
+                registry,
+                "kafka_rebalances",
+                "Partition assignments and revocations this worker took part in",
+                adapter,
+            ),
+            abandoned: adapter_counter(
+                registry,
+                "kafka_abandoned_records",
+                "Records of revoked partitions still being stored at the revocation (redelivered to the new owner and deduplicated)",
+                adapter,
+            ),
+            commit_failures: adapter_counter(
+                registry,
+                "kafka_commit_failures",
+                "Offset commits the brokers refused or did not answer (sent again)",
+                adapter,
+            ),
+            fetch_restarts: adapter_counter(
+                registry,
+                "kafka_fetch_restarts",
+                "Fetches restarted of partitions that held a backlog and delivered nothing",
+                adapter,
+            ),
+        }
+    }
+
     pub fn offsets(&self) -> std::sync::MutexGuard<'_, Offsets> {
         self.offsets.lock().unwrap_or_else(PoisonError::into_inner)
     }

@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::message::Message as _;
 use rdkafka::{Offset, TopicPartitionList};
@@ -31,6 +32,17 @@ pub struct PartitionLabels {
     pub adapter: String,
     pub topic: String,
     pub partition: String,
+}
+
+/// The per-partition lag gauge, registered in `registry`.
+pub fn register_lag(registry: &mut Registry) -> Family<PartitionLabels, Gauge> {
+    let lag = Family::<PartitionLabels, Gauge>::default();
+    registry.register(
+        "kafka_partition_lag",
+        "Records of each partition past the group's committed offset (high watermark − committed)",
+        lag.clone(),
+    );
+    lag
 }
 
 /// The topics a source reads.

@@ -52,7 +52,6 @@ pub fn describe_topics<C: ClientContext>(
     topics: &[String],
     timeout: Duration,
 ) -> Result<HashMap<String, Described>, KafkaError> {
-    let admin_error = |code: RDKafkaErrorCode| KafkaError::AdminOp(code);
     let names: Vec<CString> = topics
         .iter()
         .map(|topic| CString::new(topic.as_str()))
@@ -94,11 +93,29 @@ pub fn describe_topics<C: ClientContext>(
         if event.ptr.is_null() {
             return Err(admin_error(RDKafkaErrorCode::OperationTimedOut));
         }
-        let code = RDKafkaErrorCode::from(rd::rd_kafka_event_error(event.ptr));
+        read_result(event.ptr)
+    }
+}
+
+fn admin_error(code: RDKafkaErrorCode) -> KafkaError {
+    KafkaError::AdminOp(code)
+}
+
+/// What the `DescribeTopics` result `event` says of each topic.
+///
+/// # Safety
+///
+/// `event` is the live event `rd_kafka_DescribeTopics` delivered, for the whole call.
+unsafe fn read_result(
+    event: *mut rd::rd_kafka_event_t,
+) -> Result<HashMap<String, Described>, KafkaError> {
+    // SAFETY: `event` is live (the caller's promise); the descriptions belong to it.
+    unsafe {
+        let code = RDKafkaErrorCode::from(rd::rd_kafka_event_error(event));
         if code != RDKafkaErrorCode::NoError {
             return Err(admin_error(code));
         }
-        let result = rd::rd_kafka_event_DescribeTopics_result(event.ptr);
+        let result = rd::rd_kafka_event_DescribeTopics_result(event);
         if result.is_null() {
             return Err(admin_error(RDKafkaErrorCode::BadMessage));
         }
@@ -106,31 +123,44 @@ pub fn describe_topics<C: ClientContext>(
         let descriptions = rd::rd_kafka_DescribeTopics_result_topics(result, &mut count);
         let mut described = HashMap::with_capacity(count);
         for index in 0..count {
-            let description = *descriptions.add(index);
-            let name = CStr::from_ptr(rd::rd_kafka_TopicDescription_name(description))
-                .to_string_lossy()
-                .into_owned();
-            let error = rd::rd_kafka_TopicDescription_error(description);
-            let code = if error.is_null() {
-                RDKafkaErrorCode::NoError
-            } else {
-                RDKafkaErrorCode::from(rd::rd_kafka_error_code(error))
-            };
-            let state = if code == RDKafkaErrorCode::NoError {
-                let id = rd::rd_kafka_TopicDescription_topic_id(description);
-                let id = (!id.is_null())
-                    .then(|| {
-                        CStr::from_ptr(rd::rd_kafka_Uuid_base64str(id))
-                            .to_string_lossy()
-                            .into_owned()
-                    })
-                    .filter(|id| id != NO_TOPIC_ID);
-                Described::Exists(id)
-            } else {
-                Described::Failed(code)
-            };
+            let (name, state) = read_description(*descriptions.add(index));
             described.insert(name, state);
         }
         Ok(described)
+    }
+}
+
+/// One topic's name and what its description says.
+///
+/// # Safety
+///
+/// `description` belongs to a live `DescribeTopics` result, for the whole call.
+unsafe fn read_description(
+    description: *const rd::rd_kafka_TopicDescription_t,
+) -> (String, Described) {
+    // SAFETY: `description` is live (the caller's promise); the strings, error and id belong to
+    // it and are copied before it goes.
+    unsafe {
+        let name = CStr::from_ptr(rd::rd_kafka_TopicDescription_name(description))
+            .to_string_lossy()
+            .into_owned();
+        let error = rd::rd_kafka_TopicDescription_error(description);
+        let code = if error.is_null() {
+            RDKafkaErrorCode::NoError
+        } else {
+            RDKafkaErrorCode::from(rd::rd_kafka_error_code(error))
+        };
+        if code != RDKafkaErrorCode::NoError {
+            return (name, Described::Failed(code));
+        }
+        let id = rd::rd_kafka_TopicDescription_topic_id(description);
+        let id = (!id.is_null())
+            .then(|| {
+                CStr::from_ptr(rd::rd_kafka_Uuid_base64str(id))
+                    .to_string_lossy()
+                    .into_owned()
+            })
+            .filter(|id| id != NO_TOPIC_ID);
+        (name, Described::Exists(id))
     }
 }

@@ -1,14 +1,21 @@
-//! Dead letters as JetStream messages: the body byte-identical, the original headers kept
-//! (except the server's `Nats-*` ones), the context as `Switchboard-*` headers.
+//! Dead letters as JetStream messages, published to `deadLetter.subject` (default
+//! `<stream>.dlq.<subject>`) in a stream the worker makes sure of: the body byte-identical, the
+//! original headers kept (except the server's `Nats-*` ones), the context as `Switchboard-*`
+//! headers. Every PubAck is awaited before the originals are terminated; a letter the server
+//! can never take is reported as refused.
+
+use std::time::SystemTime;
 
 use async_nats::HeaderMap;
+use async_nats::jetstream::context::{
+    CreateStreamErrorKind, GetStreamByNameErrorKind, PublishAckFuture, PublishError,
+    PublishErrorKind,
+};
+use async_nats::jetstream::{self, ErrorCode, stream};
 
-use super::NatsDelivery;
-use crate::payload::PoisonReason;
-use crate::transport::{Attempts, rfc3339_ms, truncate};
-
-/// The error text kept in `Switchboard-Error`.
-const MAX_ERROR_BYTES: usize = 2048;
+use super::{DEAD_LETTER_SETTING, DeadLetterStream, Nats, Receipt, SEND_TIMEOUT};
+use crate::transport::dead_letter::{Convention, DeadLetterContext};
+use crate::transport::{DeadLetter, TransportError};
 
 /// What every dead letter of one write shares.
 #[derive(Debug, Clone, Copy)]
@@ -21,6 +28,221 @@ pub struct WriteContext<'a> {
     pub last_seen: &'a str,
 }
 
+/// The letters the server refuses for good, by index, and the first refusal.
+#[derive(Debug, Default)]
+struct Refused {
+    indices: Vec<usize>,
+    first: Option<PublishError>,
+}
+
+impl Refused {
+    fn add(&mut self, index: usize, err: PublishError) {
+        self.indices.push(index);
+        self.first.get_or_insert(err);
+    }
+
+    /// Ok when none was refused.
+    fn into_result(mut self) -> Result<(), TransportError> {
+        let Some(err) = self.first else {
+            return Ok(());
+        };
+        self.indices.sort_unstable();
+        Err(TransportError::dead_letters_refused(
+            self.indices,
+            "NATS refuses these dead letters for good (over the server's max payload or the dead-letter stream's max message size)",
+            Some(Box::new(err)),
+        ))
+    }
+}
+
+impl Nats {
+    /// Publishes `letters` and waits for the dead-letter stream's PubAck of each; the letters
+    /// taken are terminated by the next acknowledgement of their originals.
+    pub(super) async fn publish_dead_letters(
+        &mut self,
+        letters: &[DeadLetter<'_, Receipt>],
+    ) -> Result<(), TransportError> {
+        if letters.is_empty() {
+            return Ok(());
+        }
+        if !self.dead_letter_ready {
+            let js = self.bound()?.js.clone();
+            self.ensure_dead_letter_stream(&js).await?;
+            self.dead_letter_ready = true;
+        }
+        let mut refused = Refused::default();
+        let pending = self.publish(letters, &mut refused).await?;
+        self.await_pub_acks(pending, &mut refused).await?;
+        self.dead_lettered.extend(
+            letters
+                .iter()
+                .enumerate()
+                .filter(|(index, _)| !refused.indices.contains(index))
+                .map(|(_, letter)| letter.message.receipt.stream_sequence),
+        );
+        refused.into_result()
+    }
+
+    /// Publishes each of `letters`; returns the PubAcks to wait for, by index.
+    async fn publish(
+        &self,
+        letters: &[DeadLetter<'_, Receipt>],
+        refused: &mut Refused,
+    ) -> Result<Vec<(usize, PublishAckFuture)>, TransportError> {
+        let bound = self.bound()?;
+        let last_seen = humantime::format_rfc3339_millis(SystemTime::now()).to_string();
+        let context = WriteContext {
+            stream: &self.settings.spec.stream,
+            incarnation: &self.incarnation()?.tag,
+            consumer: &self.settings.consumer,
+            last_seen: &last_seen,
+        };
+        let mut pending = Vec::with_capacity(letters.len());
+        for (index, letter) in letters.iter().enumerate() {
+            let message = letter.message;
+            let subject = subject(
+                self.settings.dead_letter_subject.as_deref(),
+                &self.settings.spec.stream,
+                message.receipt.subject.as_str(),
+            );
+            let sent = tokio::time::timeout(
+                SEND_TIMEOUT,
+                bound.js.publish_with_headers(
+                    subject,
+                    headers(letter, context),
+                    message.body.clone().into(),
+                ),
+            )
+            .await
+            .map_err(|elapsed| {
+                TransportError::transient("could not publish a dead letter in time", elapsed)
+            })?;
+            match sent {
+                Ok(ack) => pending.push((index, ack)),
+                Err(err) if refused_for_good(&err) => refused.add(index, err),
+                Err(err) => {
+                    return Err(TransportError::transient(
+                        "could not publish a dead letter",
+                        err,
+                    ));
+                }
+            }
+        }
+        Ok(pending)
+    }
+
+    /// Waits for each PubAck (the JetStream context's own timeout). A letter not confirmed
+    /// fails the write: the pipeline writes the whole batch again, and the dead-letter stream
+    /// drops the letters it already has (their `Nats-Msg-Id`).
+    async fn await_pub_acks(
+        &mut self,
+        pending: Vec<(usize, PublishAckFuture)>,
+        refused: &mut Refused,
+    ) -> Result<(), TransportError> {
+        let mut missing_stream = false;
+        let mut failure = None;
+        for (index, ack) in pending {
+            match ack.await {
+                Ok(_) => {}
+                Err(err) if refused_for_good(&err) => refused.add(index, err),
+                Err(err) => {
+                    missing_stream |= matches!(err.kind(), PublishErrorKind::StreamNotFound);
+                    failure.get_or_insert(err);
+                }
+            }
+        }
+        match failure {
+            None => Ok(()),
+            Some(err) => {
+                self.dead_letter_ready &= !missing_stream;
+                Err(TransportError::transient(
+                    "the dead-letter stream did not confirm a dead letter",
+                    err,
+                ))
+            }
+        }
+    }
+
+    /// Makes sure a stream (other than the source) holds the dead-letter subject; records it
+    /// for the probe.
+    pub(super) async fn ensure_dead_letter_stream(
+        &mut self,
+        js: &jetstream::Context,
+    ) -> Result<(), TransportError> {
+        let stream = &self.settings.spec.stream;
+        let (sample, captured) = match &self.settings.dead_letter_subject {
+            Some(subject) => (subject.clone(), subject.clone()),
+            None => (format!("{stream}.dlq.x"), format!("{stream}.dlq.>")),
+        };
+        match js.stream_by_subject(sample.clone()).await {
+            Ok(name) if &name == stream => Err(TransportError::fatal(
+                DEAD_LETTER_SETTING,
+                format!(
+                    "stream {stream} itself holds the dead-letter subject {captured}: dead letters would be delivered again; choose a subject it does not hold"
+                ),
+                None,
+            )),
+            Ok(name) => {
+                tracing::info!(stream = %name, subject = %captured, "dead letters go to an existing stream");
+                self.dead_letter_stream = Some(DeadLetterStream {
+                    name,
+                    subjects: captured,
+                });
+                Ok(())
+            }
+            Err(err) if matches!(err.kind(), GetStreamByNameErrorKind::NotFound) => {
+                let name = format!("{stream}_DLQ");
+                js.create_stream(stream::Config {
+                    name: name.clone(),
+                    subjects: vec![captured.clone()],
+                    max_age: self.settings.dead_letter_retention,
+                    storage: stream::StorageType::File,
+                    ..Default::default()
+                })
+                .await
+                .map_err(|err| match err.kind() {
+                    CreateStreamErrorKind::JetStream(_) => {
+                        TransportError::fatal(
+                            DEAD_LETTER_SETTING,
+                            format!("the server refused to create the dead-letter stream {name} for {captured}"),
+                            Some(Box::new(err)),
+                        )
+                    }
+                    _ => TransportError::transient("could not create the dead-letter stream", err),
+                })?;
+                tracing::info!(stream = %name, subject = %captured, max_age = ?self.settings.dead_letter_retention, "created the dead-letter stream (messages kept deadLetter.retentionDays)");
+                self.dead_letter_stream = Some(DeadLetterStream {
+                    name,
+                    subjects: captured,
+                });
+                Ok(())
+            }
+            Err(err) if matches!(err.kind(), GetStreamByNameErrorKind::InvalidSubject) => {
+                Err(TransportError::fatal(
+                    DEAD_LETTER_SETTING,
+                    format!("{sample} is not a valid subject"),
+                    None,
+                ))
+            }
+            Err(err) => Err(TransportError::transient(
+                "could not look up the dead-letter stream",
+                err,
+            )),
+        }
+    }
+}
+
+/// Whether the server refuses a dead letter however often it is sent: larger than the
+/// server's max payload, or than the dead-letter stream's max message size.
+fn refused_for_good(err: &PublishError) -> bool {
+    use std::error::Error as _;
+    matches!(err.kind(), PublishErrorKind::MaxPayloadExceeded)
+        || err
+            .source()
+            .and_then(|source| source.downcast_ref::<jetstream::Error>())
+            .is_some_and(|js| js.error_code() == ErrorCode::STREAM_MESSAGE_EXCEEDS_MAXIMUM)
+}
+
 /// A header value: one line (NATS headers cannot hold CR or LF), other control characters
 /// replaced.
 fn header_text(text: &str) -> String {
@@ -29,17 +251,13 @@ fn header_text(text: &str) -> String {
         .collect()
 }
 
-/// The headers of `message`'s dead letter. `Nats-Msg-Id` is derived from the original's
-/// position in its stream's incarnation, so the dead-letter stream drops a letter written twice
-/// (a retried write) within its duplicate window, never the letter of a re-created stream's
-/// message at the same sequence.
-pub fn headers(
-    message: &NatsDelivery,
-    reason: PoisonReason,
-    error: &str,
-    attempts: &Attempts,
-    context: WriteContext<'_>,
-) -> HeaderMap {
+/// The headers of `letter`'s dead letter: the original's (but the server's `Nats-*`), the
+/// context every broker's letters carry, then where the message was and who wrote the letter.
+/// `Nats-Msg-Id` is derived from the original's position in its stream's incarnation, so the
+/// dead-letter stream drops a letter written twice (a retried write) within its duplicate
+/// window, never the letter of a re-created stream's message at the same sequence.
+pub fn headers(letter: &DeadLetter<'_, Receipt>, context: WriteContext<'_>) -> HeaderMap {
+    let message = letter.message;
     let mut headers = HeaderMap::new();
     for (name, value) in &message.headers {
         if !name.starts_with("Nats-") {
@@ -54,35 +272,26 @@ pub fn headers(
             context.stream, context.incarnation
         ),
     );
-    headers.insert("Switchboard-Reason", reason.as_str());
+    for (name, value) in DeadLetterContext::new(letter).fields(Convention::Title) {
+        headers.insert(name, header_text(&value));
+    }
+    let name = |field| Convention::Title.name(field);
+    headers.insert(name("stream"), context.stream);
+    headers.insert(name("stream-seq"), seq.to_string());
+    headers.insert(name("stream-incarnation"), context.incarnation);
     headers.insert(
-        "Switchboard-Error",
-        header_text(&truncate(error, MAX_ERROR_BYTES)),
-    );
-    headers.insert(
-        "Switchboard-Delivery-Count",
-        message.delivery_count.to_string(),
-    );
-    headers.insert("Switchboard-Stream", context.stream);
-    headers.insert("Switchboard-Stream-Seq", seq.to_string());
-    headers.insert("Switchboard-Stream-Incarnation", context.incarnation);
-    headers.insert(
-        "Switchboard-Subject",
+        name("subject"),
         header_text(message.receipt.subject.as_str()),
     );
-    if let Some(first_seen) = message.enqueued_at_ms.map(rfc3339_ms) {
-        headers.insert("Switchboard-First-Seen", first_seen);
-    }
-    headers.insert("Switchboard-Last-Seen", context.last_seen);
-    headers.insert("Switchboard-Consumer", header_text(context.consumer));
-    headers.insert("Switchboard-Attempts", header_text(&attempts.to_json()));
+    headers.insert(name("last-seen"), context.last_seen);
+    headers.insert(name("consumer"), header_text(context.consumer));
     if let Some((_, id)) = message
         .headers
         .iter()
         .find(|(name, _)| name == "Nats-Msg-Id")
     {
         headers.insert(
-            "Switchboard-Original-Msg-Id",
+            name("original-msg-id"),
             header_text(&String::from_utf8_lossy(id)),
         );
     }
@@ -100,8 +309,10 @@ pub fn subject(configured: Option<&str>, stream: &str, original: &str) -> String
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::transport::Message;
-    use crate::transport::nats::Receipt;
+    use crate::payload::PoisonReason;
+    use crate::transport::dead_letter::MAX_ERROR_BYTES;
+    use crate::transport::nats::NatsDelivery;
+    use crate::transport::{Attempts, Message};
 
     fn message() -> NatsDelivery {
         Message {
@@ -132,14 +343,14 @@ mod tests {
             consumer: "worker-0",
             last_seen: "2026-12-01T17:00:00.000Z",
         };
-        let error = format!("line one\r\nline two {}", "x".repeat(5000));
-        let headers = headers(
-            &message(),
-            PoisonReason::InvalidJson,
-            &error,
-            &Attempts::default(),
-            context,
-        );
+        let message = message();
+        let letter = DeadLetter {
+            message: &message,
+            reason: PoisonReason::InvalidJson,
+            error: format!("line one\r\nline two {}", "x".repeat(5000)),
+            attempts: Attempts::default(),
+        };
+        let headers = headers(&letter, context);
         let get = |name: &str| headers.get(name).map(|v| v.as_str().to_owned());
         assert_eq!(get("Switchboard-Reason").as_deref(), Some("invalid_json"));
         assert_eq!(get("Switchboard-Delivery-Count").as_deref(), Some("3"));
@@ -163,7 +374,17 @@ mod tests {
             Some("order-17")
         );
         assert_eq!(get("tenant").as_deref(), Some("acme"));
+        assert_eq!(
+            get("Switchboard-Stream-Incarnation").as_deref(),
+            Some("1764608400000000000")
+        );
+        assert_eq!(get("Switchboard-Consumer").as_deref(), Some("worker-0"));
+        assert_eq!(
+            get("Switchboard-Attempts"),
+            Some(Attempts::default().to_json())
+        );
         let kept = get("Switchboard-Error").expect("error");
+        assert!(kept.ends_with('…'), "{kept}");
         assert!(kept.len() <= MAX_ERROR_BYTES, "{}", kept.len());
         assert!(kept.starts_with("line one  line two"), "{kept}");
     }
