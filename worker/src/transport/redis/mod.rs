@@ -98,58 +98,73 @@ pub fn classify_redis_error(
         );
     }
     if has("WRONGTYPE") {
-        let failed: Vec<&redis::Cmd> = codes
-            .iter()
-            .filter(|(_, code)| code == "WRONGTYPE")
-            .filter_map(|(index, _)| commands.get(*index).copied())
-            .collect();
-        let candidates = if failed.is_empty() {
-            commands
-        } else {
-            &failed[..]
-        };
-        let named: Vec<&NamedKey> = keys
-            .iter()
-            .filter(|key| {
-                candidates.iter().any(|cmd| {
-                    cmd.args_iter().any(|arg| {
-                        matches!(arg, redis::Arg::Simple(bytes) if bytes == key.key.as_bytes())
-                    })
-                })
-            })
-            .collect();
-        return match named.as_slice() {
-            [key] => fatal(
-                key.setting,
-                format!(
-                    "Redis key `{}` holds another type than a {} (WRONGTYPE from {command}); \
-                     delete or rename it, or choose another key",
-                    key.key, key.kind
-                ),
-                source,
-            ),
-            [first, ..] => {
-                let list: Vec<String> = named
-                    .iter()
-                    .map(|key| format!("`{}` ({}, a {})", key.key, key.setting, key.kind))
-                    .collect();
-                fatal(
-                    first.setting,
-                    format!(
-                        "one of the Redis keys {} holds another type (WRONGTYPE from {command})",
-                        list.join(", ")
-                    ),
-                    source,
-                )
-            }
-            [] => fatal(
-                "spec.source.redis",
-                format!("a Redis key of {command} holds another type (WRONGTYPE)"),
-                source,
-            ),
-        };
+        return wrongtype(command, commands, keys, &codes, source);
     }
     TransportError::transient(format!("redis command {command} failed"), source)
+}
+
+/// A key of the wrong type: fatal naming the key (among `keys`, those the failed `commands`
+/// use) and the setting that names it.
+fn wrongtype(
+    command: &'static str,
+    commands: &[&redis::Cmd],
+    keys: &[NamedKey],
+    codes: &[(usize, String)],
+    source: redis::RedisError,
+) -> TransportError {
+    let fatal = |setting: &str, context: String, source: redis::RedisError| {
+        TransportError::fatal(setting, context, Some(Box::new(source)))
+    };
+    let failed: Vec<&redis::Cmd> = codes
+        .iter()
+        .filter(|(_, code)| code == "WRONGTYPE")
+        .filter_map(|(index, _)| commands.get(*index).copied())
+        .collect();
+    let candidates = if failed.is_empty() {
+        commands
+    } else {
+        &failed[..]
+    };
+    let named: Vec<&NamedKey> = keys
+        .iter()
+        .filter(|key| {
+            candidates.iter().any(|cmd| {
+                cmd.args_iter().any(
+                    |arg| matches!(arg, redis::Arg::Simple(bytes) if bytes == key.key.as_bytes()),
+                )
+            })
+        })
+        .collect();
+    match named.as_slice() {
+        [key] => fatal(
+            key.setting,
+            format!(
+                "Redis key `{}` holds another type than a {} (WRONGTYPE from {command}); \
+                 delete or rename it, or choose another key",
+                key.key, key.kind
+            ),
+            source,
+        ),
+        [first, ..] => {
+            let list: Vec<String> = named
+                .iter()
+                .map(|key| format!("`{}` ({}, a {})", key.key, key.setting, key.kind))
+                .collect();
+            fatal(
+                first.setting,
+                format!(
+                    "one of the Redis keys {} holds another type (WRONGTYPE from {command})",
+                    list.join(", ")
+                ),
+                source,
+            )
+        }
+        [] => fatal(
+            "spec.source.redis",
+            format!("a Redis key of {command} holds another type (WRONGTYPE)"),
+            source,
+        ),
+    }
 }
 
 /// A failed dead-letter write: when the dead-letter key holds another type (WRONGTYPE, for
