@@ -13,6 +13,7 @@ use redis::aio::MultiplexedConnection;
 use redis::{AsyncConnectionConfig, Client, FromRedisValue, Value};
 use sha2::{Digest, Sha256};
 
+use super::dead_letter::DeadLetterContext;
 use super::{DeadLetter, TransportError};
 use crate::payload::{fields_json, insert_body};
 
@@ -390,10 +391,6 @@ pub fn body_hash(body: &[u8]) -> String {
     hex::encode(Sha256::digest(body))
 }
 
-pub fn rfc3339_ms(ms: u64) -> String {
-    humantime::format_rfc3339_millis(UNIX_EPOCH + Duration::from_millis(ms)).to_string()
-}
-
 pub fn now_rfc3339() -> String {
     humantime::format_rfc3339_millis(SystemTime::now()).to_string()
 }
@@ -419,13 +416,16 @@ pub fn record_time_ms(record: &[u8]) -> Option<u64> {
 /// `body` when UTF-8, else `body_base64`), its context and its attempts.
 pub fn dead_letter_record<R>(letter: &DeadLetter<'_, R>, origin: Origin<'_>) -> String {
     let message = letter.message;
+    let context = DeadLetterContext::new(letter);
+    // Not the context's `error` (cut to 2 KiB) nor its attempts as text: the record keeps the
+    // whole error as `last_error`, a number of deliveries and the attempts as JSON.
     let mut record = serde_json::json!({
-        "reason": letter.reason.as_str(),
+        "reason": context.reason,
         "last_error": letter.error,
-        "delivery_count": message.delivery_count,
+        "delivery_count": context.delivery_count,
         "adapter": origin.adapter,
         "consumer": origin.consumer,
-        "first_seen": message.enqueued_at_ms.map(rfc3339_ms),
+        "first_seen": context.first_seen,
         "last_seen": now_rfc3339(),
         "headers": serde_json::from_str::<serde_json::Value>(&fields_json(&message.headers))
             .unwrap_or_default(),
@@ -480,6 +480,33 @@ mod tests {
         assert_eq!(record["delivery_count"], 2);
         assert_eq!(record["first_seen"], "1970-01-01T00:00:00.000Z");
         assert_eq!(record["headers"]["channel"], "orders");
+    }
+
+    #[test]
+    fn dead_letter_record_keeps_its_field_names_and_value_types() {
+        let mut message = message(b"{");
+        message.enqueued_at_ms = None;
+        let long_error = "x".repeat(3000);
+        let letter = DeadLetter {
+            message: &message,
+            reason: PoisonReason::InvalidJson,
+            error: long_error.clone(),
+            attempts: crate::transport::Attempts::default(),
+        };
+        let origin = Origin {
+            kind: "channel",
+            name: "orders",
+            adapter: "a/b",
+            consumer: "c",
+        };
+        let record: serde_json::Value =
+            serde_json::from_str(&dead_letter_record(&letter, origin)).expect("json");
+        assert_eq!(record["last_error"], long_error.as_str());
+        assert!(record.get("error").is_none());
+        assert!(record["delivery_count"].is_u64());
+        assert!(record["attempts"].is_object(), "{}", record["attempts"]);
+        assert!(record["first_seen"].is_null());
+        assert_eq!(record["origin_channel"], "orders");
     }
 
     #[test]

@@ -33,10 +33,11 @@ use reply::{decode_fields, parse_read_reply, raw_fields_json};
 
 use super::{
     BLOCK, CONTROL_TIMEOUT, Connection, NamedKey, array, error_code, integer, now_rfc3339, open,
-    refused_by_dead_letter_key, rfc3339_ms, text,
+    refused_by_dead_letter_key, text,
 };
 use crate::metrics::{adapter_counter, adapter_gauge};
 use crate::payload::fields_json;
+use crate::transport::dead_letter::DeadLetterContext;
 use crate::transport::{Acked, DeadLetter, Message, Position, Transport, TransportError};
 
 /// A stream entry id (`ms-seq`): what XACK takes.
@@ -426,7 +427,7 @@ impl Transport for RedisStream {
         let mut pipe = redis::pipe();
         for letter in letters {
             let message = letter.message;
-            let first_seen = message.enqueued_at_ms.map(rfc3339_ms).unwrap_or_default();
+            let context = DeadLetterContext::new(letter);
             pipe.cmd("XADD")
                 .arg(&settings.dead_letter_stream)
                 .arg("*")
@@ -435,11 +436,12 @@ impl Transport for RedisStream {
                 .arg("headers")
                 .arg(fields_json(&message.headers))
                 .arg("reason")
-                .arg(letter.reason.as_str())
+                .arg(context.reason)
+                // The whole error, as ever: the context's is cut to 2 KiB.
                 .arg("last_error")
                 .arg(&letter.error)
                 .arg("delivery_count")
-                .arg(message.delivery_count)
+                .arg(context.delivery_count)
                 .arg("origin_stream")
                 .arg(&settings.stream)
                 .arg("origin_id")
@@ -451,11 +453,11 @@ impl Transport for RedisStream {
                 .arg("adapter")
                 .arg(&settings.adapter)
                 .arg("first_seen")
-                .arg(first_seen)
+                .arg(context.first_seen.unwrap_or_default())
                 .arg("last_seen")
                 .arg(&last_seen)
                 .arg("attempts")
-                .arg(letter.attempts.to_json())
+                .arg(context.attempts)
                 .ignore();
         }
         self.control
