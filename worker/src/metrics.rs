@@ -98,6 +98,58 @@ where
         .clone()
 }
 
+/// [`adapter_counter`] registered under `name` and, for one release, under its old name `alias`
+/// too: one series under both names, so dashboards and alerts on the old name keep working.
+pub fn adapter_counter_aliased(
+    registry: &mut Registry,
+    name: &str,
+    alias: &str,
+    help: &str,
+    adapter: &str,
+) -> Counter {
+    let family = Family::<AdapterLabels, Counter>::default();
+    register_aliased(registry, name, alias, help, &family);
+    family
+        .get_or_create(&AdapterLabels {
+            adapter: adapter.to_owned(),
+        })
+        .clone()
+}
+
+/// [`adapter_gauge`] registered under `name` and, for one release, under its old name `alias`.
+pub fn adapter_gauge_aliased(
+    registry: &mut Registry,
+    name: &str,
+    alias: &str,
+    help: &str,
+    adapter: &str,
+) -> Gauge<f64, AtomicU64> {
+    let family = Family::<AdapterLabels, Gauge<f64, AtomicU64>>::default();
+    register_aliased(registry, name, alias, help, &family);
+    family
+        .get_or_create(&AdapterLabels {
+            adapter: adapter.to_owned(),
+        })
+        .clone()
+}
+
+fn register_aliased<M>(
+    registry: &mut Registry,
+    name: &str,
+    alias: &str,
+    help: &str,
+    family: &Family<AdapterLabels, M>,
+) where
+    Family<AdapterLabels, M>: prometheus_client::registry::Metric + Clone,
+{
+    registry.register(name, help, family.clone());
+    registry.register(
+        alias,
+        format!("{help} (deprecated name of switchboard_{name}, removed in the next release)"),
+        family.clone(),
+    );
+}
+
 fn adapter_histogram(
     registry: &mut Registry,
     name: &str,
@@ -379,5 +431,33 @@ impl Metrics {
     /// The Prometheus text exposition (OpenMetrics).
     pub fn encode(&self) -> String {
         switchboard_telemetry::encode(&self.registry)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_aliased_counter_is_one_series_under_both_names() {
+        let mut registry = Metrics::registry();
+        let counter = adapter_counter_aliased(
+            &mut registry,
+            "redis_messages_reaped",
+            "messages_reaped",
+            "Items moved back",
+            "a/b",
+        );
+        counter.inc_by(3);
+        let text = switchboard_telemetry::encode(&registry);
+        assert!(
+            text.contains(r#"switchboard_redis_messages_reaped_total{adapter="a/b"} 3"#),
+            "{text}"
+        );
+        assert!(
+            text.contains(r#"switchboard_messages_reaped_total{adapter="a/b"} 3"#),
+            "{text}"
+        );
+        assert!(text.contains("deprecated name of switchboard_redis_messages_reaped"));
     }
 }
