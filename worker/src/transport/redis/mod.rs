@@ -456,23 +456,33 @@ mod tests {
         }
     }
 
-    #[test]
-    fn dead_letter_record_keeps_binary_bodies_losslessly() {
-        let message = message(&[0xff, 0x00, 0x01]);
+    /// The dead-letter record of `message` from the `kind` `name`, parsed.
+    fn record_of(
+        message: &Message<()>,
+        reason: PoisonReason,
+        error: &str,
+        kind: &'static str,
+        name: &str,
+    ) -> serde_json::Value {
         let letter = DeadLetter {
-            message: &message,
-            reason: PoisonReason::NotUtf8,
-            error: "not UTF-8".into(),
+            message,
+            reason,
+            error: error.to_owned(),
             attempts: crate::transport::Attempts::default(),
         };
         let origin = Origin {
-            kind: "list",
-            name: "jobs",
+            kind,
+            name,
             adapter: "a/b",
             consumer: "c",
         };
-        let record: serde_json::Value =
-            serde_json::from_str(&dead_letter_record(&letter, origin)).expect("json");
+        serde_json::from_str(&dead_letter_record(&letter, origin)).expect("json")
+    }
+
+    #[test]
+    fn dead_letter_record_keeps_binary_bodies_losslessly() {
+        let message = message(&[0xff, 0x00, 0x01]);
+        let record = record_of(&message, PoisonReason::NotUtf8, "not UTF-8", "list", "jobs");
         assert_eq!(record["body_base64"], "/wAB");
         assert!(record.get("body").is_none());
         assert_eq!(record["origin_list"], "jobs");
@@ -487,20 +497,13 @@ mod tests {
         let mut message = message(b"{");
         message.enqueued_at_ms = None;
         let long_error = "x".repeat(3000);
-        let letter = DeadLetter {
-            message: &message,
-            reason: PoisonReason::InvalidJson,
-            error: long_error.clone(),
-            attempts: crate::transport::Attempts::default(),
-        };
-        let origin = Origin {
-            kind: "channel",
-            name: "orders",
-            adapter: "a/b",
-            consumer: "c",
-        };
-        let record: serde_json::Value =
-            serde_json::from_str(&dead_letter_record(&letter, origin)).expect("json");
+        let record = record_of(
+            &message,
+            PoisonReason::InvalidJson,
+            &long_error,
+            "channel",
+            "orders",
+        );
         assert_eq!(record["last_error"], long_error.as_str());
         assert!(record.get("error").is_none());
         assert!(record["delivery_count"].is_u64());
