@@ -28,12 +28,11 @@ impl fmt::Display for InvalidSpec {
 }
 
 impl QueueAdapterSpec {
-    fn validate_autoscaling(
-        &self,
+    /// Replica counts and the backlog target, whatever the broker.
+    fn validate_replica_bounds(
         autoscaling: &crate::Autoscaling,
         fail: &mut impl FnMut(&'static str, String),
     ) {
-        let field = "spec.workload.autoscaling";
         if !(0..=100).contains(&autoscaling.min_replicas) {
             fail(
                 "spec.workload.autoscaling.minReplicas",
@@ -58,6 +57,15 @@ impl QueueAdapterSpec {
                 "must be at least 1".into(),
             );
         }
+    }
+
+    fn validate_autoscaling(
+        &self,
+        autoscaling: &crate::Autoscaling,
+        fail: &mut impl FnMut(&'static str, String),
+    ) {
+        Self::validate_replica_bounds(autoscaling, fail);
+        let field = "spec.workload.autoscaling";
         if let Some(redis) = &self.source.redis {
             if redis.mode != crate::RedisMode::Stream {
                 fail(

@@ -381,39 +381,8 @@ fn http_probe(path: &str, period_seconds: i32) -> Probe {
 
 fn worker_container(valid: &ValidAdapter<'_>, settings: &WorkerSettings) -> Container {
     let workload = &valid.adapter.spec.workload;
-    let hostname = EnvVar {
-        name: "HOSTNAME".to_owned(),
-        value_from: Some(EnvVarSource {
-            field_ref: Some(ObjectFieldSelector {
-                field_path: "metadata.name".to_owned(),
-                api_version: Some("v1".to_owned()),
-            }),
-            ..EnvVarSource::default()
-        }),
-        ..EnvVar::default()
-    };
-    let broker_env = valid
-        .broker_secrets
-        .iter()
-        .map(|secret| secret_env(secret.env, secret.secret));
     let files = valid.broker.mounted_files();
-    let file_env = files.iter().map(|file| EnvVar {
-        name: file.env.to_owned(),
-        value: Some(format!("{}/{}", file.dir, file.file)),
-        ..EnvVar::default()
-    });
-    let env = std::iter::once(hostname)
-        .chain(broker_env)
-        .chain(file_env)
-        .chain([
-            secret_env("DATABASE_URL", valid.database_secret),
-            EnvVar {
-                name: "LOG_JSON".to_owned(),
-                value: Some("true".to_owned()),
-                ..EnvVar::default()
-            },
-        ])
-        .collect();
+    let env = worker_env(valid, &files);
     Container {
         name: "worker".to_owned(),
         image: Some(
@@ -438,16 +407,7 @@ fn worker_container(valid: &ValidAdapter<'_>, settings: &WorkerSettings) -> Cont
         liveness_probe: Some(http_probe("/healthz", 10)),
         readiness_probe: Some(http_probe("/readyz", 5)),
         resources: workload.resources.clone(),
-        security_context: Some(SecurityContext {
-            allow_privilege_escalation: Some(false),
-            read_only_root_filesystem: Some(true),
-            run_as_non_root: Some(true),
-            capabilities: Some(Capabilities {
-                drop: Some(vec!["ALL".to_owned()]),
-                add: None,
-            }),
-            ..SecurityContext::default()
-        }),
+        security_context: Some(restricted_security_context()),
         volume_mounts: Some(
             std::iter::once(("manifest", MANIFEST_DIR))
                 .chain(files.iter().map(|file| (file.volume, file.dir)))
@@ -460,6 +420,57 @@ fn worker_container(valid: &ValidAdapter<'_>, settings: &WorkerSettings) -> Cont
                 .collect(),
         ),
         ..Container::default()
+    }
+}
+
+/// The worker's environment: its pod name, the broker's secrets and mounted files, the
+/// database URL and JSON logs.
+fn worker_env(valid: &ValidAdapter<'_>, files: &[MountedFile]) -> Vec<EnvVar> {
+    let hostname = EnvVar {
+        name: "HOSTNAME".to_owned(),
+        value_from: Some(EnvVarSource {
+            field_ref: Some(ObjectFieldSelector {
+                field_path: "metadata.name".to_owned(),
+                api_version: Some("v1".to_owned()),
+            }),
+            ..EnvVarSource::default()
+        }),
+        ..EnvVar::default()
+    };
+    let broker_env = valid
+        .broker_secrets
+        .iter()
+        .map(|secret| secret_env(secret.env, secret.secret));
+    let file_env = files.iter().map(|file| EnvVar {
+        name: file.env.to_owned(),
+        value: Some(format!("{}/{}", file.dir, file.file)),
+        ..EnvVar::default()
+    });
+    std::iter::once(hostname)
+        .chain(broker_env)
+        .chain(file_env)
+        .chain([
+            secret_env("DATABASE_URL", valid.database_secret),
+            EnvVar {
+                name: "LOG_JSON".to_owned(),
+                value: Some("true".to_owned()),
+                ..EnvVar::default()
+            },
+        ])
+        .collect()
+}
+
+/// No privilege escalation, a read-only root, a non-root user, no capabilities.
+fn restricted_security_context() -> SecurityContext {
+    SecurityContext {
+        allow_privilege_escalation: Some(false),
+        read_only_root_filesystem: Some(true),
+        run_as_non_root: Some(true),
+        capabilities: Some(Capabilities {
+            drop: Some(vec!["ALL".to_owned()]),
+            add: None,
+        }),
+        ..SecurityContext::default()
     }
 }
 

@@ -19,6 +19,7 @@ use kube::runtime::{Controller, watcher};
 use kube::{Api, Client, Resource, ResourceExt};
 use switchboard_api::{QueueAdapter, SecretKeyRef};
 use switchboard_store::{QueueAdapterRow, Store, StoreError};
+use switchboard_telemetry::{Backoff, Jitter};
 use tokio_util::sync::CancellationToken;
 
 use crate::ErrorChain;
@@ -38,6 +39,12 @@ pub const FINALIZER: &str = "switchboard.dev/adapters-row";
 const RESYNC: Duration = Duration::from_secs(300);
 const BACKOFF_INITIAL: Duration = Duration::from_millis(500);
 const BACKOFF_CAP: Duration = Duration::from_secs(300);
+
+/// A failing reconcile's requeue: 0.5 s doubling to 5 min, equal jitter (so that adapters that
+/// failed together are not retried together, nor much sooner than the doubling says).
+fn reconcile_backoff() -> Backoff {
+    Backoff::new(BACKOFF_INITIAL, BACKOFF_CAP).with_jitter(Jitter::Equal)
+}
 
 /// Why a reconcile failed (transient: retried with backoff).
 #[derive(Debug, thiserror::Error)]
@@ -516,17 +523,11 @@ fn error_policy(
         }
         Err(_) => (1, true),
     };
-    let delay = backoff(attempts);
+    let delay = reconcile_backoff().delay(attempts.saturating_sub(1));
     if is_new {
         tracing::warn!(adapter = %key, category = category.as_str(), error = %message, retry_in = ?delay, "reconcile failed; retrying with backoff");
     }
     Action::requeue(delay)
-}
-
-/// Exponential: 0.5 s, 1 s, 2 s, … capped at 5 min.
-fn backoff(attempts: u32) -> Duration {
-    let factor = 2u32.saturating_pow(attempts.saturating_sub(1).min(16));
-    BACKOFF_INITIAL.saturating_mul(factor).min(BACKOFF_CAP)
 }
 
 /// The adapters in `secret`'s namespace that reference it (`secret` may be its metadata only).
@@ -590,10 +591,16 @@ mod tests {
     use super::*;
 
     #[test]
-    fn backoff_doubles_from_half_a_second_and_is_capped() {
-        assert_eq!(backoff(1), Duration::from_millis(500));
-        assert_eq!(backoff(2), Duration::from_secs(1));
-        assert_eq!(backoff(4), Duration::from_secs(4));
-        assert_eq!(backoff(40), BACKOFF_CAP);
+    fn reconcile_backoff_doubles_from_half_a_second_and_is_capped() {
+        let backoff = reconcile_backoff();
+        assert_eq!(backoff.ceiling(0), Duration::from_millis(500));
+        assert_eq!(backoff.ceiling(1), Duration::from_secs(1));
+        assert_eq!(backoff.ceiling(3), Duration::from_secs(4));
+        assert_eq!(backoff.ceiling(39), BACKOFF_CAP);
+        for attempt in [0, 3, 39] {
+            let delay = backoff.delay(attempt);
+            let ceiling = backoff.ceiling(attempt);
+            assert!(delay >= ceiling / 2 && delay <= ceiling, "{delay:?}");
+        }
     }
 }

@@ -309,6 +309,23 @@ fn runtime_verdicts(
             ),
         }
     };
+    let backlogged = backlogged_verdict(adapter, observed, now);
+    let dead_lettering = dead_lettering_verdict(observed);
+    vec![
+        (BROKER_CONNECTED, up("broker", |r| r.broker_up)),
+        (DATABASE_REACHABLE, up("database", |r| r.database_up)),
+        (BACKLOGGED, backlogged),
+        (DEAD_LETTERING, dead_lettering),
+    ]
+}
+
+/// Whether the oldest unacknowledged message has waited longer than
+/// `delivery.alertOldestSeconds`.
+fn backlogged_verdict(
+    adapter: &QueueAdapter,
+    observed: &ObservedQueue,
+    now: &Time,
+) -> Verdict<'static> {
     let limit = Duration::from_secs(u64::from(adapter.spec.delivery.alert_oldest_seconds));
     let waited = observed.oldest_since.as_ref().map(|since| {
         let seconds = now.0.as_second() - since.0.as_second();
@@ -321,7 +338,7 @@ fn runtime_verdicts(
         .as_ref()
         .map(|t| t.0.to_string())
         .unwrap_or_default();
-    let backlogged = match waited {
+    match waited {
         Some(waited) if waited > limit => Verdict::new(
             true,
             "OldestMessageTooOld",
@@ -345,8 +362,12 @@ fn runtime_verdicts(
             "NothingPending",
             "no message is waiting to be acknowledged",
         ),
-    };
-    let dead_lettering = match observed.dead_letters {
+    }
+}
+
+/// Whether dead letters wait in the broker's dead-letter destination.
+fn dead_lettering_verdict(observed: &ObservedQueue) -> Verdict<'static> {
+    match observed.dead_letters {
         Some(0) => Verdict::new(
             false,
             "NoDeadLetters",
@@ -362,13 +383,7 @@ fn runtime_verdicts(
             reason: "NotReported",
             message: "the broker does not report its dead letters".to_owned(),
         },
-    };
-    vec![
-        (BROKER_CONNECTED, up("broker", |r| r.broker_up)),
-        (DATABASE_REACHABLE, up("database", |r| r.database_up)),
-        (BACKLOGGED, backlogged),
-        (DEAD_LETTERING, dead_lettering),
-    ]
+    }
 }
 
 #[cfg(test)]

@@ -1,5 +1,10 @@
 //! What the worker and the operator share about being observed: logging set-up, an error's
-//! whole cause chain for log fields, and the `/healthz`, `/readyz`, `/metrics` server.
+//! whole cause chain for log fields, the `/healthz`, `/readyz`, `/metrics` server, and the
+//! one [`Backoff`] of every retry.
+
+mod backoff;
+
+pub use backoff::{Backoff, Jitter};
 
 use std::error::Error;
 use std::fmt;

@@ -1,7 +1,6 @@
 //! Switchboard queue-adapter worker: pulls broker messages into durable PostgreSQL todos,
 //! acknowledging each message only after its todo is committed (store-then-ack).
 
-pub mod backoff;
 mod brokers;
 pub mod dlq;
 pub mod envelope;
@@ -22,12 +21,11 @@ use std::time::Duration;
 use prometheus_client::registry::Registry;
 use switchboard_api::{Broker, ManifestError, QueueAdapter, QueueAdapterSpec, load_manifest};
 use switchboard_store::{Store, StoreError};
-use switchboard_telemetry::{ErrorChain, Probes};
+use switchboard_telemetry::{Backoff, ErrorChain, Probes};
 use tokio::signal::unix::{Signal, SignalKind, signal};
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument as _;
 
-use crate::backoff::Backoff;
 use crate::brokers::{Context, Loop, Plugin, Use};
 use crate::health::{Dependency, Health};
 use crate::metrics::Metrics;

@@ -98,6 +98,58 @@ where
         .clone()
 }
 
+/// [`adapter_counter`] registered under `name` and, for one release, under its old name `alias`
+/// too: one series under both names, so dashboards and alerts on the old name keep working.
+pub fn adapter_counter_aliased(
+    registry: &mut Registry,
+    name: &str,
+    alias: &str,
+    help: &str,
+    adapter: &str,
+) -> Counter {
+    let family = Family::<AdapterLabels, Counter>::default();
+    register_aliased(registry, name, alias, help, &family);
+    family
+        .get_or_create(&AdapterLabels {
+            adapter: adapter.to_owned(),
+        })
+        .clone()
+}
+
+/// [`adapter_gauge`] registered under `name` and, for one release, under its old name `alias`.
+pub fn adapter_gauge_aliased(
+    registry: &mut Registry,
+    name: &str,
+    alias: &str,
+    help: &str,
+    adapter: &str,
+) -> Gauge<f64, AtomicU64> {
+    let family = Family::<AdapterLabels, Gauge<f64, AtomicU64>>::default();
+    register_aliased(registry, name, alias, help, &family);
+    family
+        .get_or_create(&AdapterLabels {
+            adapter: adapter.to_owned(),
+        })
+        .clone()
+}
+
+fn register_aliased<M>(
+    registry: &mut Registry,
+    name: &str,
+    alias: &str,
+    help: &str,
+    family: &Family<AdapterLabels, M>,
+) where
+    Family<AdapterLabels, M>: prometheus_client::registry::Metric + Clone,
+{
+    registry.register(name, help, family.clone());
+    registry.register(
+        alias,
+        format!("{help} (deprecated name of switchboard_{name}, removed in the next release)"),
+        family.clone(),
+    );
+}
+
 fn adapter_histogram(
     registry: &mut Registry,
     name: &str,
@@ -115,6 +167,162 @@ fn adapter_histogram(
         .clone()
 }
 
+/// The adapter's message counters in the order of [`Metrics`]' fields: name and help.
+const MESSAGE_COUNTERS: [(&str, &str); 8] = [
+    ("messages_received", "Messages received from the broker"),
+    ("messages_stored", "Messages stored as new todos"),
+    (
+        "messages_duplicate",
+        "Redelivered messages whose event was already stored (no second todo)",
+    ),
+    (
+        "messages_acked",
+        "Messages acknowledged to the broker after commit",
+    ),
+    (
+        "messages_redelivered",
+        "Messages received with a delivery count above one",
+    ),
+    (
+        "stale_receipts",
+        "Acknowledgements the broker refused as no longer valid (the message is redelivered and deduplicated)",
+    ),
+    (
+        "leases_extended",
+        "Message leases (visibility timeouts) extended while their batch was still being stored",
+    ),
+    (
+        "dead_letters_kept_in_database",
+        "Dead letters the broker's dead-letter destination refused for good, kept in PostgreSQL's dead_letters table instead (`switchboard-worker dlq list` shows them)",
+    ),
+];
+
+/// Dead letters by reason, dependency errors and dependency health: labelled beyond the adapter.
+#[allow(clippy::type_complexity)]
+fn register_labelled_families(
+    r: &mut Registry,
+) -> (
+    Family<ReasonLabels, Counter>,
+    Family<DependencyLabels, Counter>,
+    Family<DependencyLabels, Gauge>,
+) {
+    let dead_lettered = Family::<ReasonLabels, Counter>::default();
+    r.register(
+        "messages_dead_lettered",
+        "Messages dead-lettered, by reason",
+        dead_lettered.clone(),
+    );
+    let errors = Family::<DependencyLabels, Counter>::default();
+    r.register(
+        "dependency_errors",
+        "Failed calls to the broker or the database",
+        errors.clone(),
+    );
+    let dependency_up = Family::<DependencyLabels, Gauge>::default();
+    r.register(
+        "dependency_up",
+        "1 while the dependency answers, 0 while it is down",
+        dependency_up.clone(),
+    );
+    (dead_lettered, errors, dependency_up)
+}
+
+/// Batch size, commit duration and end-to-end latency.
+fn register_histograms(r: &mut Registry, adapter: &str) -> [Histogram; 3] {
+    let batch_size = adapter_histogram(
+        r,
+        "batch_size",
+        "Messages per received batch",
+        adapter,
+        || {
+            Histogram::new([
+                1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0, 2000.0, 5000.0,
+                10000.0,
+            ])
+        },
+    );
+    let commit_seconds = adapter_histogram(
+        r,
+        "commit_duration_seconds",
+        "Time to store one batch (one transaction)",
+        adapter,
+        || Histogram::new(exponential_buckets(0.0005, 2.0, 14)),
+    );
+    let end_to_end_seconds = adapter_histogram(
+        r,
+        "end_to_end_latency_seconds",
+        "From the broker's enqueue time to the commit of its todo: the entry id's time for \
+         Redis streams, SentTimestamp for SQS; Redis lists and pub/sub carry no enqueue time, \
+         so there it is measured from the worker's first sight of the message (its first \
+         delivery)",
+        adapter,
+        || Histogram::new(exponential_buckets(0.001, 2.0, 18)),
+    );
+    [batch_size, commit_seconds, end_to_end_seconds]
+}
+
+/// What the queue probe reads from the broker.
+struct QueueGauges {
+    backlog: Gauge,
+    pending: Gauge,
+    oldest_pending_age_seconds: Gauge<f64, AtomicU64>,
+    dead_letters: Gauge,
+    oldest_dead_letter_age_seconds: Gauge<f64, AtomicU64>,
+}
+
+impl QueueGauges {
+    fn register(r: &mut Registry, adapter: &str) -> Self {
+        Self {
+            backlog: adapter_gauge(
+                r,
+                "backlog_messages",
+                "Messages in the broker not yet delivered to the consumer group (group lag)",
+                adapter,
+            ),
+            pending: adapter_gauge(
+                r,
+                "pending_messages",
+                "Messages delivered to a consumer and not yet acknowledged",
+                adapter,
+            ),
+            oldest_pending_age_seconds: adapter_gauge(
+                r,
+                "oldest_pending_age_seconds",
+                "Age of the oldest unacknowledged message",
+                adapter,
+            ),
+            dead_letters: adapter_gauge(
+                r,
+                "dead_letter_messages",
+                "Messages in the dead-letter destination (read from the broker)",
+                adapter,
+            ),
+            oldest_dead_letter_age_seconds: adapter_gauge(
+                r,
+                "oldest_dead_letter_age_seconds",
+                "How long the oldest dead letter has waited to be redriven or purged (0 when there is none; \
+                 exported where the broker tells: Redis streams and lists)",
+                adapter,
+            ),
+        }
+    }
+}
+
+/// The adapter's delivery guarantee as an info gauge (always 1).
+fn register_delivery_guarantee(r: &mut Registry, adapter: &str, guarantee: DeliveryGuarantee) {
+    let info = Family::<GuaranteeLabels, Gauge>::default();
+    r.register(
+        "delivery_guarantee",
+        "The delivery guarantee of this adapter's source mode (value is always 1)",
+        info.clone(),
+    );
+    info.get_or_create(&GuaranteeLabels {
+        adapter: adapter.to_owned(),
+        guarantee: guarantee.as_str().replace('-', "_"),
+    })
+    .set(1);
+}
+
 impl Metrics {
     /// A registry with the `switchboard` prefix, for the transport to register its own metrics in
     /// before [`Metrics::new`] adds the common ones.
@@ -124,149 +332,26 @@ impl Metrics {
 
     pub fn new(adapter: &str, guarantee: DeliveryGuarantee, mut registry: Registry) -> Self {
         let r = &mut registry;
-        let received = adapter_counter(
-            r,
-            "messages_received",
-            "Messages received from the broker",
-            adapter,
-        );
-        let stored = adapter_counter(
-            r,
-            "messages_stored",
-            "Messages stored as new todos",
-            adapter,
-        );
-        let duplicates = adapter_counter(
-            r,
-            "messages_duplicate",
-            "Redelivered messages whose event was already stored (no second todo)",
-            adapter,
-        );
-        let acked = adapter_counter(
-            r,
-            "messages_acked",
-            "Messages acknowledged to the broker after commit",
-            adapter,
-        );
-        let redelivered = adapter_counter(
-            r,
-            "messages_redelivered",
-            "Messages received with a delivery count above one",
-            adapter,
-        );
-        let stale_receipts = adapter_counter(
-            r,
-            "stale_receipts",
-            "Acknowledgements the broker refused as no longer valid (the message is redelivered and deduplicated)",
-            adapter,
-        );
-        let leases_extended = adapter_counter(
-            r,
-            "leases_extended",
-            "Message leases (visibility timeouts) extended while their batch was still being stored",
-            adapter,
-        );
-        let kept_in_database = adapter_counter(
-            r,
-            "dead_letters_kept_in_database",
-            "Dead letters the broker's dead-letter destination refused for good, kept in PostgreSQL's dead_letters table instead (`switchboard-worker dlq list` shows them)",
-            adapter,
-        );
-        let dead_lettered = Family::<ReasonLabels, Counter>::default();
-        r.register(
-            "messages_dead_lettered",
-            "Messages dead-lettered, by reason",
-            dead_lettered.clone(),
-        );
-        let errors = Family::<DependencyLabels, Counter>::default();
-        r.register(
-            "dependency_errors",
-            "Failed calls to the broker or the database",
-            errors.clone(),
-        );
-        let dependency_up = Family::<DependencyLabels, Gauge>::default();
-        r.register(
-            "dependency_up",
-            "1 while the dependency answers, 0 while it is down",
-            dependency_up.clone(),
-        );
-        let batch_size = adapter_histogram(
-            r,
-            "batch_size",
-            "Messages per received batch",
-            adapter,
-            || {
-                Histogram::new([
-                    1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0, 2000.0, 5000.0,
-                    10000.0,
-                ])
-            },
-        );
-        let commit_seconds = adapter_histogram(
-            r,
-            "commit_duration_seconds",
-            "Time to store one batch (one transaction)",
-            adapter,
-            || Histogram::new(exponential_buckets(0.0005, 2.0, 14)),
-        );
-        let end_to_end_seconds = adapter_histogram(
-            r,
-            "end_to_end_latency_seconds",
-            "From the broker's enqueue time to the commit of its todo: the entry id's time for \
-             Redis streams, SentTimestamp for SQS; Redis lists and pub/sub carry no enqueue time, \
-             so there it is measured from the worker's first sight of the message (its first \
-             delivery)",
-            adapter,
-            || Histogram::new(exponential_buckets(0.001, 2.0, 18)),
-        );
-        let backlog = adapter_gauge(
-            r,
-            "backlog_messages",
-            "Messages in the broker not yet delivered to the consumer group (group lag)",
-            adapter,
-        );
-        let pending = adapter_gauge(
-            r,
-            "pending_messages",
-            "Messages delivered to a consumer and not yet acknowledged",
-            adapter,
-        );
-        let oldest_pending_age_seconds = adapter_gauge(
-            r,
-            "oldest_pending_age_seconds",
-            "Age of the oldest unacknowledged message",
-            adapter,
-        );
-        let dead_letters = adapter_gauge(
-            r,
-            "dead_letter_messages",
-            "Messages in the dead-letter destination (read from the broker)",
-            adapter,
-        );
-        let oldest_dead_letter_age_seconds = adapter_gauge(
-            r,
-            "oldest_dead_letter_age_seconds",
-            "How long the oldest dead letter has waited to be redriven or purged (0 when there is none; \
-             exported where the broker tells: Redis streams and lists)",
-            adapter,
-        );
+        let [
+            received,
+            stored,
+            duplicates,
+            acked,
+            redelivered,
+            stale_receipts,
+            leases_extended,
+            kept_in_database,
+        ] = MESSAGE_COUNTERS.map(|(name, help)| adapter_counter(r, name, help, adapter));
+        let (dead_lettered, errors, dependency_up) = register_labelled_families(r);
+        let [batch_size, commit_seconds, end_to_end_seconds] = register_histograms(r, adapter);
+        let queue = QueueGauges::register(r, adapter);
         let ready = adapter_gauge(
             r,
             "worker_ready",
             "1 while the worker is ready (its loop started, broker and database answer), else 0",
             adapter,
         );
-        let info = Family::<GuaranteeLabels, Gauge>::default();
-        r.register(
-            "delivery_guarantee",
-            "The delivery guarantee of this adapter's source mode (value is always 1)",
-            info.clone(),
-        );
-        info.get_or_create(&GuaranteeLabels {
-            adapter: adapter.to_owned(),
-            guarantee: guarantee.as_str().replace('-', "_"),
-        })
-        .set(1);
+        register_delivery_guarantee(r, adapter, guarantee);
         let metrics = Self {
             registry,
             adapter: adapter.to_owned(),
@@ -284,21 +369,27 @@ impl Metrics {
             batch_size,
             commit_seconds,
             end_to_end_seconds,
-            backlog,
-            pending,
-            oldest_pending_age_seconds,
-            dead_letters,
-            oldest_dead_letter_age_seconds,
+            backlog: queue.backlog,
+            pending: queue.pending,
+            oldest_pending_age_seconds: queue.oldest_pending_age_seconds,
+            dead_letters: queue.dead_letters,
+            oldest_dead_letter_age_seconds: queue.oldest_dead_letter_age_seconds,
             ready,
         };
+        metrics.create_labelled_series();
+        metrics
+    }
+
+    /// Every reason's and every dependency's series, so that they are exported at zero (and
+    /// every dependency up) before anything happens.
+    fn create_labelled_series(&self) {
         for reason in PoisonReason::ALL {
-            metrics.dead_letter_counter(reason);
+            self.dead_letter_counter(reason);
         }
         for dependency in Dependency::ALL {
-            metrics.error_counter(dependency);
-            metrics.set_up(dependency, true);
+            self.error_counter(dependency);
+            self.set_up(dependency, true);
         }
-        metrics
     }
 
     fn dead_letter_counter(&self, reason: PoisonReason) -> Counter {
@@ -340,5 +431,33 @@ impl Metrics {
     /// The Prometheus text exposition (OpenMetrics).
     pub fn encode(&self) -> String {
         switchboard_telemetry::encode(&self.registry)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_aliased_counter_is_one_series_under_both_names() {
+        let mut registry = Metrics::registry();
+        let counter = adapter_counter_aliased(
+            &mut registry,
+            "redis_messages_reaped",
+            "messages_reaped",
+            "Items moved back",
+            "a/b",
+        );
+        counter.inc_by(3);
+        let text = switchboard_telemetry::encode(&registry);
+        assert!(
+            text.contains(r#"switchboard_redis_messages_reaped_total{adapter="a/b"} 3"#),
+            "{text}"
+        );
+        assert!(
+            text.contains(r#"switchboard_messages_reaped_total{adapter="a/b"} 3"#),
+            "{text}"
+        );
+        assert!(text.contains("deprecated name of switchboard_redis_messages_reaped"));
     }
 }

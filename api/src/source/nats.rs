@@ -151,6 +151,14 @@ impl Broker for NatsSource {
                 message: message.to_owned(),
             });
         };
+        self.validate_consumer(&mut error);
+        self.validate_dead_letter(delivery, &mut error);
+    }
+}
+
+impl NatsSource {
+    /// The stream, consumer, filter and credentials settings.
+    fn validate_consumer(&self, error: &mut dyn FnMut(&'static str, &str)) {
         let name_ok = |name: &str| {
             !name.is_empty()
                 && !name
@@ -193,6 +201,11 @@ impl Broker for NatsSource {
                 "at most one of credentialsSecretRef, nkeySecretRef, userSecretRef/passwordSecretRef and tokenSecretRef",
             );
         }
+    }
+
+    /// The dead-letter subject: valid, not read back by the filter, and no other broker's
+    /// dead-letter settings.
+    fn validate_dead_letter(&self, delivery: &Delivery, error: &mut dyn FnMut(&'static str, &str)) {
         if delivery.dead_letter.subject.as_deref().is_some_and(|s| {
             s.is_empty()
                 || s.split('.')

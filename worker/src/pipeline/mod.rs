@@ -317,25 +317,12 @@ impl<T: Transport> Pipeline<T> {
             self.next_prune = Instant::now() + PRUNE_INTERVAL;
             self.spawn_prune();
         }
+        // Any failure of the probe is waited out: it only asks whether the database answers.
         let context = self.context.clone();
-        loop {
-            let attempted = Instant::now();
-            match context.store.ping().await {
-                Ok(()) => {
-                    context.database.up();
-                    return Ok(true);
-                }
-                Err(err) => {
-                    if !context
-                        .database
-                        .back_off(&err, attempted, &self.cancel)
-                        .await
-                    {
-                        return Ok(false);
-                    }
-                }
-            }
-        }
+        let answered = context
+            .persist_while(|| context.store.ping(), |_| true)
+            .await;
+        Ok(matches!(answered, Ok(Some(()))))
     }
 
     /// Prunes, on its own task, the attempts of messages last seen longer ago than the

@@ -4,11 +4,10 @@
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Instant;
 
-use switchboard_telemetry::ErrorChain;
+use switchboard_telemetry::{Backoff, ErrorChain};
 use tokio_util::sync::CancellationToken;
 
 use super::LIVENESS_SLACK;
-use crate::backoff::Backoff;
 use crate::health::{Dependency, Health};
 use crate::metrics::Metrics;
 

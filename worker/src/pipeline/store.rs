@@ -79,7 +79,21 @@ impl StoreContext {
 
     /// Runs `op` until it succeeds, backing off while the database is unavailable. `Ok(None)`:
     /// shutdown interrupted a retry. `Err`: PostgreSQL refused the data, or the statement.
-    async fn persist<T, F>(&self, mut op: impl FnMut() -> F) -> Result<Option<T>, StoreError>
+    async fn persist<T, F>(&self, op: impl FnMut() -> F) -> Result<Option<T>, StoreError>
+    where
+        F: std::future::Future<Output = Result<T, StoreError>>,
+    {
+        self.persist_while(op, StoreError::is_retryable).await
+    }
+
+    /// The one store retry loop: runs `op` until it succeeds, backing off after the failures
+    /// `retry` accepts. `Ok(None)`: shutdown interrupted a retry. `Err`: a failure `retry`
+    /// refused.
+    pub(super) async fn persist_while<T, F>(
+        &self,
+        mut op: impl FnMut() -> F,
+        retry: fn(&StoreError) -> bool,
+    ) -> Result<Option<T>, StoreError>
     where
         F: std::future::Future<Output = Result<T, StoreError>>,
     {
@@ -90,7 +104,7 @@ impl StoreContext {
                     self.database.up();
                     return Ok(Some(value));
                 }
-                Err(err) if err.is_retryable() => {
+                Err(err) if retry(&err) => {
                     if !self.database.back_off(&err, started, &self.cancel).await {
                         return Ok(None);
                     }

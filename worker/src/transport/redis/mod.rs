@@ -13,6 +13,7 @@ use redis::aio::MultiplexedConnection;
 use redis::{AsyncConnectionConfig, Client, FromRedisValue, Value};
 use sha2::{Digest, Sha256};
 
+use super::dead_letter::DeadLetterContext;
 use super::{DeadLetter, TransportError};
 use crate::payload::{fields_json, insert_body};
 
@@ -98,58 +99,73 @@ pub fn classify_redis_error(
         );
     }
     if has("WRONGTYPE") {
-        let failed: Vec<&redis::Cmd> = codes
-            .iter()
-            .filter(|(_, code)| code == "WRONGTYPE")
-            .filter_map(|(index, _)| commands.get(*index).copied())
-            .collect();
-        let candidates = if failed.is_empty() {
-            commands
-        } else {
-            &failed[..]
-        };
-        let named: Vec<&NamedKey> = keys
-            .iter()
-            .filter(|key| {
-                candidates.iter().any(|cmd| {
-                    cmd.args_iter().any(|arg| {
-                        matches!(arg, redis::Arg::Simple(bytes) if bytes == key.key.as_bytes())
-                    })
-                })
-            })
-            .collect();
-        return match named.as_slice() {
-            [key] => fatal(
-                key.setting,
-                format!(
-                    "Redis key `{}` holds another type than a {} (WRONGTYPE from {command}); \
-                     delete or rename it, or choose another key",
-                    key.key, key.kind
-                ),
-                source,
-            ),
-            [first, ..] => {
-                let list: Vec<String> = named
-                    .iter()
-                    .map(|key| format!("`{}` ({}, a {})", key.key, key.setting, key.kind))
-                    .collect();
-                fatal(
-                    first.setting,
-                    format!(
-                        "one of the Redis keys {} holds another type (WRONGTYPE from {command})",
-                        list.join(", ")
-                    ),
-                    source,
-                )
-            }
-            [] => fatal(
-                "spec.source.redis",
-                format!("a Redis key of {command} holds another type (WRONGTYPE)"),
-                source,
-            ),
-        };
+        return wrongtype(command, commands, keys, &codes, source);
     }
     TransportError::transient(format!("redis command {command} failed"), source)
+}
+
+/// A key of the wrong type: fatal naming the key (among `keys`, those the failed `commands`
+/// use) and the setting that names it.
+fn wrongtype(
+    command: &'static str,
+    commands: &[&redis::Cmd],
+    keys: &[NamedKey],
+    codes: &[(usize, String)],
+    source: redis::RedisError,
+) -> TransportError {
+    let fatal = |setting: &str, context: String, source: redis::RedisError| {
+        TransportError::fatal(setting, context, Some(Box::new(source)))
+    };
+    let failed: Vec<&redis::Cmd> = codes
+        .iter()
+        .filter(|(_, code)| code == "WRONGTYPE")
+        .filter_map(|(index, _)| commands.get(*index).copied())
+        .collect();
+    let candidates = if failed.is_empty() {
+        commands
+    } else {
+        &failed[..]
+    };
+    let named: Vec<&NamedKey> = keys
+        .iter()
+        .filter(|key| {
+            candidates.iter().any(|cmd| {
+                cmd.args_iter().any(
+                    |arg| matches!(arg, redis::Arg::Simple(bytes) if bytes == key.key.as_bytes()),
+                )
+            })
+        })
+        .collect();
+    match named.as_slice() {
+        [key] => fatal(
+            key.setting,
+            format!(
+                "Redis key `{}` holds another type than a {} (WRONGTYPE from {command}); \
+                 delete or rename it, or choose another key",
+                key.key, key.kind
+            ),
+            source,
+        ),
+        [first, ..] => {
+            let list: Vec<String> = named
+                .iter()
+                .map(|key| format!("`{}` ({}, a {})", key.key, key.setting, key.kind))
+                .collect();
+            fatal(
+                first.setting,
+                format!(
+                    "one of the Redis keys {} holds another type (WRONGTYPE from {command})",
+                    list.join(", ")
+                ),
+                source,
+            )
+        }
+        [] => fatal(
+            "spec.source.redis",
+            format!("a Redis key of {command} holds another type (WRONGTYPE)"),
+            source,
+        ),
+    }
 }
 
 /// A failed dead-letter write: when the dead-letter key holds another type (WRONGTYPE, for
@@ -375,10 +391,6 @@ pub fn body_hash(body: &[u8]) -> String {
     hex::encode(Sha256::digest(body))
 }
 
-pub fn rfc3339_ms(ms: u64) -> String {
-    humantime::format_rfc3339_millis(UNIX_EPOCH + Duration::from_millis(ms)).to_string()
-}
-
 pub fn now_rfc3339() -> String {
     humantime::format_rfc3339_millis(SystemTime::now()).to_string()
 }
@@ -404,13 +416,16 @@ pub fn record_time_ms(record: &[u8]) -> Option<u64> {
 /// `body` when UTF-8, else `body_base64`), its context and its attempts.
 pub fn dead_letter_record<R>(letter: &DeadLetter<'_, R>, origin: Origin<'_>) -> String {
     let message = letter.message;
+    let context = DeadLetterContext::new(letter);
+    // Not the context's `error` (cut to 2 KiB) nor its attempts as text: the record keeps the
+    // whole error as `last_error`, a number of deliveries and the attempts as JSON.
     let mut record = serde_json::json!({
-        "reason": letter.reason.as_str(),
+        "reason": context.reason,
         "last_error": letter.error,
-        "delivery_count": message.delivery_count,
+        "delivery_count": context.delivery_count,
         "adapter": origin.adapter,
         "consumer": origin.consumer,
-        "first_seen": message.enqueued_at_ms.map(rfc3339_ms),
+        "first_seen": context.first_seen,
         "last_seen": now_rfc3339(),
         "headers": serde_json::from_str::<serde_json::Value>(&fields_json(&message.headers))
             .unwrap_or_default(),
@@ -441,23 +456,33 @@ mod tests {
         }
     }
 
-    #[test]
-    fn dead_letter_record_keeps_binary_bodies_losslessly() {
-        let message = message(&[0xff, 0x00, 0x01]);
+    /// The dead-letter record of `message` from the `kind` `name`, parsed.
+    fn record_of(
+        message: &Message<()>,
+        reason: PoisonReason,
+        error: &str,
+        kind: &'static str,
+        name: &str,
+    ) -> serde_json::Value {
         let letter = DeadLetter {
-            message: &message,
-            reason: PoisonReason::NotUtf8,
-            error: "not UTF-8".into(),
+            message,
+            reason,
+            error: error.to_owned(),
             attempts: crate::transport::Attempts::default(),
         };
         let origin = Origin {
-            kind: "list",
-            name: "jobs",
+            kind,
+            name,
             adapter: "a/b",
             consumer: "c",
         };
-        let record: serde_json::Value =
-            serde_json::from_str(&dead_letter_record(&letter, origin)).expect("json");
+        serde_json::from_str(&dead_letter_record(&letter, origin)).expect("json")
+    }
+
+    #[test]
+    fn dead_letter_record_keeps_binary_bodies_losslessly() {
+        let message = message(&[0xff, 0x00, 0x01]);
+        let record = record_of(&message, PoisonReason::NotUtf8, "not UTF-8", "list", "jobs");
         assert_eq!(record["body_base64"], "/wAB");
         assert!(record.get("body").is_none());
         assert_eq!(record["origin_list"], "jobs");
@@ -465,6 +490,26 @@ mod tests {
         assert_eq!(record["delivery_count"], 2);
         assert_eq!(record["first_seen"], "1970-01-01T00:00:00.000Z");
         assert_eq!(record["headers"]["channel"], "orders");
+    }
+
+    #[test]
+    fn dead_letter_record_keeps_its_field_names_and_value_types() {
+        let mut message = message(b"{");
+        message.enqueued_at_ms = None;
+        let long_error = "x".repeat(3000);
+        let record = record_of(
+            &message,
+            PoisonReason::InvalidJson,
+            &long_error,
+            "channel",
+            "orders",
+        );
+        assert_eq!(record["last_error"], long_error.as_str());
+        assert!(record.get("error").is_none());
+        assert!(record["delivery_count"].is_u64());
+        assert!(record["attempts"].is_object(), "{}", record["attempts"]);
+        assert!(record["first_seen"].is_null());
+        assert_eq!(record["origin_channel"], "orders");
     }
 
     #[test]
