@@ -68,7 +68,9 @@ def main() -> int:
     roots = sys.argv[1:] or CRATES
     over = []
     for root in roots:
-        for path in sorted(pathlib.Path(root).rglob("*.rs")):
+        root = pathlib.Path(root)
+        paths = [root] if root.is_file() else sorted(root.rglob("*.rs"))
+        for path in paths:
             lines = production_lines(path)
             if len(lines) > FILE_LIMIT:
                 over.append(f"{path}: {len(lines)} production lines (limit {FILE_LIMIT})")
