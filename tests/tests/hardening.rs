@@ -155,7 +155,7 @@ async fn backlog_gauge_follows_the_real_lag_during_a_database_outage() -> Result
     }
     ensure!(checks >= 3, "only {checks} checks during the outage");
     // The first entry not delivered has waited since early in the outage.
-    let waited = worker.metric(r#"switchboard_oldest_waiting_age_seconds{adapter="test/lag"}"#)?;
+    let waited = worker.metric(r#"switchboard_redis_oldest_waiting_age_seconds{adapter="test/lag"}"#)?;
     ensure!(
         waited >= 5.0,
         "the oldest waiting entry is as old as the outage, gauge says {waited}"
@@ -177,7 +177,7 @@ async fn backlog_gauge_follows_the_real_lag_during_a_database_outage() -> Result
         || async {
             Ok(worker.metric(backlog)? == 0.0
                 && worker
-                    .metric(r#"switchboard_oldest_waiting_age_seconds{adapter="test/lag"}"#)?
+                    .metric(r#"switchboard_redis_oldest_waiting_age_seconds{adapter="test/lag"}"#)?
                     == 0.0)
         },
     )
@@ -402,7 +402,7 @@ async fn dead_letter_gauge_shows_the_dlq_length_after_a_restart() -> Result<()> 
         0.0
     );
     assert_eq!(
-        restarted.metric(r#"switchboard_oldest_waiting_age_seconds{adapter="test/dl"}"#)?,
+        restarted.metric(r#"switchboard_redis_oldest_waiting_age_seconds{adapter="test/dl"}"#)?,
         0.0,
         "nothing waits"
     );
