@@ -7,6 +7,7 @@ use aws_sdk_sqs::types::QueueAttributeName;
 use super::Sqs;
 use super::classify::{self, Addressed};
 use super::in_flight::InFlight;
+use super::queues::queue_url_of;
 use crate::health::now_ms;
 use crate::transport::{QueueHealth, QueueProbe, TransportError};
 
@@ -77,17 +78,7 @@ impl QueueProbe for SqsProbe {
         let url = match (&self.queue_url, &self.queue_name) {
             (Some(url), _) => url.clone(),
             (None, Some(name)) => {
-                let output = self
-                    .client
-                    .get_queue_url()
-                    .queue_name(name)
-                    .send()
-                    .await
-                    .map_err(|err| self.errors.error("GetQueueUrl", Addressed::Source, err))?;
-                let url = output
-                    .queue_url()
-                    .map(str::to_owned)
-                    .ok_or_else(|| TransportError::protocol("SQS GetQueueUrl returned no URL"))?;
+                let url = queue_url_of(&self.client, &self.errors, name).await?;
                 self.queue_url = Some(url.clone());
                 url
             }

@@ -5,10 +5,11 @@
 
 use std::time::{Duration, Instant};
 
+use aws_sdk_sqs::Client;
 use aws_sdk_sqs::config::ProvideCredentials;
 use aws_sdk_sqs::types::QueueAttributeName;
 
-use super::classify::{Addressed, CREDENTIALS_SETTING};
+use super::classify::{self, Addressed, CREDENTIALS_SETTING};
 use super::dead_letter::DEFAULT_MAX_MESSAGE_BYTES;
 use super::{DEFAULT_VISIBILITY_SECONDS, Sqs, client};
 use crate::transport::TransportError;
@@ -42,6 +43,24 @@ fn is_fifo(attributes: &Attributes, url: &str) -> bool {
 /// A numeric queue attribute.
 fn number<N: std::str::FromStr>(attributes: &Attributes, name: QueueAttributeName) -> Option<N> {
     attributes.get(&name).and_then(|v| v.parse().ok())
+}
+
+/// The URL of the source queue named `name` (GetQueueUrl).
+pub async fn queue_url_of(
+    client: &Client,
+    errors: &classify::Settings,
+    name: &str,
+) -> Result<String, TransportError> {
+    let output = client
+        .get_queue_url()
+        .queue_name(name)
+        .send()
+        .await
+        .map_err(|err| errors.error("GetQueueUrl", Addressed::Source, err))?;
+    output
+        .queue_url()
+        .map(str::to_owned)
+        .ok_or_else(|| TransportError::protocol("SQS GetQueueUrl returned no URL"))
 }
 
 /// What the source queue's attributes say.
@@ -138,17 +157,7 @@ impl Sqs {
             return Ok(url.to_owned());
         }
         let name = spec.queue_name.as_deref().unwrap_or_default();
-        let output = self
-            .client
-            .get_queue_url()
-            .queue_name(name)
-            .send()
-            .await
-            .map_err(|err| self.errors.error("GetQueueUrl", Addressed::Source, err))?;
-        output
-            .queue_url()
-            .map(str::to_owned)
-            .ok_or_else(|| TransportError::protocol("SQS GetQueueUrl returned no URL"))
+        queue_url_of(&self.client, &self.errors, name).await
     }
 
     async fn queue_attributes(
