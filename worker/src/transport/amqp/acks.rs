@@ -1,9 +1,16 @@
-//! Which `basic.ack` frames settle a set of delivery tags: one `multiple=true` for the settled
-//! prefix of what the channel holds, when that prefix is contiguous, and one individual ack for
-//! each of the rest. A tag is acknowledged at most once (RabbitMQ closes the channel on an
-//! unknown tag).
+//! Acknowledging settled deliveries: which `basic.ack` frames settle a set of delivery tags
+//! (one `multiple=true` for the settled prefix of what the channel holds, when that prefix is
+//! contiguous, and one individual ack for each of the rest), and sending them. A tag is
+//! acknowledged at most once (RabbitMQ closes the channel on an unknown tag); a tag of an
+//! earlier channel is stale.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+
+use lapin::options::BasicAckOptions;
+
+use super::delivery::AmqpDelivery;
+use super::{Amqp, CALL_TIMEOUT};
+use crate::transport::{Acked, TransportError};
 
 /// One `basic.ack` frame.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -52,6 +59,76 @@ pub fn covered<V>(outstanding: &BTreeMap<u64, V>, frame: AckFrame) -> Vec<u64> {
             .then_some(frame.tag)
             .into_iter()
             .collect()
+    }
+}
+
+impl Amqp {
+    /// Acknowledges `messages` (settled, in receive order) on the session they came on; those
+    /// of an earlier channel, or left when the channel fails, are stale.
+    pub(super) async fn acknowledge(
+        &mut self,
+        messages: &[&AmqpDelivery],
+    ) -> Result<Acked, TransportError> {
+        let mut acked = Acked::all();
+        let Some(session) = self.session.as_mut() else {
+            return Err(TransportError::stale(
+                "the channel these deliveries came on is gone",
+                None,
+            ));
+        };
+        let mut settled = BTreeSet::new();
+        let mut index_of = HashMap::new();
+        for (index, message) in messages.iter().enumerate() {
+            let tag = message.receipt.tag;
+            if message.receipt.channel == session.generation
+                && session.outstanding.contains_key(&tag)
+            {
+                settled.insert(tag);
+                index_of.insert(tag, index);
+            } else {
+                acked.stale.push(index);
+            }
+        }
+        let mut lost = false;
+        for frame in plan(&session.outstanding, &settled) {
+            let covered = covered(&session.outstanding, frame);
+            let options = BasicAckOptions {
+                multiple: frame.multiple,
+            };
+            match tokio::time::timeout(CALL_TIMEOUT, session.consume.basic_ack(frame.tag, options))
+                .await
+            {
+                Ok(Ok(())) => {
+                    for tag in covered {
+                        session.outstanding.remove(&tag);
+                    }
+                }
+                // The channel is gone (or hangs): RabbitMQ puts back what it held.
+                _ => {
+                    lost = true;
+                    break;
+                }
+            }
+        }
+        if lost {
+            acked.stale.extend(
+                settled
+                    .iter()
+                    .filter(|tag| session.outstanding.contains_key(tag))
+                    .map(|tag| index_of[tag]),
+            );
+            acked.stale.sort_unstable();
+            self.lose_session();
+        } else {
+            self.held.record(&session.outstanding);
+        }
+        // A message acknowledged needs no memory of its dead letter's publish any more.
+        for (index, message) in messages.iter().enumerate() {
+            if acked.stale.binary_search(&index).is_err() {
+                self.publisher.forget(&message.idempotency_key);
+            }
+        }
+        Ok(acked)
     }
 }
 

@@ -11,14 +11,14 @@
 use lapin::BasicProperties;
 use lapin::types::{AMQPValue, FieldTable, LongString};
 
-use super::delivery::{OWN_COUNT_HEADER, Original, QUORUM_COUNT_HEADER};
-use crate::payload::PoisonReason;
-use crate::transport::Attempts;
+use super::delivery::{OWN_COUNT_HEADER, Original, QUORUM_COUNT_HEADER, Receipt};
+use crate::transport::DeadLetter;
+use crate::transport::dead_letter::{Convention, DeadLetterContext};
 
-/// The error text kept in `x-switchboard-error`.
-const MAX_ERROR_BYTES: usize = 2048;
 /// `delivery-mode` of a persistent message.
 pub const PERSISTENT: u8 = 2;
+/// How AMQP dead letters name their context headers (`x-switchboard-*`).
+const CONVENTION: Convention = Convention::Switchboard;
 
 /// What every dead letter of one write shares.
 #[derive(Debug, Clone, Copy)]
@@ -29,35 +29,8 @@ pub struct WriteContext<'a> {
     pub last_seen: &'a str,
 }
 
-/// What one dead letter says about its message.
-#[derive(Debug, Clone, Copy)]
-pub struct LetterContext<'a> {
-    /// The message's id within the source (its `message-id`, else the body's hash).
-    pub message_id: &'a str,
-    pub reason: PoisonReason,
-    pub error: &'a str,
-    pub delivery_count: u64,
-    /// When the broker accepted the message (Unix ms), if the publisher said.
-    pub first_seen_ms: Option<u64>,
-    pub attempts: &'a Attempts,
-}
-
 fn text(value: &str) -> AMQPValue {
     AMQPValue::LongString(LongString::from(value.as_bytes().to_vec()))
-}
-
-/// At most `max` bytes of `text`, cut at a character boundary.
-fn truncate(text: &str, max: usize) -> &str {
-    let mut end = text.len().min(max);
-    while !text.is_char_boundary(end) {
-        end -= 1;
-    }
-    &text[..end]
-}
-
-fn rfc3339_ms(ms: u64) -> String {
-    humantime::format_rfc3339_millis(std::time::UNIX_EPOCH + std::time::Duration::from_millis(ms))
-        .to_string()
 }
 
 /// Headers of the original a dead letter never copies: the delivery counters (RabbitMQ's and the
@@ -71,59 +44,59 @@ const COUNTER_HEADERS: [&str; 6] = [
     "x-first-death-reason",
 ];
 
-/// The properties of the dead letter of a message published as `original`.
-pub fn properties(
-    original: &Original,
-    letter: LetterContext<'_>,
-    context: WriteContext<'_>,
-) -> BasicProperties {
-    // The count travels as `x-switchboard-delivery-count`: a dead letter moved back to the
-    // queue starts counting afresh.
+/// The properties of `letter`'s dead letter: the original's properties and headers, and the
+/// context as `x-switchboard-*` headers. Its `message-id` is the message's id within the
+/// source (its `message-id`, else the body's hash).
+pub fn properties(letter: &DeadLetter<'_, Receipt>, context: WriteContext<'_>) -> BasicProperties {
+    let original = &letter.message.receipt.original;
+    let mut headers = copied_headers(&original.properties);
+    let common = DeadLetterContext::new(letter);
+    for (name, value) in common.fields(CONVENTION) {
+        headers.insert(name.into(), text(&value));
+    }
+    let mut set = |field: &str, value: AMQPValue| {
+        headers.insert(CONVENTION.name(field).into(), value);
+    };
+    // The count travels as `x-switchboard-delivery-count`, a number (replacing its text): a
+    // dead letter moved back to the queue starts counting afresh.
+    let delivery_count = i64::try_from(common.delivery_count).unwrap_or(i64::MAX);
+    set("delivery-count", AMQPValue::LongLongInt(delivery_count));
+    set("last-seen", text(context.last_seen));
+    set("queue", text(context.queue));
+    set("consumer", text(context.consumer));
+    set("original-exchange", text(&original.exchange));
+    set("original-routing-key", text(&original.routing_key));
     let p = &original.properties;
-    let mut headers: FieldTable = p
+    if let Some(expiration) = p.expiration() {
+        set("original-expiration", text(expiration.as_str()));
+    }
+    if let Some(user_id) = p.user_id() {
+        set("original-user-id", text(user_id.as_str()));
+    }
+    letter_properties(p, &letter.message.external_id, headers)
+}
+
+/// The original's headers but its delivery counters.
+fn copied_headers(original: &BasicProperties) -> FieldTable {
+    original
         .headers()
         .iter()
         .flat_map(|table| table.inner())
         .filter(|(name, _)| !COUNTER_HEADERS.contains(&name.as_str()))
         .map(|(name, value)| (name.clone(), value.clone()))
         .collect::<std::collections::BTreeMap<_, _>>()
-        .into();
-    let mut set = |name: &str, value: AMQPValue| {
-        headers.insert(name.into(), value);
-    };
-    set("x-switchboard-reason", text(letter.reason.as_str()));
-    set(
-        "x-switchboard-error",
-        text(truncate(letter.error, MAX_ERROR_BYTES)),
-    );
-    set(
-        "x-switchboard-delivery-count",
-        AMQPValue::LongLongInt(i64::try_from(letter.delivery_count).unwrap_or(i64::MAX)),
-    );
-    if let Some(ms) = letter.first_seen_ms {
-        set("x-switchboard-first-seen", text(&rfc3339_ms(ms)));
-    }
-    set("x-switchboard-last-seen", text(context.last_seen));
-    set("x-switchboard-queue", text(context.queue));
-    set("x-switchboard-consumer", text(context.consumer));
-    set("x-switchboard-attempts", text(&letter.attempts.to_json()));
-    set("x-switchboard-original-exchange", text(&original.exchange));
-    set(
-        "x-switchboard-original-routing-key",
-        text(&original.routing_key),
-    );
-    if let Some(expiration) = p.expiration() {
-        set(
-            "x-switchboard-original-expiration",
-            text(expiration.as_str()),
-        );
-    }
-    if let Some(user_id) = p.user_id() {
-        set("x-switchboard-original-user-id", text(user_id.as_str()));
-    }
-    // Built afresh, so that a property added here is a decision (not `expiration`, `user-id`).
+        .into()
+}
+
+/// The letter's properties, built afresh from the original's `p`, so that a property added
+/// here is a decision (not `expiration`, `user-id`).
+fn letter_properties(
+    p: &BasicProperties,
+    message_id: &str,
+    headers: FieldTable,
+) -> BasicProperties {
     let mut letter_properties = BasicProperties::default()
-        .with_message_id(letter.message_id.into())
+        .with_message_id(message_id.into())
         .with_delivery_mode(PERSISTENT)
         .with_headers(headers);
     let copies = [
@@ -164,7 +137,40 @@ pub fn recounted(original: &Original, next: u64) -> BasicProperties {
 
 #[cfg(test)]
 mod tests {
+    use std::sync::Arc;
+
     use super::*;
+    use crate::payload::PoisonReason;
+    use crate::transport::dead_letter::MAX_ERROR_BYTES;
+    use crate::transport::{Attempts, Message};
+
+    /// The message delivered as `original`, with its id within the source.
+    fn message(original: Original, external_id: &str, delivery_count: u64) -> Message<Receipt> {
+        Message {
+            receipt: Receipt {
+                channel: 1,
+                tag: 1,
+                original: Arc::new(original),
+            },
+            external_id: external_id.into(),
+            idempotency_key: format!("amqp:shop/orders:orders:{external_id}"),
+            body: b"{".to_vec(),
+            headers: Vec::new(),
+            delivery_count,
+            enqueued_at_ms: None,
+            position: None,
+            undecodable: None,
+        }
+    }
+
+    fn letter<'a>(message: &'a Message<Receipt>, error: &str) -> DeadLetter<'a, Receipt> {
+        DeadLetter {
+            message,
+            reason: PoisonReason::InvalidJson,
+            error: error.into(),
+            attempts: Attempts::default(),
+        }
+    }
 
     const CONTEXT: WriteContext<'static> = WriteContext {
         queue: "orders",
@@ -184,15 +190,9 @@ mod tests {
                 .with_content_type("application/json".into())
                 .with_headers(user),
         };
-        let letter = LetterContext {
-            message_id: "m-1",
-            reason: PoisonReason::InvalidJson,
-            error: &"x".repeat(5000),
-            delivery_count: 3,
-            first_seen_ms: Some(0),
-            attempts: &Attempts::default(),
-        };
-        let props = properties(&original, letter, CONTEXT);
+        let mut message = message(original, "m-1", 3);
+        message.enqueued_at_ms = Some(0);
+        let props = properties(&letter(&message, &"x".repeat(5000)), CONTEXT);
         assert_eq!(props.message_id().as_ref().map(|m| m.as_str()), Some("m-1"));
         assert_eq!(*props.delivery_mode(), Some(PERSISTENT));
         let headers = props.headers().clone().expect("headers");
@@ -233,15 +233,8 @@ mod tests {
                 .with_app_id("shop".into())
                 .with_headers(headers),
         };
-        let letter = LetterContext {
-            message_id: "sha256:ab",
-            reason: PoisonReason::InvalidJson,
-            error: "broken",
-            delivery_count: 5,
-            first_seen_ms: None,
-            attempts: &Attempts::default(),
-        };
-        let props = properties(&original, letter, CONTEXT);
+        let message = message(original, "sha256:ab", 5);
+        let props = properties(&letter(&message, "broken"), CONTEXT);
         assert_eq!(*props.expiration(), None);
         assert_eq!(*props.user_id(), None);
         assert_eq!(props.app_id().as_ref().map(|a| a.as_str()), Some("shop"));

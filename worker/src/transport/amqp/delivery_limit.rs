@@ -20,7 +20,7 @@ use lapin::options::QueueDeclareOptions;
 use lapin::types::{AMQPValue, FieldTable, LongString};
 
 use super::classify::{self, Addressed, Names};
-use super::{call, open_channel};
+use super::connection::{call, open_channel};
 use crate::transport::TransportError;
 
 /// The queue argument RabbitMQ limits deliveries with (quorum queues).
@@ -82,73 +82,32 @@ fn integer(value: &AMQPValue) -> Option<i64> {
     }
 }
 
-/// Fails fatally when `queue` has an `x-delivery-limit` argument below `max_deliveries`.
-pub async fn check(
-    names: &Names,
-    connection: &Connection,
-    queue: &str,
-    max_deliveries: u64,
-) -> Result<(), TransportError> {
-    let mut arguments = FieldTable::default();
-    let mut options = QueueDeclareOptions {
-        durable: true,
-        ..QueueDeclareOptions::default()
-    };
-    for _ in 0..MAX_ROUNDS {
-        let channel = open_channel(names, connection).await?;
-        let declared = call(
-            names,
-            "queue declare (argument check)",
-            Addressed::Queue,
-            async {
-                Ok(channel
-                    .queue_declare(queue.into(), options, arguments.clone())
-                    .await)
-            },
-        )
-        .await?;
-        let err = match declared {
-            Ok(_) => {
-                let _ = channel.close(200, "checked".into()).await;
-                return Ok(());
-            }
-            Err(err) => err,
-        };
-        let found = match (classify::reply_code(&err), &err.kind()) {
-            (Some(406), lapin::ErrorKind::ProtocolError(amqp)) => {
-                inequivalent(amqp.get_message().as_str())
-            }
-            (Some(403), _) => {
-                tracing::info!(
-                    queue,
-                    "cannot check the queue's x-delivery-limit (declaring needs the configure permission); make sure no delivery limit below spec.delivery.maxDeliveries applies"
-                );
-                return Ok(());
-            }
-            _ => return Err(names.error("queue declare (argument check)", Addressed::Queue, err)),
-        };
+/// What one declare with the arguments learnt so far said.
+enum Round {
+    /// It succeeded: every argument equals the queue's.
+    Equivalent,
+    /// The user may not declare the queue (403): nothing can be checked.
+    Forbidden,
+    /// It was refused (406); what it named, if this can echo it back.
+    Inequivalent(Option<Inequivalent>),
+}
+
+/// The queue arguments and declare flags learnt so far.
+struct Learnt {
+    arguments: FieldTable,
+    options: QueueDeclareOptions,
+}
+
+impl Learnt {
+    /// Takes the queue's current value of what a refused declare named.
+    fn learn(&mut self, found: Inequivalent) {
         match found {
-            Some(Inequivalent::Argument(name, Some(value))) if name == DELIVERY_LIMIT => {
-                return match integer(&value) {
-                    Some(limit)
-                        if u64::try_from(limit).is_ok_and(|limit| limit < max_deliveries) =>
-                    {
-                        Err(TransportError::fatal(
-                            "spec.delivery.maxDeliveries",
-                            format!(
-                                "the queue {queue:?} has x-delivery-limit {limit}, below spec.delivery.maxDeliveries {max_deliveries}: RabbitMQ would drop or dead-letter messages the worker has not stored; remove the queue's x-delivery-limit or raise it to at least {max_deliveries}, or lower maxDeliveries"
-                            ),
-                            None,
-                        ))
-                    }
-                    _ => Ok(()),
-                };
+            Inequivalent::Argument(name, Some(value)) => {
+                self.arguments.insert(name.as_str().into(), value);
             }
-            Some(Inequivalent::Argument(name, Some(value))) => {
-                arguments.insert(name.as_str().into(), value);
-            }
-            Some(Inequivalent::Argument(name, None)) => {
-                arguments = arguments
+            Inequivalent::Argument(name, None) => {
+                self.arguments = self
+                    .arguments
                     .inner()
                     .iter()
                     .filter(|(key, _)| key.as_str() != name)
@@ -156,11 +115,46 @@ pub async fn check(
                     .collect::<std::collections::BTreeMap<_, _>>()
                     .into();
             }
-            Some(Inequivalent::Flag(name, value)) => match name.as_str() {
-                "durable" => options.durable = value,
-                "exclusive" => options.exclusive = value,
-                _ => options.auto_delete = value,
+            Inequivalent::Flag(name, value) => match name.as_str() {
+                "durable" => self.options.durable = value,
+                "exclusive" => self.options.exclusive = value,
+                _ => self.options.auto_delete = value,
             },
+        }
+    }
+}
+
+/// Fails fatally when `queue` has an `x-delivery-limit` argument below `max_deliveries`.
+pub async fn check(
+    names: &Names,
+    connection: &Connection,
+    queue: &str,
+    max_deliveries: u64,
+) -> Result<(), TransportError> {
+    let mut learnt = Learnt {
+        arguments: FieldTable::default(),
+        options: QueueDeclareOptions {
+            durable: true,
+            ..QueueDeclareOptions::default()
+        },
+    };
+    for _ in 0..MAX_ROUNDS {
+        let found = match declare(names, connection, queue, &learnt).await? {
+            Round::Equivalent => return Ok(()),
+            Round::Forbidden => {
+                tracing::info!(
+                    queue,
+                    "cannot check the queue's x-delivery-limit (declaring needs the configure permission); make sure no delivery limit below spec.delivery.maxDeliveries applies"
+                );
+                return Ok(());
+            }
+            Round::Inequivalent(found) => found,
+        };
+        match found {
+            Some(Inequivalent::Argument(name, Some(value))) if name == DELIVERY_LIMIT => {
+                return compare(queue, &value, max_deliveries);
+            }
+            Some(found) => learnt.learn(found),
             None => break,
         }
     }
@@ -169,6 +163,57 @@ pub async fn check(
         "could not read the queue's arguments to check its x-delivery-limit; make sure no delivery limit below spec.delivery.maxDeliveries applies"
     );
     Ok(())
+}
+
+/// One declare of `queue` with what is `learnt`, on a channel of its own.
+async fn declare(
+    names: &Names,
+    connection: &Connection,
+    queue: &str,
+    learnt: &Learnt,
+) -> Result<Round, TransportError> {
+    let channel = open_channel(names, connection).await?;
+    let declared = call(
+        names,
+        "queue declare (argument check)",
+        Addressed::Queue,
+        async {
+            Ok(channel
+                .queue_declare(queue.into(), learnt.options, learnt.arguments.clone())
+                .await)
+        },
+    )
+    .await?;
+    let err = match declared {
+        Ok(_) => {
+            let _ = channel.close(200, "checked".into()).await;
+            return Ok(Round::Equivalent);
+        }
+        Err(err) => err,
+    };
+    match (classify::reply_code(&err), &err.kind()) {
+        (Some(406), lapin::ErrorKind::ProtocolError(amqp)) => Ok(Round::Inequivalent(
+            inequivalent(amqp.get_message().as_str()),
+        )),
+        (Some(403), _) => Ok(Round::Forbidden),
+        _ => Err(names.error("queue declare (argument check)", Addressed::Queue, err)),
+    }
+}
+
+/// Fails fatally when the queue's `x-delivery-limit` `value` is below `max_deliveries`.
+fn compare(queue: &str, value: &AMQPValue, max_deliveries: u64) -> Result<(), TransportError> {
+    match integer(value) {
+        Some(limit) if u64::try_from(limit).is_ok_and(|limit| limit < max_deliveries) => {
+            Err(TransportError::fatal(
+                "spec.delivery.maxDeliveries",
+                format!(
+                    "the queue {queue:?} has x-delivery-limit {limit}, below spec.delivery.maxDeliveries {max_deliveries}: RabbitMQ would drop or dead-letter messages the worker has not stored; remove the queue's x-delivery-limit or raise it to at least {max_deliveries}, or lower maxDeliveries"
+                ),
+                None,
+            ))
+        }
+        _ => Ok(()),
+    }
 }
 
 #[cfg(test)]

@@ -47,38 +47,36 @@
 
 mod acks;
 mod classify;
+mod connection;
+mod consume;
 mod dead_letter;
+mod declare;
 mod delivery;
 mod delivery_limit;
+mod metrics;
+mod probe;
 mod publisher;
+mod recount;
+mod session;
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use futures::{FutureExt as _, StreamExt as _};
-use lapin::options::{
-    BasicAckOptions, BasicConsumeOptions, BasicQosOptions, QueueBindOptions, QueueDeclareOptions,
-};
-use lapin::types::{AMQPValue, FieldTable, LongString};
-use lapin::{BasicProperties, Channel, Connection, ConnectionProperties, Consumer};
-use prometheus_client::metrics::counter::Counter;
-use prometheus_client::metrics::gauge::Gauge;
+use lapin::BasicProperties;
 use prometheus_client::registry::Registry;
-use switchboard_api::{AmqpQueueType, AmqpSource};
+use switchboard_api::AmqpSource;
 use switchboard_store::Dedup;
 
-use self::classify::{Addressed, Names, URL_SETTING};
-use self::dead_letter::{LetterContext, WriteContext};
+use self::classify::{Addressed, Names};
+use self::dead_letter::WriteContext;
+use self::delivery::AmqpDelivery;
 pub use self::delivery::Receipt;
-use self::delivery::{AmqpDelivery, Count, Origin, Original};
+use self::metrics::AmqpMetrics;
+pub use self::probe::AmqpProbe;
+use self::probe::Held;
 use self::publisher::{Outgoing, Publisher};
-use crate::health::now_ms;
-use crate::metrics::{adapter_counter, adapter_gauge};
-use crate::transport::{
-    Acked, DeadLetter, HELD, QueueHealth, QueueProbe, Transport, TransportError,
-};
+use self::session::Session;
+use crate::transport::{Acked, DeadLetter, Transport, TransportError};
 
 /// How long a blocking receive waits for a first delivery.
 const BLOCK: Duration = Duration::from_secs(1);
@@ -108,96 +106,6 @@ pub struct AmqpSettings {
     pub batch_size: usize,
     /// `spec.delivery.maxDeliveries`: a queue's `x-delivery-limit` may not be below it.
     pub max_deliveries: u64,
-}
-
-/// The AMQP transport's own metrics.
-#[derive(Debug, Clone)]
-struct AmqpMetrics {
-    recounted: Counter,
-    not_recounted: Counter,
-    sessions: Counter,
-    consumers: Gauge,
-    publishing_blocked: Gauge,
-}
-
-impl AmqpMetrics {
-    fn register(registry: &mut Registry, adapter: &str) -> Self {
-        Self {
-            recounted: adapter_counter(
-                registry,
-                "amqp_redeliveries_recounted",
-                "Classic-queue redeliveries published again with their delivery count (x-switchboard-deliveries)",
-                adapter,
-            ),
-            not_recounted: adapter_counter(
-                registry,
-                "amqp_redeliveries_not_recounted",
-                "Classic-queue redeliveries delivered without publishing them again with their count (the publish was refused, blocked or unconfirmed)",
-                adapter,
-            ),
-            sessions: adapter_counter(
-                registry,
-                "amqp_sessions_opened",
-                "Connections (with their consumer and publisher channels) opened to RabbitMQ",
-                adapter,
-            ),
-            consumers: adapter_gauge(
-                registry,
-                "amqp_queue_consumers",
-                "Consumers of the source queue, as RabbitMQ reports them",
-                adapter,
-            ),
-            publishing_blocked: adapter_gauge(
-                registry,
-                "amqp_publishing_blocked",
-                "1 while RabbitMQ blocks the publishing connection (connection.blocked: a disk or memory alarm)",
-                adapter,
-            ),
-        }
-    }
-}
-
-/// What this worker holds un-acknowledged, shared with the probe.
-#[derive(Debug, Default)]
-struct Held {
-    count: AtomicU64,
-    /// When the oldest held delivery arrived (Unix ms), 0 when none.
-    oldest_ms: AtomicU64,
-}
-
-impl Held {
-    fn record(&self, outstanding: &BTreeMap<u64, u64>) {
-        self.count
-            .store(outstanding.len() as u64, Ordering::Relaxed);
-        // Tags grow with arrival: the lowest is the oldest.
-        let oldest = outstanding.values().next().copied().unwrap_or(0);
-        self.oldest_ms.store(oldest, Ordering::Relaxed);
-    }
-
-    fn oldest_age(&self) -> Duration {
-        match self.oldest_ms.load(Ordering::Relaxed) {
-            0 => Duration::ZERO,
-            ms => Duration::from_millis(now_ms().saturating_sub(ms)),
-        }
-    }
-}
-
-/// The consumer's connection and channel.
-struct Session {
-    generation: u64,
-    connection: Connection,
-    consume: Channel,
-    consumer: Consumer,
-    /// Delivery tag → arrival (Unix ms) of every delivery not acknowledged yet.
-    outstanding: BTreeMap<u64, u64>,
-    /// When the consumer last delivered (or was subscribed).
-    last_delivery: Instant,
-}
-
-impl Session {
-    fn alive(&self) -> bool {
-        self.connection.status().connected() && self.consume.status().connected()
-    }
 }
 
 /// The AMQP transport.
@@ -231,87 +139,6 @@ impl std::fmt::Debug for Amqp {
     }
 }
 
-/// Runs a broker call under [`CALL_TIMEOUT`].
-async fn call<T>(
-    names: &Names,
-    what: &str,
-    addressed: Addressed,
-    future: impl Future<Output = lapin::Result<T>>,
-) -> Result<T, TransportError> {
-    match tokio::time::timeout(CALL_TIMEOUT, future).await {
-        Ok(result) => result.map_err(|err| names.error(what, addressed, err)),
-        Err(_) => Err(TransportError::protocol(format!(
-            "RabbitMQ {what} timed out after {CALL_TIMEOUT:?}"
-        ))),
-    }
-}
-
-/// Opens a channel on `connection`.
-async fn open_channel(names: &Names, connection: &Connection) -> Result<Channel, TransportError> {
-    call(
-        names,
-        "channel open",
-        Addressed::Connection,
-        connection.create_channel(),
-    )
-    .await
-}
-
-/// The passive declare of `queue` on a channel of its own (a missing queue closes it).
-async fn declare_passive(
-    names: &Names,
-    connection: &Connection,
-    queue: &str,
-) -> Result<lapin::Queue, TransportError> {
-    let channel = open_channel(names, connection).await?;
-    let options = QueueDeclareOptions {
-        passive: true,
-        ..QueueDeclareOptions::default()
-    };
-    let declared = call(
-        names,
-        "queue declare (passive)",
-        Addressed::Queue,
-        channel.queue_declare(queue.into(), options, FieldTable::default()),
-    )
-    .await?;
-    let _ = channel.close(200, "probed".into()).await;
-    Ok(declared)
-}
-
-/// Opens a connection to `url` named `name`.
-async fn connect(names: &Names, url: &str, name: &str) -> Result<Connection, TransportError> {
-    let properties = ConnectionProperties::default().with_connection_name(name.into());
-    call(
-        names,
-        "connect",
-        Addressed::Connection,
-        Connection::connect(url, properties),
-    )
-    .await
-}
-
-/// Checks the URL's form without echoing it (it may hold a password).
-fn check_url(url: &str) -> Result<(), TransportError> {
-    match url.parse::<lapin::uri::AMQPUri>() {
-        Ok(_) => Ok(()),
-        Err(_) => Err(TransportError::fatal(
-            URL_SETTING,
-            "is not a valid amqp:// or amqps:// URL",
-            None,
-        )),
-    }
-}
-
-fn queue_type_argument(queue_type: AmqpQueueType) -> FieldTable {
-    let mut arguments = FieldTable::default();
-    arguments.insert(
-        "x-queue-type".into(),
-        AMQPValue::LongString(LongString::from(queue_type.as_str().as_bytes().to_vec())),
-    );
-    arguments
-}
-
 impl Amqp {
     /// Checks the settings (no network yet).
     pub fn new(
@@ -319,7 +146,7 @@ impl Amqp {
         url: String,
         registry: &mut Registry,
     ) -> Result<Self, TransportError> {
-        check_url(&url)?;
+        connection::check_url(&url)?;
         let queue = settings.spec.queue.clone();
         let dead_letter_exchange = settings.dead_letter_exchange.clone().unwrap_or_default();
         let dead_letter_routing_key =
@@ -363,444 +190,6 @@ impl Amqp {
             buffer: Vec::new(),
         })
     }
-
-    /// Declares (or checks) the source queue and the default dead-letter queue, each on a
-    /// channel of its own: a refused declare closes its channel.
-    async fn declare_queues(&self, connection: &Connection) -> Result<(), TransportError> {
-        let names = &self.names;
-        let queue = self.settings.spec.queue.as_str();
-        let channel = open_channel(names, connection).await?;
-        let queue_type = match &self.settings.spec.declare {
-            Some(declare) => {
-                let options = QueueDeclareOptions {
-                    durable: true,
-                    ..QueueDeclareOptions::default()
-                };
-                call(
-                    names,
-                    "queue declare",
-                    Addressed::Declare,
-                    channel.queue_declare(
-                        queue.into(),
-                        options,
-                        queue_type_argument(declare.queue_type),
-                    ),
-                )
-                .await?;
-                for binding in &declare.bindings {
-                    call(
-                        names,
-                        "queue bind",
-                        Addressed::Bindings,
-                        channel.queue_bind(
-                            queue.into(),
-                            binding.exchange.as_str().into(),
-                            binding.routing_key.as_str().into(),
-                            QueueBindOptions::default(),
-                            FieldTable::default(),
-                        ),
-                    )
-                    .await?;
-                }
-                declare.queue_type
-            }
-            None => {
-                let options = QueueDeclareOptions {
-                    passive: true,
-                    ..QueueDeclareOptions::default()
-                };
-                call(
-                    names,
-                    "queue declare (passive)",
-                    Addressed::Queue,
-                    channel.queue_declare(queue.into(), options, FieldTable::default()),
-                )
-                .await?;
-                AmqpQueueType::Quorum
-            }
-        };
-        let _ = channel.close(200, "declared".into()).await;
-        if self.dead_letter_exchange.is_empty() {
-            self.declare_dead_letter_queue(connection, queue_type)
-                .await?;
-        }
-        Ok(())
-    }
-
-    /// Declares the default dead-letter queue when it does not exist (an existing one is left
-    /// as it is, whatever its arguments).
-    async fn declare_dead_letter_queue(
-        &self,
-        connection: &Connection,
-        queue_type: AmqpQueueType,
-    ) -> Result<(), TransportError> {
-        let names = &self.names;
-        let queue = self.dead_letter_routing_key.as_str();
-        let channel = open_channel(names, connection).await?;
-        let passive = QueueDeclareOptions {
-            passive: true,
-            ..QueueDeclareOptions::default()
-        };
-        let exists = channel
-            .queue_declare(queue.into(), passive, FieldTable::default())
-            .await;
-        match exists {
-            Ok(_) => {
-                let _ = channel.close(200, "declared".into()).await;
-                return Ok(());
-            }
-            Err(err) if classify::reply_code(&err) == Some(404) => {}
-            Err(err) => {
-                return Err(names.error(
-                    "dead-letter queue declare (passive)",
-                    Addressed::DeadLetter,
-                    err,
-                ));
-            }
-        }
-        let channel = open_channel(names, connection).await?;
-        let options = QueueDeclareOptions {
-            durable: true,
-            ..QueueDeclareOptions::default()
-        };
-        call(
-            names,
-            "dead-letter queue declare",
-            Addressed::DeadLetter,
-            channel.queue_declare(queue.into(), options, queue_type_argument(queue_type)),
-        )
-        .await?;
-        let _ = channel.close(200, "declared".into()).await;
-        tracing::info!(queue, "declared the dead-letter queue");
-        Ok(())
-    }
-
-    /// Opens a session: connection, declarations, the delivery-limit check, QoS and consumer.
-    async fn open_session(&mut self) -> Result<(), TransportError> {
-        let names = &self.names;
-        let connection = connect(names, &self.url, &self.settings.consumer).await?;
-        self.declare_queues(&connection).await?;
-        delivery_limit::check(
-            names,
-            &connection,
-            &self.settings.spec.queue,
-            self.settings.max_deliveries,
-        )
-        .await?;
-        let (consume, consumer) = self.subscribe(&connection).await?;
-        self.generations += 1;
-        self.metrics.sessions.inc();
-        if self.generations == 1 {
-            tracing::info!(
-                queue = %self.settings.spec.queue,
-                prefetch = self.prefetch(),
-                dead_letters = %self.names.dead_letter,
-                "RabbitMQ queue ready"
-            );
-        }
-        self.buffer.clear();
-        self.session = Some(Session {
-            generation: self.generations,
-            connection,
-            consume,
-            consumer,
-            outstanding: BTreeMap::new(),
-            last_delivery: Instant::now(),
-        });
-        self.held.record(&BTreeMap::new());
-        Ok(())
-    }
-
-    /// What the pipeline holds at most: its batches in flight and the one being received. A
-    /// prefetch of one batch would make every batch wait for the previous one's ack.
-    fn prefetch(&self) -> u16 {
-        u16::try_from(self.settings.batch_size.max(1) * (HELD + 1)).unwrap_or(u16::MAX)
-    }
-
-    /// A channel of `connection` with QoS and a consumer of the queue.
-    async fn subscribe(
-        &self,
-        connection: &Connection,
-    ) -> Result<(Channel, Consumer), TransportError> {
-        let names = &self.names;
-        let consume = open_channel(names, connection).await?;
-        call(
-            names,
-            "basic.qos",
-            Addressed::Connection,
-            consume.basic_qos(self.prefetch(), BasicQosOptions::default()),
-        )
-        .await?;
-        let consumer = call(
-            names,
-            "basic.consume",
-            Addressed::Queue,
-            consume.basic_consume(
-                self.settings.spec.queue.as_str().into(),
-                format!("switchboard-{}", self.settings.consumer).into(),
-                BasicConsumeOptions::default(),
-                FieldTable::default(),
-            ),
-        )
-        .await?;
-        Ok((consume, consumer))
-    }
-
-    /// Subscribes again on a new channel of the session's connection when the session has
-    /// held nothing and received nothing for [`IDLE_RESUBSCRIBE`]. A consumer can be lost
-    /// without a word: RabbitMQ 3.10 does not cancel a quorum queue's consumer when the queue is
-    /// deleted and declared again, and then checks the new queue's messages out to the old
-    /// consumer, which never delivers them. Closing its channel puts them back.
-    async fn resubscribe_if_idle(&mut self) -> Result<(), TransportError> {
-        let Some(session) = self.session.as_ref() else {
-            return Ok(());
-        };
-        if !session.outstanding.is_empty()
-            || !self.buffer.is_empty()
-            || session.last_delivery.elapsed() < IDLE_RESUBSCRIBE
-        {
-            return Ok(());
-        }
-        let subscribed = self.subscribe(&session.connection).await;
-        let Some(session) = self.session.as_mut() else {
-            return Ok(());
-        };
-        let (consume, consumer) = match subscribed {
-            Ok(subscribed) => subscribed,
-            Err(err) => {
-                self.lose_session();
-                return Err(err);
-            }
-        };
-        tracing::debug!("idle: subscribed again on a new channel");
-        let old = std::mem::replace(&mut session.consume, consume);
-        session.consumer = consumer;
-        self.generations += 1;
-        session.generation = self.generations;
-        session.last_delivery = Instant::now();
-        let _ = tokio::time::timeout(CALL_TIMEOUT, old.close(200, "resubscribed".into())).await;
-        Ok(())
-    }
-
-    /// The live session, opened if there is none (or the last one failed).
-    async fn session(&mut self) -> Result<&mut Session, TransportError> {
-        if self.session.as_ref().is_some_and(|s| !s.alive()) {
-            self.lose_session();
-        }
-        if self.session.is_none() {
-            self.open_session().await?;
-        }
-        self.session
-            .as_mut()
-            .ok_or_else(|| TransportError::protocol("no RabbitMQ session"))
-    }
-
-    /// Drops the session: RabbitMQ puts back what it held, and its receipts become stale.
-    fn lose_session(&mut self) {
-        self.buffer.clear();
-        if let Some(session) = self.session.take() {
-            self.held.record(&BTreeMap::new());
-            crate::task::spawn(async move {
-                let _ = tokio::time::timeout(
-                    CALL_TIMEOUT,
-                    session.connection.close(200, "reconnecting".into()),
-                )
-                .await;
-            });
-        }
-    }
-
-    /// Takes deliveries from the consumer into the buffer: with `block`, waits up to [`BLOCK`]
-    /// for the first, then up to [`GATHER`] for the rest; without, only what has arrived.
-    async fn fill(&mut self, max: usize, block: bool) -> Result<(), TransportError> {
-        let started = Instant::now();
-        let mut gather_until = (!self.buffer.is_empty()).then(|| started + GATHER);
-        self.session().await?;
-        let Self {
-            session,
-            buffer,
-            names,
-            held,
-            ..
-        } = self;
-        let Some(session) = session.as_mut() else {
-            return Err(TransportError::protocol("no RabbitMQ session"));
-        };
-        let mut buffered = Vec::new();
-        let mut failure = None;
-        while buffer.len() + buffered.len() < max {
-            let until = gather_until.unwrap_or(started + BLOCK);
-            // A delivery already buffered is taken without arming a timer.
-            let next = match session.consumer.next().now_or_never() {
-                Some(next) => Some(next),
-                None if block && until > Instant::now() => {
-                    tokio::time::timeout_at(until.into(), session.consumer.next())
-                        .await
-                        .ok()
-                }
-                None => None,
-            };
-            match next {
-                None => break,
-                Some(Some(Ok(delivery))) => {
-                    session.last_delivery = Instant::now();
-                    session.outstanding.insert(delivery.delivery_tag, now_ms());
-                    buffered.push(delivery);
-                    gather_until.get_or_insert_with(|| Instant::now() + GATHER);
-                }
-                Some(Some(Err(err))) => {
-                    failure = Some(names.error("consume", Addressed::Queue, err));
-                    break;
-                }
-                Some(None) => {
-                    failure = Some(TransportError::protocol(
-                        "RabbitMQ cancelled the consumer (was the queue deleted?)",
-                    ));
-                    break;
-                }
-            }
-        }
-        held.record(&session.outstanding);
-        buffer.extend(buffered);
-        if let Some(err) = failure {
-            self.lose_session();
-            return Err(err);
-        }
-        Ok(())
-    }
-
-    /// Publishes every classic-queue redelivery of the buffer again with its count one higher,
-    /// waits for the confirms, then acknowledges the redelivered copies and drops them from
-    /// the buffer. A redelivery whose copy is not confirmed (refused, blocked, unconfirmed)
-    /// stays in the buffer and is delivered with its count as it stands: storing never waits
-    /// on this publish.
-    async fn recount_redeliveries(&mut self) -> Result<(), TransportError> {
-        let recounts: Vec<(usize, BasicProperties)> = self
-            .buffer
-            .iter()
-            .enumerate()
-            .filter_map(|(index, d)| {
-                match delivery::count(d.redelivered, d.properties.headers().as_ref()) {
-                    Count::Recount { next } => Some((index, next)),
-                    Count::Known(_) => None,
-                }
-            })
-            .map(|(index, next)| {
-                let d = &self.buffer[index];
-                let original = Original {
-                    exchange: d.exchange.as_str().to_owned(),
-                    routing_key: d.routing_key.as_str().to_owned(),
-                    properties: d.properties.clone(),
-                };
-                (index, dead_letter::recounted(&original, next))
-            })
-            .collect();
-        if recounts.is_empty() {
-            return Ok(());
-        }
-        let keys: Vec<String> = recounts
-            .iter()
-            .map(|(index, _)| {
-                format!(
-                    "recount:{}:{}",
-                    self.generations, self.buffer[*index].delivery_tag
-                )
-            })
-            .collect();
-        let queue = self.settings.spec.queue.as_str();
-        let failure = if self.publisher.blocked() {
-            Some(TransportError::protocol(
-                "RabbitMQ blocks the publishing connection (a resource alarm)",
-            ))
-        } else {
-            let outgoing: Vec<Outgoing<'_>> = recounts
-                .iter()
-                .zip(&keys)
-                .map(|((index, properties), key)| Outgoing {
-                    key,
-                    exchange: "",
-                    routing_key: queue,
-                    body: &self.buffer[*index].data,
-                    properties,
-                })
-                .collect();
-            let published = self
-                .publisher
-                .publish("re-publish of a redelivery", Addressed::Queue, &outgoing)
-                .await;
-            match published.retry {
-                Some(err) if err.is_fatal() => return Err(err),
-                Some(err) => Some(err),
-                None => published.refusal.map(TransportError::protocol),
-            }
-        };
-        let mut confirmed = std::collections::HashSet::new();
-        for ((index, _), key) in recounts.iter().zip(&keys) {
-            if self.publisher.confirmed(key) {
-                confirmed.insert(*index);
-            }
-            self.publisher.forget(key);
-        }
-        if confirmed.len() < recounts.len() {
-            self.metrics
-                .not_recounted
-                .inc_by((recounts.len() - confirmed.len()) as u64);
-            if !self.recount_failing {
-                self.recount_failing = true;
-                let error = failure.map(|err| err.to_string()).unwrap_or_default();
-                tracing::warn!(
-                    %error,
-                    "classic-queue redeliveries are delivered without publishing them again with their count; a crash before they are stored does not count"
-                );
-            }
-        } else if std::mem::take(&mut self.recount_failing) {
-            tracing::info!("classic-queue redeliveries are recounted again");
-        }
-        if confirmed.is_empty() {
-            return Ok(());
-        }
-        self.ack_recounted(&confirmed).await?;
-        self.metrics.recounted.inc_by(confirmed.len() as u64);
-        Ok(())
-    }
-
-    /// Acknowledges the redelivered copies at `indexes` of the buffer (their recounted copies
-    /// are confirmed) and drops them from it.
-    async fn ack_recounted(
-        &mut self,
-        indexes: &std::collections::HashSet<usize>,
-    ) -> Result<(), TransportError> {
-        let Some(session) = self.session.as_mut() else {
-            return Err(TransportError::protocol("no RabbitMQ session"));
-        };
-        let mut result = Ok(());
-        for &index in indexes {
-            let tag = self.buffer[index].delivery_tag;
-            result = call(
-                &self.names,
-                "basic.ack",
-                Addressed::Queue,
-                session.consume.basic_ack(tag, BasicAckOptions::default()),
-            )
-            .await;
-            if result.is_err() {
-                break;
-            }
-            session.outstanding.remove(&tag);
-        }
-        self.held.record(&session.outstanding);
-        if let Err(err) = result {
-            self.lose_session();
-            return Err(err);
-        }
-        let mut index = 0;
-        self.buffer.retain(|_| {
-            let keep = !indexes.contains(&index);
-            index += 1;
-            keep
-        });
-        Ok(())
-    }
 }
 
 impl Transport for Amqp {
@@ -826,26 +215,7 @@ impl Transport for Amqp {
     ) -> Result<Vec<AmqpDelivery>, TransportError> {
         self.fill(max.max(1), block).await?;
         self.recount_redeliveries().await?;
-        let origin = Origin {
-            source: &self.source,
-            queue: &self.settings.spec.queue,
-            channel: self.generations,
-        };
-        Ok(std::mem::take(&mut self.buffer)
-            .into_iter()
-            .map(|d| {
-                let count = match delivery::count(d.redelivered, d.properties.headers().as_ref()) {
-                    Count::Known(count) => count,
-                    Count::Recount { next } => next,
-                };
-                let original = Original {
-                    exchange: d.exchange.to_string(),
-                    routing_key: d.routing_key.to_string(),
-                    properties: d.properties,
-                };
-                delivery::convert(origin, d.delivery_tag, original, d.data, count)
-            })
-            .collect())
+        Ok(self.take_buffer())
     }
 
     async fn write_dead_letters(
@@ -856,32 +226,14 @@ impl Transport for Amqp {
             return Ok(());
         }
         let last_seen = humantime::format_rfc3339_millis(std::time::SystemTime::now()).to_string();
-        let (queue, consumer) = (
-            self.settings.spec.queue.clone(),
-            self.settings.consumer.clone(),
-        );
         let context = WriteContext {
-            queue: &queue,
-            consumer: &consumer,
+            queue: &self.settings.spec.queue,
+            consumer: &self.settings.consumer,
             last_seen: &last_seen,
         };
         let properties: Vec<BasicProperties> = letters
             .iter()
-            .map(|letter| {
-                let message = letter.message;
-                dead_letter::properties(
-                    &message.receipt.original,
-                    LetterContext {
-                        message_id: &message.external_id,
-                        reason: letter.reason,
-                        error: &letter.error,
-                        delivery_count: message.delivery_count,
-                        first_seen_ms: message.enqueued_at_ms,
-                        attempts: &letter.attempts,
-                    },
-                    context,
-                )
-            })
+            .map(|letter| dead_letter::properties(letter, context))
             .collect();
         let outgoing: Vec<Outgoing<'_>> = letters
             .iter()
@@ -915,66 +267,7 @@ impl Transport for Amqp {
     }
 
     async fn ack(&mut self, messages: &[&AmqpDelivery]) -> Result<Acked, TransportError> {
-        let mut acked = Acked::all();
-        let Some(session) = self.session.as_mut() else {
-            return Err(TransportError::stale(
-                "the channel these deliveries came on is gone",
-                None,
-            ));
-        };
-        let mut settled = BTreeSet::new();
-        let mut index_of = HashMap::new();
-        for (index, message) in messages.iter().enumerate() {
-            let tag = message.receipt.tag;
-            if message.receipt.channel == session.generation
-                && session.outstanding.contains_key(&tag)
-            {
-                settled.insert(tag);
-                index_of.insert(tag, index);
-            } else {
-                acked.stale.push(index);
-            }
-        }
-        let mut lost = false;
-        for frame in acks::plan(&session.outstanding, &settled) {
-            let covered = acks::covered(&session.outstanding, frame);
-            let options = BasicAckOptions {
-                multiple: frame.multiple,
-            };
-            match tokio::time::timeout(CALL_TIMEOUT, session.consume.basic_ack(frame.tag, options))
-                .await
-            {
-                Ok(Ok(())) => {
-                    for tag in covered {
-                        session.outstanding.remove(&tag);
-                    }
-                }
-                // The channel is gone (or hangs): RabbitMQ puts back what it held.
-                _ => {
-                    lost = true;
-                    break;
-                }
-            }
-        }
-        if lost {
-            acked.stale.extend(
-                settled
-                    .iter()
-                    .filter(|tag| session.outstanding.contains_key(tag))
-                    .map(|tag| index_of[tag]),
-            );
-            acked.stale.sort_unstable();
-            self.lose_session();
-        } else {
-            self.held.record(&session.outstanding);
-        }
-        // A message acknowledged needs no memory of its dead letter's publish any more.
-        for (index, message) in messages.iter().enumerate() {
-            if acked.stale.binary_search(&index).is_err() {
-                self.publisher.forget(&message.idempotency_key);
-            }
-        }
-        Ok(acked)
+        self.acknowledge(messages).await
     }
 
     fn broker_dead_letters(&self) -> bool {
@@ -993,18 +286,7 @@ impl Transport for Amqp {
     }
 
     fn probe(&self) -> AmqpProbe {
-        AmqpProbe {
-            url: self.url.clone(),
-            name: format!("{} (queue health)", self.settings.consumer),
-            names: self.names.clone(),
-            connection: None,
-            dead_letter_queue: self
-                .dead_letter_exchange
-                .is_empty()
-                .then(|| self.dead_letter_routing_key.clone()),
-            held: self.held.clone(),
-            consumers: self.metrics.consumers.clone(),
-        }
+        self.new_probe()
     }
 
     async fn shutdown(&mut self) {
@@ -1020,71 +302,9 @@ impl Transport for Amqp {
     }
 }
 
-/// Reads the queue's depth with a passive declare on its own connection.
-pub struct AmqpProbe {
-    url: String,
-    name: String,
-    names: Names,
-    connection: Option<Connection>,
-    /// The default dead-letter queue; `None` when dead letters go to an exchange.
-    dead_letter_queue: Option<String>,
-    held: Arc<Held>,
-    consumers: Gauge,
-}
-
-impl AmqpProbe {
-    /// The passive declare of `queue` on a channel of its own (a missing queue closes it).
-    async fn declare_passive(&self, queue: &str) -> Result<lapin::Queue, TransportError> {
-        let Some(connection) = self.connection.as_ref() else {
-            return Err(TransportError::protocol("no RabbitMQ connection"));
-        };
-        declare_passive(&self.names, connection, queue).await
-    }
-
-    async fn read(&mut self) -> Result<lapin::Queue, TransportError> {
-        if self
-            .connection
-            .as_ref()
-            .is_none_or(|c| !c.status().connected())
-        {
-            self.connection = Some(connect(&self.names, &self.url, &self.name).await?);
-        }
-        self.declare_passive(&self.names.queue).await
-    }
-}
-
-impl QueueProbe for AmqpProbe {
-    async fn queue_health(&mut self) -> Result<QueueHealth, TransportError> {
-        let queue = match self.read().await {
-            Ok(queue) => queue,
-            Err(err) => {
-                self.connection = None;
-                return Err(err);
-            }
-        };
-        self.consumers.set(i64::from(queue.consumer_count()));
-        // The dead-letter queue's depth is for the gauge only: failing to read it is not an
-        // outage of the source.
-        let dead_letters = match &self.dead_letter_queue {
-            Some(dlq) => self
-                .declare_passive(dlq)
-                .await
-                .ok()
-                .map(|declared| u64::from(declared.message_count())),
-            None => None,
-        };
-        Ok(QueueHealth {
-            backlog: Some(u64::from(queue.message_count())),
-            pending: Some(self.held.count.load(Ordering::Relaxed)),
-            oldest_pending_age: Some(self.held.oldest_age()),
-            dead_letters,
-            oldest_dead_letter_age: None,
-        })
-    }
-}
-
 #[cfg(test)]
 mod tests {
+    use super::classify::URL_SETTING;
     use super::*;
 
     fn settings() -> AmqpSettings {

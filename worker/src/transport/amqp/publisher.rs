@@ -27,8 +27,9 @@ use lapin::{BasicProperties, Channel, Confirmation, Connection, Event, Publisher
 use prometheus_client::metrics::gauge::Gauge;
 use tracing::Instrument as _;
 
+use super::CALL_TIMEOUT;
 use super::classify::{self, Addressed, Names};
-use super::{CALL_TIMEOUT, call, connect, open_channel};
+use super::connection::{call, connect, open_channel};
 use crate::transport::TransportError;
 
 /// How long a letter may be refused (nacked, blocked, unconfirmed) before it is handed back as
@@ -200,28 +201,65 @@ impl Publisher {
             return published;
         }
         if self.blocked() {
-            for (index, message) in messages.iter().enumerate() {
-                if !self.confirmed.contains_key(message.key)
-                    && self.refused_long_enough(message.key)
-                {
-                    published.refused.push(index);
-                }
-            }
-            published.refusal =
-                Some("RabbitMQ blocked the publishing connection (a resource alarm)".into());
-            let settled = messages
-                .iter()
-                .filter(|message| self.confirmed.contains_key(message.key))
-                .count();
-            if settled + published.refused.len() < messages.len() {
-                published.retry = Some(TransportError::protocol(format!(
-                    "RabbitMQ blocks the publishing connection (a resource alarm: disk or memory): the {what} waits"
-                )));
-            }
-            return published;
+            return self.while_blocked(what, messages);
         }
-        // Publish what is neither confirmed nor outstanding.
-        let mut closed_by_refusal = false;
+        let closed_sending = self
+            .send_unsent(what, addressed, messages, &mut published)
+            .await;
+        let closed_confirming = self
+            .await_confirms(what, addressed, messages, &mut published)
+            .await;
+        if closed_sending || closed_confirming {
+            // RabbitMQ closed the channel for one of them (406): which one, only publishing
+            // them one at a time tells.
+            self.publish_one_by_one(what, addressed, messages, &mut published)
+                .await;
+        }
+        if published.retry.is_some()
+            && self
+                .open
+                .as_ref()
+                .is_some_and(|open| !open.connection.status().connected())
+        {
+            self.lose();
+        }
+        published.refused.sort_unstable();
+        published.refused.dedup();
+        published
+    }
+
+    /// What a publish comes to while RabbitMQ blocks the connection: nothing is sent; the
+    /// messages refused for [`PATIENCE`] are refused for good, the rest wait.
+    fn while_blocked(&mut self, what: &str, messages: &[Outgoing<'_>]) -> Published {
+        let mut published = Published::default();
+        for (index, message) in messages.iter().enumerate() {
+            if !self.confirmed.contains_key(message.key) && self.refused_long_enough(message.key) {
+                published.refused.push(index);
+            }
+        }
+        published.refusal =
+            Some("RabbitMQ blocked the publishing connection (a resource alarm)".into());
+        let settled = messages
+            .iter()
+            .filter(|message| self.confirmed.contains_key(message.key))
+            .count();
+        if settled + published.refused.len() < messages.len() {
+            published.retry = Some(TransportError::protocol(format!(
+                "RabbitMQ blocks the publishing connection (a resource alarm: disk or memory): the {what} waits"
+            )));
+        }
+        published
+    }
+
+    /// Publishes what is neither confirmed nor outstanding. Returns whether RabbitMQ closed
+    /// the channel refusing one of them.
+    async fn send_unsent(
+        &mut self,
+        what: &str,
+        addressed: Addressed,
+        messages: &[Outgoing<'_>],
+        published: &mut Published,
+    ) -> bool {
         for message in messages {
             if self.confirmed.contains_key(message.key)
                 || self.outstanding.contains_key(message.key)
@@ -232,16 +270,26 @@ impl Publisher {
                 Ok(confirm) => {
                     self.outstanding.insert(message.key.to_owned(), confirm);
                 }
-                Err(Failure::Refused(_)) => {
-                    closed_by_refusal = true;
-                    break;
-                }
+                Err(Failure::Refused(_)) => return true,
                 Err(Failure::Other(err)) => {
                     published.retry = Some(err);
-                    break;
+                    return false;
                 }
             }
         }
+        false
+    }
+
+    /// Waits for the outstanding confirms of `messages` until one shared deadline and records
+    /// what each came to. Returns whether RabbitMQ closed the channel refusing one of them.
+    async fn await_confirms(
+        &mut self,
+        what: &str,
+        addressed: Addressed,
+        messages: &[Outgoing<'_>],
+        published: &mut Published,
+    ) -> bool {
+        let mut closed_by_refusal = false;
         let deadline = tokio::time::Instant::now() + CALL_TIMEOUT;
         for (index, message) in messages.iter().enumerate() {
             let Some(mut confirm) = self.outstanding.remove(message.key) else {
@@ -264,37 +312,14 @@ impl Publisher {
                         });
                     }
                 }
-                Ok(Ok(Confirmation::Ack(None))) => {
-                    self.refusing.remove(message.key);
-                    self.confirmed
-                        .insert(message.key.to_owned(), Instant::now());
-                }
-                Ok(Ok(Confirmation::Ack(Some(returned)))) => {
-                    published.retry = Some(self.names.unroutable(
+                Ok(Ok(confirmation)) => {
+                    self.record(
                         what,
                         addressed,
-                        returned.reply_code,
-                        returned.reply_text.as_str(),
-                    ));
-                }
-                Ok(Ok(Confirmation::Nack(_))) => {
-                    published.refusal = Some(format!(
-                        "RabbitMQ refused the {what} (nack) for {PATIENCE:?}: is the queue full, with x-overflow reject-publish?"
-                    ));
-                    if self.refused_long_enough(message.key) {
-                        published.refused.push(index);
-                    } else {
-                        published.retry.get_or_insert_with(|| {
-                            TransportError::protocol(format!(
-                                "RabbitMQ refused the {what} (nack: a full queue with x-overflow reject-publish?); retried for up to {PATIENCE:?}"
-                            ))
-                        });
-                    }
-                }
-                Ok(Ok(Confirmation::NotRequested)) => {
-                    published.retry = Some(TransportError::protocol(format!(
-                        "{what}: the publisher channel is not in confirm mode"
-                    )));
+                        (index, message.key),
+                        confirmation,
+                        published,
+                    );
                 }
                 Ok(Err(err)) => match self.failure(what, addressed, err) {
                     Failure::Refused(_) => closed_by_refusal = true,
@@ -304,23 +329,51 @@ impl Publisher {
                 },
             }
         }
-        if closed_by_refusal {
-            // RabbitMQ closed the channel for one of them (406): which one, only publishing
-            // them one at a time tells.
-            self.publish_one_by_one(what, addressed, messages, &mut published)
-                .await;
+        closed_by_refusal
+    }
+
+    /// Records the `confirmation` of the message `key` at `index`.
+    fn record(
+        &mut self,
+        what: &str,
+        addressed: Addressed,
+        (index, key): (usize, &str),
+        confirmation: Confirmation,
+        published: &mut Published,
+    ) {
+        match confirmation {
+            Confirmation::Ack(None) => {
+                self.refusing.remove(key);
+                self.confirmed.insert(key.to_owned(), Instant::now());
+            }
+            Confirmation::Ack(Some(returned)) => {
+                published.retry = Some(self.names.unroutable(
+                    what,
+                    addressed,
+                    returned.reply_code,
+                    returned.reply_text.as_str(),
+                ));
+            }
+            Confirmation::Nack(_) => {
+                published.refusal = Some(format!(
+                    "RabbitMQ refused the {what} (nack) for {PATIENCE:?}: is the queue full, with x-overflow reject-publish?"
+                ));
+                if self.refused_long_enough(key) {
+                    published.refused.push(index);
+                } else {
+                    published.retry.get_or_insert_with(|| {
+                        TransportError::protocol(format!(
+                            "RabbitMQ refused the {what} (nack: a full queue with x-overflow reject-publish?); retried for up to {PATIENCE:?}"
+                        ))
+                    });
+                }
+            }
+            Confirmation::NotRequested => {
+                published.retry = Some(TransportError::protocol(format!(
+                    "{what}: the publisher channel is not in confirm mode"
+                )));
+            }
         }
-        if published.retry.is_some()
-            && self
-                .open
-                .as_ref()
-                .is_some_and(|open| !open.connection.status().connected())
-        {
-            self.lose();
-        }
-        published.refused.sort_unstable();
-        published.refused.dedup();
-        published
     }
 
     /// Publishes each message not settled yet alone, after RabbitMQ closed the channel with 406

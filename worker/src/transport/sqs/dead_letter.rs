@@ -7,35 +7,36 @@ use aws_sdk_sqs::error::BuildError;
 use aws_sdk_sqs::types::{MessageAttributeValue, SendMessageBatchRequestEntry};
 
 use super::delete_plan::BATCH_LIMIT;
-use super::receive::SqsDelivery;
-use crate::payload::{PoisonReason, fields_json};
-use crate::transport::{Attempts, rfc3339_ms, truncate};
+use super::receive::Receipt;
+use crate::payload::fields_json;
+use crate::transport::dead_letter::{Convention, DeadLetterContext};
+use crate::transport::{DeadLetter, truncate};
 
 /// SQS's default (and ElasticMQ's strict) limit on one message, attributes included, and on
 /// the sum of one batch call's messages.
 pub const DEFAULT_MAX_MESSAGE_BYTES: usize = 262_144;
-/// The error text kept in `x-dlq-error`.
-const MAX_ERROR_BYTES: usize = 2048;
 /// The body written for an undecodable message SQS delivered without one (SQS requires a
 /// non-empty body).
 const MISSING_BODY: &str = "(the SQS message had no body)";
+/// How SQS dead letters name their context attributes (`x-dlq-*`).
+const CONVENTION: Convention = Convention::Dlq;
 
-/// Context attributes, in the order they are dropped when a dead letter would exceed the
-/// size limit: the long ones first.
+/// Context fields, in the order their attributes are dropped when a dead letter would exceed
+/// the size limit: the long ones first.
 const DROP_ORDER: [&str; 10] = [
-    "x-dlq-attempts",
-    "x-dlq-attributes",
-    "x-dlq-error",
-    "x-dlq-origin",
-    "x-dlq-consumer",
-    "x-dlq-first-seen",
-    "x-dlq-last-seen",
-    "x-dlq-message-id",
-    "x-dlq-delivery-count",
-    "x-dlq-reason",
+    "attempts",
+    "attributes",
+    "error",
+    "origin",
+    "consumer",
+    "first-seen",
+    "last-seen",
+    "message-id",
+    "delivery-count",
+    "reason",
 ];
-/// Names the attributes dropped to fit (the tenth attribute).
-const DROPPED: &str = "x-dlq-dropped";
+/// The field naming the attributes dropped to fit (the tenth attribute).
+const DROPPED: &str = "dropped";
 
 /// What every dead letter of one write shares.
 #[derive(Debug, Clone, Copy)]
@@ -57,7 +58,7 @@ pub struct WriteContext<'a> {
 pub struct Letter {
     pub body: String,
     /// (name, data type, value)
-    pub attributes: Vec<(&'static str, &'static str, String)>,
+    pub attributes: Vec<(String, &'static str, String)>,
     pub group: Option<String>,
     pub deduplication_id: Option<String>,
 }
@@ -85,7 +86,7 @@ impl Letter {
                 .data_type(*data_type)
                 .string_value(value.clone())
                 .build()?;
-            entry = entry.message_attributes(*name, attribute);
+            entry = entry.message_attributes(name, attribute);
         }
         entry.build()
     }
@@ -103,48 +104,17 @@ fn sqs_text(text: &str) -> String {
         .collect()
 }
 
-/// The dead letter of `message`, dropping context attributes (longest first) until it fits
+/// The dead letter of `letter`, dropping context attributes (longest first) until it fits
 /// the limit. A body that does not fit even alone is returned as it is: the queue can never
 /// take it ([`Letter::size`] over the limit), and the writer reports it refused.
-pub fn letter(
-    message: &SqsDelivery,
-    reason: PoisonReason,
-    error: &str,
-    attempts: &Attempts,
-    context: WriteContext<'_>,
-) -> Letter {
+pub fn letter(letter: &DeadLetter<'_, Receipt>, context: WriteContext<'_>) -> Letter {
+    let message = letter.message;
     let body = if message.body.is_empty() {
         MISSING_BODY.to_owned()
     } else {
         // SQS bodies are text; the original arrived as a string.
         String::from_utf8_lossy(&message.body).into_owned()
     };
-    let mut attributes: Vec<(&'static str, &'static str, String)> = vec![
-        ("x-dlq-reason", "String", reason.as_str().to_owned()),
-        (
-            "x-dlq-error",
-            "String",
-            sqs_text(&truncate(error, MAX_ERROR_BYTES)),
-        ),
-        (
-            "x-dlq-delivery-count",
-            "Number",
-            message.delivery_count.to_string(),
-        ),
-        (
-            "x-dlq-first-seen",
-            "String",
-            message.enqueued_at_ms.map(rfc3339_ms).unwrap_or_default(),
-        ),
-        ("x-dlq-last-seen", "String", context.last_seen.to_owned()),
-        ("x-dlq-origin", "String", context.origin.to_owned()),
-        ("x-dlq-message-id", "String", message.external_id.clone()),
-        ("x-dlq-consumer", "String", sqs_text(context.consumer)),
-        ("x-dlq-attributes", "String", fields_json(&message.headers)),
-        ("x-dlq-attempts", "String", sqs_text(&attempts.to_json())),
-    ];
-    // SQS refuses empty attribute values.
-    attributes.retain(|(_, _, value)| !value.is_empty());
     let (group, deduplication_id) = if context.fifo {
         let group = message
             .receipt
@@ -155,19 +125,57 @@ pub fn letter(
     } else {
         (None, None)
     };
-    let mut letter = Letter {
+    let letter = Letter {
         body,
-        attributes,
+        attributes: attributes(letter, context),
         group,
         deduplication_id,
     };
-    let max = context.max_message_bytes;
-    let fits = |letter: &Letter, dropped: &[&str]| letter.size() + dropped_size(dropped) <= max;
-    let mut dropped: Vec<&str> = Vec::new();
-    for name in DROP_ORDER {
+    fit(letter, context.max_message_bytes)
+}
+
+/// The context attributes of `letter`'s dead letter (SQS refuses empty values: they are left
+/// out). The delivery count is a `Number`, every other value a `String`.
+fn attributes(
+    letter: &DeadLetter<'_, Receipt>,
+    context: WriteContext<'_>,
+) -> Vec<(String, &'static str, String)> {
+    let delivery_count = CONVENTION.name("delivery-count");
+    let mut attributes: Vec<(String, &'static str, String)> = DeadLetterContext::new(letter)
+        .fields(CONVENTION)
+        .into_iter()
+        .map(|(name, value)| {
+            let data_type = if name == delivery_count {
+                "Number"
+            } else {
+                "String"
+            };
+            (name, data_type, sqs_text(&value))
+        })
+        .collect();
+    let message = letter.message;
+    let mut add = |field: &str, value: String| {
+        attributes.push((CONVENTION.name(field), "String", value));
+    };
+    add("last-seen", context.last_seen.to_owned());
+    add("origin", context.origin.to_owned());
+    add("message-id", message.external_id.clone());
+    add("consumer", sqs_text(context.consumer));
+    add("attributes", fields_json(&message.headers));
+    attributes.retain(|(_, _, value)| !value.is_empty());
+    attributes
+}
+
+/// `letter` with context attributes dropped in [`DROP_ORDER`] until it fits `max` bytes, and
+/// the attribute naming those dropped when it still fits then.
+fn fit(mut letter: Letter, max: usize) -> Letter {
+    let fits = |letter: &Letter, dropped: &[String]| letter.size() + dropped_size(dropped) <= max;
+    let mut dropped: Vec<String> = Vec::new();
+    for field in DROP_ORDER {
         if fits(&letter, &dropped) {
             break;
         }
+        let name = CONVENTION.name(field);
         if let Some(at) = letter.attributes.iter().position(|(n, _, _)| *n == name) {
             letter.attributes.remove(at);
             dropped.push(name);
@@ -176,18 +184,18 @@ pub fn letter(
     if !dropped.is_empty() && fits(&letter, &dropped) {
         letter
             .attributes
-            .push((DROPPED, "String", dropped.join(",")));
+            .push((CONVENTION.name(DROPPED), "String", dropped.join(",")));
     }
     letter
 }
 
 /// The size of the `x-dlq-dropped` attribute naming `dropped` (none when nothing was).
-fn dropped_size(dropped: &[&str]) -> usize {
+fn dropped_size(dropped: &[String]) -> usize {
     if dropped.is_empty() {
         return 0;
     }
-    let names = dropped.iter().map(|n| n.len()).sum::<usize>() + dropped.len() - 1;
-    DROPPED.len() + "String".len() + names
+    let names = dropped.iter().map(String::len).sum::<usize>() + dropped.len() - 1;
+    CONVENTION.name(DROPPED).len() + "String".len() + names
 }
 
 /// Splits letters of `sizes` into calls of at most ten entries whose sizes add up to at most
@@ -213,8 +221,10 @@ pub fn batches(sizes: &[usize], max_batch_bytes: usize) -> Vec<std::ops::Range<u
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::transport::Message;
-    use crate::transport::sqs::receive::Receipt;
+    use crate::payload::PoisonReason;
+    use crate::transport::dead_letter::MAX_ERROR_BYTES;
+    use crate::transport::sqs::receive::SqsDelivery;
+    use crate::transport::{Attempts, Message};
 
     fn message(body: &str, headers: Vec<(String, Vec<u8>)>) -> SqsDelivery {
         Message {
@@ -230,6 +240,19 @@ mod tests {
             enqueued_at_ms: Some(1_700_000_000_000),
             position: None,
             undecodable: None,
+        }
+    }
+
+    fn dead<'a>(
+        message: &'a SqsDelivery,
+        reason: PoisonReason,
+        error: &str,
+    ) -> DeadLetter<'a, Receipt> {
+        DeadLetter {
+            message,
+            reason,
+            error: error.into(),
+            attempts: Attempts::default(),
         }
     }
 
@@ -255,16 +278,23 @@ mod tests {
     fn dead_letter_keeps_the_body_and_carries_its_context_in_at_most_ten_attributes() {
         let headers = vec![("MessageGroupId".to_owned(), b"g1".to_vec())];
         let letter = letter(
-            &message("{\"id\": 1} ", headers),
-            PoisonReason::InvalidJson,
-            "expected value",
-            &Attempts::default(),
+            &dead(
+                &message("{\"id\": 1} ", headers),
+                PoisonReason::InvalidJson,
+                "expected value",
+            ),
             context(true, DEFAULT_MAX_MESSAGE_BYTES),
         );
         assert_eq!(letter.body, "{\"id\": 1} ");
         assert!(letter.attributes.len() <= 10);
         assert_eq!(attribute(&letter, "x-dlq-reason"), Some("invalid_json"));
         assert_eq!(attribute(&letter, "x-dlq-delivery-count"), Some("4"));
+        let count_type = letter
+            .attributes
+            .iter()
+            .find(|(name, _, _)| name == "x-dlq-delivery-count")
+            .map(|(_, data_type, _)| *data_type);
+        assert_eq!(count_type, Some("Number"));
         assert_eq!(
             attribute(&letter, "x-dlq-first-seen"),
             Some("2023-11-14T22:13:20.000Z")
@@ -277,10 +307,7 @@ mod tests {
         assert_eq!(letter.group.as_deref(), Some("g1"));
         assert_eq!(letter.deduplication_id.as_deref(), Some("m-1"));
         let standard = super::letter(
-            &message("x", Vec::new()),
-            PoisonReason::Oversize,
-            "",
-            &Attempts::default(),
+            &dead(&message("x", Vec::new()), PoisonReason::Oversize, ""),
             context(false, DEFAULT_MAX_MESSAGE_BYTES),
         );
         assert_eq!(standard.group, None);
@@ -297,10 +324,11 @@ mod tests {
         let body = "b".repeat(max - 400);
         let headers = vec![("big".to_owned(), vec![b'h'; 1000])];
         let letter = letter(
-            &message(&body, headers),
-            PoisonReason::Oversize,
-            &"e".repeat(5000),
-            &Attempts::default(),
+            &dead(
+                &message(&body, headers),
+                PoisonReason::Oversize,
+                &"e".repeat(5000),
+            ),
             context(false, max),
         );
         assert!(letter.size() <= max, "{} > {max}", letter.size());
@@ -318,10 +346,11 @@ mod tests {
     #[test]
     fn a_body_over_the_limit_is_left_without_context_and_over_the_limit() {
         let letter = letter(
-            &message(&"b".repeat(100), Vec::new()),
-            PoisonReason::Oversize,
-            "too big",
-            &Attempts::default(),
+            &dead(
+                &message(&"b".repeat(100), Vec::new()),
+                PoisonReason::Oversize,
+                "too big",
+            ),
             context(false, 50),
         );
         assert_eq!(letter.body.len(), 100);
@@ -335,10 +364,11 @@ mod tests {
     #[test]
     fn errors_are_truncated_and_cleaned_of_characters_sqs_refuses() {
         let letter = letter(
-            &message("x", Vec::new()),
-            PoisonReason::Rejected,
-            &format!("bad\u{0}byte {}", "é".repeat(3000)),
-            &Attempts::default(),
+            &dead(
+                &message("x", Vec::new()),
+                PoisonReason::Rejected,
+                &format!("bad\u{0}byte {}", "é".repeat(3000)),
+            ),
             context(false, DEFAULT_MAX_MESSAGE_BYTES),
         );
         let error = attribute(&letter, "x-dlq-error").expect("error");
@@ -350,10 +380,7 @@ mod tests {
     #[test]
     fn batches_hold_at_most_ten_letters_within_the_byte_limit() {
         let small = letter(
-            &message("x", Vec::new()),
-            PoisonReason::Rejected,
-            "e",
-            &Attempts::default(),
+            &dead(&message("x", Vec::new()), PoisonReason::Rejected, "e"),
             context(false, DEFAULT_MAX_MESSAGE_BYTES),
         );
         let size = small.size();
