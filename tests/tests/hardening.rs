@@ -155,7 +155,8 @@ async fn backlog_gauge_follows_the_real_lag_during_a_database_outage() -> Result
     }
     ensure!(checks >= 3, "only {checks} checks during the outage");
     // The first entry not delivered has waited since early in the outage.
-    let waited = worker.metric(r#"switchboard_redis_oldest_waiting_age_seconds{adapter="test/lag"}"#)?;
+    let waited =
+        worker.metric(r#"switchboard_redis_oldest_waiting_age_seconds{adapter="test/lag"}"#)?;
     ensure!(
         waited >= 5.0,
         "the oldest waiting entry is as old as the outage, gauge says {waited}"
@@ -176,9 +177,9 @@ async fn backlog_gauge_follows_the_real_lag_during_a_database_outage() -> Result
         "the backlog and waiting gauges return to 0",
         || async {
             Ok(worker.metric(backlog)? == 0.0
-                && worker
-                    .metric(r#"switchboard_redis_oldest_waiting_age_seconds{adapter="test/lag"}"#)?
-                    == 0.0)
+                && worker.metric(
+                    r#"switchboard_redis_oldest_waiting_age_seconds{adapter="test/lag"}"#,
+                )? == 0.0)
         },
     )
     .await

@@ -246,7 +246,8 @@ async fn redis_restart_without_persistence_is_recovered_without_skipping_new_ent
     wait_stored(&fx, "rr", "rr", "switchboard", 600).await?;
     fx.assert_exactly_once("rr", 600).await?;
     ensure!(
-        worker.metric(r#"switchboard_redis_consumer_group_recreated_total{adapter="test/rr"}"#)? >= 1.0,
+        worker.metric(r#"switchboard_redis_consumer_group_recreated_total{adapter="test/rr"}"#)?
+            >= 1.0,
         "the recreation must be counted"
     );
     ensure!(
