@@ -134,6 +134,26 @@ fn consumer_name(explicit: Option<String>) -> Result<String, WorkerError> {
         .ok_or(WorkerError::NoConsumer)
 }
 
+/// `switchboard-worker lint --file`: the checks `run` makes of a manifest before it connects
+/// to anything (the loader's schema bounds and the API server's rules, a source set), with no
+/// environment and no server. What a valid manifest runs, in one line.
+pub fn lint(path: &PathBuf) -> Result<String, WorkerError> {
+    let adapter = read_adapter(path)?;
+    let broker = adapter.spec.source.broker().ok_or(WorkerError::NoSource)?;
+    let disabled = if adapter.spec.enabled {
+        ""
+    } else {
+        " (disabled: spec.enabled is false)"
+    };
+    Ok(format!(
+        "{}: {} {}, {}{disabled}",
+        adapter.adapter_name(),
+        broker.kind(),
+        broker.mode(),
+        broker.guarantee().as_str()
+    ))
+}
+
 pub(crate) fn read_adapter(path: &PathBuf) -> Result<QueueAdapter, WorkerError> {
     let yaml = std::fs::read_to_string(path).map_err(|source| WorkerError::ReadManifest {
         path: path.clone(),
