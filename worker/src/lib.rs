@@ -99,6 +99,14 @@ pub enum WorkerError {
     Stdin(#[source] std::io::Error),
 }
 
+impl WorkerError {
+    /// The command line asked for something that cannot be done as said (exit code 2, as a
+    /// flag clap refuses).
+    pub fn is_usage(&self) -> bool {
+        matches!(self, WorkerError::Dlq(dlq::DlqError::Usage(_)))
+    }
+}
+
 /// Options of `switchboard-worker run`.
 #[derive(Debug, Clone)]
 pub struct RunOptions {

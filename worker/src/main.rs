@@ -157,7 +157,11 @@ async fn main() -> ExitCode {
         Err(err) => {
             tracing::error!(error = %ErrorChain(&err), "fatal");
             eprintln!("error: {}", ErrorChain(&err));
-            ExitCode::FAILURE
+            if err.is_usage() {
+                ExitCode::from(2)
+            } else {
+                ExitCode::FAILURE
+            }
         }
     }
 }
