@@ -323,8 +323,13 @@ fn dlq_ok<C: Case>(case: &C, args: &[&str]) -> Result<Vec<u8>> {
 
 /// `dlq list -o json`: one object per line.
 fn list_json<C: Case>(case: &C, file: &str) -> Result<Vec<serde_json::Value>> {
-    let stdout = dlq_ok(case, &["list", "--file", file, "-o", "json"])?;
-    String::from_utf8(stdout)?
+    letters_listed(&dlq_ok(case, &["list", "--file", file, "-o", "json"])?)
+}
+
+/// The letters of a `list -o json` output, which ends with a summary line saying the listing
+/// was complete.
+fn letters_listed(stdout: &[u8]) -> Result<Vec<serde_json::Value>> {
+    let mut lines: Vec<serde_json::Value> = std::str::from_utf8(stdout)?
         .lines()
         .map(|line| {
             let value: serde_json::Value = serde_json::from_str(line)
@@ -332,7 +337,14 @@ fn list_json<C: Case>(case: &C, file: &str) -> Result<Vec<serde_json::Value>> {
             ensure!(value.is_object(), "not an object: {line}");
             Ok(value)
         })
-        .collect()
+        .collect::<Result<_>>()?;
+    let summary = lines.pop().context("no summary line")?;
+    let summary = &summary["summary"];
+    ensure!(
+        summary["truncated"] == false && summary["listed"] == lines.len(),
+        "the summary says the listing is complete: {summary}"
+    );
+    Ok(lines)
 }
 
 /// The body of a `-o json` letter: `body` (UTF-8) or `body_base64`.
@@ -382,6 +394,23 @@ async fn listed_shown_and_redriven_into_one_todo_each<C: Case>(name: &str) -> Re
 
     let letters = list_json(&case, &file)?;
     ensure!(letters.len() == POISON + OVERDUE, "15 letters: {letters:?}");
+    // A listing cut by --limit says so in its last line, never silently.
+    let cut = dlq_ok(
+        &case,
+        &["list", "--file", &file, "-o", "json", "--limit", "3"],
+    )?;
+    let summary: serde_json::Value = serde_json::from_str(
+        std::str::from_utf8(&cut)?
+            .lines()
+            .last()
+            .context("no line")?,
+    )?;
+    ensure!(
+        summary["summary"]["truncated"] == true
+            && summary["summary"]["listed"] == 3
+            && summary["summary"]["matching"] == POISON + OVERDUE,
+        "{summary}"
+    );
     let reasons = |wanted: &str| {
         letters
             .iter()
@@ -457,7 +486,7 @@ fn list_json_filtered<C: Case>(case: &C, file: &str, reason: &str) -> Result<usi
         case,
         &["list", "--file", file, "-o", "json", "--reason", reason],
     )?;
-    Ok(String::from_utf8(stdout)?.lines().count())
+    Ok(letters_listed(&stdout)?.len())
 }
 
 /// Acceptance 2: a redrive killed half-way, then run again, leaves exactly one todo per
@@ -891,10 +920,7 @@ async fn letters_kept_in_postgresql_are_listed_shown_and_purged_for_every_broker
         "{}",
         String::from_utf8_lossy(&listed.stderr)
     );
-    let letters: Vec<serde_json::Value> = String::from_utf8(listed.stdout)?
-        .lines()
-        .map(serde_json::from_str)
-        .collect::<Result<_, _>>()?;
+    let letters = letters_listed(&listed.stdout)?;
     ensure!(letters.len() == 2, "{letters:?}");
     ensure!(
         body_of(&letters[1])? == binary,

@@ -64,7 +64,8 @@ pub struct Target {
 pub enum ListFormat {
     /// A table for people.
     Table,
-    /// One JSON object per line, the body as `body` (UTF-8) or `body_base64`.
+    /// One JSON object per letter and line, the body as `body` (UTF-8) or `body_base64`, then
+    /// one `{"summary": {listed, matching, total, truncated, destination}}` line.
     Json,
 }
 
@@ -299,22 +300,36 @@ async fn list<R: DeadLetterReader>(
 ) -> Result<(), DlqError> {
     let letters = reader.letters(usize::MAX).await?;
     let result = async {
-        let shown: Vec<&StoredLetter> = letters
+        let matching: Vec<&StoredLetter> = letters
             .iter()
             .filter(|letter| reason.is_none_or(|wanted| letter.reason.as_deref() == Some(wanted)))
             .filter(|letter| since.is_none_or(|since| age(letter).is_some_and(|age| age <= since)))
-            .take(limit)
             .collect();
+        let shown = &matching[..matching.len().min(limit)];
+        let more = matching.len() - shown.len();
         match format {
             ListFormat::Json => {
-                for letter in &shown {
+                for letter in shown {
                     stdout_line(&output::json(letter).to_string())?;
                 }
+                let summary = serde_json::json!({"summary": {
+                    "listed": shown.len(),
+                    "matching": matching.len(),
+                    "total": letters.len(),
+                    "truncated": more > 0,
+                    "destination": reader.destination(),
+                }});
+                stdout_line(&summary.to_string())?;
             }
             ListFormat::Table => {
-                stdout_line(&output::table(&shown))?;
+                stdout_line(&output::table(shown))?;
+                let cut = if more > 0 {
+                    format!(" ({more} more match: raise --limit)")
+                } else {
+                    String::new()
+                };
                 eprintln!(
-                    "{} of {} dead letters in {}",
+                    "{} of {} dead letters in {}{cut}",
                     shown.len(),
                     letters.len(),
                     reader.destination()
