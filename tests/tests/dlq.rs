@@ -595,6 +595,55 @@ async fn purge_removes_only_older_letters_and_refuses_unconfirmed<C: Case>(
     for letter in &left {
         ensure!(!old.contains(&body_of(letter)?), "an older letter was kept");
     }
+
+    // --dry-run deletes nothing and says what it would; a reason that selects nothing deletes
+    // nothing; an id deletes exactly that letter; an unknown id fails naming it.
+    let dry = String::from_utf8(dlq_ok(&case, &["purge", "--file", &file, "--dry-run"])?)?;
+    ensure!(
+        dry.contains("5 dead letters would be deleted") && dry.contains("nothing deleted"),
+        "{dry}"
+    );
+    let none = String::from_utf8(dlq_ok(
+        &case,
+        &[
+            "purge",
+            "--file",
+            &file,
+            "--reason",
+            "max_deliveries",
+            "--yes",
+        ],
+    )?)?;
+    ensure!(none.contains("nothing to delete"), "{none}");
+    case.settle().await?;
+    ensure!(
+        case.dead_letters().await? == 5,
+        "dry run and reason deleted nothing"
+    );
+    let id = left[0]["id"].as_str().context("id")?;
+    let one = String::from_utf8(dlq_ok(&case, &["purge", "--file", &file, id, "--yes"])?)?;
+    ensure!(one.contains("1 dead letters deleted"), "{one}");
+    case.settle().await?;
+    let rest = list_json(&case, &file)?;
+    ensure!(
+        rest.len() == 4 && rest.iter().all(|letter| letter["id"] != id),
+        "only {id} is gone: {rest:?}"
+    );
+    let unknown = dlq(
+        &case,
+        &["purge", "--file", &file, "no-such-letter", "--yes"],
+    )?;
+    let stderr = String::from_utf8_lossy(&unknown.stderr);
+    ensure!(
+        unknown.status.code() == Some(1) && stderr.contains("no-such-letter"),
+        "{:?} {stderr}",
+        unknown.status
+    );
+    case.settle().await?;
+    ensure!(
+        case.dead_letters().await? == 4,
+        "an unknown id deletes nothing"
+    );
     Ok(())
 }
 

@@ -142,13 +142,22 @@ pub enum DlqCommand {
         #[arg(long)]
         dry_run: bool,
     },
-    /// Delete dead letters (all, or those older than --older-than); asks first on a terminal.
+    /// Delete dead letters (by id, reason or age; all if none is given); asks first on a
+    /// terminal.
     Purge {
         #[command(flatten)]
         target: Target,
+        /// The letters to delete, by id.
+        ids: Vec<String>,
+        /// Only letters dead-lettered for this reason.
+        #[arg(long, conflicts_with = "ids", value_parser = poison_reason())]
+        reason: Option<String>,
         /// Only letters dead-lettered longer ago than this (`14d`).
         #[arg(long, value_parser = humantime::parse_duration)]
         older_than: Option<Duration>,
+        /// Say what would be deleted, delete nothing.
+        #[arg(long)]
+        dry_run: bool,
         /// Do not ask for confirmation.
         #[arg(long)]
         yes: bool,
@@ -280,8 +289,26 @@ async fn execute<R: DeadLetterReader>(
             redrive(&mut reader, selection, rate, dry_run).await
         }
         DlqCommand::Purge {
-            older_than, yes, ..
-        } => purge(&mut reader, older_than, yes).await,
+            ids,
+            reason,
+            older_than,
+            dry_run,
+            yes,
+            ..
+        } => {
+            let selection = match (reason, ids.is_empty()) {
+                (Some(reason), _) => Selection::Reason(reason),
+                (None, false) => Selection::Ids(ids),
+                (None, true) => Selection::All,
+            };
+            let purge = Purge {
+                selection,
+                older_than,
+                dry_run,
+                yes,
+            };
+            purge.run(&mut reader).await
+        }
     };
     result.map_err(WorkerError::from)
 }
@@ -366,7 +393,7 @@ async fn show<R: DeadLetterReader>(
     result
 }
 
-/// What `dlq redrive` puts back.
+/// What `dlq redrive` puts back, or `dlq purge` deletes.
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum Selection {
     All,
@@ -493,24 +520,62 @@ async fn redrive<R: DeadLetterReader>(
     Ok(())
 }
 
-async fn purge<R: DeadLetterReader>(
-    reader: &mut R,
+/// `dlq purge`: the letters selected and older than `older_than`.
+struct Purge {
+    selection: Selection,
     older_than: Option<Duration>,
+    dry_run: bool,
+    yes: bool,
+}
+
+impl Purge {
+    fn takes(&self, letter: &StoredLetter) -> bool {
+        self.selection.takes(letter)
+            && self
+                .older_than
+                .is_none_or(|older_than| age(letter).is_some_and(|age| age > older_than))
+    }
+
+    async fn run<R: DeadLetterReader>(self, reader: &mut R) -> Result<(), DlqError> {
+        let letters = reader.letters(usize::MAX).await?;
+        let (doomed, kept): (Vec<StoredLetter>, Vec<StoredLetter>) =
+            letters.into_iter().partition(|letter| self.takes(letter));
+        reader.release(&kept).await?;
+        if let Selection::Ids(ids) = &self.selection
+            && let Some(missing) = ids
+                .iter()
+                .find(|id| !doomed.iter().any(|letter| &letter.id == *id))
+        {
+            reader.release(&doomed).await?;
+            return Err(DlqError::NotFound(missing.clone(), reader.destination()));
+        }
+        if doomed.is_empty() {
+            return stdout_line(&format!(
+                "purge: nothing to delete in {}",
+                reader.destination()
+            ));
+        }
+        if self.dry_run {
+            reader.release(&doomed).await?;
+            stdout_line(&output::table(&doomed.iter().collect::<Vec<_>>()))?;
+            return stdout_line(&format!(
+                "purge --dry-run: {} dead letters would be deleted from {}, {} kept; nothing deleted",
+                doomed.len(),
+                reader.destination(),
+                kept.len()
+            ));
+        }
+        delete(reader, doomed, kept.len(), self.yes).await
+    }
+}
+
+/// Deletes `doomed` once confirmed (`yes`, or on a terminal).
+async fn delete<R: DeadLetterReader>(
+    reader: &mut R,
+    doomed: Vec<StoredLetter>,
+    kept: usize,
     yes: bool,
 ) -> Result<(), DlqError> {
-    let letters = reader.letters(usize::MAX).await?;
-    let (doomed, kept): (Vec<StoredLetter>, Vec<StoredLetter>) =
-        letters.into_iter().partition(|letter| {
-            older_than.is_none_or(|older_than| age(letter).is_some_and(|age| age > older_than))
-        });
-    reader.release(&kept).await?;
-    if doomed.is_empty() {
-        stdout_line(&format!(
-            "purge: nothing to delete in {}",
-            reader.destination()
-        ))?;
-        return Ok(());
-    }
     if !yes {
         let confirmed = std::io::stdin().is_terminal()
             && confirm(&format!(
@@ -531,10 +596,9 @@ async fn purge<R: DeadLetterReader>(
     }
     reader.remove(&doomed).await?;
     stdout_line(&format!(
-        "purge: {} dead letters deleted from {}, {} kept",
+        "purge: {} dead letters deleted from {}, {kept} kept",
         doomed.len(),
         reader.destination(),
-        kept.len()
     ))
 }
 
