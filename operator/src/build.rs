@@ -481,6 +481,20 @@ fn restricted_security_context() -> SecurityContext {
     }
 }
 
+/// A non-root user and group, the runtime's default seccomp profile.
+fn restricted_pod_security_context() -> PodSecurityContext {
+    PodSecurityContext {
+        run_as_non_root: Some(true),
+        run_as_user: Some(WORKER_UID),
+        run_as_group: Some(WORKER_UID),
+        seccomp_profile: Some(SeccompProfile {
+            type_: "RuntimeDefault".to_owned(),
+            localhost_profile: None,
+        }),
+        ..PodSecurityContext::default()
+    }
+}
+
 fn object_meta(valid: &ValidAdapter<'_>, owner: &OwnerReference) -> ObjectMeta {
     ObjectMeta {
         name: Some(worker_name(valid.name)),
@@ -516,16 +530,7 @@ pub fn build(
         automount_service_account_token: Some(false),
         enable_service_links: Some(false),
         termination_grace_period_seconds: Some(TERMINATION_GRACE_PERIOD_SECONDS),
-        security_context: Some(PodSecurityContext {
-            run_as_non_root: Some(true),
-            run_as_user: Some(WORKER_UID),
-            run_as_group: Some(WORKER_UID),
-            seccomp_profile: Some(SeccompProfile {
-                type_: "RuntimeDefault".to_owned(),
-                localhost_profile: None,
-            }),
-            ..PodSecurityContext::default()
-        }),
+        security_context: Some(restricted_pod_security_context()),
         volumes: Some(
             std::iter::once(Volume {
                 name: "manifest".to_owned(),
