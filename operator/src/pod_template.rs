@@ -38,58 +38,33 @@ impl PodDefaults {
 }
 
 /// The adapter's value if it set one, else the default (`None` when that is empty).
-fn chosen<T: Clone>(own: Option<&T>, default: &T, is_empty: impl Fn(&T) -> bool) -> Option<T> {
+fn chosen<T: Clone + Default + PartialEq>(own: Option<&T>, default: &T) -> Option<T> {
     own.cloned()
-        .or_else(|| (!is_empty(default)).then(|| default.clone()))
+        .or_else(|| (*default != T::default()).then(|| default.clone()))
 }
 
 /// A pod spec holding only the placement fields, for `PodSpec { .., ..placement(..) }`.
 pub fn placement(workload: &Workload, defaults: &PodDefaults) -> PodSpec {
+    macro_rules! chosen {
+        ($field:ident) => {
+            chosen(workload.$field.as_ref(), &defaults.$field)
+        };
+    }
     PodSpec {
-        image_pull_secrets: chosen(
-            workload.image_pull_secrets.as_ref(),
-            &defaults.image_pull_secrets,
-            Vec::is_empty,
-        ),
-        service_account_name: chosen(
-            workload.service_account_name.as_ref(),
-            &defaults.service_account_name,
-            String::is_empty,
-        ),
-        node_selector: chosen(
-            workload.node_selector.as_ref(),
-            &defaults.node_selector,
-            BTreeMap::is_empty,
-        ),
-        tolerations: chosen(
-            workload.tolerations.as_ref(),
-            &defaults.tolerations,
-            Vec::is_empty,
-        ),
-        affinity: chosen(workload.affinity.as_ref(), &defaults.affinity, |affinity| {
-            *affinity == Affinity::default()
-        }),
-        topology_spread_constraints: chosen(
-            workload.topology_spread_constraints.as_ref(),
-            &defaults.topology_spread_constraints,
-            Vec::is_empty,
-        ),
-        priority_class_name: chosen(
-            workload.priority_class_name.as_ref(),
-            &defaults.priority_class_name,
-            String::is_empty,
-        ),
+        image_pull_secrets: chosen!(image_pull_secrets),
+        service_account_name: chosen!(service_account_name),
+        node_selector: chosen!(node_selector),
+        tolerations: chosen!(tolerations),
+        affinity: chosen!(affinity),
+        topology_spread_constraints: chosen!(topology_spread_constraints),
+        priority_class_name: chosen!(priority_class_name),
         ..PodSpec::default()
     }
 }
 
 /// The worker container's resources: the adapter's, else the operator's default.
 pub fn resources(workload: &Workload, defaults: &PodDefaults) -> Option<ResourceRequirements> {
-    chosen(
-        workload.resources.as_ref(),
-        &defaults.resources,
-        |resources| *resources == ResourceRequirements::default(),
-    )
+    chosen(workload.resources.as_ref(), &defaults.resources)
 }
 
 /// The pod template's metadata: the adapter's podLabels under the operator's `labels` (which

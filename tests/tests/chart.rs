@@ -5,14 +5,14 @@
 //! harness. There is no Docker engine here: the Dockerfile and the kind scripts are checked
 //! statically (and the scripts in their `KIND_DRY_RUN=1` mode).
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeSet;
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
 
 use anyhow::{Context, Result, ensure};
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::coordination::v1::Lease;
-use k8s_openapi::api::core::v1::{Container, EnvVar, ResourceRequirements};
+use k8s_openapi::api::core::v1::{Container, EnvVar};
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, PolicyRule, Role, RoleBinding};
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
@@ -28,7 +28,8 @@ use switchboard_operator::build::{WORKER_COMMAND, WORKER_UID, worker_name};
 use switchboard_operator::pod_template::PodDefaults;
 use switchboard_tests::control_plane::pod::LocalPod;
 use switchboard_tests::control_plane::{
-    CRD_FILE, ControlPlane, OPERATOR_TIMEOUT, OperatorEnv, condition, wait_object,
+    CRD_FILE, ControlPlane, OPERATOR_TIMEOUT, OperatorEnv, condition, pairs, quantities,
+    wait_object,
 };
 use switchboard_tests::helm::{
     CHART, NAMESPACE, RELEASE, helm, kind_of, render, the, yaml_documents,
@@ -415,31 +416,14 @@ fn worker_pod_defaults(values: Option<&str>, extra: &[&str]) -> Result<PodDefaul
     PodDefaults::from_json(json).with_context(|| format!("the operator refuses {json}"))
 }
 
-fn quantities(resources: &ResourceRequirements, which: &str) -> BTreeMap<String, String> {
-    let part = match which {
-        "requests" => resources.requests.as_ref(),
-        _ => resources.limits.as_ref(),
-    };
-    part.into_iter()
-        .flatten()
-        .map(|(name, quantity)| (name.clone(), quantity.0.clone()))
-        .collect()
-}
-
 #[test]
 fn chart_renders_worker_pod_defaults_with_resources_and_the_charts_pull_secrets() -> Result<()> {
-    let pairs = |items: &[(&str, &str)]| -> BTreeMap<String, String> {
-        items
-            .iter()
-            .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
-            .collect()
-    };
     // Defaults: requests and a memory limit (Burstable, never BestEffort), nothing else.
     let defaults = worker_pod_defaults(None, &[])?;
     ensure!(
-        quantities(&defaults.resources, "requests")
+        quantities(Some(&defaults.resources), "requests")
             == pairs(&[("cpu", "100m"), ("memory", "128Mi")])
-            && quantities(&defaults.resources, "limits") == pairs(&[("memory", "512Mi")]),
+            && quantities(Some(&defaults.resources), "limits") == pairs(&[("memory", "512Mi")]),
         "default worker resources {:?}",
         defaults.resources
     );
@@ -479,7 +463,7 @@ fn chart_renders_worker_pod_defaults_with_resources_and_the_charts_pull_secrets(
     );
     ensure!(ha.priority_class_name == "queue-workers", "{ha:?}");
     ensure!(
-        quantities(&ha.resources, "limits") == pairs(&[("memory", "1Gi")]),
+        quantities(Some(&ha.resources), "limits") == pairs(&[("memory", "1Gi")]),
         "{ha:?}"
     );
     Ok(())
@@ -856,13 +840,8 @@ async fn operator_with_the_charts_service_account_reconciles_an_adapter_end_to_e
                 .is_some_and(|s| s[0].name == "worker-regcred"),
         "the chart's worker pod defaults: {pod:?}"
     );
-    let limits = worker.resources.as_ref().map(|r| quantities(r, "limits"));
     ensure!(
-        limits
-            .as_ref()
-            .and_then(|l| l.get("memory"))
-            .map(String::as_str)
-            == Some("1Gi"),
+        quantities(worker.resources.as_ref(), "limits") == pairs(&[("memory", "1Gi")]),
         "the chart's worker resources: {:?}",
         worker.resources
     );

@@ -7,7 +7,7 @@ use std::sync::LazyLock;
 
 use anyhow::{Context, Result, ensure};
 use k8s_openapi::api::apps::v1::Deployment;
-use k8s_openapi::api::core::v1::{Container, Secret};
+use k8s_openapi::api::core::v1::Secret;
 use k8s_openapi::api::events::v1::Event;
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
@@ -19,7 +19,7 @@ use switchboard_operator::build::{CONFIG_HASH_ANNOTATION, MANIFEST_KEY};
 use switchboard_operator::controller::FINALIZER;
 use switchboard_tests::control_plane;
 use switchboard_tests::control_plane::{
-    OPERATOR_TIMEOUT, OperatorEnv, adapter_manifest, pod_template,
+    OPERATOR_TIMEOUT, OperatorEnv, adapter_manifest, pairs, pod_template, quantities,
 };
 use switchboard_tests::wait::wait_for;
 
@@ -970,26 +970,6 @@ const POD_DEFAULTS: &str = r#"{"imagePullSecrets": [{"name": "regcred"}],
     "affinity": {}, "topologySpreadConstraints": [], "priorityClassName": "queue-workers",
     "resources": {"requests": {"cpu": "100m", "memory": "128Mi"}, "limits": {"memory": "512Mi"}}}"#;
 
-/// The named `requests` or `limits` of the worker container, as text.
-fn quantities(container: &Container, which: &str) -> BTreeMap<String, String> {
-    let resources = container.resources.as_ref();
-    let part = resources.and_then(|r| match which {
-        "requests" => r.requests.as_ref(),
-        _ => r.limits.as_ref(),
-    });
-    part.into_iter()
-        .flatten()
-        .map(|(name, quantity)| (name.clone(), quantity.0.clone()))
-        .collect()
-}
-
-fn pairs(items: &[(&str, &str)]) -> BTreeMap<String, String> {
-    items
-        .iter()
-        .map(|(key, value)| ((*key).to_owned(), (*value).to_owned()))
-        .collect()
-}
-
 #[tokio::test]
 async fn pod_template_reaches_the_worker_pod_and_the_adapters_values_win_over_the_operators()
 -> Result<()> {
@@ -1106,8 +1086,9 @@ async fn worker_without_resources_gets_the_operators_default_resources_and_its_o
         .with_context(|| operator.log_tail())?;
     let (_, container) = pod_template(&plain)?;
     ensure!(
-        quantities(container, "requests") == pairs(&[("cpu", "100m"), ("memory", "128Mi")])
-            && quantities(container, "limits") == pairs(&[("memory", "512Mi")]),
+        quantities(container.resources.as_ref(), "requests")
+            == pairs(&[("cpu", "100m"), ("memory", "128Mi")])
+            && quantities(container.resources.as_ref(), "limits") == pairs(&[("memory", "512Mi")]),
         "the default resources: {:?}",
         container.resources
     );
@@ -1116,8 +1097,9 @@ async fn worker_without_resources_gets_the_operators_default_resources_and_its_o
         .await?;
     let (_, container) = pod_template(&orders)?;
     ensure!(
-        quantities(container, "requests") == pairs(&[("cpu", "50m"), ("memory", "64Mi")])
-            && quantities(container, "limits") == pairs(&[("memory", "128Mi")]),
+        quantities(container.resources.as_ref(), "requests")
+            == pairs(&[("cpu", "50m"), ("memory", "64Mi")])
+            && quantities(container.resources.as_ref(), "limits") == pairs(&[("memory", "128Mi")]),
         "the adapter's own resources, as a whole: {:?}",
         container.resources
     );
