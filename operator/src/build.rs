@@ -616,16 +616,7 @@ mod tests {
     }
 
     /// The operator's worker pod defaults, as the chart renders them.
-    const POD_DEFAULTS: &str = r#"{
-        "imagePullSecrets": [{"name": "regcred"}],
-        "serviceAccountName": "queue-workers",
-        "nodeSelector": {"pool": "queues"},
-        "tolerations": [{"key": "dedicated", "operator": "Equal", "value": "queues", "effect": "NoSchedule"}],
-        "affinity": {},
-        "topologySpreadConstraints": [],
-        "priorityClassName": "",
-        "resources": {"requests": {"cpu": "100m", "memory": "128Mi"}, "limits": {"memory": "512Mi"}}
-    }"#;
+    const POD_DEFAULTS: &str = include_str!("../fixtures/pod-defaults.json");
 
     /// ORDERS with `workload` lines (indented by four spaces) added.
     fn orders_with(workload: &str) -> WorkerObjects {
@@ -1031,10 +1022,10 @@ mod tests {
         );
         let toleration = &pod.tolerations.as_ref().expect("tolerations")[0];
         assert_eq!(toleration.key.as_deref(), Some("dedicated"));
+        assert_eq!(pod.priority_class_name.as_deref(), Some("queue-workers"));
         // Empty defaults render nothing.
         assert_eq!(pod.affinity, None);
         assert_eq!(pod.topology_spread_constraints, None);
-        assert_eq!(pod.priority_class_name, None);
         // Not BestEffort: the default requests and memory limit.
         let resources = pod.containers[0].resources.as_ref();
         assert_eq!(quantity(resources, "requests", "cpu"), "100m");

@@ -964,11 +964,7 @@ async fn database_outage_is_reported_retried_with_backoff_and_recovered() -> Res
 }
 
 /// The operator's worker pod defaults, as the chart renders them (`--worker-pod-defaults`).
-const POD_DEFAULTS: &str = r#"{"imagePullSecrets": [{"name": "regcred"}],
-    "serviceAccountName": "queue-workers", "nodeSelector": {"pool": "queues"},
-    "tolerations": [{"key": "dedicated", "operator": "Equal", "value": "queues", "effect": "NoSchedule"}],
-    "affinity": {}, "topologySpreadConstraints": [], "priorityClassName": "queue-workers",
-    "resources": {"requests": {"cpu": "100m", "memory": "128Mi"}, "limits": {"memory": "512Mi"}}}"#;
+const POD_DEFAULTS: &str = include_str!("../../operator/fixtures/pod-defaults.json");
 
 #[tokio::test]
 async fn pod_template_reaches_the_worker_pod_and_the_adapters_values_win_over_the_operators()
