@@ -130,6 +130,27 @@ async fn crd_is_established_and_kubectl_explains_the_fields() -> Result<()> {
     }
     let top = env.plane.kubectl_ok(&["explain", "qa"])?;
     ensure!(top.contains("store-then-ack"), "explain qa:\n{top}");
+    // The worker pod template, each field saying that it replaces the operator's default.
+    let workload = env
+        .plane
+        .kubectl_ok(&["explain", "queueadapter.spec.workload"])?;
+    for field in [
+        "imagePullSecrets",
+        "serviceAccountName",
+        "nodeSelector",
+        "tolerations",
+        "affinity",
+        "topologySpreadConstraints",
+        "priorityClassName",
+        "podAnnotations",
+        "podLabels",
+        "worker.resources",
+    ] {
+        ensure!(
+            workload.contains(field),
+            "explain lacks {field}:\n{workload}"
+        );
+    }
     Ok(())
 }
 
