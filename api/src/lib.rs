@@ -25,7 +25,11 @@ pub use source::{
 };
 pub use validate::{FieldError, InvalidSpec};
 
-use k8s_openapi::api::core::v1::ResourceRequirements;
+use std::collections::BTreeMap;
+
+use k8s_openapi::api::core::v1::{
+    Affinity, LocalObjectReference, ResourceRequirements, Toleration, TopologySpreadConstraint,
+};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use kube::{CustomResource, KubeSchema};
 use schemars::JsonSchema;
@@ -311,7 +315,9 @@ pub struct Workload {
     #[serde(default = "default_replicas")]
     #[schemars(range(min = 0, max = 100))]
     pub replicas: i32,
-    /// CPU and memory requests and limits of the worker container.
+    /// CPU and memory requests and limits of the worker container. Default: the operator's
+    /// (Helm value `worker.resources`: requests and a memory limit, so a worker is not
+    /// BestEffort); resources here replace them as a whole.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub resources: Option<ResourceRequirements>,
     /// The worker image. Default: the operator's configured worker image. Another image runs
@@ -322,6 +328,52 @@ pub struct Workload {
     /// Scale the worker with KEDA on the broker's backlog instead of a fixed `replicas`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub autoscaling: Option<Autoscaling>,
+    /// Secrets (in the adapter's namespace) for pulling the worker image from a private
+    /// registry. Default: the operator's (Helm value `worker.imagePullSecrets`, else the chart's
+    /// `imagePullSecrets`); a list here, even an empty one, replaces it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 16))]
+    pub image_pull_secrets: Option<Vec<LocalObjectReference>>,
+    /// The ServiceAccount the worker pods run as, e.g. one annotated for IRSA or workload
+    /// identity. Its Kubernetes API token is never mounted (the worker does not call the API).
+    /// Default: the operator's (Helm value `worker.serviceAccountName`), else the namespace's
+    /// `default`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 253))]
+    pub service_account_name: Option<String>,
+    /// Node labels a worker pod's node must have. Default: the operator's (Helm value
+    /// `worker.nodeSelector`); a map here, even an empty one, replaces it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub node_selector: Option<BTreeMap<String, String>>,
+    /// Taints the worker pods tolerate. Default: the operator's (Helm value
+    /// `worker.tolerations`); a list here, even an empty one, replaces it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 32))]
+    pub tolerations: Option<Vec<Toleration>>,
+    /// Node and pod (anti-)affinity of the worker pods. Default: the operator's (Helm value
+    /// `worker.affinity`); an affinity here replaces it as a whole.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub affinity: Option<Affinity>,
+    /// How the worker pods spread over zones or nodes; select them with the label
+    /// `app.kubernetes.io/instance: <adapter name>`. Default: the operator's (Helm value
+    /// `worker.topologySpreadConstraints`); a list here, even an empty one, replaces it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 8))]
+    pub topology_spread_constraints: Option<Vec<TopologySpreadConstraint>>,
+    /// The PriorityClass of the worker pods. Default: the operator's (Helm value
+    /// `worker.priorityClassName`), else none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 253))]
+    pub priority_class_name: Option<String>,
+    /// Extra annotations of the worker pods. The operator's own
+    /// (`switchboard.dev/config-hash`) always wins.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub pod_annotations: BTreeMap<String, String>,
+    /// Extra labels of the worker pods. The operator's own labels (`app.kubernetes.io/name`,
+    /// `instance`, `component`, `part-of`, `managed-by`, which select the pods) always win: the
+    /// same keys here are ignored.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub pod_labels: BTreeMap<String, String>,
 }
 
 impl Default for Workload {
@@ -331,6 +383,15 @@ impl Default for Workload {
             resources: None,
             image: None,
             autoscaling: None,
+            image_pull_secrets: None,
+            service_account_name: None,
+            node_selector: None,
+            tolerations: None,
+            affinity: None,
+            topology_spread_constraints: None,
+            priority_class_name: None,
+            pod_annotations: BTreeMap::new(),
+            pod_labels: BTreeMap::new(),
         }
     }
 }

@@ -13,6 +13,9 @@ use k8s_openapi::api::core::v1::{
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta, OwnerReference};
 
 use crate::autoscaling::{Autoscaled, autoscaling_objects};
+use crate::pdb::disruption_budget;
+use crate::pod_template::{self, PodDefaults};
+use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use kube::Resource;
 use sha2::{Digest, Sha256};
@@ -42,7 +45,7 @@ pub const WORKER_UID: i64 = 65532;
 const MANAGED_BY: &str = "switchboard-operator";
 
 /// What the operator's configuration contributes to every worker.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct WorkerSettings {
     /// Image used when the spec names none.
     pub image: String,
@@ -51,6 +54,8 @@ pub struct WorkerSettings {
     pub allowed_images: Vec<String>,
     /// Database Secret used when the spec has no `database`.
     pub default_database_secret: SecretKeyRef,
+    /// Defaults of the pod template's placement, identity and resources.
+    pub pod: PodDefaults,
 }
 
 /// Why a QueueAdapter cannot be turned into a worker (it waits for a spec change).
@@ -213,6 +218,8 @@ pub struct WorkerObjects {
     /// KEDA's objects, when the adapter is autoscaled (then the Deployment leaves `replicas`
     /// to the ScaledObject).
     pub autoscaled: Option<Autoscaled>,
+    /// The worker's PodDisruptionBudget, when it can run more than one pod.
+    pub disruption_budget: Option<PodDisruptionBudget>,
 }
 
 /// Why building failed (a bug, not a user error).
@@ -406,7 +413,7 @@ fn worker_container(valid: &ValidAdapter<'_>, settings: &WorkerSettings) -> Cont
         }]),
         liveness_probe: Some(http_probe("/healthz", 10)),
         readiness_probe: Some(http_probe("/readyz", 5)),
-        resources: workload.resources.clone(),
+        resources: pod_template::resources(workload, &settings.pod),
         security_context: Some(restricted_security_context()),
         volume_mounts: Some(
             std::iter::once(("manifest", MANIFEST_DIR))
@@ -474,6 +481,20 @@ fn restricted_security_context() -> SecurityContext {
     }
 }
 
+/// A non-root user and group, the runtime's default seccomp profile.
+fn restricted_pod_security_context() -> PodSecurityContext {
+    PodSecurityContext {
+        run_as_non_root: Some(true),
+        run_as_user: Some(WORKER_UID),
+        run_as_group: Some(WORKER_UID),
+        seccomp_profile: Some(SeccompProfile {
+            type_: "RuntimeDefault".to_owned(),
+            localhost_profile: None,
+        }),
+        ..PodSecurityContext::default()
+    }
+}
+
 fn object_meta(valid: &ValidAdapter<'_>, owner: &OwnerReference) -> ObjectMeta {
     ObjectMeta {
         name: Some(worker_name(valid.name)),
@@ -509,16 +530,7 @@ pub fn build(
         automount_service_account_token: Some(false),
         enable_service_links: Some(false),
         termination_grace_period_seconds: Some(TERMINATION_GRACE_PERIOD_SECONDS),
-        security_context: Some(PodSecurityContext {
-            run_as_non_root: Some(true),
-            run_as_user: Some(WORKER_UID),
-            run_as_group: Some(WORKER_UID),
-            seccomp_profile: Some(SeccompProfile {
-                type_: "RuntimeDefault".to_owned(),
-                localhost_profile: None,
-            }),
-            ..PodSecurityContext::default()
-        }),
+        security_context: Some(restricted_pod_security_context()),
         volumes: Some(
             std::iter::once(Volume {
                 name: "manifest".to_owned(),
@@ -532,7 +544,7 @@ pub fn build(
             .chain(valid.broker.mounted_files().iter().map(file_volume))
             .collect(),
         ),
-        ..PodSpec::default()
+        ..pod_template::placement(&spec.workload, &settings.pod)
     };
     let deployment = Deployment {
         metadata: object_meta(valid, &owner),
@@ -548,11 +560,11 @@ pub fn build(
                 ..LabelSelector::default()
             },
             template: PodTemplateSpec {
-                metadata: Some(ObjectMeta {
-                    labels: Some(labels(valid.name)),
-                    annotations: Some(BTreeMap::from([(CONFIG_HASH_ANNOTATION.to_owned(), hash)])),
-                    ..ObjectMeta::default()
-                }),
+                metadata: Some(pod_template::metadata(
+                    &spec.workload,
+                    labels(valid.name),
+                    (CONFIG_HASH_ANNOTATION.to_owned(), hash),
+                )),
                 spec: Some(pod),
             },
             ..DeploymentSpec::default()
@@ -563,12 +575,14 @@ pub fn build(
         config_map,
         deployment,
         autoscaled,
+        disruption_budget: disruption_budget(spec, valid.name, object_meta(valid, &owner)),
     })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use k8s_openapi::api::core::v1::ResourceRequirements;
 
     const ORDERS: &str = include_str!("../fixtures/orders-stream.yaml");
     const DISABLED_WITH_DATABASE: &str = include_str!("../fixtures/disabled-with-database.yaml");
@@ -597,7 +611,22 @@ mod tests {
                 name: "switchboard-db".to_owned(),
                 key: "url".to_owned(),
             },
+            pod: PodDefaults::from_json(POD_DEFAULTS).expect("pod defaults parse"),
         }
+    }
+
+    /// The operator's worker pod defaults, as the chart renders them.
+    const POD_DEFAULTS: &str = include_str!("../fixtures/pod-defaults.json");
+
+    /// ORDERS with `workload` lines (indented by four spaces) added.
+    fn orders_with(workload: &str) -> WorkerObjects {
+        build_fixture(&format!(
+            "{}{workload}",
+            ORDERS.replace(
+                "    resources:\n      requests: {cpu: 50m, memory: 64Mi}\n",
+                ""
+            )
+        ))
     }
 
     fn fixture(yaml: &str) -> QueueAdapter {
@@ -955,5 +984,161 @@ mod tests {
             Some("/etc/switchboard-gateway-ca/ca.crt")
         );
         assert_eq!(env_secret(container, "GATEWAY_TOKEN").name, "gw");
+    }
+
+    fn placement_of(objects: &WorkerObjects) -> (&PodSpec, &ObjectMeta) {
+        let template = &objects.deployment.spec.as_ref().expect("spec").template;
+        (
+            template.spec.as_ref().expect("pod spec"),
+            template.metadata.as_ref().expect("pod metadata"),
+        )
+    }
+
+    fn quantity(resources: Option<&ResourceRequirements>, which: &str, name: &str) -> String {
+        let part = resources.and_then(|r| match which {
+            "requests" => r.requests.as_ref(),
+            _ => r.limits.as_ref(),
+        });
+        part.and_then(|p| p.get(name))
+            .map(|q| q.0.clone())
+            .unwrap_or_default()
+    }
+
+    #[test]
+    fn worker_pod_takes_the_operators_defaults_when_the_adapter_sets_none() {
+        let objects = orders_with("");
+        let (pod, _) = placement_of(&objects);
+        let secrets: Vec<&str> = pod
+            .image_pull_secrets
+            .iter()
+            .flatten()
+            .map(|s| s.name.as_str())
+            .collect();
+        assert_eq!(secrets, ["regcred"]);
+        assert_eq!(pod.service_account_name.as_deref(), Some("queue-workers"));
+        assert_eq!(
+            pod.node_selector.as_ref().expect("nodeSelector")["pool"],
+            "queues"
+        );
+        let toleration = &pod.tolerations.as_ref().expect("tolerations")[0];
+        assert_eq!(toleration.key.as_deref(), Some("dedicated"));
+        assert_eq!(pod.priority_class_name.as_deref(), Some("queue-workers"));
+        // Empty defaults render nothing.
+        assert_eq!(pod.affinity, None);
+        assert_eq!(pod.topology_spread_constraints, None);
+        // Not BestEffort: the default requests and memory limit.
+        let resources = pod.containers[0].resources.as_ref();
+        assert_eq!(quantity(resources, "requests", "cpu"), "100m");
+        assert_eq!(quantity(resources, "requests", "memory"), "128Mi");
+        assert_eq!(quantity(resources, "limits", "memory"), "512Mi");
+        // The API token stays unmounted whatever account the pod runs as.
+        assert_eq!(pod.automount_service_account_token, Some(false));
+    }
+
+    #[test]
+    fn adapters_pod_template_replaces_the_defaults_and_cannot_touch_selector_labels_or_security() {
+        let objects = orders_with(
+            "    imagePullSecrets: []\n\
+             \x20   serviceAccountName: orders-irsa\n\
+             \x20   nodeSelector: {zone: a}\n\
+             \x20   tolerations: []\n\
+             \x20   affinity: {nodeAffinity: {requiredDuringSchedulingIgnoredDuringExecution: {nodeSelectorTerms: [{matchExpressions: [{key: arch, operator: In, values: [arm64]}]}]}}}\n\
+             \x20   topologySpreadConstraints: [{maxSkew: 1, topologyKey: zone, whenUnsatisfiable: ScheduleAnyway, labelSelector: {matchLabels: {app.kubernetes.io/instance: orders}}}]\n\
+             \x20   priorityClassName: queue-critical\n\
+             \x20   resources: {requests: {cpu: '1'}}\n\
+             \x20   podAnnotations: {team: shop, switchboard.dev/config-hash: forged}\n\
+             \x20   podLabels: {team: shop, app.kubernetes.io/instance: other, app.kubernetes.io/managed-by: me}\n",
+        );
+        let (pod, metadata) = placement_of(&objects);
+        assert_eq!(pod.image_pull_secrets, Some(Vec::new()));
+        assert_eq!(pod.service_account_name.as_deref(), Some("orders-irsa"));
+        assert_eq!(
+            pod.node_selector,
+            Some(BTreeMap::from([("zone".to_owned(), "a".to_owned())]))
+        );
+        assert_eq!(pod.tolerations, Some(Vec::new()));
+        assert!(
+            pod.affinity
+                .as_ref()
+                .and_then(|a| a.node_affinity.as_ref())
+                .is_some()
+        );
+        assert_eq!(
+            pod.topology_spread_constraints.as_ref().map(Vec::len),
+            Some(1)
+        );
+        assert_eq!(pod.priority_class_name.as_deref(), Some("queue-critical"));
+        let resources = pod.containers[0].resources.as_ref();
+        assert_eq!(quantity(resources, "requests", "cpu"), "1");
+        assert_eq!(
+            quantity(resources, "limits", "memory"),
+            "",
+            "replaced as a whole"
+        );
+        let labels = metadata.labels.as_ref().expect("labels");
+        assert_eq!(labels["team"], "shop");
+        for (key, value) in super::labels("orders") {
+            assert_eq!(labels[&key], value, "{key} is the operator's");
+        }
+        let annotations = metadata.annotations.as_ref().expect("annotations");
+        assert_eq!(annotations["team"], "shop");
+        assert_ne!(annotations[CONFIG_HASH_ANNOTATION], "forged");
+        assert_eq!(annotations[CONFIG_HASH_ANNOTATION], hash_of(&objects));
+        let restricted = build_fixture(ORDERS);
+        let (restricted_pod, _) = placement_of(&restricted);
+        assert_eq!(pod.security_context, restricted_pod.security_context);
+        assert_eq!(
+            pod.containers[0].security_context,
+            restricted_pod.containers[0].security_context
+        );
+        assert_eq!(pod.automount_service_account_token, Some(false));
+        assert_ne!(
+            hash_of(&objects),
+            hash_of(&restricted),
+            "a template change rolls the pods"
+        );
+    }
+
+    #[test]
+    fn disruption_budget_only_while_more_than_one_worker_can_run() {
+        let budget = build_fixture(ORDERS)
+            .disruption_budget
+            .expect("2 replicas: a budget");
+        assert_eq!(budget.metadata.name.as_deref(), Some("orders-worker"));
+        let owner = &budget.metadata.owner_references.as_ref().expect("owner")[0];
+        assert_eq!(
+            (owner.kind.as_str(), owner.controller),
+            ("QueueAdapter", Some(true))
+        );
+        let spec = budget.spec.expect("spec");
+        assert_eq!(spec.max_unavailable, Some(IntOrString::Int(1)));
+        assert_eq!(spec.min_available, None);
+        assert_eq!(
+            spec.selector.and_then(|s| s.match_labels),
+            Some(selector_labels("orders"))
+        );
+        for (workload, budgeted) in [
+            ("    replicas: 1\n", false),
+            (
+                "    replicas: 1\n    autoscaling: {maxReplicas: 3, triggerAuthenticationRef: redis-auth}\n",
+                true,
+            ),
+            (
+                "    replicas: 3\n    autoscaling: {maxReplicas: 1, triggerAuthenticationRef: redis-auth}\n",
+                false,
+            ),
+        ] {
+            let one = ORDERS.replace("    replicas: 2\n", workload);
+            assert_eq!(
+                build_fixture(&one).disruption_budget.is_some(),
+                budgeted,
+                "{workload}"
+            );
+        }
+        assert!(
+            build_fixture(DISABLED_WITH_DATABASE)
+                .disruption_budget
+                .is_none()
+        );
     }
 }

@@ -30,6 +30,7 @@ use crate::build::{
     worker_name,
 };
 use crate::metrics::{ErrorCategory, Metrics, ReconcileOutcome};
+use crate::pdb::apply_disruption_budget;
 use crate::runtime::refresh_runtime_status;
 use crate::status::{Outcome, desired_status};
 
@@ -80,7 +81,7 @@ impl ReconcileError {
     }
 }
 
-fn kubernetes(action: &'static str) -> impl FnOnce(kube::Error) -> ReconcileError {
+pub(crate) fn kubernetes(action: &'static str) -> impl FnOnce(kube::Error) -> ReconcileError {
     move |source| ReconcileError::Kubernetes { action, source }
 }
 
@@ -279,6 +280,13 @@ async fn converge(
         .await
         .map_err(kubernetes("apply worker Deployment"))?;
     apply_autoscaling(ctx, valid.namespace, &name, objects.autoscaled.as_ref()).await?;
+    apply_disruption_budget(
+        &ctx.client,
+        valid.namespace,
+        &name,
+        objects.disruption_budget.as_ref(),
+    )
+    .await?;
     let change = match before {
         None => Some(("Created", "created")),
         Some(version) if applied.metadata.resource_version.as_ref() != Some(&version) => {
@@ -353,7 +361,7 @@ async fn apply_autoscaling(
 
 /// Deletes object `name` of `api`; one that is not there (or a kind the cluster does not have)
 /// is fine.
-async fn delete_if_present(
+pub(crate) async fn delete_if_present(
     api: &Api<DynamicObject>,
     name: &str,
     action: &'static str,
@@ -376,6 +384,7 @@ async fn stop_worker(adapter: &QueueAdapter, ctx: &Context) -> Result<(), Reconc
     };
     // KEDA would scale it up again.
     apply_autoscaling(ctx, namespace, &worker_name(name), None).await?;
+    apply_disruption_budget(&ctx.client, namespace, &worker_name(name), None).await?;
     let zero = serde_json::json!({"spec": {"replicas": 0}});
     match Api::<Deployment>::namespaced(ctx.client.clone(), namespace)
         .patch(

@@ -11,6 +11,8 @@ pub mod build;
 pub mod controller;
 pub mod lease;
 pub mod metrics;
+pub mod pdb;
+pub mod pod_template;
 pub mod probes;
 pub mod runtime;
 pub mod status;

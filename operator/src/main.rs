@@ -6,6 +6,7 @@ use clap::{Args, Parser, Subcommand};
 use switchboard_api::SecretKeyRef;
 use switchboard_operator::build::WorkerSettings;
 use switchboard_operator::lease::LeaseSettings;
+use switchboard_operator::pod_template::PodDefaults;
 use switchboard_operator::{DEFAULT_WORKER_IMAGE, ErrorChain, RunOptions, crd_yaml, run};
 
 /// Kubernetes operator for Switchboard QueueAdapters: one worker Deployment and one `adapters`
@@ -66,6 +67,13 @@ struct RunArgs {
         default_value = "url"
     )]
     default_database_secret_key: String,
+    /// Defaults of every worker pod, as JSON: imagePullSecrets, serviceAccountName,
+    /// nodeSelector, tolerations, affinity, topologySpreadConstraints, priorityClassName and
+    /// resources, spelled as in a pod spec (the Helm chart renders it from `worker.*`). A
+    /// QueueAdapter's spec.workload field of the same name replaces the default.
+    #[arg(long, env = "SWITCHBOARD_WORKER_POD_DEFAULTS", default_value = "{}",
+          value_parser = PodDefaults::from_json)]
+    worker_pod_defaults: PodDefaults,
     /// Reconcile only while holding a coordination.k8s.io Lease (run several replicas safely).
     #[arg(long, env = "SWITCHBOARD_LEADER_ELECTION")]
     leader_election: bool,
@@ -116,6 +124,7 @@ impl RunArgs {
                     name: self.default_database_secret_name,
                     key: self.default_database_secret_key,
                 },
+                pod: self.worker_pod_defaults,
             },
             leader_election: self.leader_election.then(|| LeaseSettings {
                 name: self.lease_name,

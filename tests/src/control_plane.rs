@@ -16,7 +16,9 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail, ensure};
 use k8s_openapi::ByteString;
 use k8s_openapi::api::apps::v1::Deployment;
-use k8s_openapi::api::core::v1::{ConfigMap, Container, Namespace, PodSpec, Secret};
+use k8s_openapi::api::core::v1::{
+    ConfigMap, Container, Namespace, PodSpec, ResourceRequirements, Secret,
+};
 use k8s_openapi::api::rbac::v1::PolicyRule;
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, ObjectMeta};
@@ -827,6 +829,29 @@ pub fn pod_template(deployment: &Deployment) -> Result<(&PodSpec, &Container)> {
         .context("the Deployment has no pod template")?;
     let container = pod.containers.first().context("the pod has no container")?;
     Ok((pod, container))
+}
+
+/// The `requests` (or else `limits`) of `resources`, each quantity as text.
+pub fn quantities(
+    resources: Option<&ResourceRequirements>,
+    which: &str,
+) -> std::collections::BTreeMap<String, String> {
+    let part = resources.and_then(|r| match which {
+        "requests" => r.requests.as_ref(),
+        _ => r.limits.as_ref(),
+    });
+    part.into_iter()
+        .flatten()
+        .map(|(name, quantity)| (name.clone(), quantity.0.clone()))
+        .collect()
+}
+
+/// A map of `items`, to compare with label maps and [`quantities`].
+pub fn pairs(items: &[(&str, &str)]) -> std::collections::BTreeMap<String, String> {
+    items
+        .iter()
+        .map(|(key, value)| ((*key).to_owned(), (*value).to_owned()))
+        .collect()
 }
 
 /// A stream-mode QueueAdapter `name` in [`OperatorEnv::NAMESPACE`] reading stream `name` into

@@ -13,8 +13,10 @@ use anyhow::{Context, Result, ensure};
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{Container, EnvVar};
+use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, PolicyRule, Role, RoleBinding};
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use kube::api::{DynamicObject, Patch, PatchParams, PostParams};
 use kube::config::Kubeconfig;
 use kube::core::GroupVersionKind;
@@ -23,9 +25,11 @@ use kube::{Api, Client};
 use serde_json::Value;
 use switchboard_operator::DEFAULT_WORKER_IMAGE;
 use switchboard_operator::build::{WORKER_COMMAND, WORKER_UID, worker_name};
+use switchboard_operator::pod_template::PodDefaults;
 use switchboard_tests::control_plane::pod::LocalPod;
 use switchboard_tests::control_plane::{
-    CRD_FILE, ControlPlane, OPERATOR_TIMEOUT, OperatorEnv, condition, wait_object,
+    CRD_FILE, ControlPlane, OPERATOR_TIMEOUT, OperatorEnv, condition, pairs, quantities,
+    wait_object,
 };
 use switchboard_tests::helm::{
     CHART, NAMESPACE, RELEASE, helm, kind_of, render, the, yaml_documents,
@@ -401,6 +405,102 @@ fn operator_deployment_is_restricted_probed_and_elects_a_leader_with_replicas() 
     Ok(())
 }
 
+/// The operator's `--worker-pod-defaults` as the chart renders them with `values` and `extra`.
+fn worker_pod_defaults(values: Option<&str>, extra: &[&str]) -> Result<PodDefaults> {
+    let deployment: Deployment = the(&render(values, extra)?, "Deployment")?;
+    let json = env_value(
+        operator_container(&deployment)?,
+        "SWITCHBOARD_WORKER_POD_DEFAULTS",
+    )
+    .context("SWITCHBOARD_WORKER_POD_DEFAULTS")?;
+    PodDefaults::from_json(json).with_context(|| format!("the operator refuses {json}"))
+}
+
+#[test]
+fn chart_renders_worker_pod_defaults_with_resources_and_the_charts_pull_secrets() -> Result<()> {
+    // Defaults: requests and a memory limit (Burstable, never BestEffort), nothing else.
+    let defaults = worker_pod_defaults(None, &[])?;
+    ensure!(
+        quantities(Some(&defaults.resources), "requests")
+            == pairs(&[("cpu", "100m"), ("memory", "128Mi")])
+            && quantities(Some(&defaults.resources), "limits") == pairs(&[("memory", "512Mi")]),
+        "default worker resources {:?}",
+        defaults.resources
+    );
+    let empty = PodDefaults {
+        resources: defaults.resources.clone(),
+        ..PodDefaults::default()
+    };
+    ensure!(defaults == empty, "only resources by default: {defaults:?}");
+    // The chart's imagePullSecrets reach the workers unless worker.imagePullSecrets is set.
+    let names = |defaults: &PodDefaults| -> Vec<String> {
+        defaults
+            .image_pull_secrets
+            .iter()
+            .map(|s| s.name.clone())
+            .collect()
+    };
+    let inherited = worker_pod_defaults(None, &["--set", "imagePullSecrets[0].name=regcred"])?;
+    ensure!(names(&inherited) == ["regcred"], "{inherited:?}");
+    let own = worker_pod_defaults(
+        None,
+        &[
+            "--set",
+            "imagePullSecrets[0].name=regcred",
+            "--set",
+            "worker.imagePullSecrets[0].name=worker-regcred",
+        ],
+    )?;
+    ensure!(names(&own) == ["worker-regcred"], "{own:?}");
+    // Every default of ci/ha-values.yaml reaches the operator.
+    let ha = worker_pod_defaults(Some(HA_VALUES), &[])?;
+    ensure!(names(&ha) == ["worker-regcred"], "{ha:?}");
+    ensure!(ha.service_account_name == "queue-workers", "{ha:?}");
+    ensure!(ha.node_selector == pairs(&[("pool", "queues")]), "{ha:?}");
+    ensure!(
+        ha.tolerations.len() == 1 && ha.tolerations[0].key.as_deref() == Some("dedicated"),
+        "{ha:?}"
+    );
+    ensure!(ha.priority_class_name == "queue-workers", "{ha:?}");
+    ensure!(
+        quantities(Some(&ha.resources), "limits") == pairs(&[("memory", "1Gi")]),
+        "{ha:?}"
+    );
+    Ok(())
+}
+
+#[test]
+fn operator_disruption_budget_comes_with_more_than_one_replica_and_never_blocks_a_drain()
+-> Result<()> {
+    ensure!(
+        !kinds(&render(None, &[])?).contains("PodDisruptionBudget"),
+        "one replica: no budget"
+    );
+    let objects = render(Some(HA_VALUES), &[])?;
+    let budget: PodDisruptionBudget = the(&objects, "PodDisruptionBudget")?;
+    let deployment: Deployment = the(&objects, "Deployment")?;
+    let spec = budget.spec.context("budget spec")?;
+    ensure!(
+        spec.max_unavailable == Some(IntOrString::Int(1)) && spec.min_available.is_none(),
+        "maxUnavailable 1, no minAvailable: {spec:?}"
+    );
+    let selected = spec.selector.and_then(|s| s.match_labels);
+    let operator = deployment.spec.context("spec")?.selector.match_labels;
+    ensure!(
+        selected.is_some() && selected == operator,
+        "the budget selects the operator pods: {selected:?} vs {operator:?}"
+    );
+    ensure!(
+        !kinds(&render(
+            Some(HA_VALUES),
+            &["--set", "podDisruptionBudget.enabled=false"]
+        )?)
+        .contains("PodDisruptionBudget"),
+        "podDisruptionBudget.enabled=false turns it off"
+    );
+    Ok(())
+}
+
 #[test]
 fn database_url_is_only_referenced_from_a_secret_the_user_or_the_chart_owns() -> Result<()> {
     // (values, the Secret and key the operator reads, whether the chart creates it)
@@ -703,7 +803,9 @@ async fn operator_with_the_charts_service_account_reconciles_an_adapter_end_to_e
     // Two replicas: leader election on, so the Lease rule is exercised too.
     let mut chart = ChartOperator::start(&["--values", HA_VALUES], |_| false).await?;
     let env = &chart.env;
-    env.apply_adapter(ADAPTER).await?;
+    // Two workers: the operator writes their PodDisruptionBudget with the chart's RBAC.
+    env.apply_adapter(&format!("{ADAPTER}  workload: {{replicas: 2}}\n"))
+        .await?;
     let worker_deployment = worker_name("orders");
     let deployment = env
         .wait_deployment(&worker_deployment, "the worker Deployment exists", |_| true)
@@ -718,6 +820,40 @@ async fn operator_with_the_charts_service_account_reconciles_an_adapter_end_to_e
         worker.image,
         worker.image_pull_policy
     );
+    // So do the worker pod defaults.
+    let pod = deployment
+        .spec
+        .as_ref()
+        .and_then(|s| s.template.spec.as_ref())
+        .context("pod spec")?;
+    ensure!(
+        pod.service_account_name.as_deref() == Some("queue-workers")
+            && pod.priority_class_name.as_deref() == Some("queue-workers")
+            && pod
+                .node_selector
+                .as_ref()
+                .is_some_and(|n| n["pool"] == "queues")
+            && pod.tolerations.as_ref().is_some_and(|t| t.len() == 1)
+            && pod
+                .image_pull_secrets
+                .as_ref()
+                .is_some_and(|s| s[0].name == "worker-regcred"),
+        "the chart's worker pod defaults: {pod:?}"
+    );
+    ensure!(
+        quantities(worker.resources.as_ref(), "limits") == pairs(&[("memory", "1Gi")]),
+        "the chart's worker resources: {:?}",
+        worker.resources
+    );
+    let budgets = Api::<PodDisruptionBudget>::namespaced(env.admin.clone(), "shop");
+    wait_object(
+        &budgets,
+        &worker_deployment,
+        "the worker PodDisruptionBudget",
+        |_| true,
+    )
+    .await
+    .with_context(|| chart.pod.log_tail())?;
     // The chart's PodMonitor (ci/ha-values.yaml) selects the pods of the worker Deployment the
     // operator wrote, on their metrics port, as job `switchboard-worker` (the alerts' job).
     let monitor: Value = the(&render(Some(HA_VALUES), &[])?, "PodMonitor")?;

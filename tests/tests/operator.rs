@@ -9,6 +9,7 @@ use anyhow::{Context, Result, ensure};
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::Secret;
 use k8s_openapi::api::events::v1::Event;
+use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use kube::Api;
 use kube::api::{DeleteParams, DynamicObject, ListParams, Patch, PatchParams, PostParams};
@@ -18,7 +19,7 @@ use switchboard_operator::build::{CONFIG_HASH_ANNOTATION, MANIFEST_KEY};
 use switchboard_operator::controller::FINALIZER;
 use switchboard_tests::control_plane;
 use switchboard_tests::control_plane::{
-    OPERATOR_TIMEOUT, OperatorEnv, adapter_manifest, pod_template,
+    OPERATOR_TIMEOUT, OperatorEnv, adapter_manifest, pairs, pod_template, quantities,
 };
 use switchboard_tests::wait::wait_for;
 
@@ -129,6 +130,27 @@ async fn crd_is_established_and_kubectl_explains_the_fields() -> Result<()> {
     }
     let top = env.plane.kubectl_ok(&["explain", "qa"])?;
     ensure!(top.contains("store-then-ack"), "explain qa:\n{top}");
+    // The worker pod template, each field saying that it replaces the operator's default.
+    let workload = env
+        .plane
+        .kubectl_ok(&["explain", "queueadapter.spec.workload"])?;
+    for field in [
+        "imagePullSecrets",
+        "serviceAccountName",
+        "nodeSelector",
+        "tolerations",
+        "affinity",
+        "topologySpreadConstraints",
+        "priorityClassName",
+        "podAnnotations",
+        "podLabels",
+        "worker.resources",
+    ] {
+        ensure!(
+            workload.contains(field),
+            "explain lacks {field}:\n{workload}"
+        );
+    }
     Ok(())
 }
 
@@ -857,6 +879,8 @@ async fn operator_token_holds_only_the_rules_it_needs() -> Result<()> {
         ("switchboard.dev", "queueadapters/status", "patch"),
         ("coordination.k8s.io", "leases", "create"),
         ("events.k8s.io", "events", "create"),
+        ("policy", "poddisruptionbudgets", "patch"),
+        ("policy", "poddisruptionbudgets", "delete"),
     ] {
         ensure!(
             can(group, resource, verb).await?,
@@ -877,6 +901,8 @@ async fn operator_token_holds_only_the_rules_it_needs() -> Result<()> {
         ("", "serviceaccounts", "create"),
         ("rbac.authorization.k8s.io", "clusterroles", "create"),
         ("coordination.k8s.io", "leases", "delete"),
+        ("policy", "poddisruptionbudgets", "get"),
+        ("policy", "poddisruptionbudgets", "update"),
     ] {
         ensure!(
             !can(group, resource, verb).await?,
@@ -955,5 +981,190 @@ async fn database_outage_is_reported_retried_with_backoff_and_recovered() -> Res
     )
     .await?;
     ensure!(env.adapter_row("orders").await?.is_some());
+    Ok(())
+}
+
+/// The operator's worker pod defaults, as the chart renders them (`--worker-pod-defaults`).
+const POD_DEFAULTS: &str = include_str!("../../operator/fixtures/pod-defaults.json");
+
+#[tokio::test]
+async fn pod_template_reaches_the_worker_pod_and_the_adapters_values_win_over_the_operators()
+-> Result<()> {
+    let env = OperatorEnv::start().await?;
+    let operator = env.start_operator("operator-a", &["--worker-pod-defaults", POD_DEFAULTS])?;
+    env.apply_adapter(&adapter_manifest("plain", "")).await?;
+    env.apply_adapter(&adapter_manifest(
+        "custom",
+        "  workload:\n\
+         \x20   imagePullSecrets: []\n\
+         \x20   serviceAccountName: custom-irsa\n\
+         \x20   nodeSelector: {zone: a}\n\
+         \x20   tolerations: [{key: spot, operator: Exists, effect: NoSchedule}]\n\
+         \x20   affinity: {nodeAffinity: {requiredDuringSchedulingIgnoredDuringExecution: {nodeSelectorTerms: [{matchExpressions: [{key: arch, operator: In, values: [arm64]}]}]}}}\n\
+         \x20   topologySpreadConstraints: [{maxSkew: 1, topologyKey: topology.kubernetes.io/zone, whenUnsatisfiable: ScheduleAnyway, labelSelector: {matchLabels: {app.kubernetes.io/instance: custom}}}]\n\
+         \x20   priorityClassName: custom-critical\n\
+         \x20   podAnnotations: {team: shop, switchboard.dev/config-hash: forged}\n\
+         \x20   podLabels: {team: shop, app.kubernetes.io/instance: plain}\n",
+    ))
+    .await?;
+    let plain = env
+        .wait_deployment("plain-worker", "the plain worker Deployment", |_| true)
+        .await
+        .with_context(|| operator.log_tail())?;
+    let (pod, _) = pod_template(&plain)?;
+    let secrets: Vec<&str> = pod
+        .image_pull_secrets
+        .iter()
+        .flatten()
+        .map(|s| s.name.as_str())
+        .collect();
+    ensure!(secrets == ["regcred"], "default pull secrets: {secrets:?}");
+    ensure!(pod.service_account_name.as_deref() == Some("queue-workers"));
+    ensure!(pod.node_selector == Some(pairs(&[("pool", "queues")])));
+    ensure!(
+        pod.tolerations
+            .as_ref()
+            .is_some_and(|t| t[0].key.as_deref() == Some("dedicated"))
+    );
+    ensure!(pod.priority_class_name.as_deref() == Some("queue-workers"));
+    ensure!(pod.affinity.is_none() && pod.topology_spread_constraints.is_none());
+
+    let custom = env
+        .wait_deployment("custom-worker", "the custom worker Deployment", |_| true)
+        .await
+        .with_context(|| operator.log_tail())?;
+    let (pod, container) = pod_template(&custom)?;
+    ensure!(
+        pod.image_pull_secrets.iter().flatten().next().is_none(),
+        "cleared: {pod:?}"
+    );
+    ensure!(pod.service_account_name.as_deref() == Some("custom-irsa"));
+    ensure!(pod.node_selector == Some(pairs(&[("zone", "a")])));
+    ensure!(
+        pod.tolerations
+            .as_ref()
+            .is_some_and(|t| t.len() == 1 && t[0].key.as_deref() == Some("spot"))
+    );
+    ensure!(
+        pod.affinity
+            .as_ref()
+            .is_some_and(|a| a.node_affinity.is_some())
+    );
+    ensure!(
+        pod.topology_spread_constraints
+            .as_ref()
+            .is_some_and(|t| t.len() == 1)
+    );
+    ensure!(pod.priority_class_name.as_deref() == Some("custom-critical"));
+    // Restricted whatever the template says, and no API token for the chosen account.
+    ensure!(pod.automount_service_account_token == Some(false));
+    let security = container
+        .security_context
+        .as_ref()
+        .context("securityContext")?;
+    ensure!(
+        security.read_only_root_filesystem == Some(true)
+            && security.run_as_non_root == Some(true)
+            && security.allow_privilege_escalation == Some(false)
+    );
+    let metadata = custom
+        .spec
+        .as_ref()
+        .and_then(|s| s.template.metadata.as_ref())
+        .context("pod metadata")?;
+    let labels = metadata.labels.clone().unwrap_or_default();
+    ensure!(
+        labels.get("team").map(String::as_str) == Some("shop"),
+        "{labels:?}"
+    );
+    ensure!(
+        labels.get("app.kubernetes.io/instance").map(String::as_str) == Some("custom"),
+        "podLabels cannot move the pods out of their Deployment's selector: {labels:?}"
+    );
+    let annotations = metadata.annotations.clone().unwrap_or_default();
+    ensure!(annotations.get("team").map(String::as_str) == Some("shop"));
+    ensure!(
+        config_hash(&custom).is_some_and(|hash| hash.len() == 64),
+        "the config hash is the operator's: {annotations:?}"
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn worker_without_resources_gets_the_operators_default_resources_and_its_own_win()
+-> Result<()> {
+    let env = OperatorEnv::start().await?;
+    let operator = env.start_operator("operator-a", &["--worker-pod-defaults", POD_DEFAULTS])?;
+    env.apply_adapter(&adapter_manifest("plain", "")).await?;
+    env.apply_adapter(&ORDERS).await?;
+    let plain = env
+        .wait_deployment("plain-worker", "the plain worker Deployment", |_| true)
+        .await
+        .with_context(|| operator.log_tail())?;
+    let (_, container) = pod_template(&plain)?;
+    ensure!(
+        quantities(container.resources.as_ref(), "requests")
+            == pairs(&[("cpu", "100m"), ("memory", "128Mi")])
+            && quantities(container.resources.as_ref(), "limits") == pairs(&[("memory", "512Mi")]),
+        "the default resources: {:?}",
+        container.resources
+    );
+    let orders = env
+        .wait_deployment("orders-worker", "the orders worker Deployment", |_| true)
+        .await?;
+    let (_, container) = pod_template(&orders)?;
+    ensure!(
+        quantities(container.resources.as_ref(), "requests")
+            == pairs(&[("cpu", "50m"), ("memory", "64Mi")])
+            && quantities(container.resources.as_ref(), "limits") == pairs(&[("memory", "128Mi")]),
+        "the adapter's own resources, as a whole: {:?}",
+        container.resources
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn worker_disruption_budget_exists_with_two_replicas_and_goes_with_one() -> Result<()> {
+    let env = OperatorEnv::start().await?;
+    let operator = running_orders(&env).await?;
+    let budgets = Api::<PodDisruptionBudget>::namespaced(env.admin.clone(), &env.namespace);
+    let budget =
+        control_plane::wait_object(&budgets, "orders-worker", "the worker budget", |_| true)
+            .await
+            .with_context(|| operator.log_tail())?;
+    let owner = budget
+        .metadata
+        .owner_references
+        .iter()
+        .flatten()
+        .next()
+        .context("owner")?;
+    ensure!(
+        owner.kind == "QueueAdapter" && owner.name == "orders" && owner.controller == Some(true),
+        "owned by the adapter: {owner:?}"
+    );
+    let spec = budget.spec.context("budget spec")?;
+    ensure!(spec.max_unavailable == Some(IntOrString::Int(1)) && spec.min_available.is_none());
+    let deployment = env.deployments().get("orders-worker").await?;
+    ensure!(
+        spec.selector.and_then(|s| s.match_labels)
+            == deployment.spec.and_then(|s| s.selector.match_labels),
+        "the budget selects the worker pods"
+    );
+    env.apply_adapter(&ORDERS.replace("replicas: 2", "replicas: 1"))
+        .await?;
+    wait_for(
+        OPERATOR_TIMEOUT,
+        "the budget is deleted at 1 replica",
+        || async { Ok(budgets.get_opt("orders-worker").await?.is_none()) },
+    )
+    .await
+    .with_context(|| operator.log_tail())?;
+    env.apply_adapter(&ORDERS).await?;
+    control_plane::wait_object(&budgets, "orders-worker", "the budget is back at 2", |_| {
+        true
+    })
+    .await
+    .with_context(|| operator.log_tail())?;
     Ok(())
 }

@@ -77,3 +77,21 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- define "switchboard.leaderElection" -}}
 {{- if or .Values.leaderElection.enabled (gt (int .Values.replicaCount) 1) }}true{{ else }}false{{ end }}
 {{- end }}
+
+{{/*
+The worker pod defaults as the operator's --worker-pod-defaults JSON. The workers' pull Secrets
+default to the chart's own.
+*/}}
+{{- define "switchboard.workerPodDefaults" -}}
+{{- $worker := .Values.worker }}
+{{- dict
+  "imagePullSecrets" (default .Values.imagePullSecrets $worker.imagePullSecrets)
+  "serviceAccountName" $worker.serviceAccountName
+  "nodeSelector" $worker.nodeSelector
+  "tolerations" $worker.tolerations
+  "affinity" $worker.affinity
+  "topologySpreadConstraints" $worker.topologySpreadConstraints
+  "priorityClassName" $worker.priorityClassName
+  "resources" $worker.resources
+  | toJson }}
+{{- end }}
