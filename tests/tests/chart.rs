@@ -1035,7 +1035,7 @@ async fn operator_without_the_charts_deployments_rule_cannot_reconcile() -> Resu
 // Acceptance 4: the chart's CRD and versions
 
 #[test]
-fn chart_crd_is_the_generated_crd_and_chart_versions_are_the_crates_version() -> Result<()> {
+fn chart_crd_is_the_generated_crd_versions_are_the_crates_and_description_names_every_broker() -> Result<()> {
     let committed = std::fs::read_to_string(workspace_path(CRD_FILE))?;
     let chart_copy = workspace_path("charts/switchboard/crds/queueadapters.switchboard.dev.yaml");
     ensure!(
@@ -1047,6 +1047,23 @@ fn chart_crd_is_the_generated_crd_and_chart_versions_are_the_crates_version() ->
     let chart: serde_yaml_ng::Value = serde_yaml_ng::from_str(&std::fs::read_to_string(
         workspace_path("charts/switchboard/Chart.yaml"),
     )?)?;
+    let description = chart["description"].as_str().context("description")?;
+    for broker in switchboard_api::BROKERS {
+        // Every broker by the name its users know it by.
+        let name = match *broker {
+            "amqp" => "rabbitmq",
+            other => other,
+        };
+        ensure!(
+            description.to_lowercase().contains(name),
+            "Chart.yaml's description leaves out {name}: {description}"
+        );
+    }
+    ensure!(
+        !std::fs::read_to_string(workspace_path("charts/switchboard/Chart.yaml"))?
+            .contains("example.invalid"),
+        "Chart.yaml points at placeholder addresses"
+    );
     let crate_version = env!("CARGO_PKG_VERSION");
     for key in ["version", "appVersion"] {
         ensure!(
