@@ -1035,7 +1035,8 @@ async fn operator_without_the_charts_deployments_rule_cannot_reconcile() -> Resu
 // Acceptance 4: the chart's CRD and versions
 
 #[test]
-fn chart_crd_is_the_generated_crd_versions_are_the_crates_and_description_names_every_broker() -> Result<()> {
+fn chart_crd_is_the_generated_crd_versions_are_the_crates_and_description_names_every_broker()
+-> Result<()> {
     let committed = std::fs::read_to_string(workspace_path(CRD_FILE))?;
     let chart_copy = workspace_path("charts/switchboard/crds/queueadapters.switchboard.dev.yaml");
     ensure!(

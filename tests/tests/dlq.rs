@@ -527,6 +527,82 @@ async fn redrive_killed_half_way_then_rerun_leaves_one_todo_each<C: Case>(
     case.fx().assert_exactly_once(case.queue(), total).await
 }
 
+/// A redrive without a terminal prints plain progress lines (count, rate, time left) every 5 s;
+/// SIGTERM stops it between two letters: it prints what moved and what is left, exits 143, and
+/// the counts are the broker's. Run again, it redrives the rest: one todo per letter.
+async fn redrive_stopped_by_sigterm_reports_and_exits_143<C: Case>(name: &str) -> Result<()> {
+    let case = C::start(name).await?;
+    let (manifest, _) = dead_letter_fifteen(&case, name).await?;
+    let file = path_text(&manifest)?.to_owned();
+    let fixed = case.manifest(true)?;
+    let _worker = case.fx().worker(&fixed, "fixed")?;
+    let mut slow = dlq_command(
+        &case,
+        &["redrive", "--file", &file, "--all", "--rate", "2/s"],
+    )?
+    .stdout(Stdio::piped())
+    .stderr(Stdio::piped())
+    .spawn()?;
+    let stderr = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
+    let reader = {
+        let (pipe, stderr) = (slow.stderr.take().context("stderr")?, stderr.clone());
+        std::thread::spawn(move || {
+            for line in std::io::BufRead::lines(std::io::BufReader::new(pipe)).map_while(Result::ok)
+            {
+                let mut text = stderr
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner);
+                text.push_str(&line);
+                text.push('\n');
+            }
+        })
+    };
+    let printed = || stderr.lock().map(|text| text.clone()).unwrap_or_default();
+    wait_for(LONG, "a progress line", || async {
+        Ok(printed().contains("redrive: ") && printed().contains("/s, "))
+    })
+    .await?;
+    let pid = nix::unistd::Pid::from_raw(i32::try_from(slow.id())?);
+    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM)?;
+    let output = slow.wait_with_output()?;
+    reader
+        .join()
+        .map_err(|_| anyhow::anyhow!("the stderr reader panicked"))?;
+    let stdout = String::from_utf8(output.stdout)?;
+    ensure!(
+        output.status.code() == Some(143),
+        "{:?}\n{stdout}{}",
+        output.status,
+        printed()
+    );
+    let counts = |word: &str| -> Result<u64> {
+        let before = stdout
+            .split(&format!(" {word}"))
+            .next()
+            .context("no summary")?;
+        Ok(before.rsplit([' ', ',']).next().unwrap_or("").parse()?)
+    };
+    ensure!(
+        stdout.starts_with("redrive stopped by SIGTERM: "),
+        "{stdout}"
+    );
+    let (moved, left) = (counts("redriven")?, counts("left")?);
+    ensure!(
+        moved >= 1 && left >= 1 && moved + left == (POISON + OVERDUE) as u64,
+        "{stdout}"
+    );
+    case.settle().await?;
+    ensure!(case.dead_letters().await? == left, "{left} left: {stdout}");
+    let total = (POISON + OVERDUE) as i64;
+    let summary = String::from_utf8(dlq_ok(&case, &["redrive", "--file", &file, "--all"])?)?;
+    ensure!(summary.contains(&format!("{left} redriven")), "{summary}");
+    wait_for(LONG, "a todo per letter", || async {
+        Ok(case.fx().todo_count(case.queue()).await? == total)
+    })
+    .await?;
+    case.fx().assert_exactly_once(case.queue(), total).await
+}
+
 /// Acceptance 3: purge --older-than removes only older letters; without --yes and without a
 /// terminal it refuses, saying why, and deletes nothing.
 async fn purge_removes_only_older_letters_and_refuses_unconfirmed<C: Case>(
@@ -728,6 +804,11 @@ macro_rules! dlq_suite {
             async fn redrive_killed_half_way_then_run_again_leaves_exactly_one_todo_each()
             -> Result<()> {
                 redrive_killed_half_way_then_rerun_leaves_one_todo_each::<$case>("killed").await
+            }
+
+            #[tokio::test]
+            async fn redrive_stopped_by_sigterm_says_what_moved_and_exits_143() -> Result<()> {
+                redrive_stopped_by_sigterm_reports_and_exits_143::<$case>("stopped").await
             }
 
             #[tokio::test]

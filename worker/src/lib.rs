@@ -100,10 +100,16 @@ pub enum WorkerError {
 }
 
 impl WorkerError {
-    /// The command line asked for something that cannot be done as said (exit code 2, as a
-    /// flag clap refuses).
-    pub fn is_usage(&self) -> bool {
-        matches!(self, WorkerError::Dlq(dlq::DlqError::Usage(_)))
+    /// The process's exit code for this error: 2 for a command line that cannot be done as
+    /// said (as for a flag clap refuses), `128 + n` for a stop by signal `n`, else 1.
+    pub fn exit_code(&self) -> u8 {
+        match self {
+            WorkerError::Dlq(dlq::DlqError::Usage(_)) => 2,
+            WorkerError::Dlq(dlq::DlqError::Stopped { signal }) => {
+                u8::try_from(128 + signal).unwrap_or(1)
+            }
+            _ => 1,
+        }
     }
 }
 

@@ -157,11 +157,7 @@ async fn main() -> ExitCode {
         Err(err) => {
             tracing::error!(error = %ErrorChain(&err), "fatal");
             eprintln!("error: {}", ErrorChain(&err));
-            if err.is_usage() {
-                ExitCode::from(2)
-            } else {
-                ExitCode::FAILURE
-            }
+            ExitCode::from(err.exit_code())
         }
     }
 }

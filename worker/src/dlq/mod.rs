@@ -12,10 +12,11 @@
 
 mod kept;
 mod output;
+mod redrive;
 
 use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use switchboard_api::QueueAdapter;
 
@@ -49,6 +50,9 @@ pub enum DlqError {
     Incomplete { failed: usize, selected: usize },
     #[error("cannot write the output")]
     Output(#[source] std::io::Error),
+    /// Stopped between two letters by a signal (exit code `128 + signal`).
+    #[error("stopped by signal {signal}; run the command again to redrive the rest")]
+    Stopped { signal: i32 },
 }
 
 /// The manifest the commands read, as the worker runs it.
@@ -286,7 +290,7 @@ async fn execute<R: DeadLetterReader>(
                     .into());
                 }
             };
-            redrive(&mut reader, selection, rate, dry_run).await
+            redrive::redrive(&mut reader, selection, rate, dry_run).await
         }
         DlqCommand::Purge {
             ids,
@@ -409,115 +413,6 @@ impl Selection {
             Selection::Ids(ids) => ids.contains(&letter.id),
         }
     }
-}
-
-/// A progress line on standard error, redrawn in place, when it is a terminal.
-struct Progress {
-    total: usize,
-    shown: bool,
-}
-
-impl Progress {
-    fn new(total: usize) -> Self {
-        Self {
-            total,
-            shown: std::io::stderr().is_terminal() && total > 0,
-        }
-    }
-
-    fn update(&self, done: usize) {
-        if self.shown {
-            let width = 30;
-            let filled = done * width / self.total.max(1);
-            eprint!(
-                "\r[{}{}] {done}/{}",
-                "#".repeat(filled),
-                " ".repeat(width - filled),
-                self.total
-            );
-        }
-    }
-
-    fn finish(&self) {
-        if self.shown {
-            eprintln!();
-        }
-    }
-}
-
-async fn redrive<R: DeadLetterReader>(
-    reader: &mut R,
-    selection: Selection,
-    rate: Option<f64>,
-    dry_run: bool,
-) -> Result<(), DlqError> {
-    let letters = reader.letters(usize::MAX).await?;
-    let (chosen, rest): (Vec<StoredLetter>, Vec<StoredLetter>) = letters
-        .into_iter()
-        .partition(|letter| selection.takes(letter));
-    reader.release(&rest).await?;
-    if let Selection::Ids(ids) = &selection
-        && let Some(missing) = ids.iter().find(|id| !chosen.iter().any(|l| &l.id == *id))
-    {
-        reader.release(&chosen).await?;
-        return Err(DlqError::NotFound(missing.clone(), reader.destination()));
-    }
-    let source = reader.source();
-    if dry_run {
-        for letter in &chosen {
-            stdout_line(&format!(
-                "would redrive {} ({}) to {source}",
-                letter.id,
-                letter.reason.as_deref().unwrap_or("unknown reason")
-            ))?;
-        }
-        reader.release(&chosen).await?;
-        stdout_line(&format!(
-            "dry run: {} dead letters would be redriven from {} to {source}",
-            chosen.len(),
-            reader.destination()
-        ))?;
-        return Ok(());
-    }
-    for caveat in reader.caveats() {
-        eprintln!("note: {caveat}");
-    }
-    let interval = rate.map(|rate| Duration::from_secs_f64(1.0 / rate));
-    let progress = Progress::new(chosen.len());
-    let started = Instant::now();
-    let mut failed = 0;
-    for (index, letter) in chosen.iter().enumerate() {
-        if let Some(interval) = interval {
-            tokio::time::sleep_until((started + interval.mul_f64(index as f64)).into()).await;
-        }
-        if let Err(err) = reader.redrive(letter).await {
-            failed += 1;
-            eprintln!(
-                "\ncannot redrive {}: {}",
-                letter.id,
-                switchboard_telemetry::ErrorChain(&err)
-            );
-            if err.is_fatal() {
-                progress.finish();
-                return Err(err.into());
-            }
-        }
-        progress.update(index + 1);
-    }
-    progress.finish();
-    stdout_line(&format!(
-        "redrive: {} redriven from {} to {source}, {failed} failed, in {:.1}s",
-        chosen.len() - failed,
-        reader.destination(),
-        started.elapsed().as_secs_f64()
-    ))?;
-    if failed > 0 {
-        return Err(DlqError::Incomplete {
-            failed,
-            selected: chosen.len(),
-        });
-    }
-    Ok(())
 }
 
 /// `dlq purge`: the letters selected and older than `older_than`.
