@@ -151,6 +151,20 @@ pub fn adapter_gauge_aliased(
     )
 }
 
+/// The one name of a broker's reconnections, the same for every broker that reconnects:
+/// connections (or subscriptions) re-established after they were lost, never the first one.
+/// `alias`: the broker's old name of the same count, kept one release.
+pub fn broker_reconnects(registry: &mut Registry, adapter: &str, alias: Option<&str>) -> Counter {
+    adapter_series(
+        registry,
+        "broker_reconnects",
+        alias,
+        "Connections (or subscriptions) to the broker re-established after they were lost (the first connection is not counted)",
+        Family::default(),
+        adapter,
+    )
+}
+
 fn adapter_histogram(
     registry: &mut Registry,
     name: &str,
@@ -455,5 +469,20 @@ mod tests {
             "{text}"
         );
         assert!(text.contains("deprecated name of switchboard_redis_messages_reaped"));
+    }
+
+    #[test]
+    fn nats_reconnects_is_the_deprecated_name_of_broker_reconnects() {
+        let mut registry = Metrics::registry();
+        broker_reconnects(&mut registry, "a/b", Some("nats_reconnects")).inc();
+        let text = switchboard_telemetry::encode(&registry);
+        assert!(
+            text.contains(r#"switchboard_broker_reconnects_total{adapter="a/b"} 1"#),
+            "{text}"
+        );
+        assert!(
+            text.contains(r#"switchboard_nats_reconnects_total{adapter="a/b"} 1"#),
+            "{text}"
+        );
     }
 }
