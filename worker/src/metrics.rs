@@ -1,7 +1,8 @@
 //! Every metric the worker exports, registered in one place. Labels are bounded: the adapter
 //! name, a dead-letter reason, a dependency, a delivery guarantee — never message ids.
 
-use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::encoding::{EncodeLabelSet, EncodeMetric};
+use prometheus_client::metrics::TypedMetric;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::{Family, MetricConstructor};
 use prometheus_client::metrics::gauge::Gauge;
@@ -114,41 +115,21 @@ where
     adapter_series(registry, name, None, help, Family::default(), adapter)
 }
 
-/// [`adapter_counter`] registered under `name` and, for one release, under its old name `alias`
-/// too: one series under both names, so dashboards and alerts on the old name keep working.
-pub fn adapter_counter_aliased(
+/// A metric labelled with the adapter (a counter or a gauge), registered under `name` and,
+/// for one release, under its old name `alias` too: one series under both names, so dashboards
+/// and alerts on the old name keep working.
+pub fn adapter_aliased<M>(
     registry: &mut Registry,
     name: &str,
     alias: &str,
     help: &str,
     adapter: &str,
-) -> Counter {
-    adapter_series(
-        registry,
-        name,
-        Some(alias),
-        help,
-        Family::default(),
-        adapter,
-    )
-}
-
-/// [`adapter_gauge`] registered under `name` and, for one release, under its old name `alias`.
-pub fn adapter_gauge_aliased(
-    registry: &mut Registry,
-    name: &str,
-    alias: &str,
-    help: &str,
-    adapter: &str,
-) -> Gauge<f64, AtomicU64> {
-    adapter_series(
-        registry,
-        name,
-        Some(alias),
-        help,
-        Family::default(),
-        adapter,
-    )
+) -> M
+where
+    M: EncodeMetric + TypedMetric + Default + Clone + std::fmt::Debug + Send + Sync + 'static,
+{
+    let family = Family::default();
+    adapter_series(registry, name, Some(alias), help, family, adapter)
 }
 
 /// The one name of a broker's reconnections, the same for every broker that reconnects:
@@ -444,6 +425,15 @@ impl Metrics {
     }
 }
 
+/// Asserts that `registry` exports every one of `lines` (`name{labels} value`), for tests.
+#[cfg(test)]
+pub(crate) fn assert_exported(registry: &Registry, lines: &[&str]) {
+    let text = switchboard_telemetry::encode(registry);
+    for line in lines {
+        assert!(text.lines().any(|l| l == *line), "{line} in\n{text}");
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -451,7 +441,7 @@ mod tests {
     #[test]
     fn an_aliased_counter_is_one_series_under_both_names() {
         let mut registry = Metrics::registry();
-        let counter = adapter_counter_aliased(
+        let counter: Counter = adapter_aliased(
             &mut registry,
             "redis_messages_reaped",
             "messages_reaped",
@@ -459,15 +449,14 @@ mod tests {
             "a/b",
         );
         counter.inc_by(3);
+        assert_exported(
+            &registry,
+            &[
+                r#"switchboard_redis_messages_reaped_total{adapter="a/b"} 3"#,
+                r#"switchboard_messages_reaped_total{adapter="a/b"} 3"#,
+            ],
+        );
         let text = switchboard_telemetry::encode(&registry);
-        assert!(
-            text.contains(r#"switchboard_redis_messages_reaped_total{adapter="a/b"} 3"#),
-            "{text}"
-        );
-        assert!(
-            text.contains(r#"switchboard_messages_reaped_total{adapter="a/b"} 3"#),
-            "{text}"
-        );
         assert!(text.contains("deprecated name of switchboard_redis_messages_reaped"));
     }
 
@@ -475,14 +464,12 @@ mod tests {
     fn nats_reconnects_is_the_deprecated_name_of_broker_reconnects() {
         let mut registry = Metrics::registry();
         broker_reconnects(&mut registry, "a/b", Some("nats_reconnects")).inc();
-        let text = switchboard_telemetry::encode(&registry);
-        assert!(
-            text.contains(r#"switchboard_broker_reconnects_total{adapter="a/b"} 1"#),
-            "{text}"
-        );
-        assert!(
-            text.contains(r#"switchboard_nats_reconnects_total{adapter="a/b"} 1"#),
-            "{text}"
+        assert_exported(
+            &registry,
+            &[
+                r#"switchboard_broker_reconnects_total{adapter="a/b"} 1"#,
+                r#"switchboard_nats_reconnects_total{adapter="a/b"} 1"#,
+            ],
         );
     }
 }

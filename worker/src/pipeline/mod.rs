@@ -243,8 +243,7 @@ impl<T: Transport> Pipeline<T> {
                     }
                 }
                 next_maintenance = Instant::now() + interval;
-                self.dead_letter_log.flush(Instant::now(), false);
-                self.stale_log.flush(Instant::now(), false);
+                self.flush_summaries(false);
             }
             let (batch_size, block) = (self.settings.batch_size, in_flight.is_empty());
             let attempted = Instant::now();
@@ -302,10 +301,17 @@ impl<T: Transport> Pipeline<T> {
         if cancel.is_cancelled() {
             self.transport.shutdown().await;
         }
-        self.dead_letter_log.flush(Instant::now(), true);
-        self.stale_log.flush(Instant::now(), true);
+        self.flush_summaries(true);
         tracing::info!("worker stopped");
         Ok(())
+    }
+
+    /// Logs the summaries of dead letters and stale acknowledgements that are due (all that is
+    /// left when `stopping`).
+    fn flush_summaries(&mut self, stopping: bool) {
+        let now = Instant::now();
+        self.dead_letter_log.flush(now, stopping);
+        self.stale_log.flush(now, stopping);
     }
 
     /// Upkeep and a database probe. `Ok(false)`: shutdown interrupted it.

@@ -68,7 +68,7 @@ impl AmqpMetrics {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::metrics::Metrics;
+    use crate::metrics::{Metrics, assert_exported};
 
     #[test]
     fn every_session_after_the_first_is_a_broker_reconnection() {
@@ -77,14 +77,12 @@ mod tests {
         for _ in 0..3 {
             metrics.session_opened();
         }
-        let text = switchboard_telemetry::encode(&registry);
-        assert!(
-            text.contains(r#"switchboard_broker_reconnects_total{adapter="a/b"} 2"#),
-            "{text}"
-        );
-        assert!(
-            text.contains(r#"switchboard_amqp_sessions_opened_total{adapter="a/b"} 3"#),
-            "{text}"
+        assert_exported(
+            &registry,
+            &[
+                r#"switchboard_broker_reconnects_total{adapter="a/b"} 2"#,
+                r#"switchboard_amqp_sessions_opened_total{adapter="a/b"} 3"#,
+            ],
         );
     }
 }

@@ -25,7 +25,7 @@ use super::{
     integer, open, record_time_ms, refused_by_dead_letter_key, text,
 };
 use crate::health::now_ms;
-use crate::metrics::adapter_counter_aliased;
+use crate::metrics::adapter_aliased;
 use crate::transport::{
     Acked, DeadLetter, Message, QueueHealth, QueueProbe, Transport, TransportError,
 };
@@ -99,7 +99,7 @@ impl RedisList {
             reader: Connection::new(client.clone(), BLOCK + CONTROL_TIMEOUT).naming(keys.clone()),
             control: Connection::new(client.clone(), CONTROL_TIMEOUT).naming(keys),
             client,
-            reaped: adapter_counter_aliased(
+            reaped: adapter_aliased(
                 registry,
                 "redis_messages_reaped",
                 "messages_reaped",
