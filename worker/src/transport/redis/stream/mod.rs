@@ -35,7 +35,7 @@ use super::{
     BLOCK, CONTROL_TIMEOUT, Connection, NamedKey, array, error_code, integer, now_rfc3339, open,
     refused_by_dead_letter_key, text,
 };
-use crate::metrics::adapter_aliased;
+use crate::metrics::{adapter_aliased, broker_reconnects};
 use crate::payload::fields_json;
 use crate::transport::dead_letter::DeadLetterContext;
 use crate::transport::{Acked, DeadLetter, Message, Position, Transport, TransportError};
@@ -160,11 +160,14 @@ impl RedisStream {
     ) -> Result<Self, TransportError> {
         let client = open(redis_url)?;
         let keys = settings.keys();
+        let reconnects = broker_reconnects(registry, &settings.adapter, None);
         Ok(Self {
             source: format!("redis:{}", settings.adapter),
             metrics: StreamMetrics::register(registry, &settings.adapter),
             settings,
-            reader: Connection::new(client.clone(), BLOCK + CONTROL_TIMEOUT).naming(keys.clone()),
+            reader: Connection::new(client.clone(), BLOCK + CONTROL_TIMEOUT)
+                .naming(keys.clone())
+                .counting_reconnects(reconnects),
             control: Connection::new(client.clone(), CONTROL_TIMEOUT).naming(keys),
             client,
             store,
