@@ -387,8 +387,11 @@ impl Store {
     }
 
     /// Applies pending migrations. Safe when several processes run it at once (advisory lock).
+    /// A database it cannot reach is said as `run` says it (`DATABASE_URL`'s host and port),
+    /// not as the pool's time-out.
     pub async fn migrate(&self) -> Result<(), StoreError> {
-        MIGRATOR.run(&self.pool).await.map_err(StoreError::Migrate)
+        let mut conn = self.acquire().await?;
+        MIGRATOR.run(&mut *conn).await.map_err(StoreError::Migrate)
     }
 
     /// Fails with [`StoreError::NotMigrated`] unless every migration has been applied.

@@ -932,3 +932,47 @@ async fn letters_kept_in_postgresql_are_listed_shown_and_purged_for_every_broker
     ensure!(left == 0, "purged: {left} left");
     Ok(())
 }
+
+/// A command line that cannot be done as said exits 2 before touching a server: an unknown
+/// `--reason` (a typo would select nothing and say nothing) is refused listing the known
+/// reasons, and a redrive that selects nothing says how to select.
+#[test]
+fn usage_errors_exit_2_and_an_unknown_reason_lists_the_known_ones() -> Result<()> {
+    let manifest =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/orders-stream.yaml");
+    let manifest = path_text(&manifest)?;
+    let run = |args: &[&str]| -> Result<Output> {
+        Ok(Command::new(worker_binary()?)
+            .env_clear()
+            // Nothing listens there: a command that connected would fail another way.
+            .env("REDIS_URL", "redis://127.0.0.1:1")
+            .arg("dlq")
+            .args(args)
+            .stdin(Stdio::null())
+            .output()?)
+    };
+    for (args, says) in [
+        (
+            vec!["list", "--file", manifest, "--reason", "max_delivery"],
+            "possible values: invalid_json, oversize, not_utf8, nul_character, rejected, max_deliveries, undecodable, envelope",
+        ),
+        (
+            vec!["redrive", "--file", manifest, "--reason", "bogus"],
+            "invalid value 'bogus' for '--reason <REASON>'",
+        ),
+        (
+            vec!["redrive", "--file", manifest],
+            "say what to redrive: letter ids, --reason R or --all",
+        ),
+    ] {
+        let output = run(&args)?;
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        ensure!(
+            output.status.code() == Some(2),
+            "{args:?}: {:?}\n{stderr}",
+            output.status
+        );
+        ensure!(stderr.contains(says), "{args:?}: {stderr}");
+    }
+    Ok(())
+}

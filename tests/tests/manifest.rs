@@ -116,3 +116,64 @@ async fn every_misspelling_type_error_and_bad_name_stops_the_worker_naming_field
     ensure!(fx.todo_count("orders").await? == 0, "a todo was stored");
     Ok(())
 }
+
+/// `switchboard-worker lint` gives `run`'s verdict on a manifest with no environment and no
+/// server: every example is valid (one line each, naming what it runs), and a misspelled field
+/// is refused naming the field and its line, with exit code 1 and the valid file still listed.
+#[test]
+fn lint_passes_every_example_and_refuses_a_misspelling_naming_its_line() -> Result<()> {
+    let worker = switchboard_tests::worker::worker_binary()?;
+    let examples = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples");
+    let mut files = Vec::new();
+    for entry in std::fs::read_dir(&examples)? {
+        let path = entry?.path();
+        if path.extension().is_some_and(|e| e == "yaml") {
+            files.push(path);
+        }
+    }
+    ensure!(files.len() >= 8, "{} examples", files.len());
+    let lint = |files: &[std::path::PathBuf]| {
+        let mut command = std::process::Command::new(&worker);
+        command.env_clear().arg("lint");
+        for file in files {
+            command.arg("--file").arg(file);
+        }
+        command.output()
+    };
+    let out = lint(&files)?;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    ensure!(
+        out.status.success(),
+        "{}{stdout}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    ensure!(
+        stdout
+            .lines()
+            .filter(|line| line.contains(": valid: "))
+            .count()
+            == files.len(),
+        "{stdout}"
+    );
+    ensure!(
+        stdout.contains("default/orders: kafka group, at-least-once"),
+        "{stdout}"
+    );
+
+    let dir = tempfile::tempdir()?;
+    let misspelled = dir.path().join("misspelled.yaml");
+    std::fs::write(&misspelled, MISSPELLED_MANIFEST)?;
+    let out = lint(&[misspelled, files[0].clone()])?;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    ensure!(
+        out.status.code() == Some(1),
+        "exit {}: {stderr}",
+        out.status
+    );
+    ensure!(
+        stderr.contains("line 8: spec.delivery.bachSize: unknown field"),
+        "{stderr}"
+    );
+    ensure!(String::from_utf8_lossy(&out.stdout).contains(": valid: "));
+    Ok(())
+}

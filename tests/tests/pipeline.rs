@@ -627,7 +627,10 @@ async fn read_only_database_is_retried_and_nothing_is_dead_lettered() -> Result<
             "readiness says the database is read-only",
             || async {
                 let because = running.health.not_ready_because();
-                Ok(because.contains("database unavailable") && because.contains("read-only"))
+                Ok(
+                    because.contains("database unavailable since ")
+                        && because.contains("read-only"),
+                )
             },
         )
         .await?;

@@ -31,7 +31,7 @@ pub const STALL_LIMIT: Duration = Duration::from_secs(600);
 const MAX_SUMMARY_BYTES: usize = 300;
 
 /// `/readyz`: the loop has started and every dependency answers; when not, it says what is
-/// wrong (the dependency and its last error, on one line, without credentials).
+/// wrong (the dependency, since when, and its last error, on one line, without credentials).
 /// `/healthz`: the loop made progress within its own announced deadline, and, while the queue
 /// holds work, settled a batch within [`STALL_LIMIT`].
 #[derive(Debug, Default)]
@@ -45,8 +45,15 @@ pub struct Health {
     /// When a batch was last settled or the broker last had nothing for the loop.
     progressed_ms: AtomicU64,
     stall_limit_ms: AtomicU64,
-    /// The last error of each dependency while it is down ([`Dependency::ALL`] order).
-    last_errors: Mutex<[Option<String>; 2]>,
+    /// Each dependency's outage while it is down ([`Dependency::ALL`] order).
+    outages: Mutex<[Option<Outage>; 2]>,
+}
+
+/// A dependency down: since when (Unix ms) and its last error.
+#[derive(Debug, Clone)]
+struct Outage {
+    since_ms: u64,
+    error: String,
 }
 
 pub fn now_ms() -> u64 {
@@ -105,18 +112,26 @@ impl Health {
         };
         flag.store(up, Ordering::Relaxed);
         if up {
-            self.last_errors()[dependency as usize] = None;
+            self.outages()[dependency as usize] = None;
         }
     }
 
     /// `dependency` is down, and `error` (its whole cause chain) is why.
     pub fn set_down(&self, dependency: Dependency, error: &str) {
         self.set_up(dependency, false);
-        self.last_errors()[dependency as usize] = Some(summary(error));
+        let mut outages = self.outages();
+        let outage = &mut outages[dependency as usize];
+        let since_ms = outage
+            .as_ref()
+            .map_or_else(now_ms, |outage| outage.since_ms);
+        *outage = Some(Outage {
+            since_ms,
+            error: summary(error),
+        });
     }
 
-    fn last_errors(&self) -> std::sync::MutexGuard<'_, [Option<String>; 2]> {
-        self.last_errors
+    fn outages(&self) -> std::sync::MutexGuard<'_, [Option<Outage>; 2]> {
+        self.outages
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
@@ -127,13 +142,21 @@ impl Health {
         if !self.started.load(Ordering::Relaxed) {
             wrong.push("not started: waiting for the database schema and the broker".to_owned());
         }
-        let errors = self.last_errors().clone();
+        let outages = self.outages().clone();
         for dependency in Dependency::ALL {
             if !self.is_up(dependency) {
-                let error = errors[dependency as usize]
-                    .as_deref()
-                    .unwrap_or("no answer yet");
-                wrong.push(format!("{} unavailable: {error}", dependency.as_str()));
+                let name = dependency.as_str();
+                wrong.push(match &outages[dependency as usize] {
+                    Some(outage) => format!(
+                        "{name} unavailable since {} ({}s): {}",
+                        humantime::format_rfc3339_seconds(
+                            UNIX_EPOCH + Duration::from_millis(outage.since_ms)
+                        ),
+                        now_ms().saturating_sub(outage.since_ms) / 1000,
+                        outage.error
+                    ),
+                    None => format!("{name} unavailable: no answer yet"),
+                });
             }
         }
         if wrong.is_empty() {
@@ -211,17 +234,27 @@ mod tests {
             "database is unavailable: connect to postgres://app:s3cret@db:5432/x failed:\nrefused",
         );
         let because = health.not_ready_because();
+        let (head, error) = because.split_once("s): ").expect(&because);
+        assert!(
+            head.starts_with("database unavailable since 20"),
+            "{because}"
+        );
         assert_eq!(
-            because,
-            "database unavailable: database is unavailable: connect to postgres://***@db:5432/x failed: refused"
+            error,
+            "database is unavailable: connect to postgres://***@db:5432/x failed: refused"
         );
         assert!(!because.contains("s3cret"));
+        // A later error of the same outage keeps its start.
+        let since = |health: &Health| health.outages()[Dependency::Database as usize].clone();
+        let first = since(&health).expect("down").since_ms;
+        health.set_down(Dependency::Database, "still refused");
+        assert_eq!(since(&health).expect("down").since_ms, first);
         health.set_up(Dependency::Database, true);
         assert!(health.is_ready());
         assert_eq!(health.not_ready_because(), "ready");
         let long = "x".repeat(1000);
         health.set_down(Dependency::Broker, &long);
-        assert!(health.not_ready_because().len() < MAX_SUMMARY_BYTES + 40);
+        assert!(health.not_ready_because().len() < MAX_SUMMARY_BYTES + 80);
     }
 
     #[test]

@@ -99,6 +99,14 @@ pub enum WorkerError {
     Stdin(#[source] std::io::Error),
 }
 
+impl WorkerError {
+    /// The command line asked for something that cannot be done as said (exit code 2, as a
+    /// flag clap refuses).
+    pub fn is_usage(&self) -> bool {
+        matches!(self, WorkerError::Dlq(dlq::DlqError::Usage(_)))
+    }
+}
+
 /// Options of `switchboard-worker run`.
 #[derive(Debug, Clone)]
 pub struct RunOptions {
@@ -132,6 +140,26 @@ fn consumer_name(explicit: Option<String>) -> Result<String, WorkerError> {
         .map(|name| name.trim().to_owned())
         .filter(|name| !name.is_empty())
         .ok_or(WorkerError::NoConsumer)
+}
+
+/// `switchboard-worker lint --file`: the checks `run` makes of a manifest before it connects
+/// to anything (the loader's schema bounds and the API server's rules, a source set), with no
+/// environment and no server. What a valid manifest runs, in one line.
+pub fn lint(path: &PathBuf) -> Result<String, WorkerError> {
+    let adapter = read_adapter(path)?;
+    let broker = adapter.spec.source.broker().ok_or(WorkerError::NoSource)?;
+    let disabled = if adapter.spec.enabled {
+        ""
+    } else {
+        " (disabled: spec.enabled is false)"
+    };
+    Ok(format!(
+        "{}: {} {}, {}{disabled}",
+        adapter.adapter_name(),
+        broker.kind(),
+        broker.mode(),
+        broker.guarantee().as_str()
+    ))
 }
 
 pub(crate) fn read_adapter(path: &PathBuf) -> Result<QueueAdapter, WorkerError> {

@@ -6,7 +6,7 @@ use std::time::Duration;
 use clap::{Parser, Subcommand};
 use switchboard_telemetry::{ErrorChain, init_tracing};
 use switchboard_worker::send::{SendOptions, send};
-use switchboard_worker::{RunOptions, WorkerError, dlq, migrate, run};
+use switchboard_worker::{RunOptions, WorkerError, dlq, lint, migrate, run};
 
 /// Every message allocates and frees a few small buffers on its way from the broker to the
 /// database; mimalloc does that at a fraction of glibc's cost (docs/PERFORMANCE.md).
@@ -60,6 +60,13 @@ enum Command {
               value_parser = positive_duration)]
         database_timeout: Duration,
     },
+    /// Check manifests as `run` would before connecting (and as the API server would), with no
+    /// environment and no server: one line per file; exits 1 if any is invalid.
+    Lint {
+        /// A QueueAdapter manifest (repeatable).
+        #[arg(long = "file", required = true)]
+        files: Vec<PathBuf>,
+    },
     /// Inspect, redrive and purge the adapter's dead letters (same manifest and environment).
     #[command(subcommand)]
     Dlq(dlq::DlqCommand),
@@ -91,17 +98,40 @@ async fn send_stdin(options: SendOptions) -> Result<(), WorkerError> {
     Ok(())
 }
 
+/// `lint`: each file's verdict on its own line (valid on stdout, invalid on stderr).
+fn lint_files(files: &[PathBuf]) -> ExitCode {
+    let mut invalid = false;
+    for file in files {
+        match lint(file) {
+            Ok(summary) => println!("{}: valid: {summary}", file.display()),
+            Err(err) => {
+                invalid = true;
+                eprintln!("{}: {}", file.display(), ErrorChain(&err));
+            }
+        }
+    }
+    if invalid {
+        ExitCode::FAILURE
+    } else {
+        ExitCode::SUCCESS
+    }
+}
+
 // One thread: the worker waits on I/O; the CPU is better left to PostgreSQL and Redis.
 #[tokio::main(flavor = "current_thread")]
 async fn main() -> ExitCode {
     let cli = Cli::parse();
-    // The dlq and send commands print for people and scripts on stdout, where the log would go.
-    if !matches!(cli.command, Command::Dlq(_) | Command::Send { .. }) {
+    // The dlq, send and lint commands print for people and scripts on stdout, where the log would go.
+    if !matches!(
+        cli.command,
+        Command::Dlq(_) | Command::Send { .. } | Command::Lint { .. }
+    ) {
         init_tracing(cli.log_json);
     }
     // Two rustls providers are linked (see Cargo.toml); an error only means one is installed.
     let _ = rustls::crypto::ring::default_provider().install_default();
     let result = match cli.command {
+        Command::Lint { files } => return lint_files(&files),
         Command::Migrate => migrate().await,
         Command::Dlq(command) => dlq::run(command).await,
         Command::Send { file, attributes } => send_stdin(SendOptions { file, attributes }).await,
@@ -127,7 +157,11 @@ async fn main() -> ExitCode {
         Err(err) => {
             tracing::error!(error = %ErrorChain(&err), "fatal");
             eprintln!("error: {}", ErrorChain(&err));
-            ExitCode::FAILURE
+            if err.is_usage() {
+                ExitCode::from(2)
+            } else {
+                ExitCode::FAILURE
+            }
         }
     }
 }

@@ -21,6 +21,7 @@ use switchboard_api::QueueAdapter;
 
 use self::kept::{KeptLetters, NoBrokerReader, WithKept};
 use crate::brokers::{self, Letters, Plugin, Use};
+use crate::payload::PoisonReason;
 use crate::transport::TransportError;
 pub use crate::transport::reader::{DeadLetterReader, StoredLetter};
 use crate::{WorkerError, read_adapter};
@@ -87,6 +88,12 @@ fn per_second(text: &str) -> Result<f64, String> {
     }
 }
 
+/// A reason a letter was dead-lettered for, one of [`PoisonReason::ALL`] (a typo would select
+/// nothing and say nothing).
+fn poison_reason() -> clap::builder::PossibleValuesParser {
+    clap::builder::PossibleValuesParser::new(PoisonReason::ALL.map(PoisonReason::as_str))
+}
+
 /// `switchboard-worker dlq …`.
 #[derive(Debug, Clone, clap::Subcommand)]
 pub enum DlqCommand {
@@ -94,8 +101,8 @@ pub enum DlqCommand {
     List {
         #[command(flatten)]
         target: Target,
-        /// Only letters dead-lettered for this reason (invalid_json, max_deliveries, …).
-        #[arg(long)]
+        /// Only letters dead-lettered for this reason.
+        #[arg(long, value_parser = poison_reason())]
         reason: Option<String>,
         /// Only letters dead-lettered within this long (`1h`, `2d`).
         #[arg(long, value_parser = humantime::parse_duration)]
@@ -125,7 +132,7 @@ pub enum DlqCommand {
         #[arg(long, conflicts_with_all = ["ids", "reason"])]
         all: bool,
         /// Every letter dead-lettered for this reason.
-        #[arg(long, conflicts_with = "ids")]
+        #[arg(long, conflicts_with = "ids", value_parser = poison_reason())]
         reason: Option<String>,
         /// At most this many letters per second (`10` or `10/s`).
         #[arg(long, value_parser = per_second)]

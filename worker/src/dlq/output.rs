@@ -31,6 +31,26 @@ fn one_line(text: &str, max: usize) -> String {
     format!("{cut}…")
 }
 
+/// `bytes` safe to print on a terminal: UTF-8 text as it is, line breaks and tabs kept, other
+/// control characters as `\u{1b}`, bytes that are not UTF-8 as `\xff` (a letter's body or
+/// header could otherwise move the cursor or recolour the terminal; `-o raw` prints the bytes).
+fn printable(bytes: &[u8]) -> String {
+    let mut text = String::with_capacity(bytes.len());
+    for chunk in bytes.utf8_chunks() {
+        for c in chunk.valid().chars() {
+            match c {
+                '\n' | '\t' => text.push(c),
+                c if c.is_control() => text.extend(c.escape_unicode()),
+                c => text.push(c),
+            }
+        }
+        for byte in chunk.invalid() {
+            text.push_str(&format!("\\x{byte:02x}"));
+        }
+    }
+    text
+}
+
 /// One letter as a JSON object: its context, the body as `body` (UTF-8) or `body_base64`, the
 /// original headers (`{"name": "text" | {"base64": …}}`) and the attempts.
 pub fn json(letter: &StoredLetter) -> serde_json::Value {
@@ -91,10 +111,12 @@ pub fn table(letters: &[&StoredLetter]) -> String {
 }
 
 /// The `dlq show` page: context, headers, attempts, then the body (pretty when it is JSON,
-/// else byte-for-byte).
+/// else [`printable`]).
 pub fn text(letter: &StoredLetter) -> Vec<u8> {
     let mut page = String::new();
-    let mut line = |name: &str, value: &str| page.push_str(&format!("{name:<15}{value}\n"));
+    let mut line = |name: &str, value: &str| {
+        page.push_str(&format!("{name:<15}{}\n", printable(value.as_bytes())));
+    };
     line("id:", &letter.id);
     let at = letter
         .dead_lettered_at_ms
@@ -115,7 +137,11 @@ pub fn text(letter: &StoredLetter) -> Vec<u8> {
     line("size:", &format!("{} bytes", letter.body.len()));
     page.push_str("headers:\n");
     for (name, value) in &letter.headers {
-        page.push_str(&format!("  {name}: {}\n", String::from_utf8_lossy(value)));
+        page.push_str(&format!(
+            "  {}: {}\n",
+            printable(name.as_bytes()),
+            printable(value)
+        ));
     }
     match &letter.attempts {
         None => page.push_str("attempts:      not recorded\n"),
@@ -148,8 +174,20 @@ pub fn text(letter: &StoredLetter) -> Vec<u8> {
             let pretty = serde_json::to_string_pretty(&json).unwrap_or_default();
             bytes.extend_from_slice(pretty.as_bytes());
         }
-        Err(_) => bytes.extend_from_slice(&letter.body),
+        Err(_) => bytes.extend_from_slice(printable(&letter.body).as_bytes()),
     }
     bytes.push(b'\n');
     bytes
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn printable_escapes_what_would_drive_the_terminal_and_keeps_the_text() {
+        assert_eq!(printable(b"caf\xc3\xa9\n\ttab"), "caf\u{e9}\n\ttab");
+        assert_eq!(printable(b"\x1b[31mred"), "\\u{1b}[31mred");
+        assert_eq!(printable(b"a\xffb\r"), "a\\xffb\\u{d}");
+    }
 }

@@ -13,6 +13,7 @@ use super::settle::InFlight;
 use super::store::Origin;
 use crate::envelope::{self, PayloadRules, Unwrapped};
 use crate::payload::{Poison, PoisonReason, fields_json, payload_json, storable_text};
+use crate::transport::identity::{id_in_scope, idempotency_key};
 use crate::transport::{IDEMPOTENCY_KEY_HEADER, Message, Transport};
 
 impl<T: Transport> Pipeline<T> {
@@ -98,9 +99,9 @@ impl<T: Transport> Pipeline<T> {
 
     /// The external id and idempotency key of `message` without an envelope: its own, or for a
     /// redriven copy on a broker with native ids, the original's (its
-    /// [`IDEMPOTENCY_KEY_HEADER`], when that names this source).
+    /// [`IDEMPOTENCY_KEY_HEADER`], when that names this source's key scope).
     fn identity(&self, message: &Message<T::Receipt>) -> (String, String) {
-        let source = &self.context.source;
+        let scope = self.transport.key_scope();
         let redriven = (self.context.dedup == Dedup::NativeId)
             .then(|| {
                 message
@@ -110,10 +111,7 @@ impl<T: Transport> Pipeline<T> {
             })
             .flatten()
             .and_then(|(_, value)| std::str::from_utf8(value).ok())
-            .and_then(|key| {
-                let id = key.strip_prefix(source.as_str())?.strip_prefix(':')?;
-                (!id.is_empty()).then(|| (id.to_owned(), key.to_owned()))
-            });
+            .and_then(|key| id_in_scope(key, scope).map(|id| (id.to_owned(), key.to_owned())));
         let (id, key) = redriven
             .unwrap_or_else(|| (message.external_id.clone(), message.idempotency_key.clone()));
         (storable(id), storable(key))
@@ -154,8 +152,10 @@ impl<T: Transport> Pipeline<T> {
             Envelope::CloudEvents => envelope::cloud_event(&message.body, &message.headers, rules)?,
             Envelope::Sns => envelope::sns_notification(&message.body, &message.headers, rules)?,
         };
+        // The envelope's id is unique within the source (RabbitMQ's too: these keys never had
+        // the queue in them, and a stored key must keep deduplicating).
         Ok(NewEvent {
-            idempotency_key: storable(format!("{}:{event_id}", self.context.source)),
+            idempotency_key: storable(idempotency_key(&self.context.source, &event_id)),
             external_id: storable(event_id),
             payload,
             headers: fields_json(&headers),

@@ -21,6 +21,7 @@
 pub mod amqp;
 pub mod dead_letter;
 pub mod gateway;
+pub mod identity;
 pub mod kafka;
 pub mod nats;
 pub mod reader;
@@ -342,6 +343,13 @@ pub trait Transport {
 
     /// The event source name (`{kind}:{adapter}`).
     fn source(&self) -> &str;
+
+    /// What a message's external id is unique within, the first part of its idempotency key
+    /// ([`identity::idempotency_key`]): the source, unless the broker's ids are unique only
+    /// within something narrower.
+    fn key_scope(&self) -> &str {
+        self.source()
+    }
 
     /// How the store deduplicates this transport's messages.
     fn dedup(&self) -> Dedup;

@@ -2,6 +2,7 @@
 //! above the transports and filters, prints and paces what their readers find): one letter as a
 //! reader found it, the reader trait, and the helpers readers share.
 
+use super::identity::{id_in_scope, idempotency_key};
 use super::{Attempts, TransportError};
 
 /// One dead letter as a reader found it.
@@ -52,17 +53,14 @@ pub trait DeadLetterReader {
 }
 
 /// The idempotency key a redriven copy carries: the one the letter's original already carried
-/// (it was itself a redriven copy), else `{source}:{id}` from its original id.
+/// (it was itself a redriven copy), else the key of its original id.
 pub fn redrive_key(headers: &[(String, Vec<u8>)], source: &str, original_id: &str) -> String {
     headers
         .iter()
         .find(|(name, _)| name == super::IDEMPOTENCY_KEY_HEADER)
         .and_then(|(_, value)| std::str::from_utf8(value).ok())
-        .filter(|key| {
-            key.strip_prefix(source)
-                .is_some_and(|rest| rest.starts_with(':'))
-        })
-        .map_or_else(|| format!("{source}:{original_id}"), str::to_owned)
+        .filter(|key| id_in_scope(key, source).is_some())
+        .map_or_else(|| idempotency_key(source, original_id), str::to_owned)
 }
 
 /// Headers from their JSON form in a dead letter (`{"name": "text" | {"base64": …}}`, as

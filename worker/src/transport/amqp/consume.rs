@@ -76,8 +76,7 @@ impl Amqp {
     /// delivery count (a redelivery not recounted counts as it would have been).
     pub(super) fn take_buffer(&mut self) -> Vec<AmqpDelivery> {
         let origin = Origin {
-            source: &self.source,
-            queue: &self.settings.spec.queue,
+            key_scope: &self.key_scope,
             channel: self.generations,
         };
         std::mem::take(&mut self.buffer)

@@ -7,7 +7,7 @@ use lapin::BasicProperties;
 use lapin::types::{AMQPValue, FieldTable};
 
 use crate::transport::Message;
-use crate::transport::redis::body_hash;
+use crate::transport::identity::{body_hash, body_id, idempotency_key};
 
 /// The header quorum queues count deliveries in (absent on the first delivery).
 pub const QUORUM_COUNT_HEADER: &str = "x-delivery-count";
@@ -161,16 +161,15 @@ pub fn external_id(properties: &BasicProperties, body: &[u8]) -> String {
         .filter(|id| !id.as_str().is_empty())
     {
         Some(id) => id.as_str().to_owned(),
-        None => format!("sha256:{}", body_hash(body)),
+        None => body_id(&body_hash(body)),
     }
 }
 
 /// What [`convert`] needs to know about the source.
 #[derive(Debug, Clone, Copy)]
 pub struct Origin<'a> {
-    /// `amqp:{adapter}`.
-    pub source: &'a str,
-    pub queue: &'a str,
+    /// `amqp:{adapter}:{queue}` ([`crate::transport::Transport::key_scope`]).
+    pub key_scope: &'a str,
     /// The channel generation the deliveries came on.
     pub channel: u64,
 }
@@ -195,7 +194,7 @@ pub fn convert(
             tag,
             original: Arc::new(original),
         },
-        idempotency_key: format!("{}:{}:{external_id}", origin.source, origin.queue),
+        idempotency_key: idempotency_key(origin.key_scope, &external_id),
         external_id,
         body,
         headers,
@@ -236,8 +235,7 @@ mod tests {
     #[test]
     fn message_id_names_the_message_else_the_body_hash_does() {
         let origin = Origin {
-            source: "amqp:shop/orders",
-            queue: "orders",
+            key_scope: "amqp:shop/orders:orders",
             channel: 1,
         };
         let original = |id: Option<&str>| Original {

@@ -112,6 +112,8 @@ pub struct AmqpSettings {
 pub struct Amqp {
     settings: AmqpSettings,
     source: String,
+    /// `amqp:{adapter}:{queue}`: a `message-id` is unique within its queue.
+    key_scope: String,
     /// Never logged: it may hold a password.
     url: String,
     names: Names,
@@ -176,6 +178,7 @@ impl Amqp {
         );
         Ok(Self {
             source: format!("amqp:{}", settings.adapter),
+            key_scope: format!("amqp:{}:{}", settings.adapter, settings.spec.queue),
             metrics,
             settings,
             url,
@@ -198,6 +201,10 @@ impl Transport for Amqp {
 
     fn source(&self) -> &str {
         &self.source
+    }
+
+    fn key_scope(&self) -> &str {
+        &self.key_scope
     }
 
     fn dedup(&self) -> Dedup {

@@ -10,6 +10,7 @@ use serde_json::Value;
 
 use super::GatewayDelivery;
 use crate::transport::Message;
+use crate::transport::identity::{body_hash, body_id, idempotency_key};
 use crate::transport::sqs::Receipt;
 
 /// The protocol's answer to a receive. Each message is decoded on its own (see [`convert`]):
@@ -62,10 +63,7 @@ pub fn convert(source: &str, raw: &Value) -> Option<GatewayDelivery> {
                 None | Some(Value::Null) | Some(Value::String(_)) => "no messageId".to_owned(),
                 Some(other) => format!("a messageId that is {}, not a string", kind(other)),
             });
-            format!(
-                "sha256:{}",
-                hex::encode(<sha2::Sha256 as sha2::Digest>::digest(&body))
-            )
+            body_id(&body_hash(&body))
         }
     };
     let headers = attributes(raw.get("attributes"), &mut problems);
@@ -98,7 +96,7 @@ pub fn convert(source: &str, raw: &Value) -> Option<GatewayDelivery> {
             handle,
             group: None,
         },
-        idempotency_key: format!("{source}:{external_id}"),
+        idempotency_key: idempotency_key(source, &external_id),
         external_id,
         body,
         headers,

@@ -14,6 +14,7 @@ use super::offsets::TopicPartition;
 use super::topic_id::{Described, describe_topics};
 use super::{Kafka, REQUEST_TIMEOUT};
 use crate::transport::TransportError;
+use crate::transport::identity::idempotency_key;
 
 /// What is known of a topic's incarnation.
 #[derive(Debug, Clone)]
@@ -86,7 +87,7 @@ impl Kafka {
                 message.receipt.incarnation(),
                 message.receipt.offset
             );
-            message.idempotency_key = format!("{}:{}", self.source, message.external_id);
+            message.idempotency_key = idempotency_key(&self.source, &message.external_id);
             fetched.identified = true;
         }
         unproven

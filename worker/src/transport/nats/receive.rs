@@ -12,6 +12,7 @@ use switchboard_store::Position;
 
 use super::headers::{self, RAW_HEADERS};
 use super::{FETCH_EXPIRY, NEXT_DEADLINE, Nats, NatsDelivery, Receipt};
+use crate::transport::identity::idempotency_key;
 use crate::transport::{Message, TransportError};
 
 /// Why a fetch ended before its end of batch.
@@ -202,7 +203,7 @@ impl Identity<'_> {
         let external_id = format!("{}:{}:{seq}", self.stream, self.incarnation);
         Message {
             receipt,
-            idempotency_key: format!("{}:{external_id}", self.source),
+            idempotency_key: idempotency_key(self.source, &external_id),
             external_id,
             body,
             headers,

@@ -21,11 +21,12 @@ use switchboard_store::Dedup;
 use tokio::task::JoinHandle;
 
 use super::{
-    BLOCK, CONTROL_TIMEOUT, Connection, NamedKey, Origin, array, body_hash, dead_letter_record,
-    integer, open, record_time_ms, refused_by_dead_letter_key, text,
+    BLOCK, CONTROL_TIMEOUT, Connection, NamedKey, Origin, array, dead_letter_record, integer, open,
+    record_time_ms, refused_by_dead_letter_key, text,
 };
 use crate::health::now_ms;
 use crate::metrics::{adapter_aliased, broker_reconnects};
+use crate::transport::identity::{body_hash, body_id, idempotency_key};
 use crate::transport::{
     Acked, DeadLetter, Message, QueueHealth, QueueProbe, Transport, TransportError,
 };
@@ -224,10 +225,11 @@ impl RedisList {
             .zip(&hashes)
             .map(|(body, hash)| {
                 let (delivery_count, first_seen) = counts.get(hash).copied().unwrap_or((1, None));
+                let external_id = body_id(hash);
                 Message {
                     receipt: hash.clone(),
-                    external_id: format!("sha256:{hash}"),
-                    idempotency_key: format!("{}:sha256:{hash}", self.source),
+                    idempotency_key: idempotency_key(&self.source, &external_id),
+                    external_id,
                     body,
                     headers: Vec::new(),
                     delivery_count,

@@ -12,7 +12,6 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use prometheus_client::metrics::counter::Counter;
 use redis::aio::MultiplexedConnection;
 use redis::{AsyncConnectionConfig, Client, FromRedisValue, Value};
-use sha2::{Digest, Sha256};
 
 use super::dead_letter::DeadLetterContext;
 use super::{DeadLetter, TransportError};
@@ -407,11 +406,6 @@ pub fn array(value: &Value) -> Option<&[Value]> {
     }
 }
 
-/// Hex SHA-256 of a body.
-pub fn body_hash(body: &[u8]) -> String {
-    hex::encode(Sha256::digest(body))
-}
-
 pub fn now_rfc3339() -> String {
     humantime::format_rfc3339_millis(SystemTime::now()).to_string()
 }
@@ -549,13 +543,5 @@ mod tests {
             assert!(!text.contains("hunter2"), "{text}");
             assert!(err.is_fatal());
         }
-    }
-
-    #[test]
-    fn body_hash_is_hex_sha256() {
-        assert_eq!(
-            body_hash(b"abc"),
-            "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
-        );
     }
 }

@@ -13,11 +13,12 @@ use switchboard_store::Dedup;
 use tokio::time::{Instant, timeout, timeout_at};
 
 use super::{
-    BLOCK, CONTROL_TIMEOUT, Connection, NamedKey, Origin, body_hash, dead_letter_record, integer,
-    open, protocol, redis_error, refused_by_dead_letter_key,
+    BLOCK, CONTROL_TIMEOUT, Connection, NamedKey, Origin, dead_letter_record, integer, open,
+    protocol, redis_error, refused_by_dead_letter_key,
 };
 use crate::health::now_ms;
 use crate::metrics::broker_reconnects;
+use crate::transport::identity::{body_hash, body_id, idempotency_key};
 use crate::transport::{
     Acked, DeadLetter, Message, QueueHealth, QueueProbe, Transport, TransportError,
 };
@@ -112,7 +113,7 @@ impl RedisPubSub {
 
     fn to_message(&self, msg: &redis::Msg) -> Published {
         let body = msg.get_payload_bytes().to_vec();
-        let hash = body_hash(&body);
+        let external_id = body_id(&body_hash(&body));
         let mut headers = vec![(
             "channel".to_owned(),
             msg.get_channel_name().as_bytes().to_vec(),
@@ -122,8 +123,8 @@ impl RedisPubSub {
         }
         Message {
             receipt: (),
-            external_id: format!("sha256:{hash}"),
-            idempotency_key: format!("{}:sha256:{hash}", self.source),
+            idempotency_key: idempotency_key(&self.source, &external_id),
+            external_id,
             body,
             headers,
             delivery_count: 1,

@@ -25,6 +25,7 @@ use switchboard_store::Store;
 
 use super::Sqs;
 use super::classify::Addressed;
+use crate::transport::identity::idempotency_key;
 use crate::transport::reader::{DeadLetterReader, StoredLetter, headers_from_json, redrive_key};
 use crate::transport::{Attempt, Attempts, IDEMPOTENCY_KEY_HEADER, Transport, TransportError};
 
@@ -157,7 +158,7 @@ impl SqsReader {
         let keys: Vec<String> = letters
             .iter()
             .filter(|letter| letter.attempts.is_none())
-            .map(|letter| format!("{source}:{}", letter.id))
+            .map(|letter| idempotency_key(source, &letter.id))
             .collect();
         if keys.is_empty() {
             return Ok(());
@@ -171,7 +172,7 @@ impl SqsReader {
             .iter_mut()
             .filter(|letter| letter.attempts.is_none())
         {
-            let Some(json) = recorded.get(&format!("{source}:{}", letter.id)) else {
+            let Some(json) = recorded.get(&idempotency_key(source, &letter.id)) else {
                 continue;
             };
             let recent: Vec<Attempt> = serde_json::from_str(json).unwrap_or_default();

@@ -4,9 +4,9 @@ use std::collections::HashSet;
 use std::fmt;
 
 use aws_sdk_sqs::types::{Message as SqsMessage, MessageSystemAttributeName};
-use sha2::{Digest, Sha256};
 
 use crate::transport::Message;
+use crate::transport::identity::{body_hash, body_id, idempotency_key};
 
 /// What SQS needs to delete (or extend) one delivery, and what FIFO ordering needs.
 #[derive(Clone, PartialEq, Eq)]
@@ -116,13 +116,13 @@ pub fn convert(source: &str, fifo: bool, raw: SqsMessage) -> Received {
         Some(id) => id,
         // Never stored (it is dead-lettered as undecodable); an id for the logs and the
         // dead letter only.
-        None => format!("sha256:{}", hex::encode(Sha256::digest(&body))),
+        None => body_id(&body_hash(&body)),
     };
     let undecodable =
         (!problems.is_empty()).then(|| format!("the SQS message has {}", problems.join(" and ")));
     Received::Message(Message {
         receipt: Receipt { handle, group },
-        idempotency_key: format!("{source}:{external_id}"),
+        idempotency_key: idempotency_key(source, &external_id),
         external_id,
         body,
         headers,

@@ -38,6 +38,7 @@ use super::{
 use crate::metrics::{adapter_aliased, broker_reconnects};
 use crate::payload::fields_json;
 use crate::transport::dead_letter::DeadLetterContext;
+use crate::transport::identity::idempotency_key;
 use crate::transport::{Acked, DeadLetter, Message, Position, Transport, TransportError};
 
 /// A stream entry id (`ms-seq`): what XACK takes.
@@ -262,7 +263,7 @@ impl RedisStream {
         };
         Some(Message {
             receipt: raw.id.clone(),
-            idempotency_key: format!("{}:{}", self.source, raw.id),
+            idempotency_key: idempotency_key(&self.source, &raw.id),
             external_id: raw.id,
             body,
             headers,
