@@ -7,6 +7,7 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
+use switchboard_telemetry::metrics::{create_series, register};
 
 /// How a reconcile ended.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -59,9 +60,25 @@ struct OutcomeLabels {
     outcome: &'static str,
 }
 
+impl OutcomeLabels {
+    fn of(outcome: ReconcileOutcome) -> Self {
+        Self {
+            outcome: outcome.as_str(),
+        }
+    }
+}
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct CategoryLabels {
     category: &'static str,
+}
+
+impl CategoryLabels {
+    fn of(category: ErrorCategory) -> Self {
+        Self {
+            category: category.as_str(),
+        }
+    }
 }
 
 /// The operator's metrics.
@@ -77,69 +94,56 @@ pub struct Metrics {
 impl Metrics {
     pub fn new() -> Self {
         let mut registry = Registry::with_prefix("switchboard_operator");
-        let reconciliations = Family::<OutcomeLabels, Counter>::default();
-        registry.register(
+        let r = &mut registry;
+        let reconciliations = register(
+            r,
             "reconciliations",
             "QueueAdapter reconciliations, by outcome",
-            reconciliations.clone(),
+            Family::default(),
         );
-        let failures = Family::<CategoryLabels, Counter>::default();
-        registry.register(
+        create_series(
+            &reconciliations,
+            ReconcileOutcome::ALL.map(OutcomeLabels::of),
+        );
+        let failures = register(
+            r,
             "reconcile_failures",
             "Failed QueueAdapter reconciliations, by what failed",
-            failures.clone(),
+            Family::default(),
         );
-        let reconcile_seconds = Histogram::new(exponential_buckets(0.001, 2.0, 16));
-        registry.register(
+        create_series(&failures, ErrorCategory::ALL.map(CategoryLabels::of));
+        let reconcile_seconds = register(
+            r,
             "reconcile_duration_seconds",
             "Time one QueueAdapter reconciliation took",
-            reconcile_seconds.clone(),
+            Histogram::new(exponential_buckets(0.001, 2.0, 16)),
         );
-        let leader = Gauge::default();
-        registry.register(
+        let leader = register(
+            r,
             "leader",
             "1 while this process holds the leader lease (or runs without leader election)",
-            leader.clone(),
+            Gauge::default(),
         );
-        let metrics = Self {
+        Self {
             registry,
             reconciliations,
             failures,
             reconcile_seconds,
             leader,
-        };
-        for outcome in ReconcileOutcome::ALL {
-            metrics.outcome_counter(outcome);
         }
-        for category in ErrorCategory::ALL {
-            metrics.failure_counter(category);
-        }
-        metrics
-    }
-
-    fn outcome_counter(&self, outcome: ReconcileOutcome) -> Counter {
-        self.reconciliations
-            .get_or_create(&OutcomeLabels {
-                outcome: outcome.as_str(),
-            })
-            .clone()
-    }
-
-    fn failure_counter(&self, category: ErrorCategory) -> Counter {
-        self.failures
-            .get_or_create(&CategoryLabels {
-                category: category.as_str(),
-            })
-            .clone()
     }
 
     pub fn reconciled(&self, outcome: ReconcileOutcome) {
-        self.outcome_counter(outcome).inc();
+        self.reconciliations
+            .get_or_create(&OutcomeLabels::of(outcome))
+            .inc();
     }
 
     pub fn failed(&self, category: ErrorCategory) {
         self.reconciled(ReconcileOutcome::Failed);
-        self.failure_counter(category).inc();
+        self.failures
+            .get_or_create(&CategoryLabels::of(category))
+            .inc();
     }
 
     /// The Prometheus text exposition (OpenMetrics).

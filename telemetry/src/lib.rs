@@ -1,8 +1,9 @@
 //! What the worker and the operator share about being observed: logging set-up, an error's
-//! whole cause chain for log fields, the `/healthz`, `/readyz`, `/metrics` server, and the
-//! one [`Backoff`] of every retry.
+//! whole cause chain for log fields, the `/healthz`, `/readyz`, `/metrics` server, the
+//! one [`Backoff`] of every retry, and the helpers that register [`metrics`].
 
 mod backoff;
+pub mod metrics;
 
 pub use backoff::{Backoff, Jitter};
 

@@ -259,6 +259,12 @@ async fn tags_of_a_lost_channel_are_stale_and_never_used_on_the_new_one() -> Res
     .await
     .with_context(|| worker.log_tail())?;
     fx.assert_exactly_once(name, 10).await?;
+    let reconnects = counter(&worker, "broker_reconnects", name)?;
+    ensure!(reconnects >= 1.0, "the reconnection is counted");
+    ensure!(
+        counter(&worker, "amqp_sessions_opened", name)? == reconnects + 1.0,
+        "the deprecated sessions count is still 1 + reconnects"
+    );
     let log = worker.log();
     let outages = log
         .lines()
@@ -769,7 +775,7 @@ async fn full_classic_queue_after_a_crash_still_stores() -> Result<()> {
     .with_context(|| worker.log_tail())?;
     fx.assert_exactly_once(name, expected).await?;
     ensure!(
-        counter(&worker, "amqp_sessions_opened", name)? == 1.0,
+        counter(&worker, "broker_reconnects", name)? == 0.0,
         "one session, no reconnect loop\n{}",
         worker.log_tail()
     );

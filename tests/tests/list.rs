@@ -235,3 +235,31 @@ async fn list_sigterm_exits_zero_and_strands_nothing_in_the_processing_list() ->
     wait_drained(&fx, "stop", total).await?;
     fx.assert_exactly_once("stop", total).await
 }
+
+/// A Redis restart drops the worker's blocking read: it reads again on a new connection,
+/// counted as a broker reconnection (the first connection is not), and stores what is pushed
+/// after the restart.
+#[tokio::test]
+async fn redis_restart_is_a_counted_reconnection_and_the_list_is_read_again() -> Result<()> {
+    let mut fx = Fixture::start().await?;
+    let manifest = fx.list_adapter("rl", "batchSize: 50", "")?;
+    fx.push("rl", bodies(0..100))?;
+    let worker = fx.worker(&manifest, "w1")?;
+    wait_drained(&fx, "rl", 100).await?;
+    let reconnects = || worker.metric(r#"switchboard_broker_reconnects_total{adapter="test/rl"}"#);
+    ensure!(
+        reconnects()? == 0.0,
+        "the first connection is no reconnection"
+    );
+
+    fx.redis.restart_empty()?;
+    fx.push("rl", bodies(100..200))?;
+    wait_drained(&fx, "rl", 200).await?;
+    fx.assert_exactly_once("rl", 200).await?;
+    ensure!(
+        reconnects()? >= 1.0,
+        "the reconnection is counted\n{}",
+        worker.log_tail()
+    );
+    Ok(())
+}

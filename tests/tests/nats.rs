@@ -529,6 +529,7 @@ async fn undecodable_headers_and_subjects_cost_no_connection_and_spare_the_neigh
         .context("raw headers in base64")?;
     ensure!(raw == unreadable, "the raw header block is kept: {raw:?}");
     for family in [
+        "switchboard_broker_reconnects_total",
         "switchboard_nats_reconnects_total",
         "switchboard_messages_redelivered_total",
     ] {

@@ -251,6 +251,10 @@ async fn redis_restart_without_persistence_is_recovered_without_skipping_new_ent
         "the recreation must be counted"
     );
     ensure!(
+        worker.metric(r#"switchboard_broker_reconnects_total{adapter="test/rr"}"#)? >= 1.0,
+        "the reconnection must be counted"
+    );
+    ensure!(
         worker.log().contains("recreated at the last stored entry"),
         "{}",
         worker.log_tail()

@@ -1,14 +1,16 @@
 //! Every metric the worker exports, registered in one place. Labels are bounded: the adapter
 //! name, a dead-letter reason, a dependency, a delivery guarantee — never message ids.
 
-use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::encoding::{EncodeLabelSet, EncodeMetric};
+use prometheus_client::metrics::TypedMetric;
 use prometheus_client::metrics::counter::Counter;
-use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::family::{Family, MetricConstructor};
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
-use prometheus_client::registry::Registry;
+use prometheus_client::registry::{Metric, Registry};
 use std::sync::atomic::AtomicU64;
 use switchboard_api::DeliveryGuarantee;
+use switchboard_telemetry::metrics::{create_series, register, register_aliased};
 
 use crate::health::Dependency;
 use crate::payload::PoisonReason;
@@ -66,15 +68,36 @@ pub struct Metrics {
     pub ready: Gauge,
 }
 
+/// The registry's prefix: every series is `switchboard_…`.
+const PREFIX: &str = "switchboard";
+
+/// The series of `adapter` in `family`, registered under `name` and, when there is one, its old
+/// name (see [`register_aliased`]).
+fn adapter_series<M, C>(
+    registry: &mut Registry,
+    name: &str,
+    alias: Option<&str>,
+    help: &str,
+    family: Family<AdapterLabels, M, C>,
+    adapter: &str,
+) -> M
+where
+    Family<AdapterLabels, M, C>: Metric + Clone,
+    M: Clone,
+    C: MetricConstructor<M>,
+{
+    let family = match alias {
+        Some(alias) => register_aliased(registry, PREFIX, name, alias, help, family),
+        None => register(registry, name, help, family),
+    };
+    family.get_or_create_owned(&AdapterLabels {
+        adapter: adapter.to_owned(),
+    })
+}
+
 /// A counter labelled with the adapter, registered in `registry` (transports register their own).
 pub fn adapter_counter(registry: &mut Registry, name: &str, help: &str, adapter: &str) -> Counter {
-    let family = Family::<AdapterLabels, Counter>::default();
-    registry.register(name, help, family.clone());
-    family
-        .get_or_create(&AdapterLabels {
-            adapter: adapter.to_owned(),
-        })
-        .clone()
+    adapter_series(registry, name, None, help, Family::default(), adapter)
 }
 
 /// A gauge labelled with the adapter, registered in `registry` (transports register their own).
@@ -89,65 +112,38 @@ where
     N: std::fmt::Debug + Send + Sync + 'static,
     A: std::fmt::Debug + Send + Sync + 'static,
 {
-    let family = Family::<AdapterLabels, Gauge<N, A>>::default();
-    registry.register(name, help, family.clone());
-    family
-        .get_or_create(&AdapterLabels {
-            adapter: adapter.to_owned(),
-        })
-        .clone()
+    adapter_series(registry, name, None, help, Family::default(), adapter)
 }
 
-/// [`adapter_counter`] registered under `name` and, for one release, under its old name `alias`
-/// too: one series under both names, so dashboards and alerts on the old name keep working.
-pub fn adapter_counter_aliased(
+/// A metric labelled with the adapter (a counter or a gauge), registered under `name` and,
+/// for one release, under its old name `alias` too: one series under both names, so dashboards
+/// and alerts on the old name keep working.
+pub fn adapter_aliased<M>(
     registry: &mut Registry,
     name: &str,
     alias: &str,
     help: &str,
     adapter: &str,
-) -> Counter {
-    let family = Family::<AdapterLabels, Counter>::default();
-    register_aliased(registry, name, alias, help, &family);
-    family
-        .get_or_create(&AdapterLabels {
-            adapter: adapter.to_owned(),
-        })
-        .clone()
-}
-
-/// [`adapter_gauge`] registered under `name` and, for one release, under its old name `alias`.
-pub fn adapter_gauge_aliased(
-    registry: &mut Registry,
-    name: &str,
-    alias: &str,
-    help: &str,
-    adapter: &str,
-) -> Gauge<f64, AtomicU64> {
-    let family = Family::<AdapterLabels, Gauge<f64, AtomicU64>>::default();
-    register_aliased(registry, name, alias, help, &family);
-    family
-        .get_or_create(&AdapterLabels {
-            adapter: adapter.to_owned(),
-        })
-        .clone()
-}
-
-fn register_aliased<M>(
-    registry: &mut Registry,
-    name: &str,
-    alias: &str,
-    help: &str,
-    family: &Family<AdapterLabels, M>,
-) where
-    Family<AdapterLabels, M>: prometheus_client::registry::Metric + Clone,
+) -> M
+where
+    M: EncodeMetric + TypedMetric + Default + Clone + std::fmt::Debug + Send + Sync + 'static,
 {
-    registry.register(name, help, family.clone());
-    registry.register(
+    let family = Family::default();
+    adapter_series(registry, name, Some(alias), help, family, adapter)
+}
+
+/// The one name of a broker's reconnections, the same for every broker that reconnects:
+/// connections (or subscriptions) re-established after they were lost, never the first one.
+/// `alias`: the broker's old name of the same count, kept one release.
+pub fn broker_reconnects(registry: &mut Registry, adapter: &str, alias: Option<&str>) -> Counter {
+    adapter_series(
+        registry,
+        "broker_reconnects",
         alias,
-        format!("{help} (deprecated name of switchboard_{name}, removed in the next release)"),
-        family.clone(),
-    );
+        "Connections (or subscriptions) to the broker re-established after they were lost (the first connection is not counted)",
+        Family::default(),
+        adapter,
+    )
 }
 
 fn adapter_histogram(
@@ -159,12 +155,7 @@ fn adapter_histogram(
 ) -> Histogram {
     let family =
         Family::<AdapterLabels, Histogram, fn() -> Histogram>::new_with_constructor(constructor);
-    registry.register(name, help, family.clone());
-    family
-        .get_or_create(&AdapterLabels {
-            adapter: adapter.to_owned(),
-        })
-        .clone()
+    adapter_series(registry, name, None, help, family, adapter)
 }
 
 /// The adapter's message counters in the order of [`Metrics`]' fields: name and help.
@@ -206,23 +197,23 @@ fn register_labelled_families(
     Family<DependencyLabels, Counter>,
     Family<DependencyLabels, Gauge>,
 ) {
-    let dead_lettered = Family::<ReasonLabels, Counter>::default();
-    r.register(
+    let dead_lettered = register(
+        r,
         "messages_dead_lettered",
         "Messages dead-lettered, by reason",
-        dead_lettered.clone(),
+        Family::default(),
     );
-    let errors = Family::<DependencyLabels, Counter>::default();
-    r.register(
+    let errors = register(
+        r,
         "dependency_errors",
         "Failed calls to the broker or the database",
-        errors.clone(),
+        Family::default(),
     );
-    let dependency_up = Family::<DependencyLabels, Gauge>::default();
-    r.register(
+    let dependency_up = register(
+        r,
         "dependency_up",
         "1 while the dependency answers, 0 while it is down",
-        dependency_up.clone(),
+        Family::default(),
     );
     (dead_lettered, errors, dependency_up)
 }
@@ -310,11 +301,11 @@ impl QueueGauges {
 
 /// The adapter's delivery guarantee as an info gauge (always 1).
 fn register_delivery_guarantee(r: &mut Registry, adapter: &str, guarantee: DeliveryGuarantee) {
-    let info = Family::<GuaranteeLabels, Gauge>::default();
-    r.register(
+    let info: Family<GuaranteeLabels, Gauge> = register(
+        r,
         "delivery_guarantee",
         "The delivery guarantee of this adapter's source mode (value is always 1)",
-        info.clone(),
+        Family::default(),
     );
     info.get_or_create(&GuaranteeLabels {
         adapter: adapter.to_owned(),
@@ -327,7 +318,7 @@ impl Metrics {
     /// A registry with the `switchboard` prefix, for the transport to register its own metrics in
     /// before [`Metrics::new`] adds the common ones.
     pub fn registry() -> Registry {
-        Registry::with_prefix("switchboard")
+        Registry::with_prefix(PREFIX)
     }
 
     pub fn new(adapter: &str, guarantee: DeliveryGuarantee, mut registry: Registry) -> Self {
@@ -383,22 +374,24 @@ impl Metrics {
     /// Every reason's and every dependency's series, so that they are exported at zero (and
     /// every dependency up) before anything happens.
     fn create_labelled_series(&self) {
-        for reason in PoisonReason::ALL {
-            self.dead_letter_counter(reason);
-        }
+        create_series(
+            &self.dead_lettered,
+            PoisonReason::ALL.map(|reason| self.reason_labels(reason)),
+        );
+        create_series(
+            &self.errors,
+            Dependency::ALL.map(|dependency| self.dependency_labels(dependency)),
+        );
         for dependency in Dependency::ALL {
-            self.error_counter(dependency);
             self.set_up(dependency, true);
         }
     }
 
-    fn dead_letter_counter(&self, reason: PoisonReason) -> Counter {
-        self.dead_lettered
-            .get_or_create(&ReasonLabels {
-                adapter: self.adapter.clone(),
-                reason: reason.as_str().to_owned(),
-            })
-            .clone()
+    fn reason_labels(&self, reason: PoisonReason) -> ReasonLabels {
+        ReasonLabels {
+            adapter: self.adapter.clone(),
+            reason: reason.as_str().to_owned(),
+        }
     }
 
     fn dependency_labels(&self, dependency: Dependency) -> DependencyLabels {
@@ -408,18 +401,16 @@ impl Metrics {
         }
     }
 
-    fn error_counter(&self, dependency: Dependency) -> Counter {
-        self.errors
-            .get_or_create(&self.dependency_labels(dependency))
-            .clone()
-    }
-
     pub fn dead_lettered(&self, reason: PoisonReason) {
-        self.dead_letter_counter(reason).inc();
+        self.dead_lettered
+            .get_or_create(&self.reason_labels(reason))
+            .inc();
     }
 
     pub fn dependency_error(&self, dependency: Dependency) {
-        self.error_counter(dependency).inc();
+        self.errors
+            .get_or_create(&self.dependency_labels(dependency))
+            .inc();
     }
 
     pub fn set_up(&self, dependency: Dependency, up: bool) {
@@ -434,6 +425,15 @@ impl Metrics {
     }
 }
 
+/// Asserts that `registry` exports every one of `lines` (`name{labels} value`), for tests.
+#[cfg(test)]
+pub(crate) fn assert_exported(registry: &Registry, lines: &[&str]) {
+    let text = switchboard_telemetry::encode(registry);
+    for line in lines {
+        assert!(text.lines().any(|l| l == *line), "{line} in\n{text}");
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -441,7 +441,7 @@ mod tests {
     #[test]
     fn an_aliased_counter_is_one_series_under_both_names() {
         let mut registry = Metrics::registry();
-        let counter = adapter_counter_aliased(
+        let counter: Counter = adapter_aliased(
             &mut registry,
             "redis_messages_reaped",
             "messages_reaped",
@@ -449,15 +449,27 @@ mod tests {
             "a/b",
         );
         counter.inc_by(3);
+        assert_exported(
+            &registry,
+            &[
+                r#"switchboard_redis_messages_reaped_total{adapter="a/b"} 3"#,
+                r#"switchboard_messages_reaped_total{adapter="a/b"} 3"#,
+            ],
+        );
         let text = switchboard_telemetry::encode(&registry);
-        assert!(
-            text.contains(r#"switchboard_redis_messages_reaped_total{adapter="a/b"} 3"#),
-            "{text}"
-        );
-        assert!(
-            text.contains(r#"switchboard_messages_reaped_total{adapter="a/b"} 3"#),
-            "{text}"
-        );
         assert!(text.contains("deprecated name of switchboard_redis_messages_reaped"));
+    }
+
+    #[test]
+    fn nats_reconnects_is_the_deprecated_name_of_broker_reconnects() {
+        let mut registry = Metrics::registry();
+        broker_reconnects(&mut registry, "a/b", Some("nats_reconnects")).inc();
+        assert_exported(
+            &registry,
+            &[
+                r#"switchboard_broker_reconnects_total{adapter="a/b"} 1"#,
+                r#"switchboard_nats_reconnects_total{adapter="a/b"} 1"#,
+            ],
+        );
     }
 }

@@ -12,13 +12,35 @@ use crate::transport::DeadLetter;
 /// The least time between two summaries.
 pub(super) const SUMMARY_INTERVAL: Duration = Duration::from_secs(10);
 
+/// When a summary line is due: the first at once, then at most once per [`SUMMARY_INTERVAL`],
+/// and whatever is left when the loop stops.
+#[derive(Debug, Default)]
+pub(super) struct SummaryPace {
+    last_summary: Option<Instant>,
+}
+
+impl SummaryPace {
+    /// Whether a summary of something pending may be logged at `now`.
+    pub(super) fn due(&self, now: Instant, stopping: bool) -> bool {
+        stopping
+            || self
+                .last_summary
+                .is_none_or(|last| now.duration_since(last) >= SUMMARY_INTERVAL)
+    }
+
+    /// A summary was logged at `now`.
+    pub(super) fn logged(&mut self, now: Instant) {
+        self.last_summary = Some(now);
+    }
+}
+
 #[derive(Debug, Default)]
 pub(super) struct DeadLetterLog {
     /// Dead-lettered since the last summary, by reason, in the order first seen.
     reasons: Vec<(PoisonReason, u64)>,
     /// The first of them: its id and why.
     first: Option<(String, String)>,
-    last_summary: Option<Instant>,
+    pace: SummaryPace,
 }
 
 impl DeadLetterLog {
@@ -45,10 +67,7 @@ impl DeadLetterLog {
     /// Logs what was dead-lettered since the last summary, if anything, when the interval has
     /// passed or `stopping`. Returns whether it logged.
     pub(super) fn flush(&mut self, now: Instant, stopping: bool) -> bool {
-        let due = self
-            .last_summary
-            .is_none_or(|last| now.duration_since(last) >= SUMMARY_INTERVAL);
-        if self.reasons.is_empty() || !(due || stopping) {
+        if self.reasons.is_empty() || !self.pace.due(now, stopping) {
             return false;
         }
         let count: u64 = self.reasons.iter().map(|(_, count)| count).sum();
@@ -65,7 +84,7 @@ impl DeadLetterLog {
             first_error = %first_error,
             "dead-lettered messages (summed up at most every 10 s; each one at debug level)"
         );
-        self.last_summary = Some(now);
+        self.pace.logged(now);
         true
     }
 }
@@ -108,9 +127,9 @@ mod tests {
                 })
                 .collect();
             let now = start + Duration::from_millis(50 * batch as u64);
-            let before = log.last_summary;
+            let before = log.pace.last_summary;
             log.add(&letters, now);
-            lines += usize::from(log.last_summary != before);
+            lines += usize::from(log.pace.last_summary != before);
         }
         assert_eq!(
             lines, 1,

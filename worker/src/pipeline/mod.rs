@@ -15,7 +15,8 @@
 //! SQL), `lease` (extend the broker's lease while storing), `settle` (the settle order, a pure
 //! plan: dead letters written and confirmed, then acknowledgements in receive order),
 //! `monitor` (a dependency's outage state), `report` (queue health to the gauges and the
-//! operator). This file is the loop.
+//! operator), `dead_letter_log` and `stale_log` (dead letters and stale acknowledgements
+//! summed up in the log). This file is the loop.
 
 mod dead_letter_log;
 mod intake;
@@ -23,6 +24,7 @@ mod lease;
 mod monitor;
 mod report;
 mod settle;
+mod stale_log;
 mod store;
 
 use std::collections::VecDeque;
@@ -37,6 +39,7 @@ use tokio_util::sync::CancellationToken;
 use self::dead_letter_log::DeadLetterLog;
 use self::monitor::Monitor;
 use self::settle::{InFlight, RecentLetters, settle_oldest};
+use self::stale_log::StaleLog;
 use self::store::StoreContext;
 use crate::health::{Dependency, Health};
 use crate::metrics::Metrics;
@@ -97,6 +100,7 @@ pub struct Pipeline<T: Transport> {
     /// When the attempts of messages that never settled are next pruned.
     next_prune: Instant,
     dead_letter_log: DeadLetterLog,
+    stale_log: StaleLog,
     /// Keys this worker dead-lettered lately: never dead-lettered twice.
     recent_letters: RecentLetters,
 }
@@ -146,6 +150,7 @@ impl<T: Transport> Pipeline<T> {
             count_deliveries: true,
             next_prune: Instant::now(),
             dead_letter_log: DeadLetterLog::default(),
+            stale_log: StaleLog::default(),
             recent_letters: RecentLetters::default(),
         }
     }
@@ -238,7 +243,7 @@ impl<T: Transport> Pipeline<T> {
                     }
                 }
                 next_maintenance = Instant::now() + interval;
-                self.dead_letter_log.flush(Instant::now(), false);
+                self.flush_summaries(false);
             }
             let (batch_size, block) = (self.settings.batch_size, in_flight.is_empty());
             let attempted = Instant::now();
@@ -296,9 +301,17 @@ impl<T: Transport> Pipeline<T> {
         if cancel.is_cancelled() {
             self.transport.shutdown().await;
         }
-        self.dead_letter_log.flush(Instant::now(), true);
+        self.flush_summaries(true);
         tracing::info!("worker stopped");
         Ok(())
+    }
+
+    /// Logs the summaries of dead letters and stale acknowledgements that are due (all that is
+    /// left when `stopping`).
+    fn flush_summaries(&mut self, stopping: bool) {
+        let now = Instant::now();
+        self.dead_letter_log.flush(now, stopping);
+        self.stale_log.flush(now, stopping);
     }
 
     /// Upkeep and a database probe. `Ok(false)`: shutdown interrupted it.

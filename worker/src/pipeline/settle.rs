@@ -417,14 +417,10 @@ impl<T: Transport> Pipeline<T> {
     }
 
     /// Receipts that can never be acknowledged: counted and dropped (the broker redelivers the
-    /// messages and their keys deduplicate them). Logged once per call, not per receipt.
-    fn stale(&self, count: usize, err: &TransportError) {
+    /// messages and their keys deduplicate them). Summed up in the log, like dead letters.
+    fn stale(&mut self, count: usize, err: &TransportError) {
         self.metrics.stale_receipts.inc_by(count as u64);
-        tracing::warn!(
-            count,
-            error = %ErrorChain(err),
-            "acknowledgements refused as stale; the broker redelivers and deduplication collapses them"
-        );
+        self.stale_log.add(count, err, Instant::now());
     }
 }
 

@@ -47,7 +47,7 @@ impl Amqp {
         .await?;
         let (consume, consumer) = self.subscribe(&connection).await?;
         self.generations += 1;
-        self.metrics.sessions.inc();
+        self.metrics.session_opened();
         if self.generations == 1 {
             tracing::info!(
                 queue = %self.settings.spec.queue,

@@ -16,6 +16,7 @@ use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::message::Message as _;
 use rdkafka::{Offset, TopicPartitionList};
 use switchboard_api::StartFrom;
+use switchboard_telemetry::metrics::register;
 
 use super::client::{LogContext, Setting, classify};
 use crate::health::now_ms;
@@ -36,13 +37,12 @@ pub struct PartitionLabels {
 
 /// The per-partition lag gauge, registered in `registry`.
 pub fn register_lag(registry: &mut Registry) -> Family<PartitionLabels, Gauge> {
-    let lag = Family::<PartitionLabels, Gauge>::default();
-    registry.register(
+    register(
+        registry,
         "kafka_partition_lag",
         "Records of each partition past the group's committed offset (high watermark − committed)",
-        lag.clone(),
-    );
-    lag
+        Family::default(),
+    )
 }
 
 /// The topics a source reads.

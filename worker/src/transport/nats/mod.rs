@@ -77,7 +77,7 @@ use self::connect::ConnectionEvents;
 pub use self::connect::{Auth, Connector};
 pub use self::probe::NatsProbe;
 pub use self::receive::Identity;
-use crate::metrics::adapter_counter;
+use crate::metrics::{adapter_counter, broker_reconnects};
 use crate::transport::{Acked, DeadLetter, Message, Transport, TransportError};
 
 /// A wait for the next message of a fetch: the fetch's expiry and a request's time.
@@ -203,11 +203,10 @@ impl Nats {
     /// Builds the transport (no network yet).
     pub fn new(settings: NatsSettings, store: Store, registry: &mut Registry) -> Self {
         let adapter = settings.adapter.clone();
-        let events = ConnectionEvents::new(adapter_counter(
+        let events = ConnectionEvents::new(broker_reconnects(
             registry,
-            "nats_reconnects",
-            "Reconnections of the worker's NATS connection",
             &adapter,
+            Some("nats_reconnects"),
         ));
         Self {
             source: format!("nats:{adapter}"),

@@ -25,7 +25,7 @@ use super::{
     record_time_ms, refused_by_dead_letter_key, text,
 };
 use crate::health::now_ms;
-use crate::metrics::adapter_counter_aliased;
+use crate::metrics::{adapter_aliased, broker_reconnects};
 use crate::transport::identity::{body_hash, body_id, idempotency_key};
 use crate::transport::{
     Acked, DeadLetter, Message, QueueHealth, QueueProbe, Transport, TransportError,
@@ -90,6 +90,7 @@ impl RedisList {
         let client = open(redis_url)?;
         let list = &settings.list;
         let keys = Self::keys(&settings);
+        let reconnects = broker_reconnects(registry, &settings.adapter, None);
         Ok(Self {
             source: format!("redis:{}", settings.adapter),
             processing: Self::processing_key(list, &settings.consumer),
@@ -97,10 +98,12 @@ impl RedisList {
             deliveries: format!("{list}:deliveries"),
             first_seen: format!("{list}:first-seen"),
             reaper_lock: format!("{list}:reaper"),
-            reader: Connection::new(client.clone(), BLOCK + CONTROL_TIMEOUT).naming(keys.clone()),
+            reader: Connection::new(client.clone(), BLOCK + CONTROL_TIMEOUT)
+                .naming(keys.clone())
+                .counting_reconnects(reconnects),
             control: Connection::new(client.clone(), CONTROL_TIMEOUT).naming(keys),
             client,
-            reaped: adapter_counter_aliased(
+            reaped: adapter_aliased(
                 registry,
                 "redis_messages_reaped",
                 "messages_reaped",

@@ -9,6 +9,7 @@ pub mod stream;
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use prometheus_client::metrics::counter::Counter;
 use redis::aio::MultiplexedConnection;
 use redis::{AsyncConnectionConfig, Client, FromRedisValue, Value};
 
@@ -287,6 +288,9 @@ pub struct Connection {
     slot: Option<MultiplexedConnection>,
     /// The keys this connection's commands use, named in WRONGTYPE errors.
     keys: Vec<NamedKey>,
+    /// Where connections opened after the first are counted, if anywhere.
+    reconnects: Option<Counter>,
+    connected_before: bool,
 }
 
 impl Connection {
@@ -296,7 +300,17 @@ impl Connection {
             response_timeout,
             slot: None,
             keys: Vec::new(),
+            reconnects: None,
+            connected_before: false,
         }
+    }
+
+    /// Counts in `reconnects` every connection opened after the first one (each follows the
+    /// loss of the one before).
+    #[must_use]
+    pub fn counting_reconnects(mut self, reconnects: Counter) -> Self {
+        self.reconnects = Some(reconnects);
+        self
     }
 
     /// The keys its commands use and the settings that name them.
@@ -313,10 +327,17 @@ impl Connection {
                 let config = AsyncConnectionConfig::new()
                     .set_connection_timeout(Some(CONNECT_TIMEOUT))
                     .set_response_timeout(Some(self.response_timeout));
-                self.client
+                let conn = self
+                    .client
                     .get_multiplexed_async_connection_with_config(&config)
                     .await
-                    .map_err(redis_error("CONNECT"))
+                    .map_err(redis_error("CONNECT"))?;
+                if std::mem::replace(&mut self.connected_before, true)
+                    && let Some(reconnects) = &self.reconnects
+                {
+                    reconnects.inc();
+                }
+                Ok(conn)
             }
         }
     }

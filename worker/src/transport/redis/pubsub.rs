@@ -17,7 +17,7 @@ use super::{
     protocol, redis_error, refused_by_dead_letter_key,
 };
 use crate::health::now_ms;
-use crate::metrics::adapter_counter;
+use crate::metrics::broker_reconnects;
 use crate::transport::identity::{body_hash, body_id, idempotency_key};
 use crate::transport::{
     Acked, DeadLetter, Message, QueueHealth, QueueProbe, Transport, TransportError,
@@ -71,12 +71,7 @@ impl RedisPubSub {
     ) -> Result<Self, TransportError> {
         let client = open(redis_url)?;
         Ok(Self {
-            reconnects: adapter_counter(
-                registry,
-                "broker_reconnects",
-                "Times the subscription was re-established after the connection was lost",
-                &settings.adapter,
-            ),
+            reconnects: broker_reconnects(registry, &settings.adapter, None),
             source: format!("redis:{}", settings.adapter),
             control: Connection::new(client.clone(), CONTROL_TIMEOUT).naming(vec![NamedKey::new(
                 &settings.dead_letter_list,

@@ -35,7 +35,7 @@ use super::{
     BLOCK, CONTROL_TIMEOUT, Connection, NamedKey, array, error_code, integer, now_rfc3339, open,
     refused_by_dead_letter_key, text,
 };
-use crate::metrics::{adapter_counter_aliased, adapter_gauge_aliased};
+use crate::metrics::{adapter_aliased, broker_reconnects};
 use crate::payload::fields_json;
 use crate::transport::dead_letter::DeadLetterContext;
 use crate::transport::identity::idempotency_key;
@@ -57,28 +57,28 @@ struct StreamMetrics {
 impl StreamMetrics {
     fn register(registry: &mut Registry, adapter: &str) -> Self {
         Self {
-            reclaimed: adapter_counter_aliased(
+            reclaimed: adapter_aliased(
                 registry,
                 "redis_messages_reclaimed",
                 "messages_reclaimed",
                 "Messages taken over from consumers that stopped acknowledging them",
                 adapter,
             ),
-            group_recreated: adapter_counter_aliased(
+            group_recreated: adapter_aliased(
                 registry,
                 "redis_consumer_group_recreated",
                 "consumer_group_recreated",
                 "Times the consumer group was missing (NOGROUP) and recreated at the stored checkpoint",
                 adapter,
             ),
-            consumers_removed: adapter_counter_aliased(
+            consumers_removed: adapter_aliased(
                 registry,
                 "redis_consumers_removed",
                 "consumers_removed",
                 "Idle consumers with no pending entries removed from the group",
                 adapter,
             ),
-            oldest_waiting_age_seconds: adapter_gauge_aliased(
+            oldest_waiting_age_seconds: adapter_aliased(
                 registry,
                 "redis_oldest_waiting_age_seconds",
                 "oldest_waiting_age_seconds",
@@ -161,11 +161,14 @@ impl RedisStream {
     ) -> Result<Self, TransportError> {
         let client = open(redis_url)?;
         let keys = settings.keys();
+        let reconnects = broker_reconnects(registry, &settings.adapter, None);
         Ok(Self {
             source: format!("redis:{}", settings.adapter),
             metrics: StreamMetrics::register(registry, &settings.adapter),
             settings,
-            reader: Connection::new(client.clone(), BLOCK + CONTROL_TIMEOUT).naming(keys.clone()),
+            reader: Connection::new(client.clone(), BLOCK + CONTROL_TIMEOUT)
+                .naming(keys.clone())
+                .counting_reconnects(reconnects),
             control: Connection::new(client.clone(), CONTROL_TIMEOUT).naming(keys),
             client,
             store,
