@@ -489,63 +489,88 @@ fn list_json_filtered<C: Case>(case: &C, file: &str, reason: &str) -> Result<usi
     Ok(letters_listed(&stdout)?.len())
 }
 
+/// Fifteen letters, a worker that stores what is redriven, and `redrive --all` at 2 letters/s
+/// started with its output piped.
+struct SlowRedrive<C> {
+    case: C,
+    file: String,
+    _worker: switchboard_tests::worker::WorkerProcess,
+    redrive: std::process::Child,
+}
+
+impl<C: Case> SlowRedrive<C> {
+    async fn start(name: &str) -> Result<Self> {
+        let case = C::start(name).await?;
+        let (manifest, _) = dead_letter_fifteen(&case, name).await?;
+        let file = path_text(&manifest)?.to_owned();
+        let worker = case.fx().worker(&case.manifest(true)?, "fixed")?;
+        let redrive = dlq_command(
+            &case,
+            &["redrive", "--file", &file, "--all", "--rate", "2/s"],
+        )?
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()?;
+        Ok(Self {
+            case,
+            file,
+            _worker: worker,
+            redrive,
+        })
+    }
+
+    /// After the slow redrive ended with `left` letters left: they are, a redrive run again
+    /// moves them, and every letter is one todo.
+    async fn rerun_moves_the_rest(&self, left: u64) -> Result<()> {
+        let case = &self.case;
+        case.settle().await?;
+        ensure!(case.dead_letters().await? == left, "{left} letters left");
+        let summary =
+            String::from_utf8(dlq_ok(case, &["redrive", "--file", &self.file, "--all"])?)?;
+        ensure!(
+            summary.contains(&format!("{left} redriven")) && summary.contains("0 failed"),
+            "{summary}"
+        );
+        let total = (POISON + OVERDUE) as i64;
+        wait_for(LONG, "a todo per letter", || async {
+            Ok(case.fx().todo_count(case.queue()).await? == total)
+        })
+        .await?;
+        ensure!(case.dead_letters().await? == 0, "the destination is empty");
+        case.fx().assert_exactly_once(case.queue(), total).await
+    }
+}
+
 /// Acceptance 2: a redrive killed half-way, then run again, leaves exactly one todo per
 /// letter, none lost, the destination empty.
 async fn redrive_killed_half_way_then_rerun_leaves_one_todo_each<C: Case>(
     name: &str,
 ) -> Result<()> {
-    let case = C::start(name).await?;
-    let (manifest, _) = dead_letter_fifteen(&case, name).await?;
-    let file = path_text(&manifest)?.to_owned();
-    let fixed = case.manifest(true)?;
-    let _worker = case.fx().worker(&fixed, "fixed")?;
-    let mut slow = dlq_command(
-        &case,
-        &["redrive", "--file", &file, "--all", "--rate", "2/s"],
-    )?
-    .stdout(Stdio::null())
-    .stderr(Stdio::null())
-    .spawn()?;
-    let total = (POISON + OVERDUE) as i64;
+    let mut slow = SlowRedrive::<C>::start(name).await?;
+    let case = &slow.case;
     wait_for(LONG, "a few letters redriven", || async {
         Ok(case.dead_letters().await? <= (POISON + OVERDUE - 3) as u64)
     })
     .await?;
     // SIGKILL: no chance to finish the letter in hand or to hand anything back.
-    slow.kill()?;
-    slow.wait()?;
-    let left = case.dead_letters().await?;
+    slow.redrive.kill()?;
+    slow.redrive.wait()?;
+    let left = slow.case.dead_letters().await?;
     ensure!(left > 0, "killed half-way: {left} letters left");
-    case.settle().await?;
-    let summary = String::from_utf8(dlq_ok(&case, &["redrive", "--file", &file, "--all"])?)?;
-    ensure!(summary.contains("0 failed"), "{summary}");
-    wait_for(LONG, "a todo per letter", || async {
-        Ok(case.fx().todo_count(case.queue()).await? == total)
-    })
-    .await?;
-    ensure!(case.dead_letters().await? == 0, "the destination is empty");
-    case.fx().assert_exactly_once(case.queue(), total).await
+    slow.rerun_moves_the_rest(left).await
 }
 
 /// A redrive without a terminal prints plain progress lines (count, rate, time left) every 5 s;
 /// SIGTERM stops it between two letters: it prints what moved and what is left, exits 143, and
 /// the counts are the broker's. Run again, it redrives the rest: one todo per letter.
 async fn redrive_stopped_by_sigterm_reports_and_exits_143<C: Case>(name: &str) -> Result<()> {
-    let case = C::start(name).await?;
-    let (manifest, _) = dead_letter_fifteen(&case, name).await?;
-    let file = path_text(&manifest)?.to_owned();
-    let fixed = case.manifest(true)?;
-    let _worker = case.fx().worker(&fixed, "fixed")?;
-    let mut slow = dlq_command(
-        &case,
-        &["redrive", "--file", &file, "--all", "--rate", "2/s"],
-    )?
-    .stdout(Stdio::piped())
-    .stderr(Stdio::piped())
-    .spawn()?;
+    let mut slow = SlowRedrive::<C>::start(name).await?;
     let stderr = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
     let reader = {
-        let (pipe, stderr) = (slow.stderr.take().context("stderr")?, stderr.clone());
+        let (pipe, stderr) = (
+            slow.redrive.stderr.take().context("stderr")?,
+            stderr.clone(),
+        );
         std::thread::spawn(move || {
             for line in std::io::BufRead::lines(std::io::BufReader::new(pipe)).map_while(Result::ok)
             {
@@ -562,17 +587,20 @@ async fn redrive_stopped_by_sigterm_reports_and_exits_143<C: Case>(name: &str) -
         Ok(printed().contains("redrive: ") && printed().contains("/s, "))
     })
     .await?;
-    let pid = nix::unistd::Pid::from_raw(i32::try_from(slow.id())?);
-    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM)?;
-    let output = slow.wait_with_output()?;
+    let pid = nix::unistd::Pid::from_raw(i32::try_from(slow.redrive.id())?);
+    nix::sys::signal::kill(pid, Signal::SIGTERM)?;
+    let status = slow.redrive.wait()?;
     reader
         .join()
         .map_err(|_| anyhow::anyhow!("the stderr reader panicked"))?;
-    let stdout = String::from_utf8(output.stdout)?;
+    let mut stdout = String::new();
+    std::io::Read::read_to_string(
+        &mut slow.redrive.stdout.take().context("stdout")?,
+        &mut stdout,
+    )?;
     ensure!(
-        output.status.code() == Some(143),
-        "{:?}\n{stdout}{}",
-        output.status,
+        status.code() == Some(143),
+        "{status:?}\n{stdout}{}",
         printed()
     );
     let counts = |word: &str| -> Result<u64> {
@@ -591,16 +619,7 @@ async fn redrive_stopped_by_sigterm_reports_and_exits_143<C: Case>(name: &str) -
         moved >= 1 && left >= 1 && moved + left == (POISON + OVERDUE) as u64,
         "{stdout}"
     );
-    case.settle().await?;
-    ensure!(case.dead_letters().await? == left, "{left} left: {stdout}");
-    let total = (POISON + OVERDUE) as i64;
-    let summary = String::from_utf8(dlq_ok(&case, &["redrive", "--file", &file, "--all"])?)?;
-    ensure!(summary.contains(&format!("{left} redriven")), "{summary}");
-    wait_for(LONG, "a todo per letter", || async {
-        Ok(case.fx().todo_count(case.queue()).await? == total)
-    })
-    .await?;
-    case.fx().assert_exactly_once(case.queue(), total).await
+    slow.rerun_moves_the_rest(left).await
 }
 
 /// Acceptance 3: purge --older-than removes only older letters; without --yes and without a
