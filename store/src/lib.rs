@@ -353,6 +353,12 @@ impl Store {
         }
     }
 
+    /// The database's `host:port` (never the credentials of `DATABASE_URL`).
+    pub fn endpoint(&self) -> String {
+        let options = self.pool.connect_options();
+        format!("{}:{}", options.get_host(), options.get_port())
+    }
+
     /// A connection of the pool. When the pool only says it timed out (it retries refused
     /// connections until then), one direct attempt finds out why.
     async fn acquire(&self) -> Result<PoolConnection<Postgres>, StoreError> {

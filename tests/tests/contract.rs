@@ -4,7 +4,7 @@
 
 use std::time::{Duration, Instant};
 
-use anyhow::{Result, ensure};
+use anyhow::{Context, Result, ensure};
 use nix::sys::signal::Signal;
 use switchboard_tests::brokers::{
     AmqpClassicBroker, AmqpQuorumBroker, BrokerFixture, GatewayBroker, KafkaBroker, NatsBroker,
@@ -391,6 +391,14 @@ async fn broker_restart_is_recovered<B: BrokerFixture>() -> Result<()> {
     contract.produce(bodies(300..600)).await?;
     contract.wait_settled(600, &worker).await?;
     contract.assert_exactly_once(600).await?;
+    // A broker outage line (if the restart made one) says where the broker is.
+    let log = worker.log();
+    for down in log
+        .lines()
+        .filter(|line| line.contains("dependency unavailable") && line.contains("\"broker\""))
+    {
+        ensure!(down.contains("endpoint=127.0.0.1:"), "{down}");
+    }
     wait_for(LONG, "readiness returns", || async {
         Ok(worker.http_get("/readyz")?.0 == 200)
     })
@@ -425,7 +433,19 @@ async fn database_outage_is_recovered<B: BrokerFixture>() -> Result<()> {
     wait_for(LONG, "readiness returns", || async {
         Ok(worker.http_get("/readyz")?.0 == 200)
     })
-    .await
+    .await?;
+    // The outage line says where the database is, never its credentials.
+    let log = worker.log();
+    let down = log
+        .lines()
+        .find(|line| line.contains("dependency unavailable"))
+        .with_context(|| worker.log_tail())?;
+    let at = format!("endpoint=127.0.0.1:{}", contract.fx.postgres.port());
+    ensure!(
+        down.contains(&at) && !down.contains("postgres://"),
+        "{down}"
+    );
+    Ok(())
 }
 
 /// PostgreSQL turns read-only for 10 s under a flowing worker (reads work, writes fail, as

@@ -100,6 +100,10 @@ impl Transport for FakeTransport {
         "fake:test/pipeline"
     }
 
+    fn endpoint(&self) -> String {
+        "fake-broker:1".to_owned()
+    }
+
     fn dedup(&self) -> Dedup {
         Dedup::NativeId
     }

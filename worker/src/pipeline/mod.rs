@@ -124,6 +124,7 @@ impl<T: Transport> Pipeline<T> {
         health: Arc<Health>,
         cancel: CancellationToken,
     ) -> Self {
+        let database = store.endpoint();
         let context = Arc::new(StoreContext {
             store,
             source: transport.source().to_owned(),
@@ -134,12 +135,22 @@ impl<T: Transport> Pipeline<T> {
                 Envelope::None => transport.dedup(),
                 Envelope::CloudEvents | Envelope::Sns => Dedup::NativeId,
             },
-            database: Monitor::new(Dependency::Database, health.clone(), metrics.clone()),
+            database: Monitor::new(
+                Dependency::Database,
+                database,
+                health.clone(),
+                metrics.clone(),
+            ),
             metrics: metrics.clone(),
             cancel: cancel.clone(),
         });
         Self {
-            broker: Monitor::new(Dependency::Broker, health.clone(), metrics.clone()),
+            broker: Monitor::new(
+                Dependency::Broker,
+                transport.endpoint(),
+                health.clone(),
+                metrics.clone(),
+            ),
             transport,
             settings,
             context,

@@ -23,15 +23,23 @@ struct OutageState {
 #[derive(Debug)]
 pub(super) struct Monitor {
     pub(super) dependency: Dependency,
+    /// Where it is (`host:port`, never credentials), in the lines that say it is down.
+    endpoint: String,
     health: Arc<Health>,
     metrics: Arc<Metrics>,
     state: Mutex<OutageState>,
 }
 
 impl Monitor {
-    pub(super) fn new(dependency: Dependency, health: Arc<Health>, metrics: Arc<Metrics>) -> Self {
+    pub(super) fn new(
+        dependency: Dependency,
+        endpoint: String,
+        health: Arc<Health>,
+        metrics: Arc<Metrics>,
+    ) -> Self {
         Self {
             dependency,
+            endpoint,
             health,
             metrics,
             state: Mutex::default(),
@@ -49,6 +57,7 @@ impl Monitor {
         if let Some(since) = state.down_since.take() {
             tracing::info!(
                 dependency = self.dependency.as_str(),
+                endpoint = %self.endpoint,
                 down_for = ?since.elapsed(),
                 "dependency recovered"
             );
@@ -77,6 +86,7 @@ impl Monitor {
                     state.down_since = Some(Instant::now());
                     tracing::warn!(
                         dependency = self.dependency.as_str(),
+                        endpoint = %self.endpoint,
                         error = %ErrorChain(err),
                         "dependency unavailable; retrying with backoff"
                     );

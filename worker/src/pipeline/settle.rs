@@ -484,6 +484,10 @@ mod tests {
             "fake:test/settle"
         }
 
+        fn endpoint(&self) -> String {
+            "fake:1".to_owned()
+        }
+
         fn dedup(&self) -> Dedup {
             Dedup::NativeId
         }

@@ -20,6 +20,7 @@
 
 pub mod amqp;
 pub mod dead_letter;
+pub mod endpoint;
 pub mod gateway;
 pub mod identity;
 pub mod kafka;
@@ -343,6 +344,10 @@ pub trait Transport {
 
     /// The event source name (`{kind}:{adapter}`).
     fn source(&self) -> &str;
+
+    /// Where the broker is, for the line that says it cannot be reached: `host:port` (several
+    /// comma-separated), never credentials ([`endpoint::endpoints`]).
+    fn endpoint(&self) -> String;
 
     /// What a message's external id is unique within, the first part of its idempotency key
     /// ([`identity::idempotency_key`]): the source, unless the broker's ids are unique only

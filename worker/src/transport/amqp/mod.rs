@@ -203,6 +203,10 @@ impl Transport for Amqp {
         &self.source
     }
 
+    fn endpoint(&self) -> String {
+        crate::transport::endpoint::endpoints(&self.url)
+    }
+
     fn key_scope(&self) -> &str {
         &self.key_scope
     }

@@ -166,6 +166,10 @@ impl Transport for GatewayTransport {
         &self.source
     }
 
+    fn endpoint(&self) -> String {
+        crate::transport::endpoint::endpoints(&self.settings.spec.url)
+    }
+
     fn dedup(&self) -> Dedup {
         Dedup::NativeId
     }

@@ -204,6 +204,10 @@ impl Transport for Kafka {
         &self.source
     }
 
+    fn endpoint(&self) -> String {
+        crate::transport::endpoint::endpoints(&self.spec.bootstrap_servers)
+    }
+
     fn dedup(&self) -> Dedup {
         Dedup::NativeId
     }

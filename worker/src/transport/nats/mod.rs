@@ -268,6 +268,10 @@ impl Transport for Nats {
         &self.source
     }
 
+    fn endpoint(&self) -> String {
+        crate::transport::endpoint::endpoints(&self.settings.connector.url)
+    }
+
     fn dedup(&self) -> Dedup {
         Dedup::NativeId
     }

@@ -475,6 +475,10 @@ impl Transport for RedisList {
         &self.source
     }
 
+    fn endpoint(&self) -> String {
+        self.control.endpoint()
+    }
+
     fn dedup(&self) -> Dedup {
         Dedup::BodyHash
     }

@@ -294,6 +294,11 @@ pub struct Connection {
 }
 
 impl Connection {
+    /// The server's `host:port` (or socket path).
+    pub fn endpoint(&self) -> String {
+        self.client.get_connection_info().addr().to_string()
+    }
+
     pub fn new(client: Client, response_timeout: Duration) -> Self {
         Self {
             client,

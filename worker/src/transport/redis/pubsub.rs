@@ -166,6 +166,10 @@ impl Transport for RedisPubSub {
         &self.source
     }
 
+    fn endpoint(&self) -> String {
+        self.control.endpoint()
+    }
+
     fn dedup(&self) -> Dedup {
         Dedup::BodyHash
     }

@@ -234,6 +234,24 @@ impl Transport for Sqs {
         &self.source
     }
 
+    fn endpoint(&self) -> String {
+        let spec = &self.settings.spec;
+        match [&spec.endpoint, &spec.queue_url]
+            .into_iter()
+            .flatten()
+            .find(|url| !url.is_empty())
+        {
+            Some(url) => crate::transport::endpoint::endpoints(url),
+            None => format!(
+                "sqs.{}.amazonaws.com",
+                self.client
+                    .config()
+                    .region()
+                    .map_or("?", |region| region.as_ref())
+            ),
+        }
+    }
+
     fn dedup(&self) -> Dedup {
         Dedup::NativeId
     }

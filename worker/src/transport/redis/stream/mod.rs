@@ -382,6 +382,10 @@ impl Transport for RedisStream {
         &self.source
     }
 
+    fn endpoint(&self) -> String {
+        self.control.endpoint()
+    }
+
     fn dedup(&self) -> Dedup {
         Dedup::NativeId
     }
