@@ -575,7 +575,11 @@ pub fn build(
         config_map,
         deployment,
         autoscaled,
-        disruption_budget: disruption_budget(spec, valid.name, object_meta(valid, &owner)),
+        disruption_budget: disruption_budget(
+            spec,
+            selector_labels(valid.name),
+            object_meta(valid, &owner),
+        ),
     })
 }
 

@@ -10,7 +10,7 @@ use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::{ConfigMap, Secret};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
-use kube::api::{ApiResource, DynamicObject, PartialObjectMeta, Patch, PatchParams};
+use kube::api::{PartialObjectMeta, Patch, PatchParams};
 use kube::runtime::controller::Action;
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::runtime::finalizer::{self, finalizer};
@@ -18,19 +18,17 @@ use kube::runtime::reflector::{ObjectRef, Store as Cache};
 use kube::runtime::{Controller, watcher};
 use kube::{Api, Client, Resource, ResourceExt};
 use switchboard_api::{QueueAdapter, SecretKeyRef};
-use switchboard_store::{QueueAdapterRow, Store, StoreError};
+use switchboard_store::{QueueAdapterRow, Store};
 use switchboard_telemetry::{Backoff, Jitter};
 use tokio_util::sync::CancellationToken;
 
 use crate::ErrorChain;
-use crate::autoscaling::{Autoscaled, scaled_object_resource, trigger_authentication_resource};
+use crate::apply::{ReconcileError, apply_autoscaling, apply_disruption_budget, kubernetes};
 use crate::build::{
-    BuildError, FIELD_MANAGER, InvalidAdapter, SecretValue, SecretValues, ValidAdapter,
-    WorkerSettings, adapter_config, build, managed_selector, referenced_secrets, validate,
-    worker_name,
+    FIELD_MANAGER, InvalidAdapter, SecretValue, SecretValues, ValidAdapter, WorkerSettings,
+    adapter_config, build, managed_selector, referenced_secrets, validate, worker_name,
 };
 use crate::metrics::{ErrorCategory, Metrics, ReconcileOutcome};
-use crate::pdb::apply_disruption_budget;
 use crate::runtime::refresh_runtime_status;
 use crate::status::{Outcome, desired_status};
 
@@ -45,44 +43,6 @@ const BACKOFF_CAP: Duration = Duration::from_secs(300);
 /// failed together are not retried together, nor much sooner than the doubling says).
 fn reconcile_backoff() -> Backoff {
     Backoff::new(BACKOFF_INITIAL, BACKOFF_CAP).with_jitter(Jitter::Equal)
-}
-
-/// Why a reconcile failed (transient: retried with backoff).
-#[derive(Debug, thiserror::Error)]
-pub enum ReconcileError {
-    #[error("Kubernetes API call failed: {action}")]
-    Kubernetes {
-        action: &'static str,
-        #[source]
-        source: kube::Error,
-    },
-    #[error("cannot mirror the adapter into the adapters table")]
-    Store(#[source] StoreError),
-    #[error("cannot build the worker objects")]
-    Build(#[source] BuildError),
-}
-
-impl ReconcileError {
-    fn category(&self) -> ErrorCategory {
-        match self {
-            ReconcileError::Kubernetes { .. } => ErrorCategory::Kubernetes,
-            ReconcileError::Store(_) => ErrorCategory::Database,
-            ReconcileError::Build(_) => ErrorCategory::Build,
-        }
-    }
-
-    /// The condition reason reported for this failure.
-    fn reason(&self) -> &'static str {
-        match self {
-            ReconcileError::Kubernetes { .. } => "KubernetesApiError",
-            ReconcileError::Store(_) => "DatabaseUnavailable",
-            ReconcileError::Build(_) => "BuildFailed",
-        }
-    }
-}
-
-pub(crate) fn kubernetes(action: &'static str) -> impl FnOnce(kube::Error) -> ReconcileError {
-    move |source| ReconcileError::Kubernetes { action, source }
 }
 
 /// What a reconcile returns: the finalizer helper wraps our errors.
@@ -279,7 +239,13 @@ async fn converge(
         .patch(&name, &apply, &Patch::Apply(&objects.deployment))
         .await
         .map_err(kubernetes("apply worker Deployment"))?;
-    apply_autoscaling(ctx, valid.namespace, &name, objects.autoscaled.as_ref()).await?;
+    apply_autoscaling(
+        &ctx.client,
+        valid.namespace,
+        &name,
+        objects.autoscaled.as_ref(),
+    )
+    .await?;
     apply_disruption_budget(
         &ctx.client,
         valid.namespace,
@@ -307,73 +273,6 @@ async fn converge(
     Ok(applied)
 }
 
-/// Applies KEDA's objects of an autoscaled adapter, or deletes the ones an earlier spec had
-/// (nothing to delete, or no KEDA installed, is fine).
-async fn apply_autoscaling(
-    ctx: &Context,
-    namespace: &str,
-    name: &str,
-    autoscaled: Option<&Autoscaled>,
-) -> Result<(), ReconcileError> {
-    let api = |resource: &ApiResource| {
-        Api::<DynamicObject>::namespaced_with(ctx.client.clone(), namespace, resource)
-    };
-    let (scaled_objects, authentications) = (
-        api(&scaled_object_resource()),
-        api(&trigger_authentication_resource()),
-    );
-    let Some(autoscaled) = autoscaled else {
-        delete_if_present(&scaled_objects, name, "delete the KEDA ScaledObject").await?;
-        return delete_if_present(
-            &authentications,
-            name,
-            "delete the KEDA TriggerAuthentication",
-        )
-        .await;
-    };
-    let apply = PatchParams::apply(FIELD_MANAGER).force();
-    match &autoscaled.trigger_authentication {
-        Some(authentication) => {
-            authentications
-                .patch(name, &apply, &Patch::Apply(authentication))
-                .await
-                .map_err(kubernetes(
-                    "apply the KEDA TriggerAuthentication (is KEDA installed?)",
-                ))?;
-        }
-        None => {
-            delete_if_present(
-                &authentications,
-                name,
-                "delete the KEDA TriggerAuthentication",
-            )
-            .await?
-        }
-    }
-    scaled_objects
-        .patch(name, &apply, &Patch::Apply(&autoscaled.scaled_object))
-        .await
-        .map_err(kubernetes(
-            "apply the KEDA ScaledObject (is KEDA installed?)",
-        ))?;
-    Ok(())
-}
-
-/// Deletes object `name` of `api`; one that is not there (or a kind the cluster does not have)
-/// is fine.
-pub(crate) async fn delete_if_present(
-    api: &Api<DynamicObject>,
-    name: &str,
-    action: &'static str,
-) -> Result<(), ReconcileError> {
-    match api.delete(name, &Default::default()).await {
-        Ok(_) => Ok(()),
-        // Without KEDA's CRD the API server answers a bare 404, not a NotFound Status.
-        Err(kube::Error::Api(status)) if status.code == 404 => Ok(()),
-        Err(err) => Err(kubernetes(action)(err)),
-    }
-}
-
 /// Scales the adapter's worker Deployment to zero, if there is one.
 async fn stop_worker(adapter: &QueueAdapter, ctx: &Context) -> Result<(), ReconcileError> {
     let (Some(name), Some(namespace)) = (
@@ -383,7 +282,7 @@ async fn stop_worker(adapter: &QueueAdapter, ctx: &Context) -> Result<(), Reconc
         return Ok(());
     };
     // KEDA would scale it up again.
-    apply_autoscaling(ctx, namespace, &worker_name(name), None).await?;
+    apply_autoscaling(&ctx.client, namespace, &worker_name(name), None).await?;
     apply_disruption_budget(&ctx.client, namespace, &worker_name(name), None).await?;
     let zero = serde_json::json!({"spec": {"replicas": 0}});
     match Api::<Deployment>::namespaced(ctx.client.clone(), namespace)

@@ -6,7 +6,8 @@
 //! `observedGeneration` and conditions. A finalizer guards only the `adapters` row, the one thing
 //! Kubernetes cannot garbage-collect.
 
-pub mod autoscaling;
+mod apply;
+mod autoscaling;
 pub mod build;
 pub mod controller;
 pub mod lease;

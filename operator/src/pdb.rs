@@ -4,15 +4,12 @@
 //! no budget: `maxUnavailable: 1` would protect nothing and `minAvailable: 1` would block
 //! every drain. Owned by the QueueAdapter, so Kubernetes deletes it with the adapter.
 
+use std::collections::BTreeMap;
+
 use k8s_openapi::api::policy::v1::{PodDisruptionBudget, PodDisruptionBudgetSpec};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta};
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
-use kube::Api;
-use kube::api::{ApiResource, DynamicObject, Patch, PatchParams};
 use switchboard_api::QueueAdapterSpec;
-
-use crate::build::{FIELD_MANAGER, selector_labels};
-use crate::controller::{ReconcileError, delete_if_present, kubernetes};
 
 /// The most worker pods `spec` can run at once.
 fn most_replicas(spec: &QueueAdapterSpec) -> i32 {
@@ -23,11 +20,11 @@ fn most_replicas(spec: &QueueAdapterSpec) -> i32 {
     }
 }
 
-/// The budget of the worker of adapter `name`, named and owned as `metadata` says, when it can
-/// run more than one pod.
+/// The budget of the worker pods `selector` selects, named and owned as `metadata` says, when
+/// `spec` can run more than one.
 pub fn disruption_budget(
     spec: &QueueAdapterSpec,
-    name: &str,
+    selector: BTreeMap<String, String>,
     metadata: ObjectMeta,
 ) -> Option<PodDisruptionBudget> {
     (most_replicas(spec) > 1).then(|| PodDisruptionBudget {
@@ -35,34 +32,11 @@ pub fn disruption_budget(
         spec: Some(PodDisruptionBudgetSpec {
             max_unavailable: Some(IntOrString::Int(1)),
             selector: Some(LabelSelector {
-                match_labels: Some(selector_labels(name)),
+                match_labels: Some(selector),
                 ..LabelSelector::default()
             }),
             ..PodDisruptionBudgetSpec::default()
         }),
         status: None,
     })
-}
-
-/// Applies the worker's budget, or deletes the one an earlier spec had.
-pub async fn apply_disruption_budget(
-    client: &kube::Client,
-    namespace: &str,
-    name: &str,
-    budget: Option<&PodDisruptionBudget>,
-) -> Result<(), ReconcileError> {
-    let Some(budget) = budget else {
-        let resource = ApiResource::erase::<PodDisruptionBudget>(&());
-        let api = Api::<DynamicObject>::namespaced_with(client.clone(), namespace, &resource);
-        return delete_if_present(&api, name, "delete the worker PodDisruptionBudget").await;
-    };
-    Api::<PodDisruptionBudget>::namespaced(client.clone(), namespace)
-        .patch(
-            name,
-            &PatchParams::apply(FIELD_MANAGER).force(),
-            &Patch::Apply(budget),
-        )
-        .await
-        .map_err(kubernetes("apply the worker PodDisruptionBudget"))?;
-    Ok(())
 }
