@@ -9,6 +9,7 @@
 pub mod autoscaling;
 pub mod build;
 pub mod controller;
+pub mod database_ca;
 pub mod lease;
 pub mod metrics;
 pub mod pdb;
