@@ -6,14 +6,14 @@ use std::collections::BTreeMap;
 use k8s_openapi::api::apps::v1::{Deployment, DeploymentSpec};
 use k8s_openapi::api::core::v1::{
     Capabilities, ConfigMap, ConfigMapVolumeSource, Container, ContainerPort, EnvVar, EnvVarSource,
-    HTTPGetAction, KeyToPath, ObjectFieldSelector, PodSecurityContext, PodSpec, PodTemplateSpec,
-    Probe, SeccompProfile, SecretKeySelector, SecretVolumeSource, SecurityContext, Volume,
-    VolumeMount,
+    HTTPGetAction, ObjectFieldSelector, PodSecurityContext, PodSpec, PodTemplateSpec, Probe,
+    SeccompProfile, SecretKeySelector, SecurityContext, Volume, VolumeMount,
 };
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta, OwnerReference};
 
 use crate::autoscaling::{Autoscaled, autoscaling_objects};
 use crate::database_ca::{self, DefaultCa};
+use crate::mounted::{file_volume, mounted_files};
 use crate::pdb::disruption_budget;
 use crate::pod_template::{self, PodDefaults};
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
@@ -21,8 +21,8 @@ use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use kube::Resource;
 use sha2::{Digest, Sha256};
 use switchboard_api::{
-    Broker, FileSource, InvalidSpec, MissingSecret, MountedFile, QueueAdapter, QueueAdapterSpec,
-    SecretEnv, SecretKeyRef,
+    Broker, InvalidSpec, MissingSecret, MountedFile, QueueAdapter, QueueAdapterSpec, SecretEnv,
+    SecretKeyRef,
 };
 
 /// The one field manager every write of the operator uses.
@@ -353,43 +353,6 @@ fn secret_env(name: &str, secret: &SecretKeyRef) -> EnvVar {
     }
 }
 
-/// The volume of a file the worker reads: only its key, as the file's name, read-only.
-fn file_volume(file: &MountedFile<'_>) -> Volume {
-    let items = |key: &str| {
-        Some(vec![KeyToPath {
-            key: key.to_owned(),
-            path: file.file.to_owned(),
-            mode: None,
-        }])
-    };
-    let (config_map, secret) = match file.source {
-        FileSource::ConfigMap { name, key } => (
-            Some(ConfigMapVolumeSource {
-                name: name.to_owned(),
-                items: items(key),
-                default_mode: Some(0o444),
-                optional: Some(false),
-            }),
-            None,
-        ),
-        FileSource::Secret(secret) => (
-            None,
-            Some(SecretVolumeSource {
-                secret_name: Some(secret.name.clone()),
-                items: items(&secret.key),
-                default_mode: Some(0o444),
-                optional: Some(false),
-            }),
-        ),
-    };
-    Volume {
-        name: file.volume.to_owned(),
-        config_map,
-        secret,
-        ..Volume::default()
-    }
-}
-
 fn http_probe(path: &str, period_seconds: i32) -> Probe {
     Probe {
         http_get: Some(HTTPGetAction {
@@ -402,13 +365,6 @@ fn http_probe(path: &str, period_seconds: i32) -> Probe {
         failure_threshold: Some(3),
         ..Probe::default()
     }
-}
-
-/// The files the worker reads: the broker's and the database CA.
-fn mounted_files<'a>(valid: &ValidAdapter<'a>) -> Vec<MountedFile<'a>> {
-    let mut files = valid.broker.mounted_files();
-    files.extend(valid.database_ca);
-    files
 }
 
 fn worker_container(valid: &ValidAdapter<'_>, settings: &WorkerSettings) -> Container {
@@ -607,7 +563,7 @@ pub fn build(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use k8s_openapi::api::core::v1::ResourceRequirements;
+    use k8s_openapi::api::core::v1::{KeyToPath, ResourceRequirements};
 
     const ORDERS: &str = include_str!("../fixtures/orders-stream.yaml");
     const DISABLED_WITH_DATABASE: &str = include_str!("../fixtures/disabled-with-database.yaml");

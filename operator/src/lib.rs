@@ -12,6 +12,7 @@ pub mod controller;
 pub mod database_ca;
 pub mod lease;
 pub mod metrics;
+pub mod mounted;
 pub mod pdb;
 pub mod pod_template;
 pub mod probes;
