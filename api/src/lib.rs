@@ -298,13 +298,35 @@ impl DeadLetter {
     }
 }
 
+/// Where the worker finds the database CA (`sslrootcert`): libpq's and sqlx's variable.
+pub const DATABASE_CA_ENV: &str = "PGSSLROOTCERT";
+
 /// The database holding the todos.
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[x_kube(
+    validation = Rule::new("!(has(self.caConfigMapRef) && has(self.caSecretRef))").message("spec.database: at most one of caConfigMapRef and caSecretRef may be set")
+)]
 #[serde(rename_all = "camelCase")]
 pub struct Database {
     /// The Secret key holding the PostgreSQL URL, passed to the worker as `DATABASE_URL`. Use
     /// `sslmode=verify-full` for TLS with certificate verification.
     pub url_secret_ref: SecretKeyRef,
+    /// The ConfigMap key holding the CA certificates (PEM) the database's certificate must
+    /// chain to, mounted read-only in the worker pod (`PGSSLROOTCERT` is its path). Default:
+    /// the operator's (Helm value `database.ca`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ca_config_map_ref: Option<ConfigMapKeyRef>,
+    /// The Secret key holding those CA certificates (CloudNativePG's `<cluster>-ca`, key
+    /// `ca.crt`), mounted read-only.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ca_secret_ref: Option<SecretKeyRef>,
+}
+
+impl Database {
+    /// This database's own CA, if it names one.
+    pub fn ca(&self) -> Option<FileSource<'_>> {
+        FileSource::ca(self.ca_config_map_ref.as_ref(), self.ca_secret_ref.as_ref())
+    }
 }
 
 /// The worker Deployment's shape.

@@ -171,6 +171,15 @@ impl QueueAdapterSpec {
                 format!("must be 1 to 604800, got {}", delivery.alert_oldest_seconds),
             );
         }
+        if let Some(database) = &self.database
+            && database.ca_config_map_ref.is_some()
+            && database.ca_secret_ref.is_some()
+        {
+            fail(
+                "spec.database",
+                "at most one of caConfigMapRef and caSecretRef may be set".into(),
+            );
+        }
         if let Some(autoscaling) = &self.workload.autoscaling {
             self.validate_autoscaling(autoscaling, &mut fail);
         }

@@ -6,13 +6,14 @@ use std::collections::BTreeMap;
 use k8s_openapi::api::apps::v1::{Deployment, DeploymentSpec};
 use k8s_openapi::api::core::v1::{
     Capabilities, ConfigMap, ConfigMapVolumeSource, Container, ContainerPort, EnvVar, EnvVarSource,
-    HTTPGetAction, KeyToPath, ObjectFieldSelector, PodSecurityContext, PodSpec, PodTemplateSpec,
-    Probe, SeccompProfile, SecretKeySelector, SecretVolumeSource, SecurityContext, Volume,
-    VolumeMount,
+    HTTPGetAction, ObjectFieldSelector, PodSecurityContext, PodSpec, PodTemplateSpec, Probe,
+    SeccompProfile, SecretKeySelector, SecurityContext, Volume, VolumeMount,
 };
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta, OwnerReference};
 
 use crate::autoscaling::{Autoscaled, autoscaling_objects};
+use crate::database_ca::{self, DefaultCa};
+use crate::mounted::{file_volume, mounted_files};
 use crate::pdb::disruption_budget;
 use crate::pod_template::{self, PodDefaults};
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
@@ -20,8 +21,8 @@ use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use kube::Resource;
 use sha2::{Digest, Sha256};
 use switchboard_api::{
-    Broker, FileSource, InvalidSpec, MissingSecret, MountedFile, QueueAdapter, QueueAdapterSpec,
-    SecretEnv, SecretKeyRef,
+    Broker, InvalidSpec, MissingSecret, MountedFile, QueueAdapter, QueueAdapterSpec, SecretEnv,
+    SecretKeyRef,
 };
 
 /// The one field manager every write of the operator uses.
@@ -54,6 +55,8 @@ pub struct WorkerSettings {
     pub allowed_images: Vec<String>,
     /// Database Secret used when the spec has no `database`.
     pub default_database_secret: SecretKeyRef,
+    /// Database CA used when the spec's `database` names none.
+    pub default_database_ca: Option<DefaultCa>,
     /// Defaults of the pod template's placement, identity and resources.
     pub pod: PodDefaults,
 }
@@ -116,6 +119,8 @@ pub struct ValidAdapter<'a> {
     /// The broker's Secret keys, each with the environment variable it becomes.
     pub broker_secrets: Vec<SecretEnv<'a>>,
     pub database_secret: &'a SecretKeyRef,
+    /// The database CA mounted for `sslrootcert`, if any.
+    pub database_ca: Option<MountedFile<'a>>,
 }
 
 /// Checks the spec the way the API server does, plus what only Kubernetes needs.
@@ -155,6 +160,10 @@ pub fn validate<'a>(
         broker,
         broker_secrets,
         database_secret: database_secret(&adapter.spec, settings),
+        database_ca: database_ca::mounted_file(
+            &adapter.spec,
+            settings.default_database_ca.as_ref(),
+        ),
     })
 }
 
@@ -293,12 +302,21 @@ pub fn worker_manifest(valid: &ValidAdapter<'_>) -> Result<String, BuildError> {
     ))
 }
 
-/// sha256 over the manifest and each secret's uid and value, each part length-prefixed.
-pub fn config_hash(manifest: &str, secrets: &SecretValues<'_>) -> String {
+/// sha256 over the manifest, the database CA's source (the operator's default is not in the
+/// manifest) and each secret's uid and value, each part length-prefixed.
+pub fn config_hash(
+    manifest: &str,
+    database_ca: Option<&MountedFile<'_>>,
+    secrets: &SecretValues<'_>,
+) -> String {
     let mut hasher = Sha256::new();
+    let ca = format!("{:?}", database_ca.map(|file| file.source));
     let values = secrets.broker.iter().chain([&secrets.database_url]);
     let parts = values.flat_map(|secret| [secret.uid.as_bytes(), secret.value]);
-    for part in std::iter::once(manifest.as_bytes()).chain(parts) {
+    for part in [manifest.as_bytes(), ca.as_bytes()]
+        .into_iter()
+        .chain(parts)
+    {
         hasher.update((part.len() as u64).to_be_bytes());
         hasher.update(part);
     }
@@ -335,43 +353,6 @@ fn secret_env(name: &str, secret: &SecretKeyRef) -> EnvVar {
     }
 }
 
-/// The volume of a file the worker reads: only its key, as the file's name, read-only.
-fn file_volume(file: &MountedFile<'_>) -> Volume {
-    let items = |key: &str| {
-        Some(vec![KeyToPath {
-            key: key.to_owned(),
-            path: file.file.to_owned(),
-            mode: None,
-        }])
-    };
-    let (config_map, secret) = match file.source {
-        FileSource::ConfigMap { name, key } => (
-            Some(ConfigMapVolumeSource {
-                name: name.to_owned(),
-                items: items(key),
-                default_mode: Some(0o444),
-                optional: Some(false),
-            }),
-            None,
-        ),
-        FileSource::Secret(secret) => (
-            None,
-            Some(SecretVolumeSource {
-                secret_name: Some(secret.name.clone()),
-                items: items(&secret.key),
-                default_mode: Some(0o444),
-                optional: Some(false),
-            }),
-        ),
-    };
-    Volume {
-        name: file.volume.to_owned(),
-        config_map,
-        secret,
-        ..Volume::default()
-    }
-}
-
 fn http_probe(path: &str, period_seconds: i32) -> Probe {
     Probe {
         http_get: Some(HTTPGetAction {
@@ -388,7 +369,7 @@ fn http_probe(path: &str, period_seconds: i32) -> Probe {
 
 fn worker_container(valid: &ValidAdapter<'_>, settings: &WorkerSettings) -> Container {
     let workload = &valid.adapter.spec.workload;
-    let files = valid.broker.mounted_files();
+    let files = mounted_files(valid);
     let env = worker_env(valid, &files);
     Container {
         name: "worker".to_owned(),
@@ -516,7 +497,7 @@ pub fn build(
         .controller_owner_ref(&())
         .ok_or(BuildError::NoUid)?;
     let manifest = worker_manifest(valid)?;
-    let hash = config_hash(&manifest, &secrets);
+    let hash = config_hash(&manifest, valid.database_ca.as_ref(), &secrets);
     let autoscaled = autoscaling_objects(valid.adapter, valid.broker, &object_meta(valid, &owner));
     let name = worker_name(valid.name);
     let spec = &valid.adapter.spec;
@@ -541,7 +522,7 @@ pub fn build(
                 }),
                 ..Volume::default()
             })
-            .chain(valid.broker.mounted_files().iter().map(file_volume))
+            .chain(mounted_files(valid).iter().map(file_volume))
             .collect(),
         ),
         ..pod_template::placement(&spec.workload, &settings.pod)
@@ -586,7 +567,7 @@ pub fn build(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use k8s_openapi::api::core::v1::ResourceRequirements;
+    use k8s_openapi::api::core::v1::{KeyToPath, ResourceRequirements};
 
     const ORDERS: &str = include_str!("../fixtures/orders-stream.yaml");
     const DISABLED_WITH_DATABASE: &str = include_str!("../fixtures/disabled-with-database.yaml");
@@ -615,6 +596,7 @@ mod tests {
                 name: "switchboard-db".to_owned(),
                 key: "url".to_owned(),
             },
+            default_database_ca: None,
             pod: PodDefaults::from_json(POD_DEFAULTS).expect("pod defaults parse"),
         }
     }
@@ -930,6 +912,102 @@ mod tests {
         let err = validate(&adapter, &settings()).expect_err("invalid");
         assert!(
             err.to_string().contains("spec.source.redis.urlSecretRef"),
+            "{err}"
+        );
+    }
+
+    /// Builds ORDERS (with `database` lines added) under `default_ca`.
+    fn orders_with_database(database: &str, default_ca: Option<&str>) -> WorkerObjects {
+        let adapter = fixture(&format!("{ORDERS}{database}"));
+        let settings = WorkerSettings {
+            default_database_ca: default_ca.map(|ca| DefaultCa::parse(ca).expect("parses")),
+            ..settings()
+        };
+        let valid = validate(&adapter, &settings).expect("valid");
+        build(&valid, &settings, secrets()).expect("builds")
+    }
+
+    /// The database CA volume's (kind, name, key) and the container's mount and PGSSLROOTCERT.
+    fn database_ca_of(objects: &WorkerObjects) -> Option<(String, String, String)> {
+        let pod = pod_spec(objects);
+        let volume = pod
+            .volumes
+            .iter()
+            .flatten()
+            .find(|v| v.name == "database-ca")?;
+        let container = &pod.containers[0];
+        let mount = container
+            .volume_mounts
+            .iter()
+            .flatten()
+            .find(|m| m.name == "database-ca");
+        assert_eq!(
+            mount.map(|m| (m.mount_path.as_str(), m.read_only)),
+            Some((database_ca::DIR, Some(true))),
+            "mounted read-only"
+        );
+        let env = container
+            .env
+            .iter()
+            .flatten()
+            .find(|e| e.name == "PGSSLROOTCERT");
+        assert_eq!(
+            env.and_then(|e| e.value.as_deref()),
+            Some("/etc/switchboard-database-ca/ca.crt")
+        );
+        let item = |items: &Option<Vec<KeyToPath>>| {
+            let items = items.as_deref().expect("one item");
+            assert_eq!(items.len(), 1);
+            assert_eq!(items[0].path, "ca.crt");
+            items[0].key.clone()
+        };
+        Some(match (&volume.config_map, &volume.secret) {
+            (Some(map), None) => ("configMap".into(), map.name.clone(), item(&map.items)),
+            (None, Some(secret)) => (
+                "secret".into(),
+                secret.secret_name.clone().expect("named"),
+                item(&secret.items),
+            ),
+            other => panic!("one source: {other:?}"),
+        })
+    }
+
+    #[test]
+    fn database_ca_is_mounted_read_only_as_pgsslrootcert_and_the_adapters_wins() {
+        let none = orders_with_database("", None);
+        assert_eq!(database_ca_of(&none), None);
+        let default = orders_with_database("", Some("configMap:pg-bundle/ca.pem"));
+        let expected = |kind: &str, name: &str, key: &str| {
+            Some((kind.to_owned(), name.to_owned(), key.to_owned()))
+        };
+        assert_eq!(
+            database_ca_of(&default),
+            expected("configMap", "pg-bundle", "ca.pem")
+        );
+        let own = orders_with_database(
+            "  database:\n    urlSecretRef: {name: db, key: url}\n    \
+             caSecretRef: {name: cluster-ca, key: ca.crt}\n",
+            Some("configMap:pg-bundle/ca.pem"),
+        );
+        assert_eq!(
+            database_ca_of(&own),
+            expected("secret", "cluster-ca", "ca.crt")
+        );
+        let hashes = [&none, &default, &own].map(hash_of);
+        assert_ne!(hashes[0], hashes[1], "the default CA rolls the pods");
+        assert_ne!(hashes[1], hashes[2]);
+    }
+
+    #[test]
+    fn database_with_both_ca_refs_is_invalid_naming_the_field() {
+        let adapter = fixture(&format!(
+            "{ORDERS}  database:\n    urlSecretRef: {{name: db, key: url}}\n    \
+             caSecretRef: {{name: a, key: b}}\n    caConfigMapRef: {{name: a, key: b}}\n"
+        ));
+        let err = validate(&adapter, &settings()).expect_err("invalid");
+        assert!(err.to_string().contains("spec.database"), "{err}");
+        assert!(
+            err.to_string().contains("caConfigMapRef and caSecretRef"),
             "{err}"
         );
     }

@@ -5,6 +5,7 @@ use std::time::Duration;
 use clap::{Args, Parser, Subcommand};
 use switchboard_api::SecretKeyRef;
 use switchboard_operator::build::WorkerSettings;
+use switchboard_operator::database_ca::DefaultCa;
 use switchboard_operator::lease::LeaseSettings;
 use switchboard_operator::pod_template::PodDefaults;
 use switchboard_operator::{DEFAULT_WORKER_IMAGE, ErrorChain, RunOptions, crd_yaml, run};
@@ -67,6 +68,11 @@ struct RunArgs {
         default_value = "url"
     )]
     default_database_secret_key: String,
+    /// The CA (PEM) worker pods trust for the database when a QueueAdapter's spec.database
+    /// names none: `configMap:NAME/KEY` or `secret:NAME/KEY` in the adapter's namespace,
+    /// mounted read-only as PGSSLROOTCERT (for `sslmode=verify-full`) [default: none].
+    #[arg(long, env = "SWITCHBOARD_DEFAULT_DATABASE_CA", value_parser = DefaultCa::parse)]
+    default_database_ca: Option<DefaultCa>,
     /// Defaults of every worker pod, as JSON: imagePullSecrets, serviceAccountName,
     /// nodeSelector, tolerations, affinity, topologySpreadConstraints, priorityClassName and
     /// resources, spelled as in a pod spec (the Helm chart renders it from `worker.*`). A
@@ -124,6 +130,7 @@ impl RunArgs {
                     name: self.default_database_secret_name,
                     key: self.default_database_secret_key,
                 },
+                default_database_ca: self.default_database_ca,
                 pod: self.worker_pod_defaults,
             },
             leader_election: self.leader_election.then(|| LeaseSettings {

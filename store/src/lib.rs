@@ -42,6 +42,12 @@ pub enum StoreError {
     Refused(#[source] sqlx::Error),
     #[error("database is unavailable")]
     Unavailable(#[source] sqlx::Error),
+    /// The server's certificate does not verify, or TLS is impossible as `DATABASE_URL` asks:
+    /// a misconfiguration waiting cannot fix.
+    #[error(
+        "DATABASE_URL: TLS with the database failed: with sslmode=verify-full the server's certificate must chain to the CA in PGSSLROOTCERT (spec.database.caSecretRef or caConfigMapRef, Helm value worker.defaultDatabaseCa) and name DATABASE_URL's host"
+    )]
+    Tls(#[source] sqlx::Error),
     /// Nothing accepts connections at the address (the server is down, or the host or port of
     /// `DATABASE_URL` is wrong): retried, since a server that is down comes back.
     #[error(
@@ -92,6 +98,7 @@ impl StoreError {
                 | StoreError::InvalidUrl(_)
                 | StoreError::UnsupportedScheme { .. }
                 | StoreError::Refused(_)
+                | StoreError::Tls(_)
                 | StoreError::NotMigrated { .. }
                 | StoreError::Migrate(_)
         )
@@ -105,9 +112,11 @@ impl StoreError {
         let code = match &err {
             sqlx::Error::Database(db) => db.code().map(|code| code.into_owned()),
             sqlx::Error::Encode(_) => return StoreError::Rejected(err),
-            // The connection, not the data: I/O, TLS, a pool, a protocol hiccup.
+            // rustls reports a certificate it refuses as I/O failing with its error inside.
+            sqlx::Error::Tls(_) => return StoreError::Tls(err),
+            sqlx::Error::Io(io) if is_certificate_refused(io) => return StoreError::Tls(err),
+            // The connection, not the data: I/O, a pool, a protocol hiccup.
             sqlx::Error::Io(_)
-            | sqlx::Error::Tls(_)
             | sqlx::Error::Protocol(_)
             | sqlx::Error::PoolTimedOut
             | sqlx::Error::PoolClosed
@@ -135,6 +144,13 @@ impl StoreError {
             _ => StoreError::Statement { code, source: err },
         }
     }
+}
+
+/// Whether `err` is rustls refusing the server's certificate (an unknown issuer, another name).
+fn is_certificate_refused(err: &std::io::Error) -> bool {
+    err.get_ref()
+        .and_then(|inner| inner.downcast_ref::<rustls::Error>())
+        .is_some_and(|tls| matches!(tls, rustls::Error::InvalidCertificate(_)))
 }
 
 /// One message to store.
@@ -383,7 +399,9 @@ impl Store {
                 let _ = conn.close().await;
                 StoreError::Unavailable(sqlx::Error::PoolTimedOut)
             }
-            Ok(Err(err @ sqlx::Error::Io(_))) => unreachable(err),
+            Ok(Err(sqlx::Error::Io(io))) if !is_certificate_refused(&io) => {
+                unreachable(sqlx::Error::Io(io))
+            }
             Ok(Err(err)) => StoreError::classify(err),
             Err(_elapsed) => unreachable(sqlx::Error::Io(std::io::Error::new(
                 std::io::ErrorKind::TimedOut,

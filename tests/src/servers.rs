@@ -245,6 +245,29 @@ impl Postgres {
 
     /// Starts a cluster with extra `-c name=value` settings.
     pub fn start_with(settings: &[(&str, &str)]) -> Result<Self> {
+        let mut pg = Self::init(settings)?;
+        pg.start_server()?;
+        Ok(pg)
+    }
+
+    /// Starts a cluster that also accepts TLS, with a certificate for `localhost` issued by
+    /// `ca` (plain connections stay allowed: the test's own pool uses them).
+    pub fn start_tls(ca: &crate::brokers::gateway::TestCa) -> Result<Self> {
+        let mut pg = Self::init(&[("ssl", "on")])?;
+        for (file, pem) in [("server.crt", &ca.cert_pem), ("server.key", &ca.key_pem)] {
+            let path = pg.data_dir().join(file);
+            std::fs::write(&path, pem)?;
+            std::fs::set_permissions(&path, std::os::unix::fs::PermissionsExt::from_mode(0o600))?;
+            if let Some(user) = &pg.user {
+                chown(&path, Some(user.uid.as_raw()), Some(user.gid.as_raw()))?;
+            }
+        }
+        pg.start_server()?;
+        Ok(pg)
+    }
+
+    /// initdb, not started yet.
+    fn init(settings: &[(&str, &str)]) -> Result<Self> {
         let bin = postgres_bin_dir()?;
         let user = postgres_user()?;
         let dir = tempfile::Builder::new()
@@ -253,7 +276,7 @@ impl Postgres {
         if let Some(user) = &user {
             chown(dir.path(), Some(user.uid.as_raw()), Some(user.gid.as_raw()))?;
         }
-        let mut pg = Self {
+        let pg = Self {
             dir,
             bin,
             user,
@@ -283,7 +306,6 @@ impl Postgres {
         if !output.status.success() {
             bail!("initdb failed: {}", String::from_utf8_lossy(&output.stderr));
         }
-        pg.start_server()?;
         Ok(pg)
     }
 

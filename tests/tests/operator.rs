@@ -232,6 +232,15 @@ fn invalid_manifests() -> Vec<(String, &'static str)> {
             edit("name: orders,", &format!("name: {},", "o".repeat(64))),
             "metadata.name",
         ),
+        (
+            edit(
+                "  workload:\n",
+                "  database:\n    urlSecretRef: {name: db, key: url}\n    \
+                 caSecretRef: {name: pg-ca, key: ca.crt}\n    \
+                 caConfigMapRef: {name: pg-ca, key: ca.crt}\n  workload:\n",
+            ),
+            "spec.database",
+        ),
     ]
 }
 

@@ -80,3 +80,52 @@ async fn rendered_pod_template_ingests_messages_from_redis_into_todos() -> Resul
     );
     Ok(())
 }
+
+/// The operator's default database CA (Helm value `worker.defaultDatabaseCa`) reaches the
+/// worker Deployment the API server stores: the ConfigMap key mounted read-only, its path in
+/// `PGSSLROOTCERT` for `sslmode=verify-full`.
+#[tokio::test]
+async fn default_database_ca_is_mounted_read_only_as_pgsslrootcert() -> Result<()> {
+    let env = OperatorEnv::start().await?;
+    let _operator = env.start_operator(
+        "operator-a",
+        &["--default-database-ca", "configMap:pg-bundle/ca.pem"],
+    )?;
+    env.apply_adapter(&adapter_manifest("orders", "")).await?;
+    let deployment = env
+        .wait_deployment("orders-worker", "the worker Deployment exists", |_| true)
+        .await?;
+    let pod = deployment
+        .spec
+        .and_then(|spec| spec.template.spec)
+        .context("a pod template")?;
+    let volume = pod
+        .volumes
+        .iter()
+        .flatten()
+        .find(|v| v.name == "database-ca")
+        .context("the database CA volume")?;
+    let map = volume.config_map.as_ref().context("from the ConfigMap")?;
+    ensure!(map.name == "pg-bundle", "{map:?}");
+    let items = map.items.as_deref().unwrap_or_default();
+    ensure!(items.len() == 1 && items[0].key == "ca.pem" && items[0].path == "ca.crt");
+    let container = &pod.containers[0];
+    let mount = container
+        .volume_mounts
+        .iter()
+        .flatten()
+        .find(|m| m.name == "database-ca")
+        .context("mounted")?;
+    ensure!(mount.read_only == Some(true), "{mount:?}");
+    let root_cert = container
+        .env
+        .iter()
+        .flatten()
+        .find(|e| e.name == "PGSSLROOTCERT")
+        .and_then(|e| e.value.clone());
+    ensure!(
+        root_cert == Some(format!("{}/ca.crt", mount.mount_path)),
+        "{root_cert:?}"
+    );
+    Ok(())
+}

@@ -169,27 +169,19 @@ impl Broker for GatewaySource {
     }
 
     fn mounted_files(&self) -> Vec<MountedFile<'_>> {
-        let source = match &self.tls {
-            Some(GatewayTls {
-                ca_config_map_ref: Some(map),
-                ..
-            }) => FileSource::ConfigMap {
-                name: &map.name,
-                key: &map.key,
-            },
-            Some(GatewayTls {
-                ca_secret_ref: Some(secret),
-                ..
-            }) => FileSource::Secret(secret),
-            _ => return Vec::new(),
+        let Some(tls) = &self.tls else {
+            return Vec::new();
         };
-        vec![MountedFile {
-            env: CA_ENV,
-            volume: "gateway-ca",
-            dir: CA_DIR,
-            file: CA_FILE,
-            source,
-        }]
+        FileSource::ca(tls.ca_config_map_ref.as_ref(), tls.ca_secret_ref.as_ref())
+            .map(|source| MountedFile {
+                env: CA_ENV,
+                volume: "gateway-ca",
+                dir: CA_DIR,
+                file: CA_FILE,
+                source,
+            })
+            .into_iter()
+            .collect()
     }
 
     fn strip_secrets(&mut self) {

@@ -143,6 +143,23 @@ pub enum FileSource<'a> {
     Secret(&'a SecretKeyRef),
 }
 
+impl<'a> FileSource<'a> {
+    /// The CA bundle named by a `caConfigMapRef`/`caSecretRef` pair (the CRD allows one).
+    pub fn ca(
+        config_map: Option<&'a crate::ConfigMapKeyRef>,
+        secret: Option<&'a SecretKeyRef>,
+    ) -> Option<Self> {
+        match (config_map, secret) {
+            (Some(map), _) => Some(Self::ConfigMap {
+                name: &map.name,
+                key: &map.key,
+            }),
+            (None, Some(secret)) => Some(Self::Secret(secret)),
+            (None, None) => None,
+        }
+    }
+}
+
 /// A Secret reference the worker needs in Kubernetes and the spec lacks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 #[error("{field} is required in Kubernetes: the worker reads {env} from that Secret")]

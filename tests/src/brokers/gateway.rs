@@ -56,6 +56,10 @@ use crate::servers::{free_port, http_get};
 pub struct TestCa {
     /// The CA's certificate, PEM: what a client must trust.
     pub ca_pem: String,
+    /// The server's certificate (for `localhost` and 127.0.0.1) and its PKCS#8 key, PEM: for
+    /// servers that read files (PostgreSQL's `ssl_cert_file`, `ssl_key_file`).
+    pub cert_pem: String,
+    pub key_pem: String,
     server: Arc<rustls::ServerConfig>,
 }
 
@@ -95,6 +99,8 @@ impl TestCa {
             )?;
         Ok(Self {
             ca_pem: ca.pem(),
+            cert_pem: leaf.pem(),
+            key_pem: key.serialize_pem(),
             server: Arc::new(server),
         })
     }
