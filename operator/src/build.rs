@@ -369,7 +369,7 @@ fn http_probe(path: &str, period_seconds: i32) -> Probe {
 
 fn worker_container(valid: &ValidAdapter<'_>, settings: &WorkerSettings) -> Container {
     let workload = &valid.adapter.spec.workload;
-    let files = mounted_files(valid);
+    let files = mounted_files(valid.broker.mounted_files(), valid.database_ca);
     let env = worker_env(valid, &files);
     Container {
         name: "worker".to_owned(),
@@ -522,7 +522,11 @@ pub fn build(
                 }),
                 ..Volume::default()
             })
-            .chain(mounted_files(valid).iter().map(file_volume))
+            .chain(
+                mounted_files(valid.broker.mounted_files(), valid.database_ca)
+                    .iter()
+                    .map(file_volume),
+            )
             .collect(),
         ),
         ..pod_template::placement(&spec.workload, &settings.pod)

@@ -3,12 +3,13 @@
 use k8s_openapi::api::core::v1::{ConfigMapVolumeSource, KeyToPath, SecretVolumeSource, Volume};
 use switchboard_api::{FileSource, MountedFile};
 
-use crate::build::ValidAdapter;
-
 /// The files the worker reads: the broker's and the database CA.
-pub fn mounted_files<'a>(valid: &ValidAdapter<'a>) -> Vec<MountedFile<'a>> {
-    let mut files = valid.broker.mounted_files();
-    files.extend(valid.database_ca);
+pub fn mounted_files<'a>(
+    broker: Vec<MountedFile<'a>>,
+    database_ca: Option<MountedFile<'a>>,
+) -> Vec<MountedFile<'a>> {
+    let mut files = broker;
+    files.extend(database_ca);
     files
 }
 
