@@ -244,12 +244,13 @@ fn invalid_manifests() -> Vec<(String, &'static str)> {
     ]
 }
 
-/// The local loader (`switchboard-worker --manifest`, `make demo`) gives the API server's
-/// verdicts: every manifest the API server rejects above is rejected, naming the same field,
+/// The local loader (`switchboard-worker run --file`, `make demo`) and `switchboard-worker
+/// lint` give the API server's verdicts: every manifest the API server rejects above is rejected, naming the same field,
 /// and the manifest they start from is accepted. One list for both, so their bounds (the
 /// schema's and the loader's checks) cannot drift apart unseen.
 #[test]
-fn local_loader_rejects_the_api_servers_invalid_manifests_naming_the_same_field() -> Result<()> {
+fn local_loader_and_lint_reject_the_api_servers_invalid_manifests_naming_the_same_field()
+-> Result<()> {
     switchboard_api::load_manifest(&ORDERS).context("the valid manifest is accepted")?;
     for (yaml, field) in invalid_manifests() {
         let err = switchboard_api::load_manifest(&yaml)
@@ -261,6 +262,45 @@ fn local_loader_rejects_the_api_servers_invalid_manifests_naming_the_same_field(
         ensure!(
             message.contains(field),
             "the loader's rejection does not name {field}: {message}"
+        );
+    }
+    lint_gives_the_same_verdicts()
+}
+
+/// `switchboard-worker lint` over the same manifests: the valid one is valid, each invalid one
+/// is refused on its own line naming the same field, and the exit code says one was invalid.
+fn lint_gives_the_same_verdicts() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let valid = dir.path().join("valid.yaml");
+    std::fs::write(&valid, &*ORDERS)?;
+    let mut lint = std::process::Command::new(switchboard_tests::worker::worker_binary()?);
+    lint.env_clear().arg("lint").arg("--file").arg(&valid);
+    let cases = invalid_manifests();
+    for (index, (yaml, _)) in cases.iter().enumerate() {
+        let file = dir.path().join(format!("invalid-{index}.yaml"));
+        std::fs::write(&file, yaml)?;
+        lint.arg("--file").arg(file);
+    }
+    let output = lint.output()?;
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr),
+    );
+    ensure!(
+        output.status.code() == Some(1),
+        "{:?}: {stderr}",
+        output.status
+    );
+    ensure!(stdout.contains("valid.yaml: valid: "), "{stdout}");
+    for (index, (_, field)) in cases.iter().enumerate() {
+        let name = format!("invalid-{index}.yaml: ");
+        let line = stderr
+            .lines()
+            .find(|line| line.contains(&name))
+            .with_context(|| format!("lint says nothing of case {index}: {stderr}"))?;
+        ensure!(
+            line.contains(field),
+            "lint's verdict does not name {field}: {line}"
         );
     }
     Ok(())
