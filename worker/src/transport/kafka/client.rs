@@ -97,7 +97,8 @@ pub fn consumer_config(
     Ok(config)
 }
 
-/// The probe's client: reads the group's committed offsets, never joins it, never commits.
+/// The probe's client: reads the group's committed offsets and describes the topics read (on
+/// connections of its own, never behind a fetch), never joins the group, never commits.
 pub fn probe_config(
     spec: &KafkaSource,
     client_id: &str,

@@ -126,10 +126,13 @@ impl Kafka {
         &mut self,
         topics: BTreeSet<Arc<str>>,
     ) -> Result<BTreeSet<Arc<str>>, TransportError> {
-        let consumer = self.consumer.clone();
+        // Through the probe's client, never the consumer's: a request on the consumer's
+        // connection waits behind its fetch, which the broker may hold for up to
+        // `fetch.wait.max.ms` (500 ms) when a partition has nothing new.
+        let probe = self.probe.clone();
         let names: Vec<String> = topics.iter().map(|topic| topic.to_string()).collect();
         let described = crate::task::spawn_blocking(move || {
-            describe_topics(consumer.client(), &names, REQUEST_TIMEOUT)
+            describe_topics(probe.client(), &names, REQUEST_TIMEOUT)
         })
         .await
         .map_err(|err| TransportError::protocol(format!("the describe task failed: {err}")))?
