@@ -32,7 +32,8 @@ lane() {
     return "$status"
 }
 
-lane contract "$cargo" test -p switchboard-tests --test contract --no-fail-fast &
+# --show-output: the chaos tests print the figures the closing notes quote.
+lane contract "$cargo" test -p switchboard-tests --test contract --no-fail-fast -- --show-output &
 contract=$!
 lane others "$cargo" test --workspace --no-fail-fast "${others[@]}" &
 rest=$!
