@@ -9,7 +9,7 @@ use std::time::Instant;
 use anyhow::{Context, Result, ensure};
 
 use crate::measure::{Measurement, load_average, status_kib};
-use crate::table::{Table, verdict};
+use crate::table::{Table, print_efficiency, verdict};
 use crate::{Bench, PHASE_TIMEOUT, ensure_stored_once};
 use crate::{seconds_in_store, stop_worker, todo_count, wait_acked};
 use switchboard_tests::source_manifest;
@@ -31,9 +31,15 @@ pub trait BenchBroker {
     /// Concurrent loops tried for the raw limit.
     fn raw_loops(&self) -> Vec<usize>;
 
-    /// The share of the slower of its raw limit and the raw database limit (the most the worker
-    /// could reach) the worker must reach.
+    /// The share of the slower of its raw limit and the raw database limit the worker had to
+    /// reach (the retired wall-clock verdict, printed beside the new ones for comparison).
     fn target(&self) -> f64;
+
+    /// Whether the CPU-efficiency and shared-CPU-ceiling verdicts hold the broker to their
+    /// targets (not for a stand-in server whose costs are not a production broker's).
+    fn cpu_targets(&self) -> bool {
+        true
+    }
 
     /// Starts the broker's server.
     async fn start_server(&mut self) -> Result<()>;
@@ -209,8 +215,9 @@ fn worker_phase(broker: &impl BenchBroker) -> String {
     format!("worker {} batchSize {}", broker.kind(), broker.batch_size())
 }
 
-/// The verdict line of `broker`: the worker against the slower of its raw limit and the raw
-/// database limit measured around it, per round.
+/// The verdict lines of `broker`: CPU efficiency and the share of the shared-CPU ceiling (see
+/// [`print_efficiency`]), then the retired verdict — the worker against the slower of its raw
+/// limit and the raw database limit measured around it, per round.
 pub fn print_broker_verdict(broker: &impl BenchBroker, table: &Table) -> Result<()> {
     let kind = broker.kind();
     if broker.messages() == 0 {
@@ -222,10 +229,11 @@ pub fn print_broker_verdict(broker: &impl BenchBroker, table: &Table) -> Result<
         .best(&format!("raw {kind} "))
         .with_context(|| format!("no raw {kind} run"))?;
     let raw_db = table.raw_db_around(kind)?;
+    print_efficiency(kind, worker, raw, raw_db, broker.cpu_targets());
     let target = broker.target();
     let ratio = worker.ratio_to_slower(raw, raw_db);
     println!(
-        "{kind} / min({}, {}):  {:>20}%  target >= {:.0}%    {}",
+        "{kind} / min({}, {}) (retired verdict):  {:>20}%  target >= {:.0}%    {}",
         raw.name(),
         raw_db.name(),
         ratio.show(1, 100.0),

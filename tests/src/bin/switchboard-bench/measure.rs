@@ -90,6 +90,18 @@ impl Measurement {
         spent.as_secs_f64() * 1e6 / self.messages as f64
     }
 
+    /// The CPU of every process of the phase (the client and every server, busy or idle), in
+    /// µs per message.
+    pub(crate) fn total_micros_per_message(&self) -> f64 {
+        let CpuSpent {
+            client,
+            postgres,
+            redis,
+            broker,
+        } = self.cpu;
+        self.micros_per_message(client + postgres + redis + broker)
+    }
+
     /// This raw database run and `after`, one run each side of the worker phase of `kind` at
     /// `batch_size`, as one row (`<kind>: raw DB …`): their messages, time and CPU added up.
     pub(crate) fn around(&self, after: &Measurement, kind: &str, batch_size: usize) -> Measurement {

@@ -61,15 +61,45 @@ impl Row {
         self.stat(Measurement::rate)
     }
 
-    /// This row's rate over the slower of `a` and `b`, per round.
-    pub(crate) fn ratio_to_slower(&self, a: &Row, b: &Row) -> Stat {
+    /// `figure` of this row's run and `a`'s and `b`'s of the same round, per round.
+    fn per_round(
+        &self,
+        a: &Row,
+        b: &Row,
+        figure: impl Fn(&Measurement, &Measurement, &Measurement) -> f64,
+    ) -> Stat {
         Stat::of(
             self.runs
                 .iter()
                 .zip(a.runs.iter().zip(&b.runs))
-                .map(|(m, (a, b))| m.rate() / a.rate().min(b.rate()))
+                .map(|(m, (a, b))| figure(m, a, b))
                 .collect(),
         )
+    }
+
+    /// This row's rate over the slower of `a` and `b`, per round.
+    pub(crate) fn ratio_to_slower(&self, a: &Row, b: &Row) -> Stat {
+        self.per_round(a, b, |m, a, b| m.rate() / a.rate().min(b.rate()))
+    }
+
+    /// The CPU per message of the raw broker loop and the raw database path together, over
+    /// this worker row's, per round: 100% when the worker costs no CPU beyond receiving,
+    /// acknowledging and storing the messages as the raw loops do. Noise and cores shared
+    /// between the processes barely move it, unlike a ratio of rates.
+    pub(crate) fn cpu_efficiency(&self, raw: &Row, raw_db: &Row) -> Stat {
+        self.per_round(raw, raw_db, |m, raw, raw_db| {
+            (raw.total_micros_per_message() + raw_db.total_micros_per_message())
+                / m.total_micros_per_message()
+        })
+    }
+
+    /// This row's rate over the shared-CPU ceiling `1 / (1/raw + 1/raw_db)`, per round: the
+    /// rate of the two raw paths run one after the other on the same cores, which is what the
+    /// worker does (a worker costing nothing of its own reaches 100%).
+    pub(crate) fn share_of_ceiling(&self, raw: &Row, raw_db: &Row) -> Stat {
+        self.per_round(raw, raw_db, |m, raw, raw_db| {
+            m.rate() * (1.0 / raw.rate() + 1.0 / raw_db.rate())
+        })
     }
 
     /// This row's rate over `other`'s, per round (the same round ran both).
@@ -187,6 +217,41 @@ pub(crate) fn print_table(table: &Table) {
             rss,
             store_share
         );
+    }
+}
+
+/// CPU efficiency ≥ this is a pass (see [`Row::cpu_efficiency`]).
+const CPU_EFFICIENCY_TARGET: f64 = 0.9;
+/// A share of the shared-CPU ceiling ≥ this is a pass (see [`Row::share_of_ceiling`]).
+const CEILING_TARGET: f64 = 0.85;
+
+/// The verdict lines of one broker's worker (`name`) against its raw loop and the raw database
+/// path measured around it: CPU efficiency and the share of the shared-CPU ceiling, each
+/// against its target, or shown without one when `targets` is false.
+pub(crate) fn print_efficiency(name: &str, worker: &Row, raw: &Row, raw_db: &Row, targets: bool) {
+    let lines = [
+        (
+            "CPU efficiency (raw loop + raw DB µs/msg) / worker µs/msg",
+            worker.cpu_efficiency(raw, raw_db),
+            CPU_EFFICIENCY_TARGET,
+        ),
+        (
+            "msg/s / shared-CPU ceiling 1/(1/raw loop + 1/raw DB)",
+            worker.share_of_ceiling(raw, raw_db),
+            CEILING_TARGET,
+        ),
+    ];
+    for (what, stat, target) in lines {
+        let judged = if targets {
+            format!(
+                "target >= {:.0}%    {}",
+                target * 100.0,
+                verdict(stat.median >= target)
+            )
+        } else {
+            "no target".to_owned()
+        };
+        println!("{name} {what}: {:>20}%  {judged}", stat.show(1, 100.0));
     }
 }
 
