@@ -560,6 +560,25 @@ impl Drop for Redis {
 }
 
 /// Reads a path relative to the workspace root.
+/// Whether the broker JVMs (Kafka, ElasticMQ) run with the full JIT, as production servers do
+/// ([`jvm_full_jit`]); otherwise with C1 only, which starts them faster for the tests.
+static FULL_JIT: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Makes the broker JVMs started from now on run with the full JIT (the bench: their CPU per
+/// message is measured).
+pub fn jvm_full_jit() {
+    FULL_JIT.store(true, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// The JIT arguments of a broker JVM (see [`jvm_full_jit`]).
+pub fn jvm_jit_args() -> &'static [&'static str] {
+    if FULL_JIT.load(std::sync::atomic::Ordering::Relaxed) {
+        &[]
+    } else {
+        &["-XX:TieredStopAtLevel=1"]
+    }
+}
+
 pub fn workspace_path(relative: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("..")

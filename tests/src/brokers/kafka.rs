@@ -533,12 +533,8 @@ rootLogger.appenderRef.stdout.ref=STDOUT\n";
 fn java(dir: &Path, lib: &Path) -> Command {
     let mut command = Command::new("java");
     command
-        .args([
-            "-Xms256m",
-            "-Xmx512m",
-            "-XX:+UseG1GC",
-            "-XX:TieredStopAtLevel=1",
-        ])
+        .args(["-Xms256m", "-Xmx512m", "-XX:+UseG1GC"])
+        .args(crate::servers::jvm_jit_args())
         .arg(format!(
             "-Dlog4j2.configurationFile={}",
             dir.join("log4j2.properties").display()

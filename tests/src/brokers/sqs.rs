@@ -457,7 +457,8 @@ fn spawn(dir: &Path, lib: &Path, port: u16) -> Result<(Child, u16)> {
         .open(&log_path)?;
     let offset = log.metadata()?.len();
     let mut child = Command::new("java")
-        .args(["-Xmx256m", "-XX:TieredStopAtLevel=1"])
+        .arg("-Xmx256m")
+        .args(crate::servers::jvm_jit_args())
         .arg(format!("-Dconfig.file={}", config_file.display()))
         .arg("-cp")
         .arg(format!("{}/*", lib.display()))

@@ -455,6 +455,9 @@ async fn run(args: Args) -> Result<()> {
     println!("machine: {}", machine_summary());
     println!("load average before: {}", load_average());
     ensure!(args.repeats >= 1, "--repeats must be at least 1");
+    // Kafka and ElasticMQ as production servers run: the tests' C1-only JIT starts them faster
+    // and costs more CPU per message.
+    switchboard_tests::servers::jvm_full_jit();
     let started = Instant::now();
     let mut brokers = Brokers::new(&args);
     let mut bench = Bench::start(args).await?;
