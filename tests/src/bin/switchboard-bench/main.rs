@@ -34,6 +34,7 @@ use table::{Stat, Table, print_efficiency, print_table, verdict};
 
 mod amqp;
 mod broker;
+mod idle;
 mod kafka;
 mod measure;
 mod nats;
@@ -84,6 +85,8 @@ struct Args {
     amqp: AmqpArgs,
     #[command(flatten)]
     kafka: KafkaArgs,
+    #[command(flatten)]
+    idle: idle::IdleArgs,
 }
 
 /// How long any one phase may take before the bench gives up.
@@ -556,6 +559,8 @@ async fn run(args: Args) -> Result<()> {
         Err(_) => println!("list / stream: not measured (--modes has no list)"),
     }
     brokers.print_verdicts(&table)?;
+    let idle = bench.args.idle.clone();
+    bench.idle_cost(&idle, &mut brokers).await?;
     println!();
     println!("correctness: every phase stored each entry exactly once with nothing pending");
     println!(
