@@ -632,7 +632,7 @@ async fn connections_cut_mid_flow_lose_nothing<B: BrokerFixture>() -> Result<()>
 
 /// The suite, for one broker.
 /// `chaos:`, `recreate:`, `undecodable:` and `cut:` take attributes for those tests of a broker: an `#[ignore]` there
-/// names a limit the README's guarantees section states for that broker.
+/// names a limit that broker's page states (docs/brokers/<broker>.md, "Not guaranteed").
 macro_rules! contract_suite {
     ($($module:ident => $broker:ty {
         chaos: [$(#[$chaos:meta])*],
