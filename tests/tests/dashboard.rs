@@ -237,6 +237,30 @@ async fn dashboard_panels_return_data_and_count_queue_wide_gauges_once_with_two_
     .await
     .with_context(|| format!("{seen}\n{}", worker.log_tail()))?;
     println!("two replicas, one queue: {seen}");
+
+    // `switchboard_adapter_info` selects adapters by what they read (every Redis adapter here)
+    // and joins on `adapter`: one series per replica, the same labels.
+    let info = prometheus.query(&format!(
+        r#"switchboard_adapter_info{{adapter="{adapter}",system="redis"}}"#
+    ))?;
+    ensure!(
+        info.len() == 2
+            && info.iter().all(|sample| {
+                let labels = &sample["metric"];
+                labels["namespace"] == "test"
+                    && labels["name"] == "orders"
+                    && labels["destination"] == "orders"
+                    && labels["consumer_group"] == "switchboard"
+            }),
+        "adapter_info of both replicas: {info:?}"
+    );
+    let joined = prometheus.query(
+        r#"max by (adapter) (switchboard_backlog_messages) * on (adapter) group_left (system, destination) max by (adapter, system, destination) (switchboard_adapter_info{system="redis"})"#,
+    )?;
+    ensure!(
+        joined.len() == 1 && joined[0]["metric"]["destination"] == "orders",
+        "the backlog of every Redis adapter, by destination: {joined:?}"
+    );
     fx.set_read_only(false).await?;
 
     // The `adapter` variable lists the adapter.
