@@ -18,10 +18,11 @@ use tempfile::TempDir;
 const RULES_FILE: &str = "charts/switchboard/files/prometheus-rules.yaml";
 const TESTS_DIR: &str = "tests/alerts";
 /// The seed's SLOs, one alert each, then the operator's (which fire with no worker series).
-const ALERTS: [&str; 8] = [
+const ALERTS: [&str; 9] = [
     "SwitchboardDeadLetterRate",
     "SwitchboardOldestMessageTooOld",
     "SwitchboardBacklogGrowing",
+    "SwitchboardBacklogStuck",
     "SwitchboardWorkerNotReady",
     "SwitchboardDependencyDown",
     "SwitchboardWorkersUnavailable",
