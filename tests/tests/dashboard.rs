@@ -101,6 +101,83 @@ fn panel_value(prometheus: &Prometheus, queries: &[(String, String)], title: &st
     value(&prometheus.query(query)?).with_context(|| format!("{title}: {query} has no value"))
 }
 
+/// Queue-wide gauges: with the database read-only nothing is stored or acknowledged, so the
+/// queue's backlog and pending hold still; both replicas report them, and the Backlog and
+/// Pending panels show the queue's figures, not twice them.
+async fn queue_wide_panels_count_the_queue_once(
+    fx: &Fixture,
+    prometheus: &Prometheus,
+    queries: &[(String, String)],
+    adapter: &str,
+) -> Result<()> {
+    fx.set_read_only(true).await?;
+    fx.produce(
+        "orders",
+        (0..5000).map(|n| format!(r#"{{"held":{n}}}"#).into_bytes()),
+    )?;
+    let mut seen = String::new();
+    wait_for(
+        Duration::from_secs(60),
+        "the Backlog and Pending panels show the queue's figures",
+        || {
+            let outcome = (|| {
+                let (lag, pending) = group_figures(fx, "orders")?;
+                let per_replica = |metric: &str| -> Result<Vec<f64>> {
+                    Ok(values(
+                        &prometheus.query(&format!(r#"{metric}{{adapter="{adapter}"}}"#))?,
+                    ))
+                };
+                let backlog_series = per_replica("switchboard_backlog_messages")?;
+                let pending_series = per_replica("switchboard_pending_messages")?;
+                let backlog = panel_value(prometheus, queries, "Backlog")?;
+                let pending_panel = panel_value(prometheus, queries, "Pending")?;
+                seen = format!(
+                    "queue: lag {lag}, pending {pending}; replicas: backlog {backlog_series:?}, \
+                     pending {pending_series:?}; panels: Backlog {backlog}, Pending {pending_panel}"
+                );
+                Ok(lag > 0.0
+                    && pending > 0.0
+                    && backlog_series == [lag, lag]
+                    && pending_series == [pending, pending]
+                    && backlog == lag
+                    && pending_panel == pending)
+            })();
+            async move { outcome }
+        },
+    )
+    .await
+    .with_context(|| seen.clone())?;
+    println!("two replicas, one queue: {seen}");
+    fx.set_read_only(false).await
+}
+
+/// `switchboard_adapter_info` selects adapters by what they read (every Redis adapter here)
+/// and joins on `adapter`: one series per replica, the same labels.
+fn adapter_info_selects_and_joins(prometheus: &Prometheus, adapter: &str) -> Result<()> {
+    let info = prometheus.query(&format!(
+        r#"switchboard_adapter_info{{adapter="{adapter}",system="redis"}}"#
+    ))?;
+    ensure!(
+        info.len() == 2
+            && info.iter().all(|sample| {
+                let labels = &sample["metric"];
+                labels["namespace"] == "test"
+                    && labels["name"] == "orders"
+                    && labels["destination"] == "orders"
+                    && labels["consumer_group"] == "switchboard"
+            }),
+        "adapter_info of both replicas: {info:?}"
+    );
+    let joined = prometheus.query(
+        r#"max by (adapter) (switchboard_backlog_messages) * on (adapter) group_left (system, destination) max by (adapter, system, destination) (switchboard_adapter_info{system="redis"})"#,
+    )?;
+    ensure!(
+        joined.len() == 1 && joined[0]["metric"]["destination"] == "orders",
+        "the backlog of every Redis adapter, by destination: {joined:?}"
+    );
+    Ok(())
+}
+
 #[tokio::test]
 async fn dashboard_panels_return_data_and_count_queue_wide_gauges_once_with_two_replicas()
 -> Result<()> {
@@ -196,72 +273,10 @@ async fn dashboard_panels_return_data_and_count_queue_wide_gauges_once_with_two_
         "dead letters: {dead:?}"
     );
 
-    // Queue-wide gauges: with the database read-only nothing is stored or acknowledged, so the
-    // queue's backlog and pending hold still; both replicas report them, and the Backlog and
-    // Pending panels show the queue's figures, not twice them.
-    fx.set_read_only(true).await?;
-    fx.produce(
-        "orders",
-        (0..5000).map(|n| format!(r#"{{"held":{n}}}"#).into_bytes()),
-    )?;
-    let mut seen = String::new();
-    wait_for(
-        Duration::from_secs(60),
-        "the Backlog and Pending panels show the queue's figures",
-        || {
-            let outcome = (|| {
-                let (lag, pending) = group_figures(&fx, "orders")?;
-                let per_replica = |metric: &str| -> Result<Vec<f64>> {
-                    Ok(values(
-                        &prometheus.query(&format!(r#"{metric}{{adapter="{adapter}"}}"#))?,
-                    ))
-                };
-                let backlog_series = per_replica("switchboard_backlog_messages")?;
-                let pending_series = per_replica("switchboard_pending_messages")?;
-                let backlog = panel_value(&prometheus, &queries, "Backlog")?;
-                let pending_panel = panel_value(&prometheus, &queries, "Pending")?;
-                seen = format!(
-                    "queue: lag {lag}, pending {pending}; replicas: backlog {backlog_series:?}, \
-                     pending {pending_series:?}; panels: Backlog {backlog}, Pending {pending_panel}"
-                );
-                Ok(lag > 0.0
-                    && pending > 0.0
-                    && backlog_series == [lag, lag]
-                    && pending_series == [pending, pending]
-                    && backlog == lag
-                    && pending_panel == pending)
-            })();
-            async move { outcome }
-        },
-    )
-    .await
-    .with_context(|| format!("{seen}\n{}", worker.log_tail()))?;
-    println!("two replicas, one queue: {seen}");
-
-    // `switchboard_adapter_info` selects adapters by what they read (every Redis adapter here)
-    // and joins on `adapter`: one series per replica, the same labels.
-    let info = prometheus.query(&format!(
-        r#"switchboard_adapter_info{{adapter="{adapter}",system="redis"}}"#
-    ))?;
-    ensure!(
-        info.len() == 2
-            && info.iter().all(|sample| {
-                let labels = &sample["metric"];
-                labels["namespace"] == "test"
-                    && labels["name"] == "orders"
-                    && labels["destination"] == "orders"
-                    && labels["consumer_group"] == "switchboard"
-            }),
-        "adapter_info of both replicas: {info:?}"
-    );
-    let joined = prometheus.query(
-        r#"max by (adapter) (switchboard_backlog_messages) * on (adapter) group_left (system, destination) max by (adapter, system, destination) (switchboard_adapter_info{system="redis"})"#,
-    )?;
-    ensure!(
-        joined.len() == 1 && joined[0]["metric"]["destination"] == "orders",
-        "the backlog of every Redis adapter, by destination: {joined:?}"
-    );
-    fx.set_read_only(false).await?;
+    queue_wide_panels_count_the_queue_once(&fx, &prometheus, &queries, adapter)
+        .await
+        .with_context(|| worker.log_tail())?;
+    adapter_info_selects_and_joins(&prometheus, adapter)?;
 
     // The `adapter` variable lists the adapter.
     let variable = dashboard["templating"]["list"]
