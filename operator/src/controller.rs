@@ -17,7 +17,7 @@ use kube::runtime::finalizer::{self, finalizer};
 use kube::runtime::reflector::{ObjectRef, Store as Cache};
 use kube::runtime::{Controller, watcher};
 use kube::{Api, Client, Resource, ResourceExt};
-use switchboard_api::{QueueAdapter, SecretKeyRef};
+use switchboard_api::{QueueAdapter, QueueAdapterStatus, SecretKeyRef};
 use switchboard_store::{QueueAdapterRow, Store};
 use switchboard_telemetry::{Backoff, Jitter};
 use tokio_util::sync::CancellationToken;
@@ -30,7 +30,7 @@ use crate::build::{
 };
 use crate::metrics::{ErrorCategory, Metrics, ReconcileOutcome};
 use crate::runtime::refresh_runtime_status;
-use crate::status::{Outcome, desired_status};
+use crate::status::{Outcome, READY, deployment_workers, desired_status};
 
 /// Held on every QueueAdapter until its `adapters` row is deleted.
 pub const FINALIZER: &str = "switchboard.dev/adapters-row";
@@ -123,6 +123,7 @@ impl Context {
         outcome: Outcome<'_>,
     ) -> Result<bool, ReconcileError> {
         let status = desired_status(adapter, outcome, &Time(Timestamp::now()));
+        self.record_state(adapter, &status, outcome);
         if adapter.status.as_ref() == Some(&status) {
             return Ok(false);
         }
@@ -140,6 +141,29 @@ impl Context {
             .await
             .map_err(kubernetes("patch QueueAdapter status"))?;
         Ok(true)
+    }
+
+    /// The adapter's gauges: its Ready condition, and its workers as the applied Deployment says
+    /// (unknown while blocked; unchanged by a transient failure).
+    fn record_state(
+        &self,
+        adapter: &QueueAdapter,
+        status: &QueueAdapterStatus,
+        outcome: Outcome<'_>,
+    ) {
+        let name = adapter.adapter_name();
+        let ready = status
+            .conditions
+            .iter()
+            .any(|c| c.type_ == READY && c.status == "True");
+        self.metrics.adapter_ready(&name, ready);
+        match outcome {
+            Outcome::Applied(deployment) => self
+                .metrics
+                .adapter_workers(&name, Some(deployment_workers(deployment))),
+            Outcome::Blocked { .. } => self.metrics.adapter_workers(&name, None),
+            Outcome::Failed { .. } => {}
+        }
     }
 
     fn adapters(&self, adapter: &QueueAdapter) -> Api<QueueAdapter> {
@@ -380,6 +404,7 @@ async fn cleanup(adapter: &QueueAdapter, ctx: &Context) -> Result<Action, Reconc
         .await
         .map_err(ReconcileError::Store)?;
     tracing::info!(adapter = %name, row_deleted = deleted, "adapter deleted; adapters row cleaned up");
+    ctx.metrics.adapter_deleted(&name);
     ctx.metrics.reconciled(ReconcileOutcome::CleanedUp);
     Ok(Action::await_change())
 }

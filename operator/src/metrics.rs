@@ -1,5 +1,6 @@
-//! Every metric the operator exports, registered in one place. Labels are bounded: an outcome or
-//! an error category, never an object name.
+//! Every metric the operator exports, registered in one place. Labels are bounded: an outcome,
+//! an error category, or a QueueAdapter that exists (its series are removed with it), never
+//! another object's name.
 
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
@@ -69,6 +70,35 @@ impl OutcomeLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct AdapterLabels {
+    adapter: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct WorkersLabels {
+    adapter: String,
+    state: &'static str,
+}
+
+/// What the operator last saw of an adapter's worker Deployment: pods wanted and pods available.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Workers {
+    pub desired: i32,
+    pub available: i32,
+}
+
+impl Workers {
+    const STATES: [&'static str; 2] = ["desired", "available"];
+
+    fn labels(adapter: &str) -> [WorkersLabels; 2] {
+        Self::STATES.map(|state| WorkersLabels {
+            adapter: adapter.to_owned(),
+            state,
+        })
+    }
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct CategoryLabels {
     category: &'static str,
 }
@@ -89,6 +119,8 @@ pub struct Metrics {
     failures: Family<CategoryLabels, Counter>,
     pub reconcile_seconds: Histogram,
     pub leader: Gauge,
+    workers: Family<WorkersLabels, Gauge>,
+    ready: Family<AdapterLabels, Gauge>,
 }
 
 impl Metrics {
@@ -124,12 +156,66 @@ impl Metrics {
             "1 while this process holds the leader lease (or runs without leader election)",
             Gauge::default(),
         );
+        let workers = register(
+            r,
+            "adapter_workers",
+            "Worker pods of a QueueAdapter, as its Deployment says: desired (spec.replicas) and \
+             available (status.availableReplicas); absent while the operator cannot apply it",
+            Family::default(),
+        );
+        let ready = register(
+            r,
+            "adapter_ready",
+            "1 while the QueueAdapter's Ready condition is True, else 0",
+            Family::default(),
+        );
         Self {
             registry,
             reconciliations,
             failures,
             reconcile_seconds,
             leader,
+            workers,
+            ready,
+        }
+    }
+
+    /// Records whether `adapter`'s Ready condition is True.
+    pub fn adapter_ready(&self, adapter: &str, ready: bool) {
+        self.ready
+            .get_or_create(&AdapterLabels {
+                adapter: adapter.to_owned(),
+            })
+            .set(i64::from(ready));
+    }
+
+    /// Records `adapter`'s workers; `None` (unknown: the adapter is blocked, its Deployment not
+    /// applied) removes their series.
+    pub fn adapter_workers(&self, adapter: &str, workers: Option<Workers>) {
+        let [desired, available] = Workers::labels(adapter);
+        match workers {
+            Some(workers) => {
+                self.workers
+                    .get_or_create(&desired)
+                    .set(i64::from(workers.desired));
+                self.workers
+                    .get_or_create(&available)
+                    .set(i64::from(workers.available));
+            }
+            None => {
+                self.workers.remove(&desired);
+                self.workers.remove(&available);
+            }
+        }
+    }
+
+    /// Removes the series of a deleted adapter.
+    pub fn adapter_deleted(&self, adapter: &str) {
+        self.ready.remove(&AdapterLabels {
+            adapter: adapter.to_owned(),
+        });
+        for labels in Workers::labels(adapter) {
+            self.workers.remove(&labels);
         }
     }
 
@@ -155,5 +241,41 @@ impl Metrics {
 impl Default for Metrics {
     fn default() -> Self {
         Self::new()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn adapter_series_follow_the_adapter_and_go_with_it() {
+        let metrics = Metrics::new();
+        let workers = Workers {
+            desired: 2,
+            available: 1,
+        };
+        metrics.adapter_ready("shop/orders", false);
+        metrics.adapter_workers("shop/orders", Some(workers));
+        let text = metrics.encode();
+        for line in [
+            r#"switchboard_operator_adapter_ready{adapter="shop/orders"} 0"#,
+            r#"switchboard_operator_adapter_workers{adapter="shop/orders",state="desired"} 2"#,
+            r#"switchboard_operator_adapter_workers{adapter="shop/orders",state="available"} 1"#,
+        ] {
+            assert!(text.contains(line), "{line} in {text}");
+        }
+        metrics.adapter_workers("shop/orders", None);
+        let text = metrics.encode();
+        assert!(!text.contains("adapter_workers{"), "{text}");
+        metrics.adapter_ready("shop/orders", true);
+        assert!(
+            metrics
+                .encode()
+                .contains(r#"switchboard_operator_adapter_ready{adapter="shop/orders"} 1"#)
+        );
+        metrics.adapter_deleted("shop/orders");
+        let text = metrics.encode();
+        assert!(!text.contains("shop/orders"), "{text}");
     }
 }

@@ -11,6 +11,8 @@ use k8s_openapi::jiff::Timestamp;
 use switchboard_api::{ObservedQueue, QueueAdapter, QueueAdapterStatus};
 use switchboard_store::WorkerReport;
 
+use crate::metrics::Workers;
+
 pub const READY: &str = "Ready";
 pub const RECONCILED: &str = "Reconciled";
 pub const DEGRADED: &str = "Degraded";
@@ -54,14 +56,25 @@ impl<'a> Verdict<'a> {
     }
 }
 
+/// The Deployment's worker pods: desired (`spec.replicas`) and available.
+pub fn deployment_workers(deployment: &Deployment) -> Workers {
+    Workers {
+        desired: deployment
+            .spec
+            .as_ref()
+            .and_then(|s| s.replicas)
+            .unwrap_or(1),
+        available: deployment
+            .status
+            .as_ref()
+            .and_then(|s| s.available_replicas)
+            .unwrap_or(0),
+    }
+}
+
 fn deployment_ready(deployment: &Deployment, enabled: bool) -> Verdict<'static> {
-    let desired = deployment
-        .spec
-        .as_ref()
-        .and_then(|s| s.replicas)
-        .unwrap_or(1);
+    let Workers { desired, available } = deployment_workers(deployment);
     let status = deployment.status.clone().unwrap_or_default();
-    let available = status.available_replicas.unwrap_or(0);
     if !enabled {
         return Verdict::new(
             false,

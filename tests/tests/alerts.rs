@@ -1,5 +1,6 @@
 //! The chart's alerts: the PrometheusRule (`prometheusRule.enabled`) holds the rules of
-//! `charts/switchboard/files/prometheus-rules.yaml`, each with a runbook in the README, and the
+//! `charts/switchboard/files/prometheus-rules.yaml`, each with a runbook in `docs/alerts.md`
+//! (linked by a `runbook_url` annotation when `prometheusRule.runbookBaseUrl` is set), and the
 //! real promtool (`scripts/prometheus.sh`) checks them and runs one test file per alert
 //! (`tests/alerts/<alert>.yaml`: synthetic series, a firing and a not-firing case) on the rules
 //! as `helm template` renders them.
@@ -16,17 +17,20 @@ use tempfile::TempDir;
 
 const RULES_FILE: &str = "charts/switchboard/files/prometheus-rules.yaml";
 const TESTS_DIR: &str = "tests/alerts";
-/// The seed's SLOs, one alert each.
-const ALERTS: [&str; 5] = [
+/// The seed's SLOs, one alert each, then the operator's (which fire with no worker series).
+const ALERTS: [&str; 9] = [
     "SwitchboardDeadLetterRate",
     "SwitchboardOldestMessageTooOld",
     "SwitchboardBacklogGrowing",
+    "SwitchboardBacklogStuck",
     "SwitchboardWorkerNotReady",
     "SwitchboardDependencyDown",
+    "SwitchboardWorkersUnavailable",
+    "SwitchboardAdapterNotReady",
+    "SwitchboardOperatorReconcileFailing",
 ];
-/// `prometheusRule.runbookBaseUrl`'s default, which the test files expect.
-const DEFAULT_RUNBOOKS: &str =
-    "https://example.invalid/switchboard/queue-adapters/blob/main/README.md";
+/// The runbooks, one `### <alert>` section each.
+const RUNBOOKS: &str = "docs/alerts.md";
 
 /// The rendered PrometheusRule's `spec` (`{groups: […]}`), rendered with `extra` helm arguments.
 fn rendered_rules(extra: &[&str]) -> Result<Value> {
@@ -79,13 +83,13 @@ fn output_text(output: &std::process::Output) -> String {
 }
 
 #[test]
-fn prometheus_rule_renders_the_rules_file_with_a_readme_runbook_per_alert() -> Result<()> {
+fn prometheus_rule_renders_the_rules_file_with_a_documented_runbook_per_alert() -> Result<()> {
     let defaults = render(None, &[])?;
     ensure!(
         !defaults.iter().any(|o| o["kind"] == "PrometheusRule"),
         "no PrometheusRule unless prometheusRule.enabled"
     );
-    let base = "https://docs.example/switchboard/README.md";
+    let base = "https://docs.example/switchboard/docs/alerts.md";
     let runbooks = format!("prometheusRule.runbookBaseUrl={base}");
     let rule: Value = the(
         &render(
@@ -107,11 +111,7 @@ fn prometheus_rule_renders_the_rules_file_with_a_readme_runbook_per_alert() -> R
         rule["metadata"]
     );
     let mut spec = rule["spec"].clone();
-    let readme = std::fs::read_to_string(workspace_path("README.md"))?;
-    let alerts_section = readme
-        .split_once("\n## Alerts\n")
-        .map(|(_, rest)| rest.split("\n## ").next().unwrap_or_default())
-        .context("README.md has a section `## Alerts`")?;
+    let runbooks = std::fs::read_to_string(workspace_path(RUNBOOKS))?;
     let mut names = Vec::new();
     for group in spec["groups"].as_array_mut().into_iter().flatten() {
         for rule in group["rules"].as_array_mut().into_iter().flatten() {
@@ -125,15 +125,13 @@ fn prometheus_rule_renders_the_rules_file_with_a_readme_runbook_per_alert() -> R
                 "{name}: runbook_url {runbook:?}, expected {expected}"
             );
             ensure!(
-                alerts_section
-                    .lines()
-                    .any(|line| line == format!("### {name}")),
-                "README.md's Alerts section has no runbook `### {name}`"
+                runbooks.lines().any(|line| line == format!("### {name}")),
+                "{RUNBOOKS} has no runbook `### {name}`"
             );
             names.push(name);
         }
     }
-    ensure!(names == ALERTS, "the alerts are the seed's SLOs: {names:?}");
+    ensure!(names == ALERTS, "the alerts are {ALERTS:?}: {names:?}");
     let file: Value =
         serde_yaml_ng::from_str(&std::fs::read_to_string(workspace_path(RULES_FILE))?)?;
     ensure!(
@@ -234,13 +232,12 @@ fn promtool_test_rules_fire_and_do_not_fire_for_every_alert() -> Result<()> {
             );
         }
     }
-    // And the runbook annotations are the default base URL's, which the files expect.
-    ensure!(rules(&spec).iter().all(|rule| {
-        rule["annotations"]["runbook_url"]
-            .as_str()
-            .is_some_and(|url| {
-                url == format!("{DEFAULT_RUNBOOKS}#{}", alert_name(rule).to_lowercase())
-            })
-    }));
+    // And by default (no runbookBaseUrl) no alert has a runbook_url, as the files expect.
+    ensure!(
+        rules(&spec)
+            .iter()
+            .all(|rule| rule["annotations"].get("runbook_url").is_none()),
+        "runbook_url without prometheusRule.runbookBaseUrl"
+    );
     Ok(())
 }

@@ -1060,11 +1060,13 @@ fn chart_crd_is_the_generated_crd_versions_are_the_crates_and_description_names_
             "Chart.yaml's description leaves out {name}: {description}"
         );
     }
-    ensure!(
-        !std::fs::read_to_string(workspace_path("charts/switchboard/Chart.yaml"))?
-            .contains("example.invalid"),
-        "Chart.yaml points at placeholder addresses"
-    );
+    for file in ["Chart.yaml", "values.yaml"] {
+        ensure!(
+            !std::fs::read_to_string(workspace_path(&format!("charts/switchboard/{file}")))?
+                .contains("example.invalid"),
+            "{file} points at placeholder addresses"
+        );
+    }
     let crate_version = env!("CARGO_PKG_VERSION");
     for key in ["version", "appVersion"] {
         ensure!(

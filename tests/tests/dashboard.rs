@@ -1,7 +1,10 @@
 //! The chart's Grafana dashboard (`charts/switchboard/files/dashboard.json`) against a real
-//! Prometheus (`scripts/prometheus.sh`) scraping a real worker every second while it stores a
-//! Redis stream under load: every panel's query, with the `adapter` variable set, returns data.
+//! Prometheus (`scripts/prometheus.sh`) scraping two real worker replicas every second while they
+//! store a Redis stream under load: every panel's query, with the `adapter` variable set, returns
+//! data, and the panels of queue-wide gauges (every replica reports the whole queue's backlog and
+//! pending) show the queue's figure, not one per replica added up.
 
+use std::collections::HashMap;
 use std::time::Duration;
 
 use anyhow::{Context, Result, ensure};
@@ -48,13 +51,142 @@ fn value(samples: &[Value]) -> Option<f64> {
     samples.first()?["value"][1].as_str()?.parse().ok()
 }
 
+/// Every sample's value of an instant-query result.
+fn values(samples: &[Value]) -> Vec<f64> {
+    samples
+        .iter()
+        .filter_map(|sample| sample["value"][1].as_str()?.parse().ok())
+        .collect()
+}
+
+/// The queue's own figures, from Redis: the group's (lag, pending) of stream `stream`.
+fn group_figures(fx: &Fixture, stream: &str) -> Result<(f64, f64)> {
+    let mut conn = fx.redis.connection()?;
+    let groups: Vec<HashMap<String, redis::Value>> = redis::cmd("XINFO")
+        .arg("GROUPS")
+        .arg(stream)
+        .query(&mut conn)?;
+    let group = groups
+        .iter()
+        .find(|group| {
+            matches!(group.get("name"), Some(redis::Value::BulkString(name)) if name == b"switchboard")
+        })
+        .context("the group `switchboard`")?;
+    let figure = |field: &str| match group.get(field) {
+        Some(redis::Value::Int(n)) => Ok(*n as f64),
+        other => anyhow::bail!("XINFO GROUPS {field}: {other:?}"),
+    };
+    Ok((figure("lag")?, figure("pending")?))
+}
+
+/// Under load: (messages stored per second, end-to-end p99), both positive and finite.
+fn load_figures(prometheus: &Prometheus, adapter: &str) -> Result<Option<(f64, f64)>> {
+    let stored = value(&prometheus.query(&format!(
+        r#"sum(rate(switchboard_messages_stored_total{{adapter="{adapter}"}}[{RATE_INTERVAL}]))"#
+    ))?);
+    let p99 = value(&prometheus.query(&format!(
+        r#"histogram_quantile(0.99, sum by (le) (rate(switchboard_end_to_end_latency_seconds_bucket{{adapter="{adapter}"}}[{RATE_INTERVAL}])))"#
+    ))?);
+    Ok(stored
+        .zip(p99)
+        .filter(|(stored, p99)| *stored > 0.0 && p99.is_finite() && *p99 > 0.0))
+}
+
+/// The value of the panel `title`'s only query.
+fn panel_value(prometheus: &Prometheus, queries: &[(String, String)], title: &str) -> Result<f64> {
+    let (_, query) = queries
+        .iter()
+        .find(|(panel, _)| panel == title)
+        .with_context(|| format!("a panel {title}"))?;
+    value(&prometheus.query(query)?).with_context(|| format!("{title}: {query} has no value"))
+}
+
+/// Queue-wide gauges: with the database read-only nothing is stored or acknowledged, so the
+/// queue's backlog and pending hold still; both replicas report them, and the Backlog and
+/// Pending panels show the queue's figures, not twice them.
+async fn queue_wide_panels_count_the_queue_once(
+    fx: &Fixture,
+    prometheus: &Prometheus,
+    queries: &[(String, String)],
+    adapter: &str,
+) -> Result<()> {
+    fx.set_read_only(true).await?;
+    fx.produce(
+        "orders",
+        (0..5000).map(|n| format!(r#"{{"held":{n}}}"#).into_bytes()),
+    )?;
+    let mut seen = String::new();
+    wait_for(
+        Duration::from_secs(60),
+        "the Backlog and Pending panels show the queue's figures",
+        || {
+            let outcome = (|| {
+                let (lag, pending) = group_figures(fx, "orders")?;
+                let per_replica = |metric: &str| -> Result<Vec<f64>> {
+                    Ok(values(
+                        &prometheus.query(&format!(r#"{metric}{{adapter="{adapter}"}}"#))?,
+                    ))
+                };
+                let backlog_series = per_replica("switchboard_backlog_messages")?;
+                let pending_series = per_replica("switchboard_pending_messages")?;
+                let backlog = panel_value(prometheus, queries, "Backlog")?;
+                let pending_panel = panel_value(prometheus, queries, "Pending")?;
+                seen = format!(
+                    "queue: lag {lag}, pending {pending}; replicas: backlog {backlog_series:?}, \
+                     pending {pending_series:?}; panels: Backlog {backlog}, Pending {pending_panel}"
+                );
+                Ok(lag > 0.0
+                    && pending > 0.0
+                    && backlog_series == [lag, lag]
+                    && pending_series == [pending, pending]
+                    && backlog == lag
+                    && pending_panel == pending)
+            })();
+            async move { outcome }
+        },
+    )
+    .await
+    .with_context(|| seen.clone())?;
+    println!("two replicas, one queue: {seen}");
+    fx.set_read_only(false).await
+}
+
+/// `switchboard_adapter_info` selects adapters by what they read (every Redis adapter here)
+/// and joins on `adapter`: one series per replica, the same labels.
+fn adapter_info_selects_and_joins(prometheus: &Prometheus, adapter: &str) -> Result<()> {
+    let info = prometheus.query(&format!(
+        r#"switchboard_adapter_info{{adapter="{adapter}",system="redis"}}"#
+    ))?;
+    ensure!(
+        info.len() == 2
+            && info.iter().all(|sample| {
+                let labels = &sample["metric"];
+                labels["namespace"] == "test"
+                    && labels["name"] == "orders"
+                    && labels["destination"] == "orders"
+                    && labels["consumer_group"] == "switchboard"
+            }),
+        "adapter_info of both replicas: {info:?}"
+    );
+    let joined = prometheus.query(
+        r#"max by (adapter) (switchboard_backlog_messages) * on (adapter) group_left (system, destination) max by (adapter, system, destination) (switchboard_adapter_info{system="redis"})"#,
+    )?;
+    ensure!(
+        joined.len() == 1 && joined[0]["metric"]["destination"] == "orders",
+        "the backlog of every Redis adapter, by destination: {joined:?}"
+    );
+    Ok(())
+}
+
 #[tokio::test]
-async fn every_dashboard_panel_query_returns_data_from_a_worker_under_load() -> Result<()> {
+async fn dashboard_panels_return_data_and_count_queue_wide_gauges_once_with_two_replicas()
+-> Result<()> {
     let dashboard: Value =
         serde_json::from_str(&std::fs::read_to_string(workspace_path(DASHBOARD))?)?;
     let fx = Fixture::start().await?;
     let manifest = fx.stream_adapter("orders", "batchSize: 100", "format: json")?;
     let worker = fx.worker(&manifest, "w1")?;
+    let replica = fx.worker(&manifest, "w2")?;
     let adapter = "test/orders";
     let queries = panel_queries(&dashboard, adapter)?;
     let titles: Vec<&str> = dashboard["panels"]
@@ -76,15 +208,19 @@ async fn every_dashboard_panel_query_returns_data_from_a_worker_under_load() -> 
     ] {
         ensure!(titles.contains(&wanted), "no panel {wanted}: {titles:?}");
     }
-    let prometheus = Prometheus::start("switchboard-worker", &[worker.metrics_port])?;
+    let prometheus = Prometheus::start(
+        "switchboard-worker",
+        &[worker.metrics_port, replica.metrics_port],
+    )?;
 
     // Load: every poll (every 25 ms or so) produces 100 entries, one of them not JSON (a dead
     // letter), so the worker keeps storing while the queries are waited on.
     let mut produced = 0u64;
     let mut empty: Vec<String> = Vec::new();
+    let mut load = None;
     wait_for(
         Duration::from_secs(90),
-        "every panel query returns data",
+        "every panel query returns data, messages are stored, the end-to-end p99 is finite",
         || {
             let bodies: Vec<Vec<u8>> = (produced..produced + 100)
                 .map(|n| match n % 100 {
@@ -100,13 +236,15 @@ async fn every_dashboard_panel_query_returns_data_from_a_worker_under_load() -> 
                     Ok((format!("{title}: {query}"), prometheus.query(query)?.len()))
                 })
                 .collect();
-            let outcome = produce.and(answers).map(|answers| {
+            let figures = load_figures(&prometheus, adapter);
+            let outcome = produce.and(answers).and_then(|answers| {
                 empty = answers
                     .into_iter()
                     .filter(|(_, samples)| *samples == 0)
                     .map(|(query, _)| query)
                     .collect();
-                empty.is_empty()
+                load = figures?;
+                Ok(empty.is_empty() && load.is_some())
             });
             async move { outcome }
         },
@@ -114,27 +252,19 @@ async fn every_dashboard_panel_query_returns_data_from_a_worker_under_load() -> 
     .await
     .with_context(|| {
         format!(
-            "queries without data: {empty:#?}\n{}\n{}",
+            "queries without data: {empty:#?}, stored/s and p99: {load:?}\n{}\n{}",
             prometheus.log_tail(),
             worker.log_tail()
         )
     })?;
+    let scraped = prometheus.query(r#"up{job="switchboard-worker"}"#)?;
+    ensure!(
+        values(&scraped) == [1.0, 1.0],
+        "both replicas are scraped: {scraped:?}"
+    );
 
-    // Under load for real: messages stored per second, a finite end-to-end latency, dead letters.
-    let stored = value(&prometheus.query(&format!(
-        r#"sum(rate(switchboard_messages_stored_total{{adapter="{adapter}"}}[{RATE_INTERVAL}]))"#
-    ))?);
-    ensure!(
-        stored.is_some_and(|rate| rate > 0.0),
-        "stored/s: {stored:?}"
-    );
-    let p99 = value(&prometheus.query(&format!(
-        r#"histogram_quantile(0.99, sum by (le) (rate(switchboard_end_to_end_latency_seconds_bucket{{adapter="{adapter}"}}[{RATE_INTERVAL}])))"#
-    ))?);
-    ensure!(
-        p99.is_some_and(|p99| p99.is_finite() && p99 > 0.0),
-        "end-to-end p99: {p99:?}"
-    );
+    // Under load for real (checked while producing, above): messages stored per second, a
+    // finite end-to-end latency; and dead letters.
     let dead = value(&prometheus.query(&format!(
         r#"switchboard_dead_letter_messages{{adapter="{adapter}"}}"#
     ))?);
@@ -142,6 +272,11 @@ async fn every_dashboard_panel_query_returns_data_from_a_worker_under_load() -> 
         dead.is_some_and(|dead| dead > 0.0),
         "dead letters: {dead:?}"
     );
+
+    queue_wide_panels_count_the_queue_once(&fx, &prometheus, &queries, adapter)
+        .await
+        .with_context(|| worker.log_tail())?;
+    adapter_info_selects_and_joins(&prometheus, adapter)?;
 
     // The `adapter` variable lists the adapter.
     let variable = dashboard["templating"]["list"]
@@ -163,11 +298,10 @@ async fn every_dashboard_panel_query_returns_data_from_a_worker_under_load() -> 
             .is_some_and(|v| v.iter().any(|v| v == adapter)),
         "{definition} lists {values}, not {adapter}"
     );
+    let (stored, p99) = load.unwrap_or_default();
     println!(
-        "{} panel queries answered; {produced} messages produced, {:.0} stored/s, end-to-end p99 {:.3} s",
+        "{} panel queries answered; {produced} messages produced, {stored:.0} stored/s, end-to-end p99 {p99:.3} s",
         queries.len(),
-        stored.unwrap_or_default(),
-        p99.unwrap_or_default()
     );
     Ok(())
 }

@@ -424,10 +424,12 @@ async fn run_source(
         consumer,
         store: deps.store.clone(),
     };
+    let mut registry = Metrics::registry();
+    metrics::register_adapter_info(&mut registry, adapter);
     let driver = Driver {
         deps,
         probes,
-        registry: Metrics::registry(),
+        registry,
     };
     let start = Start { context, driver };
     brokers::with_plugin(&adapter.spec.source, start)

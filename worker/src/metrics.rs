@@ -9,7 +9,9 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::{Metric, Registry};
 use std::sync::atomic::AtomicU64;
-use switchboard_api::DeliveryGuarantee;
+use switchboard_api::source::BrokerSpec;
+use switchboard_api::source::redis::RedisMode;
+use switchboard_api::{DeliveryGuarantee, QueueAdapter};
 use switchboard_telemetry::metrics::{create_series, register, register_aliased};
 
 use crate::health::Dependency;
@@ -36,6 +38,75 @@ struct DependencyLabels {
 struct GuaranteeLabels {
     adapter: String,
     guarantee: String,
+}
+
+/// What `switchboard_adapter_info` says of an adapter, in OpenTelemetry's messaging terms.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct InfoLabels {
+    /// `namespace/name`, as on every other series.
+    adapter: String,
+    namespace: String,
+    name: String,
+    /// `messaging.system`: `redis`, `aws_sqs`, `nats`, `rabbitmq`, `kafka` (the gateway fronts
+    /// an SQS queue: `aws_sqs`).
+    system: &'static str,
+    /// `messaging.destination.name`: the stream, list, channel, queue, or topics (comma-separated,
+    /// or the pattern).
+    destination: String,
+    /// `messaging.consumer.group.name`: the Redis stream group, NATS durable consumer or Kafka
+    /// group; empty where the broker has none.
+    consumer_group: String,
+}
+
+impl InfoLabels {
+    fn of(adapter: &QueueAdapter) -> Self {
+        let (system, destination, consumer_group) = match adapter.spec.source.spec() {
+            Some(BrokerSpec::Redis(redis)) => {
+                let (destination, group) = match redis.mode {
+                    RedisMode::Stream => (&redis.stream, redis.group.clone()),
+                    RedisMode::List => (&redis.list, String::new()),
+                    RedisMode::Pubsub => (&redis.channel, String::new()),
+                };
+                ("redis", destination.clone().unwrap_or_default(), group)
+            }
+            Some(BrokerSpec::Sqs(sqs)) => {
+                let queue = sqs.queue_url.as_deref().or(sqs.queue_name.as_deref());
+                let name = queue.and_then(|q| q.rsplit('/').next()).unwrap_or_default();
+                ("aws_sqs", name.to_owned(), String::new())
+            }
+            Some(BrokerSpec::Nats(nats)) => ("nats", nats.stream.clone(), nats.consumer.clone()),
+            Some(BrokerSpec::Amqp(amqp)) => ("rabbitmq", amqp.queue.clone(), String::new()),
+            Some(BrokerSpec::Kafka(kafka)) => {
+                let topics = match (&kafka.topics, &kafka.topic_pattern) {
+                    (Some(topics), _) => topics.join(","),
+                    (None, pattern) => pattern.clone().unwrap_or_default(),
+                };
+                ("kafka", topics, kafka.group_id(&adapter.adapter_name()))
+            }
+            Some(BrokerSpec::Gateway(gateway)) => ("aws_sqs", gateway.queue.clone(), String::new()),
+            None => ("", String::new(), String::new()),
+        };
+        Self {
+            adapter: adapter.adapter_name(),
+            namespace: adapter.metadata.namespace.clone().unwrap_or_default(),
+            name: adapter.metadata.name.clone().unwrap_or_default(),
+            system,
+            destination,
+            consumer_group,
+        }
+    }
+}
+
+/// Registers `switchboard_adapter_info` (always 1) for `adapter` in `registry`: what it reads,
+/// so that series can be joined on `adapter` and selected by system, destination or group.
+pub fn register_adapter_info(registry: &mut Registry, adapter: &QueueAdapter) {
+    let info: Family<InfoLabels, Gauge> = register(
+        registry,
+        "adapter_info",
+        "What this adapter reads, in OpenTelemetry's messaging terms (value is always 1)",
+        Family::default(),
+    );
+    info.get_or_create(&InfoLabels::of(adapter)).set(1);
 }
 
 /// The worker's metrics for one adapter.
@@ -299,10 +370,13 @@ impl QueueGauges {
     }
 }
 
-/// The adapter's delivery guarantee as an info gauge (always 1).
+/// The adapter's delivery guarantee as an info gauge (always 1), under its old name too for one
+/// release.
 fn register_delivery_guarantee(r: &mut Registry, adapter: &str, guarantee: DeliveryGuarantee) {
-    let info: Family<GuaranteeLabels, Gauge> = register(
+    let info: Family<GuaranteeLabels, Gauge> = register_aliased(
         r,
+        PREFIX,
+        "delivery_guarantee_info",
         "delivery_guarantee",
         "The delivery guarantee of this adapter's source mode (value is always 1)",
         Family::default(),
@@ -437,6 +511,73 @@ pub(crate) fn assert_exported(registry: &Registry, lines: &[&str]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The `switchboard_adapter_info` line of adapter `shop/orders` reading `source`.
+    fn info_line(source: &str) -> String {
+        let adapter = switchboard_api::load_manifest(&format!(
+            "apiVersion: switchboard.dev/v1alpha1\nkind: QueueAdapter\n\
+             metadata: {{name: orders, namespace: shop}}\n\
+             spec:\n  source: {{{source}}}\n  target: {{queue: orders}}\n"
+        ))
+        .expect("a valid manifest");
+        let mut registry = Metrics::registry();
+        register_adapter_info(&mut registry, &adapter);
+        let text = switchboard_telemetry::encode(&registry);
+        text.lines()
+            .find(|line| line.starts_with("switchboard_adapter_info{"))
+            .unwrap_or_else(|| panic!("no adapter_info in {text}"))
+            .to_owned()
+    }
+
+    #[test]
+    fn adapter_info_names_system_destination_and_consumer_group_of_every_broker() {
+        let labels = |system: &str, destination: &str, group: &str| {
+            format!(
+                r#"switchboard_adapter_info{{adapter="shop/orders",namespace="shop",name="orders",system="{system}",destination="{destination}",consumer_group="{group}"}} 1"#
+            )
+        };
+        for (source, expected) in [
+            (
+                "redis: {mode: stream, stream: orders, group: workers}",
+                labels("redis", "orders", "workers"),
+            ),
+            (
+                "redis: {mode: list, list: jobs}",
+                labels("redis", "jobs", ""),
+            ),
+            (
+                "sqs: {queueUrl: 'http://localhost:9324/000000000000/orders.fifo'}",
+                labels("aws_sqs", "orders.fifo", ""),
+            ),
+            (
+                "nats: {stream: ORDERS, consumer: switchboard}",
+                labels("nats", "ORDERS", "switchboard"),
+            ),
+            ("amqp: {queue: orders}", labels("rabbitmq", "orders", "")),
+            (
+                "kafka: {bootstrapServers: 'k:9092', topics: [a, b]}",
+                labels("kafka", "a,b", "switchboard-shop-orders"),
+            ),
+        ] {
+            assert_eq!(info_line(source), expected, "{source}");
+        }
+    }
+
+    #[test]
+    fn delivery_guarantee_info_keeps_its_old_name_for_one_release() {
+        let metrics = Metrics::new("a/b", DeliveryGuarantee::AtLeastOnce, Metrics::registry());
+        let text = metrics.encode();
+        for line in [
+            r#"switchboard_delivery_guarantee_info{adapter="a/b",guarantee="at_least_once"} 1"#,
+            r#"switchboard_delivery_guarantee{adapter="a/b",guarantee="at_least_once"} 1"#,
+        ] {
+            assert!(text.contains(line), "{line} in {text}");
+        }
+        assert!(
+            text.contains("deprecated name of switchboard_delivery_guarantee_info"),
+            "{text}"
+        );
+    }
 
     #[test]
     fn an_aliased_counter_is_one_series_under_both_names() {
