@@ -408,7 +408,7 @@ async fn listed_shown_and_redriven_into_one_todo_each<C: Case>(name: &str) -> Re
     ensure!(
         summary["summary"]["truncated"] == true
             && summary["summary"]["listed"] == 3
-            && summary["summary"]["matching"] == POISON + OVERDUE,
+            && summary["summary"]["total"] == POISON + OVERDUE,
         "{summary}"
     );
     let reasons = |wanted: &str| {
@@ -847,6 +847,170 @@ macro_rules! dlq_suite {
 dlq_suite!(redis_stream, StreamCase, binary: true);
 dlq_suite!(redis_list, ListCase, binary: true);
 dlq_suite!(sqs, SqsCase, binary: false);
+
+/// Dead letters in the 200,000-letter tests.
+const MANY: usize = 200_000;
+/// The most a `dlq` command may hold, whatever the dead-letter queue's size (acceptance 2).
+const RSS_CAP_KIB: u64 = 40 * 1024;
+
+/// What one `dlq` run took: its output, its time and its peak RSS.
+struct Measured {
+    output: Output,
+    elapsed: Duration,
+    peak_kib: u64,
+}
+
+/// A process's peak resident set (`VmHWM`, KiB), while it runs.
+fn peak_rss_kib(pid: u32) -> Option<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let line = status.lines().find(|line| line.starts_with("VmHWM:"))?;
+    line.split_whitespace().nth(1)?.parse().ok()
+}
+
+/// Runs `cmd` to its end, reading its peak RSS until it exits (the peak only grows: the last
+/// reading is the run's peak but for what its exit itself allocates).
+fn measured(mut cmd: Command) -> Result<Measured> {
+    let started = std::time::Instant::now();
+    let mut child = cmd.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn()?;
+    let pid = child.id();
+    let pipes = (
+        child.stdout.take().context("stdout")?,
+        child.stderr.take().context("stderr")?,
+    );
+    let read = |mut pipe: Box<dyn std::io::Read + Send>| {
+        std::thread::spawn(move || {
+            let mut bytes = Vec::new();
+            std::io::Read::read_to_end(&mut pipe, &mut bytes).map(|_| bytes)
+        })
+    };
+    let (stdout, stderr) = (read(Box::new(pipes.0)), read(Box::new(pipes.1)));
+    let mut peak_kib = 0;
+    let status = loop {
+        if let Some(status) = child.try_wait()? {
+            break status;
+        }
+        peak_kib = peak_rss_kib(pid).unwrap_or(0).max(peak_kib);
+        // The sampling period, not a wait for anything.
+        std::thread::sleep(Duration::from_millis(1));
+    };
+    let elapsed = started.elapsed();
+    let joined = |reader: std::thread::JoinHandle<std::io::Result<Vec<u8>>>| {
+        reader
+            .join()
+            .map_err(|_| anyhow::anyhow!("an output reader panicked"))?
+            .context("reading the output")
+    };
+    Ok(Measured {
+        output: Output {
+            status,
+            stdout: joined(stdout)?,
+            stderr: joined(stderr)?,
+        },
+        elapsed,
+        peak_kib,
+    })
+}
+
+/// Writes `count` dead letters into `stream` as the stream transport writes them (pipelined,
+/// in batches); returns their entry ids.
+fn xadd_dead_letters(
+    conn: &mut redis::Connection,
+    stream: &str,
+    count: usize,
+) -> Result<Vec<String>> {
+    const BATCH: usize = 5_000;
+    let mut ids = Vec::with_capacity(count);
+    for first in (0..count).step_by(BATCH) {
+        let mut pipe = redis::pipe();
+        for n in first..(first + BATCH).min(count) {
+            pipe.cmd("XADD")
+                .arg(stream)
+                .arg("*")
+                .arg("body")
+                .arg(format!(
+                    r#"{{"letter":{n},"padding":"{}"}}"#,
+                    "x".repeat(64)
+                ))
+                .arg("headers")
+                .arg(r#"{"kind":"bulk"}"#)
+                .arg("reason")
+                .arg("invalid_json")
+                .arg("last_error")
+                .arg("not JSON under format: json")
+                .arg("delivery_count")
+                .arg(1)
+                .arg("origin_stream")
+                .arg("many")
+                .arg("origin_id")
+                .arg(format!("1-{n}"))
+                .arg("attempts")
+                .arg(r#"{"total":1,"recent":[]}"#);
+        }
+        let batch: Vec<String> = pipe.query(conn)?;
+        ids.extend(batch);
+    }
+    Ok(ids)
+}
+
+/// Acceptance 2 for Redis streams: with 200,000 dead letters, `list --limit 10` and `show ID`
+/// read what they print, not the stream: each stays under 40 MiB RSS (times printed, for the
+/// record).
+#[tokio::test]
+async fn list_and_show_of_200k_stream_letters_stay_under_40_mib() -> Result<()> {
+    let case = StreamCase::start("many").await?;
+    let manifest = case.manifest(false)?;
+    let file = path_text(&manifest)?.to_owned();
+    let mut conn = case.fx().redis.connection()?;
+    let ids = xadd_dead_letters(&mut conn, "many.dlq", MANY)?;
+    ensure!(case.dead_letters().await? == MANY as u64, "{MANY} letters");
+
+    let list = measured(dlq_command(
+        &case,
+        &["list", "--file", &file, "-o", "json", "--limit", "10"],
+    )?)?;
+    ensure!(list.output.status.success(), "{:?}", list.output);
+    let mut lines = String::from_utf8(list.output.stdout.clone())?
+        .lines()
+        .map(serde_json::from_str::<serde_json::Value>)
+        .collect::<Result<Vec<_>, _>>()?;
+    let summary = lines.pop().context("no summary")?;
+    ensure!(
+        lines.len() == 10
+            && lines[0]["id"] == ids[0]
+            && summary["summary"]["truncated"] == true
+            && summary["summary"]["total"] == MANY,
+        "the ten oldest, cut: {summary}"
+    );
+    let middle = &ids[MANY / 2];
+    let show = measured(dlq_command(
+        &case,
+        &["show", "--file", &file, middle, "-o", "raw"],
+    )?)?;
+    ensure!(show.output.status.success(), "{:?}", show.output);
+    let expected = format!(
+        r#"{{"letter":{},"padding":"{}"}}"#,
+        MANY / 2,
+        "x".repeat(64)
+    );
+    ensure!(
+        show.output.stdout == expected.as_bytes(),
+        "the letter shown: {}",
+        String::from_utf8_lossy(&show.output.stdout)
+    );
+    for (command, run) in [("list --limit 10", &list), ("show ID", &show)] {
+        println!(
+            "{MANY} stream dead letters: dlq {command}: {:.3} s, peak RSS {} KiB",
+            run.elapsed.as_secs_f64(),
+            run.peak_kib
+        );
+        ensure!(
+            run.peak_kib > 0 && run.peak_kib <= RSS_CAP_KIB,
+            "dlq {command} peaked at {} KiB",
+            run.peak_kib
+        );
+    }
+    Ok(())
+}
 
 /// The attempts survive a worker that dies with the message: a redelivery is recorded when it
 /// is received, before it is stored, and the dead letter the message finally becomes carries it.
