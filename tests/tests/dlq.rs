@@ -1,6 +1,6 @@
-//! `switchboard-worker dlq` end to end, for Redis streams, Redis lists and SQS (ElasticMQ): the
-//! real worker binary dead-letters poison and messages delivered too often, then the real `dlq`
-//! commands list, show, redrive (also when killed half-way) and purge them.
+//! `switchboard-worker dlq` end to end, for Redis streams, Redis lists, SQS (ElasticMQ) and NATS
+//! JetStream: the real worker binary dead-letters poison and messages delivered too often, then
+//! the real `dlq` commands list, show, redrive (also when killed half-way) and purge them.
 
 use std::path::PathBuf;
 use std::process::{Command, Output, Stdio};
@@ -10,6 +10,7 @@ use anyhow::{Context, Result, ensure};
 use base64::Engine as _;
 use nix::sys::signal::Signal;
 use sha2::{Digest, Sha256};
+use switchboard_tests::brokers::nats::{NatsBroker, NatsServer};
 use switchboard_tests::brokers::sqs::{ElasticMq, sqs_error};
 use switchboard_tests::todos_lock::{TodosLock, wait_blocked_on_lock};
 use switchboard_tests::wait::wait_for;
@@ -268,6 +269,122 @@ impl Case for SqsCase {
             Ok(self.mq.count(&self.dlq_url).await?.in_flight == 0)
         })
         .await
+    }
+
+    fn queue(&self) -> &str {
+        &self.name
+    }
+}
+
+/// A NATS JetStream stream read by the durable consumer `switchboard`; the worker writes its
+/// dead letters to `<STREAM>_DLQ`.
+struct NatsCase {
+    fx: Fixture,
+    server: NatsServer,
+    name: String,
+}
+
+/// The durable consumer of the NATS cases.
+const NATS_CONSUMER: &str = "switchboard";
+
+impl NatsCase {
+    fn stream(&self) -> String {
+        NatsBroker::stream(&self.name)
+    }
+}
+
+impl Case for NatsCase {
+    async fn start(name: &str) -> Result<Self> {
+        let mut fx = Fixture::start().await?;
+        let server = NatsServer::start().await?;
+        fx.extra_env.push(("NATS_URL".to_owned(), server.url()));
+        server
+            .create_stream(&NatsBroker::stream(name), &[format!("{name}.>")])
+            .await?;
+        Ok(Self {
+            fx,
+            server,
+            name: name.to_owned(),
+        })
+    }
+
+    fn fx(&self) -> &Fixture {
+        &self.fx
+    }
+
+    fn manifest(&self, fixed: bool) -> Result<PathBuf> {
+        let (delivery, payload) = manifest_settings(fixed);
+        let source = format!(
+            "nats: {{stream: {}, consumer: {NATS_CONSUMER}, ackWaitSeconds: 2}}",
+            self.stream()
+        );
+        self.fx.manifest(
+            &format!("{}.yaml", self.name),
+            &source_manifest(&self.name, &source, &delivery, payload),
+        )
+    }
+
+    async fn send(&self, bodies: &[Vec<u8>]) -> Result<()> {
+        self.server
+            .publish(&NatsBroker::subject(&self.name), bodies.to_vec())
+            .await
+    }
+
+    /// Delivered `MAX_DELIVERIES` times by the worker's own durable consumer (created here as
+    /// the worker creates it) to a consumer that gives each back (NAK) unstored.
+    async fn send_overdue(&self, bodies: &[Vec<u8>]) -> Result<()> {
+        use async_nats::jetstream::AckKind;
+        use async_nats::jetstream::consumer::{AckPolicy, DeliverPolicy, pull};
+        use futures::StreamExt as _;
+        self.send(bodies).await?;
+        let stream = self.server.jetstream().get_stream(self.stream()).await?;
+        let consumer = stream
+            .create_consumer(pull::Config {
+                durable_name: Some(NATS_CONSUMER.to_owned()),
+                ack_policy: AckPolicy::Explicit,
+                ack_wait: Duration::from_secs(2),
+                max_deliver: -1,
+                max_ack_pending: -1,
+                deliver_policy: DeliverPolicy::All,
+                ..Default::default()
+            })
+            .await?;
+        let mut deliveries: std::collections::HashMap<u64, i64> = Default::default();
+        let deadline = std::time::Instant::now() + LONG;
+        while deliveries.len() < bodies.len()
+            || deliveries
+                .values()
+                .any(|count| *count < i64::from(MAX_DELIVERIES))
+        {
+            ensure!(
+                std::time::Instant::now() < deadline,
+                "deliveries: {deliveries:?}"
+            );
+            let mut batch = consumer
+                .fetch()
+                .max_messages(bodies.len())
+                .expires(Duration::from_secs(1))
+                .messages()
+                .await?;
+            while let Some(message) = batch.next().await {
+                let message = message.map_err(|err| anyhow::anyhow!("fetch: {err}"))?;
+                let info = message.info().map_err(|err| anyhow::anyhow!("{err}"))?;
+                deliveries.insert(info.stream_sequence, info.delivered);
+                message
+                    .ack_with(AckKind::Nak(None))
+                    .await
+                    .map_err(|err| anyhow::anyhow!("NAK: {err}"))?;
+            }
+        }
+        Ok(())
+    }
+
+    async fn dead_letters(&self) -> Result<u64> {
+        Ok(self
+            .server
+            .stream_messages(&format!("{}_DLQ", self.stream()))
+            .await?
+            .map_or(0, |letters| letters.len() as u64))
     }
 
     fn queue(&self) -> &str {
@@ -847,6 +964,7 @@ macro_rules! dlq_suite {
 dlq_suite!(redis_stream, StreamCase, binary: true);
 dlq_suite!(redis_list, ListCase, binary: true);
 dlq_suite!(sqs, SqsCase, binary: false);
+dlq_suite!(nats, NatsCase, binary: true);
 
 /// Dead letters in the 200,000-letter tests.
 const MANY: usize = 200_000;
