@@ -1433,3 +1433,136 @@ fn usage_errors_exit_2_and_an_unknown_reason_lists_the_known_ones() -> Result<()
     }
     Ok(())
 }
+
+/// Issue 29 (c): an SQS letter whose original had SQS's maximum of 10 message attributes is
+/// redriven (the copy has no room for an eleventh, its key: the key travels packed with the
+/// last attribute, and the worker unpacks it): stored with all ten attributes and its
+/// original key.
+#[tokio::test]
+async fn sqs_letter_with_ten_attributes_is_redriven_with_all_of_them_and_its_key() -> Result<()> {
+    let case = SqsCase::start("tenattrs").await?;
+    let strict = case.manifest(false)?;
+    let file = path_text(&strict)?.to_owned();
+    let attributes: Vec<(String, Vec<u8>)> = (0..10)
+        .map(|n| (format!("attr{n}"), format!("value {n}").into_bytes()))
+        .collect();
+    let id = case
+        .mq
+        .send_with_attributes(
+            &case.queue_url,
+            b"not json, ten attributes".to_vec(),
+            attributes
+                .iter()
+                .map(|(name, value)| (name.as_str(), "String", value.clone()))
+                .collect(),
+        )
+        .await?;
+    let worker = case.fx().worker(&strict, "strict")?;
+    wait_for(LONG, "the letter", || async {
+        Ok(case.dead_letters().await? == 1)
+    })
+    .await
+    .with_context(|| worker.log_tail())?;
+    drop(worker);
+    let _fixed = case.fx().worker(&case.manifest(true)?, "fixed")?;
+    let summary = String::from_utf8(dlq_ok(&case, &["redrive", "--file", &file, "--all"])?)?;
+    ensure!(summary.contains("1 redriven"), "{summary}");
+    wait_for(LONG, "the todo", || async {
+        Ok(case.fx().todo_count(case.queue()).await? == 1)
+    })
+    .await?;
+    let (key, headers): (String, String) = sqlx::query_as(
+        "SELECT t.idempotency_key, e.headers::text FROM todos t JOIN events e ON e.id = t.event_id \
+         WHERE t.queue = $1",
+    )
+    .bind(case.queue())
+    .fetch_one(case.fx().pool())
+    .await?;
+    ensure!(
+        key == format!("sqs:test/tenattrs:{id}"),
+        "the original's key: {key}"
+    );
+    let headers: serde_json::Value = serde_json::from_str(&headers)?;
+    for (name, value) in &attributes {
+        ensure!(
+            headers[name].as_str() == Some(std::str::from_utf8(value)?),
+            "{name} kept: {headers}"
+        );
+    }
+    ensure!(
+        headers.get("x-switchboard-redriven").is_none(),
+        "the packed attribute is opened: {headers}"
+    );
+    ensure!(case.dead_letters().await? == 0, "the letter is gone");
+    Ok(())
+}
+
+/// Issue 29 (c): `list --limit 5` on an SQS dead-letter queue of 300 letters reads a page or
+/// two, not the queue (it used to receive every letter, holding them all invisible), and hands
+/// back what it read at once.
+#[tokio::test]
+async fn sqs_list_with_a_limit_receives_a_page_not_the_queue() -> Result<()> {
+    const LETTERS: usize = 300;
+    let case = SqsCase::start("paged").await?;
+    let manifest = case.manifest(false)?;
+    let file = path_text(&manifest)?.to_owned();
+    let bodies = (0..LETTERS).map(|n| format!("letter {n}").into_bytes());
+    case.mq.send_bodies(&case.dlq_url, bodies).await?;
+    let listed = dlq_ok(
+        &case,
+        &["list", "--file", &file, "-o", "json", "--limit", "5"],
+    )?;
+    let mut lines: Vec<serde_json::Value> = std::str::from_utf8(&listed)?
+        .lines()
+        .map(serde_json::from_str)
+        .collect::<Result<_, _>>()?;
+    let summary = lines.pop().context("no summary")?;
+    ensure!(
+        lines.len() == 5 && summary["summary"]["truncated"] == true,
+        "five letters, cut: {summary}"
+    );
+    ensure!(
+        case.mq.count(&case.dlq_url).await?.in_flight == 0,
+        "what the listing read is handed back"
+    );
+    // Each letter once more: those the listing received say so in their receive count.
+    let client = case.mq.client();
+    let mut received = std::collections::HashMap::new();
+    loop {
+        let output = client
+            .receive_message()
+            .queue_url(&case.dlq_url)
+            .max_number_of_messages(10)
+            .visibility_timeout(60)
+            .message_system_attribute_names(
+                aws_sdk_sqs::types::MessageSystemAttributeName::ApproximateReceiveCount,
+            )
+            .send()
+            .await
+            .map_err(|err| sqs_error("ReceiveMessage", err))?;
+        let messages = output.messages.unwrap_or_default();
+        if messages.is_empty() {
+            break;
+        }
+        for message in messages {
+            let count = message
+                .attributes
+                .as_ref()
+                .and_then(|attributes| {
+                    attributes.get(
+                        &aws_sdk_sqs::types::MessageSystemAttributeName::ApproximateReceiveCount,
+                    )
+                })
+                .and_then(|count| count.parse::<u32>().ok())
+                .unwrap_or(0);
+            received.insert(message.message_id.unwrap_or_default(), count);
+        }
+    }
+    ensure!(received.len() == LETTERS, "{} letters", received.len());
+    let read_by_list = received.values().filter(|count| **count > 1).count();
+    ensure!(
+        read_by_list <= 20,
+        "list --limit 5 received {read_by_list} of {LETTERS} letters"
+    );
+    Ok(())
+}

@@ -255,6 +255,51 @@ impl SqsReader {
     }
 }
 
+/// The attribute of a redriven copy that holds its key, and the original attributes there was
+/// no room for, when the original had SQS's maximum ([`MAX_ATTRIBUTES`]): their JSON form
+/// (`{"name": "text" | {"base64": …}}`).
+pub(super) const PACKED_ATTRIBUTE: &str = "x-switchboard-redriven";
+
+/// The message attributes of a letter's redriven copy: the original ones (not the system
+/// attributes kept among the headers, not an older key) and [`IDEMPOTENCY_KEY_HEADER`] =
+/// `key`. An original at SQS's maximum of attributes leaves no room for the key: its last
+/// attribute then travels with the key in [`PACKED_ATTRIBUTE`], which the transport unpacks
+/// when it receives the copy ([`unpack_redriven`]), so the copy is stored with every original
+/// attribute and its original key.
+fn copy_attributes(headers: &[(String, Vec<u8>)], key: &str) -> Vec<(String, Vec<u8>)> {
+    let mut attributes: Vec<(String, Vec<u8>)> = headers
+        .iter()
+        .filter(|(name, _)| !is_system_attribute(name) && name != IDEMPOTENCY_KEY_HEADER)
+        .cloned()
+        .collect();
+    let key = (IDEMPOTENCY_KEY_HEADER.to_owned(), key.as_bytes().to_vec());
+    if attributes.len() < MAX_ATTRIBUTES {
+        attributes.push(key);
+        return attributes;
+    }
+    let mut packed = attributes.split_off(MAX_ATTRIBUTES - 1);
+    packed.insert(0, key);
+    attributes.push((
+        PACKED_ATTRIBUTE.to_owned(),
+        crate::payload::fields_json(&packed).into_bytes(),
+    ));
+    attributes
+}
+
+/// The headers of a received message with [`PACKED_ATTRIBUTE`] opened: the key and the
+/// attributes it holds in its place (see [`copy_attributes`]).
+pub(super) fn unpack_redriven(headers: &mut Vec<(String, Vec<u8>)>) {
+    let Some(index) = headers
+        .iter()
+        .position(|(name, _)| name == PACKED_ATTRIBUTE)
+    else {
+        return;
+    };
+    let (_, packed) = headers.remove(index);
+    headers.extend(headers_from_json(&String::from_utf8_lossy(&packed)));
+    headers.sort_by(|a, b| a.0.cmp(&b.0));
+}
+
 /// A message attribute: `String` when `value` is UTF-8, `Binary` otherwise.
 pub(super) fn attribute(value: &[u8]) -> Result<MessageAttributeValue, TransportError> {
     let built = match std::str::from_utf8(value) {
@@ -376,26 +421,14 @@ impl DeadLetterReader for SqsReader {
         let queues = self.sqs.queues()?.clone();
         let original = letter.original_id.as_deref().unwrap_or(&letter.id);
         let key = redrive_key(&letter.headers, self.sqs.source(), original);
-        let kept: Vec<&(String, Vec<u8>)> = letter
-            .headers
-            .iter()
-            .filter(|(name, _)| !is_system_attribute(name) && name != IDEMPOTENCY_KEY_HEADER)
-            .collect();
-        if kept.len() >= MAX_ATTRIBUTES {
-            return Err(TransportError::protocol(format!(
-                "the letter has {} message attributes: SQS allows {MAX_ATTRIBUTES}, with no room left for {IDEMPOTENCY_KEY_HEADER}",
-                kept.len()
-            )));
-        }
         let mut send = self
             .sqs
             .client
             .send_message()
             .queue_url(&queues.url)
-            .message_body(String::from_utf8_lossy(&letter.body))
-            .message_attributes(IDEMPOTENCY_KEY_HEADER, attribute(key.as_bytes())?);
-        for (name, value) in kept {
-            send = send.message_attributes(name, attribute(value)?);
+            .message_body(String::from_utf8_lossy(&letter.body));
+        for (name, value) in copy_attributes(&letter.headers, &key) {
+            send = send.message_attributes(name, attribute(&value)?);
         }
         if queues.fifo {
             let group = letter
@@ -432,5 +465,38 @@ impl DeadLetterReader for SqsReader {
             self.read_at.remove(&letter.handle);
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_copy_of_a_letter_at_the_attribute_limit_packs_its_key_and_unpacks_as_the_original() {
+        let originals: Vec<(String, Vec<u8>)> = (0..MAX_ATTRIBUTES)
+            .map(|n| (format!("a{n}"), format!("v{n}").into_bytes()))
+            .collect();
+        let mut headers = originals.clone();
+        headers.push(("SentTimestamp".to_owned(), b"1".to_vec()));
+        let copy = copy_attributes(&headers, "sqs:shop/orders:m-1");
+        assert_eq!(copy.len(), MAX_ATTRIBUTES);
+        assert!(copy.iter().all(|(name, _)| name != IDEMPOTENCY_KEY_HEADER));
+        let mut received = copy;
+        unpack_redriven(&mut received);
+        let mut expected = originals;
+        expected.push((
+            IDEMPOTENCY_KEY_HEADER.to_owned(),
+            b"sqs:shop/orders:m-1".to_vec(),
+        ));
+        expected.sort();
+        assert_eq!(received, expected);
+
+        let few = copy_attributes(&expected[..2], "k");
+        assert_eq!(few.len(), 3);
+        assert!(
+            few.iter()
+                .any(|(name, value)| name == IDEMPOTENCY_KEY_HEADER && value == b"k")
+        );
     }
 }
