@@ -1411,7 +1411,8 @@ async fn a_copy_carrying_its_original_key_makes_no_second_todo() -> Result<()> {
     Ok(())
 }
 
-/// `dlq <args>` for a manifest whose broker `dlq` has no reader for (NATS): only `DATABASE_URL`.
+/// `dlq <args>` for a manifest whose broker `dlq` has no reader for (RabbitMQ): only
+/// `DATABASE_URL`.
 fn dlq_database_only(fx: &Fixture, args: &[&str]) -> Result<Output> {
     Ok(Command::new(worker_binary()?)
         .arg("dlq")
@@ -1429,7 +1430,7 @@ async fn letters_kept_in_postgresql_are_listed_shown_and_purged_for_every_broker
     let fx = Fixture::start().await?;
     let manifest = fx.manifest(
         "kept.yaml",
-        &source_manifest("kept", "nats: {stream: KEPT, consumer: sb}", "", ""),
+        &source_manifest("kept", "amqp: {queue: kept}", "", ""),
     )?;
     let file = path_text(&manifest)?;
     let binary = b"\x00\xffkept\xfe".to_vec();
@@ -1446,10 +1447,10 @@ async fn letters_kept_in_postgresql_are_listed_shown_and_purged_for_every_broker
     };
     fx.store
         .keep_dead_letters(
-            "nats:test/kept",
+            "amqp:test/kept",
             &[
-                letter("nats:test/kept:1", b"{broken"),
-                letter("nats:test/kept:2", b"\x00\xffkept\xfe"),
+                letter("amqp:test/kept:1", b"{broken"),
+                letter("amqp:test/kept:2", b"\x00\xffkept\xfe"),
             ],
         )
         .await?;
