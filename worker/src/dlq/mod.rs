@@ -102,6 +102,9 @@ fn poison_reason() -> clap::builder::PossibleValuesParser {
 #[derive(Debug, Clone, clap::Subcommand)]
 pub enum DlqCommand {
     /// List dead letters (oldest first): id, age, reason, delivery count, last error, size.
+    ///
+    /// Reads a page at a time and stops once `--limit` letters matched (and one more shows the
+    /// listing was cut), whatever the dead-letter queue's size.
     List {
         #[command(flatten)]
         target: Target,
@@ -118,6 +121,10 @@ pub enum DlqCommand {
         output: ListFormat,
     },
     /// Show one dead letter: its context, headers, every attempt and the body.
+    ///
+    /// Redis streams, NATS and letters kept in PostgreSQL (`db-N`) look the letter up by its
+    /// id. SQS and Redis lists cannot: they read the queue page by page until they find it
+    /// (the time grows with the letters before it, the memory does not).
     Show {
         #[command(flatten)]
         target: Target,
