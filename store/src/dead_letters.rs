@@ -88,10 +88,25 @@ impl Store {
             .await
     }
 
-    /// The dead letters kept for `source`, oldest first, at most `limit`.
+    /// How many dead letters are kept for `source`.
+    pub async fn kept_dead_letter_count(&self, source: &str) -> Result<u64, StoreError> {
+        let count: i64 = self
+            .bounded(async |conn| {
+                sqlx::query_scalar("SELECT count(*) FROM dead_letters WHERE source = $1")
+                    .bind(source)
+                    .fetch_one(conn)
+                    .await
+            })
+            .await?;
+        Ok(u64::try_from(count).unwrap_or(0))
+    }
+
+    /// The dead letters kept for `source` whose id is above `after`, oldest first, at most
+    /// `limit` (one page of a keyset walk).
     pub async fn kept_dead_letters(
         &self,
         source: &str,
+        after: i64,
         limit: usize,
     ) -> Result<Vec<KeptLetterRow>, StoreError> {
         let limit = i64::try_from(limit).unwrap_or(i64::MAX);
@@ -101,9 +116,10 @@ impl Store {
                     "SELECT id, idempotency_key, external_id, body, headers::text AS headers, \
                      reason, error, delivery_count, attempts::text AS attempts, refused_because, \
                      (extract(epoch FROM dead_lettered_at) * 1000)::bigint AS at_ms \
-                     FROM dead_letters WHERE source = $1 ORDER BY id LIMIT $2",
+                     FROM dead_letters WHERE source = $1 AND id > $2 ORDER BY id LIMIT $3",
                 )
                 .bind(source)
+                .bind(after)
                 .bind(limit)
                 .fetch_all(conn)
                 .await

@@ -4,10 +4,15 @@
 use switchboard_store::{KeptLetterRow, Store, StoreError};
 
 use crate::transport::TransportError;
-use crate::transport::reader::{DeadLetterReader, StoredLetter, headers_from_json};
+use crate::transport::reader::{Cursor, DeadLetterReader, Page, StoredLetter, headers_from_json};
 
 /// What a kept letter's handle starts with (broker handles never do).
 const KEPT: &str = "postgresql:";
+/// What a kept letter's id starts with.
+const KEPT_ID: &str = "db-";
+/// What the cursors of [`WithKept`] start with: in the broker's letters, in the kept ones.
+const BROKER_CURSOR: &str = "broker:";
+const KEPT_CURSOR: &str = "kept:";
 
 /// A broker's dead-letter reader (if `switchboard-worker dlq` has one for it) with the letters
 /// PostgreSQL keeps for the same adapter (if `DATABASE_URL` is set).
@@ -37,7 +42,7 @@ fn database(err: StoreError) -> TransportError {
 
 fn letter(row: KeptLetterRow) -> StoredLetter {
     StoredLetter {
-        id: format!("db-{}", row.id),
+        id: format!("{KEPT_ID}{}", row.id),
         dead_lettered_at_ms: Some(row.dead_lettered_at_ms),
         reason: Some(row.reason),
         delivery_count: Some(row.delivery_count),
@@ -79,20 +84,82 @@ impl<R: DeadLetterReader> DeadLetterReader for WithKept<R> {
         self.broker.as_ref().map(R::caveats).unwrap_or_default()
     }
 
-    async fn letters(&mut self, limit: usize) -> Result<Vec<StoredLetter>, TransportError> {
-        let mut letters = match &mut self.broker {
-            Some(broker) => broker.letters(limit).await?,
-            None => Vec::new(),
+    async fn count(&mut self) -> Result<Option<u64>, TransportError> {
+        let broker = match &mut self.broker {
+            Some(broker) => broker.count().await?,
+            None => Some(0),
         };
-        if let Some(kept) = &self.kept {
+        let kept = match &self.kept {
+            Some(kept) => kept
+                .store
+                .kept_dead_letter_count(&kept.source)
+                .await
+                .map_err(database)?,
+            None => 0,
+        };
+        Ok(broker.map(|broker| broker + kept))
+    }
+
+    /// The broker's letters first, then the kept ones (keyset on their id): a cursor says
+    /// which (`broker:…`, `kept:ID`).
+    async fn page(&mut self, after: Option<&Cursor>, limit: usize) -> Result<Page, TransportError> {
+        let kept_after = match (after.map(|cursor| cursor.0.as_str()), &mut self.broker) {
+            (Some(cursor), _) if cursor.starts_with(KEPT_CURSOR) => {
+                cursor[KEPT_CURSOR.len()..].parse::<i64>().unwrap_or(0)
+            }
+            (cursor, Some(broker)) => {
+                let inner = cursor
+                    .and_then(|cursor| cursor.strip_prefix(BROKER_CURSOR))
+                    .map(|inner| Cursor(inner.to_owned()));
+                let Page { letters, next } = broker.page(inner.as_ref(), limit).await?;
+                let next = match next {
+                    Some(next) => Some(Cursor(format!("{BROKER_CURSOR}{}", next.0))),
+                    None => self
+                        .kept
+                        .as_ref()
+                        .map(|_| Cursor(format!("{KEPT_CURSOR}0"))),
+                };
+                return Ok(Page { letters, next });
+            }
+            (_, None) => 0,
+        };
+        let Some(kept) = &self.kept else {
+            return Ok(Page::default());
+        };
+        let rows = kept
+            .store
+            .kept_dead_letters(&kept.source, kept_after, limit)
+            .await
+            .map_err(database)?;
+        let next = (rows.len() >= limit)
+            .then(|| {
+                rows.last()
+                    .map(|row| Cursor(format!("{KEPT_CURSOR}{}", row.id)))
+            })
+            .flatten();
+        Ok(Page {
+            letters: rows.into_iter().map(letter).collect(),
+            next,
+        })
+    }
+
+    /// A kept letter (`db-ID`) by one query; a broker letter as its reader finds it.
+    async fn letter(&mut self, id: &str) -> Result<Option<StoredLetter>, TransportError> {
+        if let Some(number) = id.strip_prefix(KEPT_ID).and_then(|n| n.parse::<i64>().ok()) {
+            let Some(kept) = &self.kept else {
+                return Ok(None);
+            };
             let rows = kept
                 .store
-                .kept_dead_letters(&kept.source, limit.saturating_sub(letters.len()))
+                .kept_dead_letters(&kept.source, number - 1, 1)
                 .await
                 .map_err(database)?;
-            letters.extend(rows.into_iter().map(letter));
+            return Ok(rows.into_iter().find(|row| row.id == number).map(letter));
         }
-        Ok(letters)
+        match &mut self.broker {
+            Some(broker) => broker.letter(id).await,
+            None => Ok(None),
+        }
     }
 
     async fn redrive(&mut self, letter: &StoredLetter) -> Result<(), TransportError> {
@@ -152,7 +219,10 @@ impl DeadLetterReader for NoBrokerReader {
     fn caveats(&self) -> Vec<String> {
         match *self {}
     }
-    async fn letters(&mut self, _limit: usize) -> Result<Vec<StoredLetter>, TransportError> {
+    async fn count(&mut self) -> Result<Option<u64>, TransportError> {
+        match *self {}
+    }
+    async fn page(&mut self, _: Option<&Cursor>, _: usize) -> Result<Page, TransportError> {
         match *self {}
     }
     async fn redrive(&mut self, _letter: &StoredLetter) -> Result<(), TransportError> {

@@ -12,9 +12,10 @@
 
 mod kept;
 mod output;
+mod purge;
 mod redrive;
 
-use std::io::{IsTerminal, Write};
+use std::io::Write;
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -24,7 +25,7 @@ use self::kept::{KeptLetters, NoBrokerReader, WithKept};
 use crate::brokers::{self, Letters, Plugin, Use};
 use crate::payload::PoisonReason;
 use crate::transport::TransportError;
-pub use crate::transport::reader::{DeadLetterReader, StoredLetter};
+pub use crate::transport::reader::{DeadLetterReader, Page, StoredLetter};
 use crate::{WorkerError, read_adapter};
 
 /// Why a `dlq` command failed.
@@ -35,7 +36,7 @@ pub enum DlqError {
     #[error("no dead letter with id {0} in {1}")]
     NotFound(String, String),
     #[error(
-        "`switchboard-worker dlq` does not read the dead letters of {0} at the broker yet (Redis streams and lists, and SQS, it does); set DATABASE_URL to read those kept in PostgreSQL"
+        "`switchboard-worker dlq` does not read the dead letters of {0} at the broker yet (Redis streams and lists, SQS and NATS JetStream, it does); set DATABASE_URL to read those kept in PostgreSQL"
     )]
     Unsupported(&'static str),
     #[error(
@@ -44,10 +45,8 @@ pub enum DlqError {
     NotConfirmed { count: usize },
     #[error("{0}")]
     Usage(String),
-    #[error(
-        "{failed} of {selected} dead letters could not be redriven (see above); run the command again"
-    )]
-    Incomplete { failed: usize, selected: usize },
+    #[error("{failed} dead letters could not be redriven (see above); run the command again")]
+    Incomplete { failed: usize },
     #[error("cannot write the output")]
     Output(#[source] std::io::Error),
     /// Stopped between two letters by a signal (exit code `128 + signal`).
@@ -103,6 +102,9 @@ fn poison_reason() -> clap::builder::PossibleValuesParser {
 #[derive(Debug, Clone, clap::Subcommand)]
 pub enum DlqCommand {
     /// List dead letters (oldest first): id, age, reason, delivery count, last error, size.
+    ///
+    /// Reads a page at a time and stops once `--limit` letters matched (and one more shows the
+    /// listing was cut), whatever the dead-letter queue's size.
     List {
         #[command(flatten)]
         target: Target,
@@ -119,6 +121,10 @@ pub enum DlqCommand {
         output: ListFormat,
     },
     /// Show one dead letter: its context, headers, every attempt and the body.
+    ///
+    /// Redis streams, NATS and letters kept in PostgreSQL (`db-N`) look the letter up by its
+    /// id. SQS and Redis lists cannot: they read the queue page by page until they find it
+    /// (the time grows with the letters before it, the memory does not).
     Show {
         #[command(flatten)]
         target: Target,
@@ -305,7 +311,7 @@ async fn execute<R: DeadLetterReader>(
                 (None, false) => Selection::Ids(ids),
                 (None, true) => Selection::All,
             };
-            let purge = Purge {
+            let purge = purge::Purge {
                 selection,
                 older_than,
                 dry_run,
@@ -322,6 +328,59 @@ fn stdout_line(line: &str) -> Result<(), DlqError> {
     writeln!(out, "{line}").map_err(DlqError::Output)
 }
 
+/// Letters per page the commands read: what they hold at a time, whatever the destination's
+/// size.
+const PAGE: usize = 100;
+
+/// Walks the letters of `reader`, oldest first, a page of `size` at a time: each page's
+/// letters `takes` selects go to `act` (which hands back what it does not use, and says
+/// whether to go on), the rest straight back to the reader.
+async fn walk<R: DeadLetterReader>(
+    reader: &mut R,
+    size: usize,
+    takes: impl Fn(&StoredLetter) -> bool,
+    mut act: impl AsyncFnMut(&mut R, Vec<StoredLetter>) -> Result<bool, DlqError>,
+) -> Result<(), DlqError> {
+    let mut after = None;
+    loop {
+        let Page { letters, next } = reader.page(after.as_ref(), size).await?;
+        let (chosen, rest): (Vec<StoredLetter>, Vec<StoredLetter>) =
+            letters.into_iter().partition(|letter| takes(letter));
+        reader.release(&rest).await?;
+        if !act(reader, chosen).await? {
+            return Ok(());
+        }
+        match next {
+            Some(cursor) => after = Some(cursor),
+            None => return Ok(()),
+        }
+    }
+}
+
+/// The letters `ids`, each looked up by its id; fails naming the first missing one (after
+/// handing back those found).
+async fn letters_by_id<R: DeadLetterReader>(
+    reader: &mut R,
+    ids: &[String],
+) -> Result<Vec<StoredLetter>, DlqError> {
+    let mut found: Vec<StoredLetter> = Vec::with_capacity(ids.len());
+    for id in ids {
+        if found.iter().any(|letter| &letter.id == id) {
+            continue;
+        }
+        match reader.letter(id).await? {
+            Some(letter) => found.push(letter),
+            None => {
+                reader.release(&found).await?;
+                return Err(DlqError::NotFound(id.clone(), reader.destination()));
+            }
+        }
+    }
+    Ok(found)
+}
+
+/// `dlq list`: reads pages until `limit` letters matched and one more shows the listing is
+/// cut, printing JSON lines as it goes (a table once, from at most `limit` letters).
 async fn list<R: DeadLetterReader>(
     reader: &mut R,
     reason: Option<&str>,
@@ -329,72 +388,83 @@ async fn list<R: DeadLetterReader>(
     limit: usize,
     format: ListFormat,
 ) -> Result<(), DlqError> {
-    let letters = reader.letters(usize::MAX).await?;
-    let result = async {
-        let matching: Vec<&StoredLetter> = letters
-            .iter()
-            .filter(|letter| reason.is_none_or(|wanted| letter.reason.as_deref() == Some(wanted)))
-            .filter(|letter| since.is_none_or(|since| age(letter).is_some_and(|age| age <= since)))
-            .collect();
-        let shown = &matching[..matching.len().min(limit)];
-        let more = matching.len() - shown.len();
-        match format {
-            ListFormat::Json => {
-                for letter in shown {
-                    stdout_line(&output::json(letter).to_string())?;
-                }
-                let summary = serde_json::json!({"summary": {
-                    "listed": shown.len(),
-                    "matching": matching.len(),
-                    "total": letters.len(),
-                    "truncated": more > 0,
-                    "destination": reader.destination(),
-                }});
-                stdout_line(&summary.to_string())?;
+    let total = reader.count().await?;
+    let takes = |letter: &StoredLetter| {
+        reason.is_none_or(|wanted| letter.reason.as_deref() == Some(wanted))
+            && since.is_none_or(|since| age(letter).is_some_and(|age| age <= since))
+    };
+    let (mut listed, mut truncated) = (0, false);
+    let mut rows: Vec<StoredLetter> = Vec::new();
+    let size = limit.saturating_add(1).min(PAGE);
+    walk(reader, size, takes, async |reader, chosen| {
+        let mut done = Vec::new();
+        for letter in chosen {
+            if listed == limit {
+                truncated = true;
+                done.push(letter);
+                continue;
             }
-            ListFormat::Table => {
-                stdout_line(&output::table(shown))?;
-                let cut = if more > 0 {
-                    format!(" ({more} more match: raise --limit)")
-                } else {
-                    String::new()
-                };
-                eprintln!(
-                    "{} of {} dead letters in {}{cut}",
-                    shown.len(),
-                    letters.len(),
-                    reader.destination()
-                );
+            listed += 1;
+            match format {
+                ListFormat::Json => {
+                    stdout_line(&output::json(&letter).to_string())?;
+                    done.push(letter);
+                }
+                ListFormat::Table => rows.push(letter),
             }
         }
-        Ok(())
+        reader.release(&done).await?;
+        Ok(!truncated)
+    })
+    .await?;
+    match format {
+        ListFormat::Json => {
+            let summary = serde_json::json!({"summary": {
+                "listed": listed,
+                "truncated": truncated,
+                "total": total,
+                "destination": reader.destination(),
+            }});
+            stdout_line(&summary.to_string())?;
+        }
+        ListFormat::Table => {
+            let printed = stdout_line(&output::table(&rows.iter().collect::<Vec<_>>()));
+            reader.release(&rows).await?;
+            printed?;
+            let cut = if truncated {
+                " (more match: raise --limit)"
+            } else {
+                ""
+            };
+            let total = total.map_or_else(|| "?".to_owned(), |total| total.to_string());
+            eprintln!(
+                "{listed} of {total} dead letters in {}{cut}",
+                reader.destination()
+            );
+        }
     }
-    .await;
-    reader.release(&letters).await?;
-    result
+    Ok(())
 }
 
+/// `dlq show`: the letter as the reader looks it up by id (see [`DeadLetterReader::letter`]).
 async fn show<R: DeadLetterReader>(
     reader: &mut R,
     id: &str,
     format: ShowFormat,
 ) -> Result<(), DlqError> {
-    let letters = reader.letters(usize::MAX).await?;
-    let result = match letters.iter().find(|letter| letter.id == id) {
-        None => Err(DlqError::NotFound(id.to_owned(), reader.destination())),
-        Some(letter) => {
-            let mut out = std::io::stdout().lock();
-            match format {
-                ShowFormat::Json => writeln!(out, "{}", output::json(letter)),
-                ShowFormat::Raw => out.write_all(&letter.body),
-                ShowFormat::Text => out.write_all(&output::text(letter)),
-            }
-            .and_then(|()| out.flush())
-            .map_err(DlqError::Output)
-        }
+    let Some(letter) = reader.letter(id).await? else {
+        return Err(DlqError::NotFound(id.to_owned(), reader.destination()));
     };
-    reader.release(&letters).await?;
-    result
+    let mut out = std::io::stdout().lock();
+    let printed = match format {
+        ShowFormat::Json => writeln!(out, "{}", output::json(&letter)),
+        ShowFormat::Raw => out.write_all(&letter.body),
+        ShowFormat::Text => out.write_all(&output::text(&letter)),
+    }
+    .and_then(|()| out.flush())
+    .map_err(DlqError::Output);
+    reader.release(std::slice::from_ref(&letter)).await?;
+    printed
 }
 
 /// What `dlq redrive` puts back, or `dlq purge` deletes.
@@ -413,98 +483,6 @@ impl Selection {
             Selection::Ids(ids) => ids.contains(&letter.id),
         }
     }
-}
-
-/// `dlq purge`: the letters selected and older than `older_than`.
-struct Purge {
-    selection: Selection,
-    older_than: Option<Duration>,
-    dry_run: bool,
-    yes: bool,
-}
-
-impl Purge {
-    fn takes(&self, letter: &StoredLetter) -> bool {
-        self.selection.takes(letter)
-            && self
-                .older_than
-                .is_none_or(|older_than| age(letter).is_some_and(|age| age > older_than))
-    }
-
-    async fn run<R: DeadLetterReader>(self, reader: &mut R) -> Result<(), DlqError> {
-        let letters = reader.letters(usize::MAX).await?;
-        let (doomed, kept): (Vec<StoredLetter>, Vec<StoredLetter>) =
-            letters.into_iter().partition(|letter| self.takes(letter));
-        reader.release(&kept).await?;
-        if let Selection::Ids(ids) = &self.selection
-            && let Some(missing) = ids
-                .iter()
-                .find(|id| !doomed.iter().any(|letter| &letter.id == *id))
-        {
-            reader.release(&doomed).await?;
-            return Err(DlqError::NotFound(missing.clone(), reader.destination()));
-        }
-        if doomed.is_empty() {
-            return stdout_line(&format!(
-                "purge: nothing to delete in {}",
-                reader.destination()
-            ));
-        }
-        if self.dry_run {
-            reader.release(&doomed).await?;
-            stdout_line(&output::table(&doomed.iter().collect::<Vec<_>>()))?;
-            return stdout_line(&format!(
-                "purge --dry-run: {} dead letters would be deleted from {}, {} kept; nothing deleted",
-                doomed.len(),
-                reader.destination(),
-                kept.len()
-            ));
-        }
-        delete(reader, doomed, kept.len(), self.yes).await
-    }
-}
-
-/// Deletes `doomed` once confirmed (`yes`, or on a terminal).
-async fn delete<R: DeadLetterReader>(
-    reader: &mut R,
-    doomed: Vec<StoredLetter>,
-    kept: usize,
-    yes: bool,
-) -> Result<(), DlqError> {
-    if !yes {
-        let confirmed = std::io::stdin().is_terminal()
-            && confirm(&format!(
-                "Delete {} dead letters from {} for good? [y/N] ",
-                doomed.len(),
-                reader.destination()
-            ))?;
-        if !confirmed {
-            reader.release(&doomed).await?;
-            if !std::io::stdin().is_terminal() {
-                return Err(DlqError::NotConfirmed {
-                    count: doomed.len(),
-                });
-            }
-            stdout_line("purge: nothing deleted")?;
-            return Ok(());
-        }
-    }
-    reader.remove(&doomed).await?;
-    stdout_line(&format!(
-        "purge: {} dead letters deleted from {}, {kept} kept",
-        doomed.len(),
-        reader.destination(),
-    ))
-}
-
-fn confirm(question: &str) -> Result<bool, DlqError> {
-    eprint!("{question}");
-    std::io::stderr().flush().map_err(DlqError::Output)?;
-    let mut answer = String::new();
-    std::io::stdin()
-        .read_line(&mut answer)
-        .map_err(DlqError::Output)?;
-    Ok(matches!(answer.trim(), "y" | "Y" | "yes"))
 }
 
 #[cfg(test)]

@@ -5,7 +5,7 @@ use crate::payload::{fields_json, insert_body};
 use crate::transport::rfc3339_ms;
 
 /// A short age: `42s`, `17m`, `5h`, `3d`.
-fn short_age(letter: &StoredLetter) -> String {
+pub fn short_age(letter: &StoredLetter) -> String {
     let Some(age) = age(letter) else {
         return "?".to_owned();
     };

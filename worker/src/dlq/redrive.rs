@@ -10,7 +10,9 @@ use std::time::{Duration, Instant};
 use tokio::signal::unix::{SignalKind, signal};
 use tokio_util::sync::CancellationToken;
 
-use super::{DeadLetterReader, DlqError, Selection, StoredLetter, stdout_line};
+use super::{
+    DeadLetterReader, DlqError, PAGE, Selection, StoredLetter, letters_by_id, stdout_line, walk,
+};
 
 /// How often progress is printed as a plain line when standard error is not a terminal
 /// (`kubectl exec` without `-t`, CI).
@@ -21,14 +23,15 @@ const BAR_EVERY: Duration = Duration::from_millis(100);
 /// Progress on standard error: a bar with the rate and time left, redrawn in place on a
 /// terminal; a plain line every [`PLAIN_EVERY`] otherwise.
 struct Progress {
-    total: usize,
+    /// The letters to redrive, where known.
+    total: Option<usize>,
     terminal: bool,
     started: Instant,
     printed: Instant,
 }
 
 impl Progress {
-    fn new(total: usize) -> Self {
+    fn new(total: Option<usize>) -> Self {
         let now = Instant::now();
         Self {
             total,
@@ -46,13 +49,16 @@ impl Progress {
         } else {
             0.0
         };
+        let Some(total) = self.total else {
+            return format!("{done} ({rate:.1}/s)");
+        };
         let left = if rate > 0.0 {
-            let seconds = (self.total - done) as f64 / rate;
+            let seconds = total.saturating_sub(done) as f64 / rate;
             humantime::format_duration(Duration::from_secs(seconds.ceil() as u64)).to_string()
         } else {
             "?".to_owned()
         };
-        format!("{done}/{} ({rate:.1}/s, {left} left)", self.total)
+        format!("{done}/{total} ({rate:.1}/s, {left} left)")
     }
 
     fn update(&mut self, done: usize) {
@@ -61,20 +67,23 @@ impl Progress {
         } else {
             PLAIN_EVERY
         };
-        if self.printed.elapsed() < every && done < self.total {
+        let finished = self.total.is_some_and(|total| done >= total);
+        if self.printed.elapsed() < every && !finished {
             return;
         }
         self.printed = Instant::now();
         if self.terminal {
             let width = 30;
-            let filled = done * width / self.total.max(1);
+            let filled = self
+                .total
+                .map_or(0, |total| (done * width / total.max(1)).min(width));
             eprint!(
                 "\r[{}{}] {}",
                 "#".repeat(filled),
                 " ".repeat(width - filled),
                 self.line(done, self.started.elapsed())
             );
-        } else if done < self.total {
+        } else if !finished {
             eprintln!("redrive: {}", self.line(done, self.started.elapsed()));
         }
     }
@@ -124,77 +133,129 @@ mod libc_signal {
     pub const TERM: i32 = 15;
 }
 
-/// Redrives the letters `selection` takes; the rest are handed back untouched.
+/// Redrives the letters `selection` takes, page by page (by id: each looked up); the rest
+/// are handed back untouched.
 pub(super) async fn redrive<R: DeadLetterReader>(
     reader: &mut R,
     selection: Selection,
     rate: Option<f64>,
     dry_run: bool,
 ) -> Result<(), DlqError> {
-    let letters = reader.letters(usize::MAX).await?;
-    let (chosen, rest): (Vec<StoredLetter>, Vec<StoredLetter>) = letters
-        .into_iter()
-        .partition(|letter| selection.takes(letter));
-    reader.release(&rest).await?;
-    if let Selection::Ids(ids) = &selection
-        && let Some(missing) = ids.iter().find(|id| !chosen.iter().any(|l| &l.id == *id))
-    {
-        reader.release(&chosen).await?;
-        return Err(DlqError::NotFound(missing.clone(), reader.destination()));
-    }
+    let by_id = match &selection {
+        Selection::Ids(ids) => Some(letters_by_id(reader, ids).await?),
+        Selection::All | Selection::Reason(_) => None,
+    };
     if dry_run {
-        return preview(reader, &chosen).await;
+        return preview(reader, &selection, by_id).await;
     }
+    let total = match (&by_id, &selection) {
+        (Some(letters), _) => Some(letters.len()),
+        (None, Selection::All) => reader
+            .count()
+            .await?
+            .map(|count| usize::try_from(count).unwrap_or(usize::MAX)),
+        (None, _) => None,
+    };
     for caveat in reader.caveats() {
         eprintln!("note: {caveat}");
     }
-    let stop = Stop::install()?;
-    let interval = rate.map(|rate| Duration::from_secs_f64(1.0 / rate));
-    let mut progress = Progress::new(chosen.len());
-    let started = Instant::now();
-    let (mut done, mut failed) = (0, 0);
-    for (index, letter) in chosen.iter().enumerate() {
-        if let Some(interval) = interval {
-            let next = started + interval.mul_f64(index as f64);
-            tokio::select! {
-                () = stop.token.cancelled() => {}
-                () = tokio::time::sleep_until(next.into()) => {}
-            }
-        }
-        if stop.received().is_some() {
-            break;
-        }
-        done += 1;
-        if let Err(err) = reader.redrive(letter).await {
-            failed += 1;
-            eprintln!(
-                "\ncannot redrive {}: {}",
-                letter.id,
-                switchboard_telemetry::ErrorChain(&err)
-            );
-            if err.is_fatal() {
-                progress.finish();
-                reader.release(&chosen[index + 1..]).await?;
-                return Err(err.into());
-            }
-        }
-        progress.update(done);
-    }
-    progress.finish();
-    reader.release(&chosen[done..]).await?;
-    let summary = Summary {
-        redriven: done - failed,
-        left: chosen.len() - done,
-        failed,
-        seconds: started.elapsed().as_secs_f64(),
+    let mut mover = Mover {
+        stop: Stop::install()?,
+        interval: rate.map(|rate| Duration::from_secs_f64(1.0 / rate)),
+        progress: Progress::new(total),
+        started: Instant::now(),
+        done: 0,
+        failed: 0,
     };
-    summary.print(reader, stop.received())
+    match by_id {
+        Some(letters) => {
+            mover.redrive(reader, letters).await?;
+        }
+        None => {
+            walk(
+                reader,
+                SQS_SIZED_PAGE,
+                |letter| selection.takes(letter),
+                async |reader, letters| mover.redrive(reader, letters).await,
+            )
+            .await?;
+        }
+    }
+    mover.progress.finish();
+    let signal = mover.stop.received();
+    let left = match signal {
+        None => Some(0),
+        Some(_) => total.map(|total| total.saturating_sub(mover.done)),
+    };
+    let summary = Summary {
+        redriven: mover.done - mover.failed,
+        left,
+        failed: mover.failed,
+        seconds: mover.started.elapsed().as_secs_f64(),
+    };
+    summary.print(reader, signal)
+}
+
+/// Letters per page a redrive reads ahead: few, so that none waits long in hand (SQS hides a
+/// letter it hands out for 20 s only).
+const SQS_SIZED_PAGE: usize = 10;
+
+/// A redrive in progress: paced, watched, stoppable between two letters.
+struct Mover {
+    stop: Stop,
+    interval: Option<Duration>,
+    progress: Progress,
+    started: Instant,
+    /// Letters tried (redriven or failed).
+    done: usize,
+    failed: usize,
+}
+
+impl Mover {
+    /// Redrives `letters` one at a time; returns whether to go on (no signal came). What it
+    /// does not get to is handed back.
+    async fn redrive<R: DeadLetterReader>(
+        &mut self,
+        reader: &mut R,
+        letters: Vec<StoredLetter>,
+    ) -> Result<bool, DlqError> {
+        for (index, letter) in letters.iter().enumerate() {
+            if let Some(interval) = self.interval {
+                let next = self.started + interval.mul_f64(self.done as f64);
+                tokio::select! {
+                    () = self.stop.token.cancelled() => {}
+                    () = tokio::time::sleep_until(next.into()) => {}
+                }
+            }
+            if self.stop.received().is_some() {
+                reader.release(&letters[index..]).await?;
+                return Ok(false);
+            }
+            self.done += 1;
+            if let Err(err) = reader.redrive(letter).await {
+                self.failed += 1;
+                eprintln!(
+                    "\ncannot redrive {}: {}",
+                    letter.id,
+                    switchboard_telemetry::ErrorChain(&err)
+                );
+                if err.is_fatal() {
+                    self.progress.finish();
+                    reader.release(&letters[index + 1..]).await?;
+                    return Err(err.into());
+                }
+            }
+            self.progress.update(self.done);
+        }
+        Ok(true)
+    }
 }
 
 /// What a redrive did.
 struct Summary {
     redriven: usize,
-    left: usize,
+    /// Letters of the selection not tried, where known.
+    left: Option<usize>,
     failed: usize,
     seconds: f64,
 }
@@ -212,6 +273,7 @@ impl Summary {
             Some(_) => "redrive stopped by SIGINT",
             None => "redrive",
         };
+        let left = left.map_or_else(|| "the rest".to_owned(), |left| left.to_string());
         stdout_line(&format!(
             "{verb}: {redriven} redriven from {} to {}, {left} left, {failed} failed, in {seconds:.1}s",
             reader.destination(),
@@ -221,10 +283,7 @@ impl Summary {
             return Err(DlqError::Stopped { signal });
         }
         if failed > 0 {
-            return Err(DlqError::Incomplete {
-                failed,
-                selected: redriven + left + failed,
-            });
+            return Err(DlqError::Incomplete { failed });
         }
         Ok(())
     }
@@ -233,20 +292,31 @@ impl Summary {
 /// `--dry-run`: what would be redriven, and nothing moved.
 async fn preview<R: DeadLetterReader>(
     reader: &mut R,
-    chosen: &[StoredLetter],
+    selection: &Selection,
+    by_id: Option<Vec<StoredLetter>>,
 ) -> Result<(), DlqError> {
     let source = reader.source();
-    for letter in chosen {
-        stdout_line(&format!(
-            "would redrive {} ({}) to {source}",
-            letter.id,
-            letter.reason.as_deref().unwrap_or("unknown reason")
-        ))?;
+    let mut count = 0;
+    let mut say = async |reader: &mut R, letters: Vec<StoredLetter>| {
+        for letter in &letters {
+            stdout_line(&format!(
+                "would redrive {} ({}) to {source}",
+                letter.id,
+                letter.reason.as_deref().unwrap_or("unknown reason")
+            ))?;
+        }
+        count += letters.len();
+        reader.release(&letters).await?;
+        Ok(true)
+    };
+    match by_id {
+        Some(letters) => {
+            say(reader, letters).await?;
+        }
+        None => walk(reader, PAGE, |letter| selection.takes(letter), say).await?,
     }
-    reader.release(chosen).await?;
     stdout_line(&format!(
-        "dry run: {} dead letters would be redriven from {} to {source}",
-        chosen.len(),
+        "dry run: {count} dead letters would be redriven from {} to {source}",
         reader.destination()
     ))
 }
@@ -257,9 +327,11 @@ mod tests {
 
     #[test]
     fn progress_says_the_rate_and_the_time_left() {
-        let progress = Progress::new(100);
+        let progress = Progress::new(Some(100));
         let ten = Duration::from_secs(10);
         assert_eq!(progress.line(50, ten), "50/100 (5.0/s, 10s left)");
         assert_eq!(progress.line(0, ten), "0/100 (0.0/s, ? left)");
+        let unknown = Progress::new(None);
+        assert_eq!(unknown.line(50, ten), "50 (5.0/s)");
     }
 }

@@ -30,7 +30,20 @@ pub struct StoredLetter {
     pub(crate) handle: String,
 }
 
-/// What every transport's dead-letter destination can do.
+/// Where the next page of a listing starts; what it holds is the reader's own.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Cursor(pub(crate) String);
+
+/// Some dead letters, oldest first, and where the next page starts (`None`: none is left).
+/// A page may be shorter than asked for, even empty, while `next` is `Some`.
+#[derive(Debug, Default)]
+pub struct Page {
+    pub letters: Vec<StoredLetter>,
+    pub next: Option<Cursor>,
+}
+
+/// What every transport's dead-letter destination can do. The commands read it a page at a
+/// time, so what they hold is a page, whatever the destination's size.
 #[allow(async_fn_in_trait)]
 pub trait DeadLetterReader {
     /// The dead-letter destination, for people (`Redis stream orders.dlq`).
@@ -39,8 +52,30 @@ pub trait DeadLetterReader {
     fn source(&self) -> String;
     /// What to know before redriving (ordering, FIFO groups).
     fn caveats(&self) -> Vec<String>;
-    /// The dead letters, oldest first, at most `limit`.
-    async fn letters(&mut self, limit: usize) -> Result<Vec<StoredLetter>, TransportError>;
+    /// How many letters the destination holds, where the broker says so without handing them
+    /// out (SQS: approximately); `None` where it cannot.
+    async fn count(&mut self) -> Result<Option<u64>, TransportError>;
+    /// At most `limit` letters after `after` (from the oldest when `None`).
+    async fn page(&mut self, after: Option<&Cursor>, limit: usize) -> Result<Page, TransportError>;
+    /// The letter `id`, if the destination holds it. By default it is looked for page by page
+    /// (the time grows with the letters before it, the memory does not), handing back each
+    /// page that does not hold it; a reader whose broker can look a letter up by its id does.
+    async fn letter(&mut self, id: &str) -> Result<Option<StoredLetter>, TransportError> {
+        let mut after = None;
+        loop {
+            let Page { letters, next } = self.page(after.as_ref(), SCAN_PAGE).await?;
+            let (found, others): (Vec<StoredLetter>, Vec<StoredLetter>) =
+                letters.into_iter().partition(|letter| letter.id == id);
+            self.release(&others).await?;
+            if let Some(letter) = found.into_iter().next() {
+                return Ok(Some(letter));
+            }
+            match next {
+                Some(cursor) => after = Some(cursor),
+                None => return Ok(None),
+            }
+        }
+    }
     /// Publishes `letter` to the source, waits for the broker's confirmation, and only then
     /// removes it from the destination.
     async fn redrive(&mut self, letter: &StoredLetter) -> Result<(), TransportError>;
@@ -51,6 +86,9 @@ pub trait DeadLetterReader {
         Ok(())
     }
 }
+
+/// Letters per page when a reader looks for one letter page by page.
+pub const SCAN_PAGE: usize = 100;
 
 /// The idempotency key a redriven copy carries: the one the letter's original already carried
 /// (it was itself a redriven copy), else the key of its original id.

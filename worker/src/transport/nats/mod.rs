@@ -60,6 +60,7 @@ mod consumer;
 mod dead_letter;
 mod headers;
 mod probe;
+pub mod reader;
 mod receive;
 
 use std::collections::{BTreeMap, BTreeSet};

@@ -6,6 +6,11 @@
 //! letter goes back as a new entry (the body in `bodyField`, the original fields, and
 //! [`IDEMPOTENCY_KEY_HEADER`] = `redis:{adapter}:{original entry id}`); a list letter's body is
 //! pushed back as producers push it (its key is its body's hash, so it needs no header).
+//!
+//! Both are read a page at a time (`XRANGE … COUNT`, `LRANGE` from the right end). `show ID`
+//! of a stream letter is one `XRANGE ID ID`; a list has no index by id (a list letter's id is
+//! its record's hash), so `show ID` reads the list page by page until it finds it: time grows
+//! with the letters older than it, memory does not.
 
 use redis::Value;
 use sha2::{Digest, Sha256};
@@ -13,11 +18,21 @@ use switchboard_api::{QueueAdapter, RedisSource};
 
 use super::stream::{parse_entries, parse_id};
 use super::{CONTROL_TIMEOUT, Connection, NamedKey, array, open, record_time_ms};
-use crate::transport::reader::{DeadLetterReader, StoredLetter, headers_from_json, redrive_key};
+use crate::transport::reader::{
+    Cursor, DeadLetterReader, Page, StoredLetter, headers_from_json, redrive_key,
+};
 use crate::transport::{Attempts, IDEMPOTENCY_KEY_HEADER, TransportError};
 
 /// Letters removed per command of a purge.
 const CHUNK: usize = 500;
+
+/// An integer reply (`XLEN`, `LLEN`).
+fn integer(reply: &Value) -> Option<u64> {
+    match reply {
+        Value::Int(n) => u64::try_from(*n).ok(),
+        _ => None,
+    }
+}
 
 /// The dead-letter stream of a stream-mode adapter.
 #[derive(Debug)]
@@ -52,6 +67,32 @@ impl StreamReader {
             body_field: redis.body_field.clone(),
             source: format!("redis:{}", adapter.adapter_name()),
         })
+    }
+
+    /// The letters from `start` to `end` (`XRANGE` ids), at most `count`, and the id of the
+    /// last entry read when there may be more.
+    async fn range(
+        &mut self,
+        start: &str,
+        end: &str,
+        count: usize,
+    ) -> Result<(Vec<StoredLetter>, Option<String>), TransportError> {
+        let mut range = redis::cmd("XRANGE");
+        range
+            .arg(&self.dead_letter_stream)
+            .arg(start)
+            .arg(end)
+            .arg("COUNT")
+            .arg(count.max(1));
+        let entries = parse_entries("XRANGE", self.conn.query("XRANGE", &range).await?)?;
+        let last = (entries.len() >= count.max(1))
+            .then(|| entries.last().map(|entry| entry.id.clone()))
+            .flatten();
+        let letters = entries
+            .into_iter()
+            .filter_map(|entry| Some(stream_letter(entry.id, entry.fields?)))
+            .collect();
+        Ok((letters, last))
     }
 }
 
@@ -102,17 +143,28 @@ impl DeadLetterReader for StreamReader {
         )]
     }
 
-    async fn letters(&mut self, limit: usize) -> Result<Vec<StoredLetter>, TransportError> {
-        let mut range = redis::cmd("XRANGE");
-        range.arg(&self.dead_letter_stream).arg("-").arg("+");
-        if limit < usize::MAX {
-            range.arg("COUNT").arg(limit);
+    async fn count(&mut self) -> Result<Option<u64>, TransportError> {
+        let mut length = redis::cmd("XLEN");
+        length.arg(&self.dead_letter_stream);
+        Ok(integer(&self.conn.query("XLEN", &length).await?))
+    }
+
+    async fn page(&mut self, after: Option<&Cursor>, limit: usize) -> Result<Page, TransportError> {
+        let start = after.map_or_else(|| "-".to_owned(), |cursor| format!("({}", cursor.0));
+        let (letters, last) = self.range(&start, "+", limit).await?;
+        Ok(Page {
+            letters,
+            next: last.map(Cursor),
+        })
+    }
+
+    /// One `XRANGE ID ID`: no scan.
+    async fn letter(&mut self, id: &str) -> Result<Option<StoredLetter>, TransportError> {
+        if parse_id(id).is_none() {
+            return Ok(None);
         }
-        let entries = parse_entries("XRANGE", self.conn.query("XRANGE", &range).await?)?;
-        Ok(entries
-            .into_iter()
-            .filter_map(|entry| Some(stream_letter(entry.id, entry.fields?)))
-            .collect())
+        let (letters, _) = self.range(id, id, 1).await?;
+        Ok(letters.into_iter().next())
     }
 
     async fn redrive(&mut self, letter: &StoredLetter) -> Result<(), TransportError> {
@@ -158,6 +210,8 @@ pub struct ListReader {
     conn: Connection,
     list: String,
     dead_letter_list: String,
+    /// Records this reader removed since its listing began (see `page`).
+    removed: usize,
 }
 
 impl ListReader {
@@ -176,6 +230,7 @@ impl ListReader {
             conn: Connection::new(open(url)?, CONTROL_TIMEOUT).naming(keys),
             list,
             dead_letter_list,
+            removed: 0,
         })
     }
 }
@@ -234,21 +289,42 @@ impl DeadLetterReader for ListReader {
         )]
     }
 
-    async fn letters(&mut self, limit: usize) -> Result<Vec<StoredLetter>, TransportError> {
-        // Letters are pushed on the left: the oldest is the rightmost.
+    async fn count(&mut self) -> Result<Option<u64>, TransportError> {
+        let mut length = redis::cmd("LLEN");
+        length.arg(&self.dead_letter_list);
+        Ok(integer(&self.conn.query("LLEN", &length).await?))
+    }
+
+    /// Letters are pushed on the left: the oldest is the rightmost, and a page is counted from
+    /// the right. A cursor is how many records the listing passed; those this reader removed
+    /// since are subtracted (they no longer stand between the right end and the next page).
+    async fn page(&mut self, after: Option<&Cursor>, limit: usize) -> Result<Page, TransportError> {
+        let passed = match after {
+            None => {
+                self.removed = 0;
+                0
+            }
+            Some(cursor) => cursor.0.parse::<usize>().unwrap_or(0),
+        };
+        let limit = limit.max(1);
+        let from_right = passed.saturating_sub(self.removed);
         let mut range = redis::cmd("LRANGE");
-        range.arg(&self.dead_letter_list).arg(0).arg(-1);
+        range
+            .arg(&self.dead_letter_list)
+            .arg(-i64::try_from(from_right + limit).unwrap_or(i64::MAX))
+            .arg(-i64::try_from(from_right + 1).unwrap_or(i64::MAX));
         let reply = self.conn.query("LRANGE", &range).await?;
-        Ok(array(&reply)
-            .unwrap_or_default()
+        let records = array(&reply).unwrap_or_default();
+        let next = (records.len() >= limit).then(|| Cursor((passed + records.len()).to_string()));
+        let letters = records
             .iter()
             .rev()
             .filter_map(|value| match value {
                 Value::BulkString(record) => list_letter(record),
                 _ => None,
             })
-            .take(limit)
-            .collect())
+            .collect();
+        Ok(Page { letters, next })
     }
 
     async fn redrive(&mut self, letter: &StoredLetter) -> Result<(), TransportError> {
@@ -258,9 +334,10 @@ impl DeadLetterReader for ListReader {
         pipe.cmd("LREM")
             .arg(&self.dead_letter_list)
             .arg(-1)
-            .arg(&letter.handle)
-            .ignore();
-        self.conn.pipeline::<()>("LPUSH+LREM", &pipe).await
+            .arg(&letter.handle);
+        let (removed,): (usize,) = self.conn.pipeline("LPUSH+LREM", &pipe).await?;
+        self.removed += removed;
+        Ok(())
     }
 
     async fn remove(&mut self, letters: &[StoredLetter]) -> Result<(), TransportError> {
@@ -270,10 +347,10 @@ impl DeadLetterReader for ListReader {
                 pipe.cmd("LREM")
                     .arg(&self.dead_letter_list)
                     .arg(-1)
-                    .arg(&letter.handle)
-                    .ignore();
+                    .arg(&letter.handle);
             }
-            self.conn.pipeline::<()>("LREM", &pipe).await?;
+            let removed: Vec<usize> = self.conn.pipeline("LREM", &pipe).await?;
+            self.removed += removed.iter().sum::<usize>();
         }
         Ok(())
     }

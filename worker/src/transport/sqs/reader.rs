@@ -1,9 +1,15 @@
 //! The SQS dead-letter reader (`switchboard-worker dlq`).
 //!
-//! SQS has no way to look at a queue without receiving from it: the reader receives every
-//! letter with a short visibility timeout ([`HOLD`]), so each is seen once per command, and
-//! hands back what it did not redrive or delete (`ChangeMessageVisibility` 0) when done. A
-//! command that is killed leaves its letters hidden until their visibility expires.
+//! SQS has no way to look at a queue without receiving from it: the reader receives letters
+//! one `ReceiveMessage` (10 letters) per page with a short visibility timeout ([`HOLD`]), and
+//! the commands hand back at once what they do not redrive or delete (`ChangeMessageVisibility`
+//! 0). A listing is one pass: it stops on an empty receive or when a letter it already read
+//! comes back, and `list --limit N` stops after N letters (and one page more, to say whether it
+//! was cut). A command that is killed leaves the page it held hidden until [`HOLD`] expires.
+//! SQS cannot look a letter up by id either: `show ID` (and redrive or purge by id) read the
+//! queue page by page until they find it, so their time grows with the queue, their memory
+//! does not (the reader keeps the message ids of one pass, not the letters). Letters come in
+//! the order SQS hands them out; a page is sorted by the time its letters were dead-lettered.
 //!
 //! A letter the worker wrote carries its context as `x-dlq-*` attributes and the original
 //! attributes in `x-dlq-attributes`; a letter SQS moved itself (the source queue's
@@ -12,12 +18,12 @@
 //! attributes to the source queue with [`IDEMPOTENCY_KEY_HEADER`] = `sqs:{adapter}:{original
 //! MessageId}`, waits for SQS to accept it, then deletes the letter.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
 
 use aws_sdk_sqs::primitives::Blob;
 use aws_sdk_sqs::types::{
-    Message as SqsMessage, MessageAttributeValue, MessageSystemAttributeName,
+    Message as SqsMessage, MessageAttributeValue, MessageSystemAttributeName, QueueAttributeName,
 };
 use sha2::{Digest, Sha256};
 use switchboard_api::QueueAdapter;
@@ -26,7 +32,9 @@ use switchboard_store::Store;
 use super::Sqs;
 use super::classify::Addressed;
 use crate::transport::identity::idempotency_key;
-use crate::transport::reader::{DeadLetterReader, StoredLetter, headers_from_json, redrive_key};
+use crate::transport::reader::{
+    Cursor, DeadLetterReader, Page, StoredLetter, headers_from_json, redrive_key,
+};
 use crate::transport::{Attempt, Attempts, IDEMPOTENCY_KEY_HEADER, Transport, TransportError};
 
 /// How long a letter read by a command stays hidden from other readers (seconds).
@@ -50,8 +58,10 @@ pub struct SqsReader {
     sqs: Sqs,
     /// Where the attempts of letters SQS moved itself are recorded, if `DATABASE_URL` is set.
     store: Option<Store>,
-    /// When each letter of this command was received, by receipt handle.
+    /// When each letter this command holds was received, by receipt handle.
     read_at: HashMap<String, Instant>,
+    /// The message ids of the letters read in this pass (see `page`).
+    seen: HashSet<String>,
 }
 
 fn text(attributes: &HashMap<String, MessageAttributeValue>, name: &str) -> Option<String> {
@@ -79,6 +89,7 @@ impl SqsReader {
             sqs,
             store,
             read_at: HashMap::new(),
+            seen: HashSet::new(),
         })
     }
 
@@ -244,6 +255,51 @@ impl SqsReader {
     }
 }
 
+/// The attribute of a redriven copy that holds its key, and the original attributes there was
+/// no room for, when the original had SQS's maximum ([`MAX_ATTRIBUTES`]): their JSON form
+/// (`{"name": "text" | {"base64": …}}`).
+pub(super) const PACKED_ATTRIBUTE: &str = "x-switchboard-redriven";
+
+/// The message attributes of a letter's redriven copy: the original ones (not the system
+/// attributes kept among the headers, not an older key) and [`IDEMPOTENCY_KEY_HEADER`] =
+/// `key`. An original at SQS's maximum of attributes leaves no room for the key: its last
+/// attribute then travels with the key in [`PACKED_ATTRIBUTE`], which the transport unpacks
+/// when it receives the copy ([`unpack_redriven`]), so the copy is stored with every original
+/// attribute and its original key.
+fn copy_attributes(headers: &[(String, Vec<u8>)], key: &str) -> Vec<(String, Vec<u8>)> {
+    let mut attributes: Vec<(String, Vec<u8>)> = headers
+        .iter()
+        .filter(|(name, _)| !is_system_attribute(name) && name != IDEMPOTENCY_KEY_HEADER)
+        .cloned()
+        .collect();
+    let key = (IDEMPOTENCY_KEY_HEADER.to_owned(), key.as_bytes().to_vec());
+    if attributes.len() < MAX_ATTRIBUTES {
+        attributes.push(key);
+        return attributes;
+    }
+    let mut packed = attributes.split_off(MAX_ATTRIBUTES - 1);
+    packed.insert(0, key);
+    attributes.push((
+        PACKED_ATTRIBUTE.to_owned(),
+        crate::payload::fields_json(&packed).into_bytes(),
+    ));
+    attributes
+}
+
+/// The headers of a received message with [`PACKED_ATTRIBUTE`] opened: the key and the
+/// attributes it holds in its place (see [`copy_attributes`]).
+pub(super) fn unpack_redriven(headers: &mut Vec<(String, Vec<u8>)>) {
+    let Some(index) = headers
+        .iter()
+        .position(|(name, _)| name == PACKED_ATTRIBUTE)
+    else {
+        return;
+    };
+    let (_, packed) = headers.remove(index);
+    headers.extend(headers_from_json(&String::from_utf8_lossy(&packed)));
+    headers.sort_by(|a, b| a.0.cmp(&b.0));
+}
+
 /// A message attribute: `String` when `value` is UTF-8, `Binary` otherwise.
 pub(super) fn attribute(value: &[u8]) -> Result<MessageAttributeValue, TransportError> {
     let built = match std::str::from_utf8(value) {
@@ -287,37 +343,77 @@ impl DeadLetterReader for SqsReader {
         }]
     }
 
-    async fn letters(&mut self, limit: usize) -> Result<Vec<StoredLetter>, TransportError> {
-        let url = self.dead_letter_url()?;
-        let mut letters = Vec::new();
-        while letters.len() < limit {
-            let want = (limit - letters.len()).min(10);
-            let output = self
-                .sqs
-                .client
-                .receive_message()
-                .queue_url(&url)
-                .max_number_of_messages(i32::try_from(want).unwrap_or(10))
-                .visibility_timeout(HOLD)
-                .wait_time_seconds(0)
-                .message_system_attribute_names(MessageSystemAttributeName::All)
-                .message_attribute_names("All")
-                .send()
-                .await
-                .map_err(|err| {
-                    self.sqs
-                        .errors
-                        .error("ReceiveMessage", Addressed::DeadLetter, err)
-                })?;
-            let messages = output.messages.unwrap_or_default();
-            if messages.is_empty() {
-                break;
-            }
-            letters.extend(messages.into_iter().filter_map(|m| self.letter(m)));
+    async fn count(&mut self) -> Result<Option<u64>, TransportError> {
+        let output = self
+            .sqs
+            .client
+            .get_queue_attributes()
+            .queue_url(self.dead_letter_url()?)
+            .attribute_names(QueueAttributeName::ApproximateNumberOfMessages)
+            .attribute_names(QueueAttributeName::ApproximateNumberOfMessagesNotVisible)
+            .send()
+            .await
+            .map_err(|err| {
+                self.sqs
+                    .errors
+                    .error("GetQueueAttributes", Addressed::DeadLetter, err)
+            })?;
+        let attributes = output.attributes.unwrap_or_default();
+        let number = |name| attributes.get(&name).and_then(|v| v.parse::<u64>().ok());
+        Ok(
+            number(QueueAttributeName::ApproximateNumberOfMessages).map(|visible| {
+                visible
+                    + number(QueueAttributeName::ApproximateNumberOfMessagesNotVisible).unwrap_or(0)
+            }),
+        )
+    }
+
+    /// One `ReceiveMessage` (at most 10 letters, hidden for [`HOLD`]). A listing is one pass
+    /// over the queue: it ends on an empty receive or when a letter it already read comes
+    /// back (handed back at once); `after: None` starts a new pass.
+    async fn page(&mut self, after: Option<&Cursor>, limit: usize) -> Result<Page, TransportError> {
+        if after.is_none() {
+            self.seen.clear();
         }
+        let url = self.dead_letter_url()?;
+        let output = self
+            .sqs
+            .client
+            .receive_message()
+            .queue_url(&url)
+            .max_number_of_messages(i32::try_from(limit.clamp(1, 10)).unwrap_or(10))
+            .visibility_timeout(HOLD)
+            .wait_time_seconds(0)
+            .message_system_attribute_names(MessageSystemAttributeName::All)
+            .message_attribute_names("All")
+            .send()
+            .await
+            .map_err(|err| {
+                self.sqs
+                    .errors
+                    .error("ReceiveMessage", Addressed::DeadLetter, err)
+            })?;
+        let messages = output.messages.unwrap_or_default();
+        let mut next = (!messages.is_empty()).then(|| Cursor(String::new()));
+        let (mut letters, mut again) = (Vec::new(), Vec::new());
+        for message in messages {
+            let first = self
+                .seen
+                .insert(message.message_id.clone().unwrap_or_default());
+            let Some(letter) = self.letter(message) else {
+                continue;
+            };
+            if first {
+                letters.push(letter);
+            } else {
+                again.push(letter);
+                next = None;
+            }
+        }
+        self.release(&again).await?;
         letters.sort_by_key(|letter| letter.dead_lettered_at_ms);
         self.recorded_attempts(&mut letters).await?;
-        Ok(letters)
+        Ok(Page { letters, next })
     }
 
     async fn redrive(&mut self, letter: &StoredLetter) -> Result<(), TransportError> {
@@ -325,26 +421,14 @@ impl DeadLetterReader for SqsReader {
         let queues = self.sqs.queues()?.clone();
         let original = letter.original_id.as_deref().unwrap_or(&letter.id);
         let key = redrive_key(&letter.headers, self.sqs.source(), original);
-        let kept: Vec<&(String, Vec<u8>)> = letter
-            .headers
-            .iter()
-            .filter(|(name, _)| !is_system_attribute(name) && name != IDEMPOTENCY_KEY_HEADER)
-            .collect();
-        if kept.len() >= MAX_ATTRIBUTES {
-            return Err(TransportError::protocol(format!(
-                "the letter has {} message attributes: SQS allows {MAX_ATTRIBUTES}, with no room left for {IDEMPOTENCY_KEY_HEADER}",
-                kept.len()
-            )));
-        }
         let mut send = self
             .sqs
             .client
             .send_message()
             .queue_url(&queues.url)
-            .message_body(String::from_utf8_lossy(&letter.body))
-            .message_attributes(IDEMPOTENCY_KEY_HEADER, attribute(key.as_bytes())?);
-        for (name, value) in kept {
-            send = send.message_attributes(name, attribute(value)?);
+            .message_body(String::from_utf8_lossy(&letter.body));
+        for (name, value) in copy_attributes(&letter.headers, &key) {
+            send = send.message_attributes(name, attribute(&value)?);
         }
         if queues.fifo {
             let group = letter
@@ -381,5 +465,38 @@ impl DeadLetterReader for SqsReader {
             self.read_at.remove(&letter.handle);
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_copy_of_a_letter_at_the_attribute_limit_packs_its_key_and_unpacks_as_the_original() {
+        let originals: Vec<(String, Vec<u8>)> = (0..MAX_ATTRIBUTES)
+            .map(|n| (format!("a{n}"), format!("v{n}").into_bytes()))
+            .collect();
+        let mut headers = originals.clone();
+        headers.push(("SentTimestamp".to_owned(), b"1".to_vec()));
+        let copy = copy_attributes(&headers, "sqs:shop/orders:m-1");
+        assert_eq!(copy.len(), MAX_ATTRIBUTES);
+        assert!(copy.iter().all(|(name, _)| name != IDEMPOTENCY_KEY_HEADER));
+        let mut received = copy;
+        unpack_redriven(&mut received);
+        let mut expected = originals;
+        expected.push((
+            IDEMPOTENCY_KEY_HEADER.to_owned(),
+            b"sqs:shop/orders:m-1".to_vec(),
+        ));
+        expected.sort();
+        assert_eq!(received, expected);
+
+        let few = copy_attributes(&expected[..2], "k");
+        assert_eq!(few.len(), 3);
+        assert!(
+            few.iter()
+                .any(|(name, value)| name == IDEMPOTENCY_KEY_HEADER && value == b"k")
+        );
     }
 }

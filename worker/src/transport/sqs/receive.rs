@@ -87,6 +87,7 @@ pub fn convert(source: &str, fifo: bool, raw: SqsMessage) -> Received {
         };
         headers.push((name, bytes));
     }
+    super::reader::unpack_redriven(&mut headers);
     let mut described: Vec<_> = system
         .iter()
         .filter(|(name, _)| !is_delivery_attribute(name))
