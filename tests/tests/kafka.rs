@@ -655,3 +655,77 @@ fn plain(value: Vec<u8>) -> Record {
         headers: Vec::new(),
     }
 }
+
+/// Four days in milliseconds.
+const FOUR_DAYS_MS: &str = "345600000";
+
+async fn wait_ready(worker: &WorkerProcess) -> Result<()> {
+    wait_for(LONG, "the worker is ready", || async {
+        Ok(worker.http_get("/readyz")?.0 == 200)
+    })
+    .await
+    .map_err(|err| err.context(worker.log_tail()))
+}
+
+#[tokio::test]
+async fn dead_letter_topic_kept_four_days_is_raised_to_retention_days() -> Result<()> {
+    let setup = Setup::start("brief", "claimIdleSeconds: 2", "").await?;
+    // max.message.bytes: a setting of the topic's own that raising retention.ms must keep.
+    setup
+        .server()
+        .set_topic_configs(
+            "brief.dlq",
+            &[
+                ("retention.ms", FOUR_DAYS_MS),
+                ("max.message.bytes", "2000000"),
+            ],
+        )
+        .await?;
+    let worker = setup.worker("worker-a")?;
+    wait_ready(&worker).await?;
+    let server = setup.server();
+    let kept = server.topic_config("brief.dlq", "retention.ms").await?;
+    ensure!(
+        kept.as_deref() == Some("1209600000"),
+        "retention.ms of brief.dlq is {kept:?}, not 14 days\n{}",
+        worker.log_tail()
+    );
+    let max = server
+        .topic_config("brief.dlq", "max.message.bytes")
+        .await?;
+    ensure!(
+        max.as_deref() == Some("2000000"),
+        "raising retention.ms reset max.message.bytes: {max:?}"
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn accept_shorter_retention_leaves_a_four_day_dead_letter_topic() -> Result<()> {
+    let setup = Setup::start(
+        "accepted",
+        "claimIdleSeconds: 2, deadLetter: {acceptShorterRetention: true}",
+        "",
+    )
+    .await?;
+    setup
+        .server()
+        .set_topic_config("accepted.dlq", "retention.ms", FOUR_DAYS_MS)
+        .await?;
+    let worker = setup.worker("worker-a")?;
+    wait_ready(&worker).await?;
+    let kept = setup
+        .server()
+        .topic_config("accepted.dlq", "retention.ms")
+        .await?;
+    ensure!(
+        kept.as_deref() == Some(FOUR_DAYS_MS),
+        "retention.ms changed: {kept:?}"
+    );
+    ensure!(
+        worker.log().contains("acceptShorterRetention"),
+        "no warning about the shorter retention:\n{}",
+        worker.log_tail()
+    );
+    Ok(())
+}
