@@ -729,3 +729,34 @@ async fn accept_shorter_retention_leaves_a_four_day_dead_letter_topic() -> Resul
     );
     Ok(())
 }
+
+/// Reads gauge `family` of the adapter.
+fn gauge(setup: &Setup, worker: &WorkerProcess, family: &str) -> Result<f64> {
+    worker.metric(&format!(
+        r#"switchboard_{family}{{adapter="test/{}"}}"#,
+        setup.name
+    ))
+}
+
+#[tokio::test]
+async fn dead_letter_gauges_count_the_topic_and_age_its_oldest_letter() -> Result<()> {
+    let setup = Setup::start("gauged", "claimIdleSeconds: 2", "format: json").await?;
+    let mut records = bodies(0..3);
+    records.push(b"{\"order\": broken".to_vec());
+    records.push(b"not json either".to_vec());
+    setup.server().produce(setup.name, records).await?;
+    let worker = setup.worker("w1")?;
+    setup.wait_settled(3, &[&worker]).await?;
+    wait_for(LONG, "2 dead letters counted, the oldest aged", || async {
+        Ok(gauge(&setup, &worker, "dead_letter_messages")? == 2.0
+            && gauge(&setup, &worker, "oldest_dead_letter_age_seconds")? > 0.0)
+    })
+    .await
+    .map_err(|err| err.context(worker.log_tail()))?;
+    let age = gauge(&setup, &worker, "oldest_dead_letter_age_seconds")?;
+    ensure!(
+        age < 120.0,
+        "the age counts from the letter's write: {age} s"
+    );
+    Ok(())
+}

@@ -793,3 +793,32 @@ async fn accept_shorter_retention_leaves_a_four_day_dead_letter_stream() -> Resu
     );
     Ok(())
 }
+
+#[tokio::test]
+async fn oldest_dead_letter_age_gauge_counts_from_the_letter_write() -> Result<()> {
+    let setup = Setup::start("aged", ", ackWaitSeconds: 2", "batchSize: 10").await?;
+    let mut all = bodies(0..3);
+    all.push(b"{\"order\": broken".to_vec());
+    setup.produce(all).await?;
+    let worker = setup.fx.worker(&setup.manifest, "w1")?;
+    setup.wait_settled(3, &worker).await?;
+    let age = "switchboard_oldest_dead_letter_age_seconds";
+    wait_for(
+        LONG,
+        "one dead letter counted, its age above zero",
+        || async {
+            Ok(
+                setup.metric(&worker, "switchboard_dead_letter_messages")? == 1.0
+                    && setup.metric(&worker, age)? > 0.0,
+            )
+        },
+    )
+    .await
+    .with_context(|| worker.log_tail())?;
+    let seconds = setup.metric(&worker, age)?;
+    ensure!(
+        seconds < 120.0,
+        "the age counts from the letter's write: {seconds} s"
+    );
+    Ok(())
+}

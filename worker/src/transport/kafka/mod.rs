@@ -274,6 +274,11 @@ impl Transport for Kafka {
             start_from: self.spec.start_from,
             adapter: self.adapter.clone(),
             lag: self.lag.clone(),
+            dead_letter_topics: match (&self.dead_letter_topic, &self.spec.topics) {
+                (Some(topic), _) => vec![topic.clone()],
+                (None, Some(named)) => named.iter().map(|t| self.dead_letter_topic(t)).collect(),
+                (None, None) => Vec::new(),
+            },
         }
     }
 
