@@ -802,14 +802,6 @@ async fn listed_arguments(server: &RabbitMq, name: &str) -> Result<String> {
         .with_context(|| format!("queue {name} is not listed:\n{listed}"))
 }
 
-async fn wait_ready(worker: &WorkerProcess) -> Result<()> {
-    wait_for(LONG, "the worker is ready", || async {
-        Ok(worker.http_get("/readyz")?.0 == 200)
-    })
-    .await
-    .with_context(|| worker.log_tail())
-}
-
 #[tokio::test]
 async fn dead_letter_queue_is_declared_with_retention_days_as_message_ttl() -> Result<()> {
     let mut fx = Fixture::start().await?;
@@ -819,7 +811,7 @@ async fn dead_letter_queue_is_declared_with_retention_days_as_message_ttl() -> R
         .await?;
     let manifest = json_manifest(&fx, "kept", "batchSize: 10, deadLetter: {retentionDays: 9}")?;
     let worker = fx.worker(&manifest, "w1")?;
-    wait_ready(&worker).await?;
+    worker.wait_ready(LONG).await?;
     let arguments = listed_arguments(&server, "kept.dlq").await?;
     ensure!(
         arguments.contains("x-message-ttl") && arguments.contains("777600000"),
@@ -856,7 +848,7 @@ async fn existing_dead_letter_queue_with_shorter_ttl_exits_naming_retention_days
         "batchSize: 10, deadLetter: {acceptShorterRetention: true}",
     )?;
     let worker = fx.worker(&manifest, "w2")?;
-    wait_ready(&worker).await?;
+    worker.wait_ready(LONG).await?;
     ensure!(
         worker.log().contains("acceptShorterRetention"),
         "no warning about the shorter retention:\n{}",

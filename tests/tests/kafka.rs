@@ -659,14 +659,6 @@ fn plain(value: Vec<u8>) -> Record {
 /// Four days in milliseconds.
 const FOUR_DAYS_MS: &str = "345600000";
 
-async fn wait_ready(worker: &WorkerProcess) -> Result<()> {
-    wait_for(LONG, "the worker is ready", || async {
-        Ok(worker.http_get("/readyz")?.0 == 200)
-    })
-    .await
-    .map_err(|err| err.context(worker.log_tail()))
-}
-
 #[tokio::test]
 async fn dead_letter_topic_kept_four_days_is_raised_to_retention_days() -> Result<()> {
     let setup = Setup::start("brief", "claimIdleSeconds: 2", "").await?;
@@ -682,7 +674,7 @@ async fn dead_letter_topic_kept_four_days_is_raised_to_retention_days() -> Resul
         )
         .await?;
     let worker = setup.worker("worker-a")?;
-    wait_ready(&worker).await?;
+    worker.wait_ready(LONG).await?;
     let server = setup.server();
     let kept = server.topic_config("brief.dlq", "retention.ms").await?;
     ensure!(
@@ -713,7 +705,7 @@ async fn accept_shorter_retention_leaves_a_four_day_dead_letter_topic() -> Resul
         .set_topic_config("accepted.dlq", "retention.ms", FOUR_DAYS_MS)
         .await?;
     let worker = setup.worker("worker-a")?;
-    wait_ready(&worker).await?;
+    worker.wait_ready(LONG).await?;
     let kept = setup
         .server()
         .topic_config("accepted.dlq", "retention.ms")

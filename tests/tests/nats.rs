@@ -751,20 +751,12 @@ async fn max_age(setup: &Setup, stream: &str) -> Result<Duration> {
     Ok(stream.info().await?.config.max_age)
 }
 
-async fn wait_ready(worker: &WorkerProcess) -> Result<()> {
-    wait_for(LONG, "the worker is ready", || async {
-        Ok(worker.http_get("/readyz")?.0 == 200)
-    })
-    .await
-    .with_context(|| worker.log_tail())
-}
-
 #[tokio::test]
 async fn existing_dead_letter_stream_kept_four_days_is_raised_to_retention_days() -> Result<()> {
     let setup = Setup::start("brief", "", "batchSize: 10").await?;
     let dead_letters = four_day_dead_letter_stream(&setup).await?;
     let worker = setup.fx.worker(&setup.manifest, "w1")?;
-    wait_ready(&worker).await?;
+    worker.wait_ready(LONG).await?;
     let kept = max_age(&setup, &dead_letters).await?;
     ensure!(
         kept == Duration::from_secs(14 * 86_400),
@@ -784,7 +776,7 @@ async fn accept_shorter_retention_leaves_a_four_day_dead_letter_stream() -> Resu
     .await?;
     let dead_letters = four_day_dead_letter_stream(&setup).await?;
     let worker = setup.fx.worker(&setup.manifest, "w1")?;
-    wait_ready(&worker).await?;
+    worker.wait_ready(LONG).await?;
     ensure!(max_age(&setup, &dead_letters).await? == FOUR_DAYS);
     ensure!(
         worker.log().contains("acceptShorterRetention"),

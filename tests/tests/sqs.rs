@@ -62,14 +62,6 @@ fn bodies(name: &str, count: usize) -> impl Iterator<Item = Vec<u8>> + use<> {
     (0..count).map(move |i| format!(r#"{{"{name}":{i}}}"#).into_bytes())
 }
 
-async fn wait_ready(worker: &WorkerProcess) -> Result<()> {
-    wait_for(LONG, "the worker is ready", || async {
-        Ok(worker.http_get("/readyz")?.0 == 200)
-    })
-    .await
-    .with_context(|| worker.log_tail())
-}
-
 /// Waits until `queue` holds `expected` todos and the SQS queue is empty (nothing visible, in
 /// flight or delayed).
 async fn wait_drained(
@@ -246,7 +238,7 @@ async fn held_batch(name: &str) -> Result<Held> {
         ),
     )?;
     let worker = start_worker(&fx, &manifest, "worker-a")?;
-    wait_ready(&worker).await?;
+    worker.wait_ready(LONG).await?;
     let lock = TodosLock::take(&fx.postgres.url()).await?;
     mq.send_bodies(&queue, bodies(name, 10)).await?;
     wait_blocked_on_lock(&fx, &worker).await?;
@@ -664,7 +656,7 @@ async fn hung_receive_times_out_and_the_worker_carries_on() -> Result<()> {
     proxy.hang_receives(false);
     mq.send_bodies(&url, bodies("later", 10)).await?;
     wait_drained(&fx, &mq, "hung", &url, 20, &worker).await?;
-    wait_ready(&worker).await
+    worker.wait_ready(LONG).await
 }
 
 /// SQS's default retention, which a dead-letter queue created without attributes keeps.
@@ -721,7 +713,7 @@ async fn dead_letter_queue_kept_four_days_is_raised_to_retention_days() -> Resul
         &sqs_manifest("brief", &queue, &moto.endpoint(), "", ""),
     )?;
     let worker = start_worker(&fx, &manifest, "worker-a")?;
-    wait_ready(&worker).await?;
+    worker.wait_ready(LONG).await?;
     let kept = retention_seconds(&client, &dlq).await?;
     ensure!(
         kept == "1209600",
@@ -773,7 +765,7 @@ async fn accept_shorter_retention_runs_with_a_four_day_dead_letter_queue() -> Re
         ),
     )?;
     let worker = start_worker(&fx, &manifest, "worker-a")?;
-    wait_ready(&worker).await?;
+    worker.wait_ready(LONG).await?;
     ensure!(
         worker.log().contains("acceptShorterRetention"),
         "no warning about the shorter retention:\n{}",
