@@ -1,6 +1,7 @@
 //! Retention of the dead-letter topics: each one's `retention.ms` is read (DescribeConfigs)
 //! the first time the worker meets it, at start for the dead-letter topics of named topics and
-//! before the first letter to any other. Shorter than `deadLetter.retentionDays` (`-1`,
+//! before the first letter to any other (a topic that does not exist yet, before the letter
+//! after the one that made it, where brokers create topics on first produce). Shorter than `deadLetter.retentionDays` (`-1`,
 //! infinite, is not), it is raised with AlterConfigs. rdkafka has no IncrementalAlterConfigs,
 //! and AlterConfigs resets every setting it is not given: the topic's own settings
 //! (`DYNAMIC_TOPIC_CONFIG`) are sent again with it. A refusal (denied, a policy, an invalid
@@ -50,8 +51,7 @@ impl DeadLetterRetention {
         topics: impl IntoIterator<Item = String>,
     ) -> Result<(), TransportError> {
         for topic in topics {
-            if !self.held.contains(&topic) {
-                self.hold_one(&topic).await?;
+            if !self.held.contains(&topic) && self.hold_one(&topic).await? {
                 self.held.insert(topic);
             }
         }
@@ -74,7 +74,10 @@ impl DeadLetterRetention {
         Ok(self.admin.as_ref().expect("created above"))
     }
 
-    async fn hold_one(&mut self, topic: &str) -> Result<(), TransportError> {
+    /// Holds the retention of `topic`; `false` when the topic does not exist yet (a broker
+    /// that creates topics on first produce makes it with the first letter: held before the
+    /// next one).
+    async fn hold_one(&mut self, topic: &str) -> Result<bool, TransportError> {
         let retention = self.retention;
         let options = AdminOptions::new().request_timeout(Some(REQUEST_TIMEOUT));
         let context = format!("could not read the configuration of dead-letter topic {topic:?}");
@@ -85,11 +88,20 @@ impl DeadLetterRetention {
             .map_err(|err| classify(err, &context, Setting::DeadLetterTopic))?;
         let config = match described.into_iter().next() {
             Some(Ok(config)) => config,
+            Some(Err(
+                RDKafkaErrorCode::UnknownTopicOrPartition | RDKafkaErrorCode::UnknownTopic,
+            )) => {
+                tracing::debug!(
+                    topic,
+                    "the dead-letter topic does not exist yet: its retention is checked before the next letter"
+                );
+                return Ok(false);
+            }
             Some(Err(code)) => {
                 let err = described_error(code, &context);
                 if err.is_fatal() && retention.accept_shorter {
                     tracing::warn!(topic, error = %switchboard_telemetry::ErrorChain(&err), "the dead-letter topic's retention.ms is not checked (accepted: deadLetter.acceptShorterRetention)");
-                    return Ok(());
+                    return Ok(true);
                 }
                 return Err(err);
             }
@@ -98,10 +110,12 @@ impl DeadLetterRetention {
         warn_bounded_bytes(topic, &config);
         let kept = milliseconds(&config, "retention.ms");
         let Some(kept) = kept.filter(|kept| retention.too_short(Some(*kept))) else {
-            return Ok(());
+            return Ok(true);
         };
         if retention.accept_shorter {
-            return retention.refused(topic, kept, "not raised: accepted as it is");
+            return retention
+                .refused(topic, kept, "not raised: accepted as it is")
+                .map(|()| true);
         }
         let wanted = retention.wanted.as_millis().to_string();
         let mut alter = AlterConfig::new(ResourceSpecifier::Topic(topic));
@@ -128,12 +142,12 @@ impl DeadLetterRetention {
                     to_ms = %wanted,
                     "raised the dead-letter topic's retention.ms to deadLetter.retentionDays"
                 );
-                Ok(())
+                Ok(true)
             }
             Some(Err((_, code))) if passes(code) => Err(TransportError::transient(context, code)),
-            Some(Err((_, code))) => {
-                retention.refused(topic, kept, format!("AlterConfigs retention.ms: {code}"))
-            }
+            Some(Err((_, code))) => retention
+                .refused(topic, kept, format!("AlterConfigs retention.ms: {code}"))
+                .map(|()| true),
             None => Err(TransportError::protocol(context)),
         }
     }
@@ -177,16 +191,11 @@ fn passes(code: RDKafkaErrorCode) -> bool {
     )
 }
 
-/// The error of a DescribeConfigs answered `code`: a missing topic or a denied read is fatal
-/// naming `deadLetter.topic`; anything else may pass.
+/// The error of a DescribeConfigs answered `code`: a denied read is fatal naming
+/// `deadLetter.topic`; anything else may pass.
 fn described_error(code: RDKafkaErrorCode, context: &str) -> TransportError {
     use RDKafkaErrorCode as Code;
     match code {
-        Code::UnknownTopicOrPartition | Code::UnknownTopic => TransportError::fatal(
-            "spec.delivery.deadLetter.topic",
-            format!("{context}: the dead-letter topic does not exist"),
-            None,
-        ),
         Code::TopicAuthorizationFailed | Code::ClusterAuthorizationFailed => TransportError::fatal(
             "spec.delivery.deadLetter.topic",
             format!(
