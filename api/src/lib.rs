@@ -56,6 +56,7 @@ pub const VERSION: &str = "v1alpha1";
     validation = Rule::new("!has(self.spec.workload) || !has(self.spec.workload.autoscaling) || !has(self.spec.source.nats) || has(self.spec.workload.autoscaling.natsMonitoringEndpoint)").message("spec.workload.autoscaling.natsMonitoringEndpoint is required for NATS: KEDA reads the consumer from nats-server's monitoring endpoint"),
     validation = Rule::new("!has(self.spec.workload) || !has(self.spec.workload.autoscaling) || !has(self.spec.source.amqp) || has(self.spec.workload.autoscaling.triggerAuthenticationRef)").message("spec.workload.autoscaling.triggerAuthenticationRef is required for RabbitMQ: KEDA counts held messages through the management API, whose URL it takes as host"),
     validation = Rule::new("!has(self.spec.workload) || !has(self.spec.workload.autoscaling) || !has(self.spec.source.sqs) || (has(self.spec.source.sqs.queueUrl) && (has(self.spec.source.sqs.region) || self.spec.source.sqs.queueUrl.matches('^https://sqs[.][a-z0-9-]+[.]amazonaws[.]com/')))").message("spec.workload.autoscaling needs spec.source.sqs.queueUrl and a region (spec.source.sqs.region, or an AWS queue URL naming one): KEDA addresses the queue by URL and region"),
+    validation = Rule::new("!has(self.spec.source.sqs) || !has(self.spec.delivery) || !has(self.spec.delivery.deadLetter) || !has(self.spec.delivery.deadLetter.retentionDays) || self.spec.delivery.deadLetter.retentionDays <= 14").message("spec.delivery.deadLetter.retentionDays: SQS keeps messages at most 14 days"),
     status = "QueueAdapterStatus",
     printcolumn = r#"{"name":"Source","type":"string","jsonPath":".status.source"}"#,
     printcolumn = r#"{"name":"Mode","type":"string","jsonPath":".status.mode"}"#,
@@ -253,10 +254,12 @@ pub struct DeadLetter {
     pub topic: Option<String>,
     /// Days dead letters are kept before they are deleted (default 14). Enforced where the
     /// broker can: Redis streams are trimmed by age (MINID) and Redis lists from their oldest
-    /// end, the NATS dead-letter stream the worker creates keeps messages this long (MaxAge);
-    /// an SQS queue keeps messages for its own MessageRetentionPeriod (at most 14 days; the
-    /// worker warns when it is shorter); for RabbitMQ set `x-message-ttl` on the dead-letter
-    /// queue and for Kafka the topic's `retention.ms`.
+    /// end; the NATS dead-letter stream keeps messages this long (MaxAge, raised on an
+    /// existing stream that keeps them for less); an SQS dead-letter queue's
+    /// MessageRetentionPeriod is raised to it (SQS allows at most 14 days); the RabbitMQ
+    /// dead-letter queue the worker declares gets `x-message-ttl`; a Kafka dead-letter
+    /// topic's `retention.ms` is raised to it. Where the worker cannot raise it, the worker
+    /// exits naming this setting unless `acceptShorterRetention` is set.
     #[serde(
         default,
         rename = "retentionDays",
@@ -264,6 +267,16 @@ pub struct DeadLetter {
     )]
     #[schemars(range(min = 1, max = 3650))]
     pub retention_days: Option<u32>,
+    /// Accept a dead-letter queue that keeps messages for less than `retentionDays` and that
+    /// the worker may not change (a refused SetQueueAttributes, AlterConfigs or stream
+    /// update, a RabbitMQ queue declared with a shorter `x-message-ttl`): the worker then
+    /// warns instead of exiting. Default false.
+    #[serde(
+        default,
+        rename = "acceptShorterRetention",
+        skip_serializing_if = "std::ops::Not::not"
+    )]
+    pub accept_shorter_retention: bool,
 }
 
 /// Dead letters are kept this many days unless `deadLetter.retentionDays` says otherwise.

@@ -198,6 +198,15 @@ impl WorkerProcess {
         }
     }
 
+    /// Waits up to `within` for `/readyz` to answer 200; the error carries the log's tail.
+    pub async fn wait_ready(&self, within: Duration) -> Result<()> {
+        crate::wait::wait_for(within, "the worker is ready", || async {
+            Ok(self.http_get("/readyz")?.0 == 200)
+        })
+        .await
+        .with_context(|| self.log_tail())
+    }
+
     /// Status code and body of `GET path` on the worker's metrics server.
     pub fn http_get(&self, path: &str) -> Result<(u16, String)> {
         http_get(self.metrics_port, path)

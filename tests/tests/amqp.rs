@@ -781,3 +781,78 @@ async fn full_classic_queue_after_a_crash_still_stores() -> Result<()> {
     );
     Ok(())
 }
+
+/// The arguments `rabbitmqctl list_queues` shows for queue `name`.
+async fn listed_arguments(server: &RabbitMq, name: &str) -> Result<String> {
+    let listed = server
+        .ctl(&[
+            "list_queues",
+            "-q",
+            "--no-table-headers",
+            "name",
+            "arguments",
+        ])
+        .await?;
+    listed
+        .lines()
+        .find_map(|line| {
+            let (queue, arguments) = line.split_once('\t')?;
+            (queue == name).then(|| arguments.to_owned())
+        })
+        .with_context(|| format!("queue {name} is not listed:\n{listed}"))
+}
+
+#[tokio::test]
+async fn dead_letter_queue_is_declared_with_retention_days_as_message_ttl() -> Result<()> {
+    let mut fx = Fixture::start().await?;
+    let server = start(&mut fx).await?;
+    server
+        .declare("kept", queue_arguments(QueueType::Quorum, &[]))
+        .await?;
+    let manifest = json_manifest(&fx, "kept", "batchSize: 10, deadLetter: {retentionDays: 9}")?;
+    let worker = fx.worker(&manifest, "w1")?;
+    worker.wait_ready(LONG).await?;
+    let arguments = listed_arguments(&server, "kept.dlq").await?;
+    ensure!(
+        arguments.contains("x-message-ttl") && arguments.contains("777600000"),
+        "kept.dlq is not declared with x-message-ttl of 9 days: {arguments}"
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn existing_dead_letter_queue_with_shorter_ttl_exits_naming_retention_days() -> Result<()> {
+    let mut fx = Fixture::start().await?;
+    let server = start(&mut fx).await?;
+    server
+        .declare("brief", queue_arguments(QueueType::Quorum, &[]))
+        .await?;
+    let four_days = [("x-message-ttl", AMQPValue::LongLongInt(345_600_000))];
+    server
+        .declare("brief.dlq", queue_arguments(QueueType::Quorum, &four_days))
+        .await?;
+    let manifest = json_manifest(&fx, "brief", "batchSize: 10")?;
+    let mut worker = fx.worker(&manifest, "w1")?;
+    assert_fatal_exit(
+        &mut worker,
+        &[
+            "spec.delivery.deadLetter.retentionDays",
+            "acceptShorterRetention",
+            "345600 s",
+        ],
+    )?;
+
+    let manifest = json_manifest(
+        &fx,
+        "brief",
+        "batchSize: 10, deadLetter: {acceptShorterRetention: true}",
+    )?;
+    let worker = fx.worker(&manifest, "w2")?;
+    worker.wait_ready(LONG).await?;
+    ensure!(
+        worker.log().contains("acceptShorterRetention"),
+        "no warning about the shorter retention:\n{}",
+        worker.log_tail()
+    );
+    Ok(())
+}

@@ -655,3 +655,100 @@ fn plain(value: Vec<u8>) -> Record {
         headers: Vec::new(),
     }
 }
+
+/// Four days in milliseconds.
+const FOUR_DAYS_MS: &str = "345600000";
+
+#[tokio::test]
+async fn dead_letter_topic_kept_four_days_is_raised_to_retention_days() -> Result<()> {
+    let setup = Setup::start("brief", "claimIdleSeconds: 2", "").await?;
+    // max.message.bytes: a setting of the topic's own that raising retention.ms must keep.
+    setup
+        .server()
+        .set_topic_configs(
+            "brief.dlq",
+            &[
+                ("retention.ms", FOUR_DAYS_MS),
+                ("max.message.bytes", "2000000"),
+            ],
+        )
+        .await?;
+    let worker = setup.worker("worker-a")?;
+    worker.wait_ready(LONG).await?;
+    let server = setup.server();
+    let kept = server.topic_config("brief.dlq", "retention.ms").await?;
+    ensure!(
+        kept.as_deref() == Some("1209600000"),
+        "retention.ms of brief.dlq is {kept:?}, not 14 days\n{}",
+        worker.log_tail()
+    );
+    let max = server
+        .topic_config("brief.dlq", "max.message.bytes")
+        .await?;
+    ensure!(
+        max.as_deref() == Some("2000000"),
+        "raising retention.ms reset max.message.bytes: {max:?}"
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn accept_shorter_retention_leaves_a_four_day_dead_letter_topic() -> Result<()> {
+    let setup = Setup::start(
+        "accepted",
+        "claimIdleSeconds: 2, deadLetter: {acceptShorterRetention: true}",
+        "",
+    )
+    .await?;
+    setup
+        .server()
+        .set_topic_config("accepted.dlq", "retention.ms", FOUR_DAYS_MS)
+        .await?;
+    let worker = setup.worker("worker-a")?;
+    worker.wait_ready(LONG).await?;
+    let kept = setup
+        .server()
+        .topic_config("accepted.dlq", "retention.ms")
+        .await?;
+    ensure!(
+        kept.as_deref() == Some(FOUR_DAYS_MS),
+        "retention.ms changed: {kept:?}"
+    );
+    ensure!(
+        worker.log().contains("acceptShorterRetention"),
+        "no warning about the shorter retention:\n{}",
+        worker.log_tail()
+    );
+    Ok(())
+}
+
+/// Reads gauge `family` of the adapter.
+fn gauge(setup: &Setup, worker: &WorkerProcess, family: &str) -> Result<f64> {
+    worker.metric(&format!(
+        r#"switchboard_{family}{{adapter="test/{}"}}"#,
+        setup.name
+    ))
+}
+
+#[tokio::test]
+async fn dead_letter_gauges_count_the_topic_and_age_its_oldest_letter() -> Result<()> {
+    let setup = Setup::start("gauged", "claimIdleSeconds: 2", "format: json").await?;
+    let mut records = bodies(0..3);
+    records.push(b"{\"order\": broken".to_vec());
+    records.push(b"not json either".to_vec());
+    setup.server().produce(setup.name, records).await?;
+    let worker = setup.worker("w1")?;
+    setup.wait_settled(3, &[&worker]).await?;
+    wait_for(LONG, "2 dead letters counted, the oldest aged", || async {
+        Ok(gauge(&setup, &worker, "dead_letter_messages")? == 2.0
+            && gauge(&setup, &worker, "oldest_dead_letter_age_seconds")? > 0.0)
+    })
+    .await
+    .map_err(|err| err.context(worker.log_tail()))?;
+    let age = gauge(&setup, &worker, "oldest_dead_letter_age_seconds")?;
+    ensure!(
+        age < 120.0,
+        "the age counts from the letter's write: {age} s"
+    );
+    Ok(())
+}

@@ -728,3 +728,89 @@ impl Drop for SilencingProxy {
         self.task.abort();
     }
 }
+
+const FOUR_DAYS: Duration = Duration::from_secs(4 * 86_400);
+
+/// Creates stream `{STREAM}_DLQ` holding the dead-letter subjects, keeping messages 4 days.
+async fn four_day_dead_letter_stream(setup: &Setup) -> Result<String> {
+    let dead_letters = format!("{}_DLQ", setup.stream());
+    setup
+        .server
+        .create_stream_with(async_nats::jetstream::stream::Config {
+            name: dead_letters.clone(),
+            subjects: vec![format!("{}.dlq.>", setup.stream())],
+            max_age: FOUR_DAYS,
+            ..Default::default()
+        })
+        .await?;
+    Ok(dead_letters)
+}
+
+async fn max_age(setup: &Setup, stream: &str) -> Result<Duration> {
+    let mut stream = setup.server.jetstream().get_stream(stream).await?;
+    Ok(stream.info().await?.config.max_age)
+}
+
+#[tokio::test]
+async fn existing_dead_letter_stream_kept_four_days_is_raised_to_retention_days() -> Result<()> {
+    let setup = Setup::start("brief", "", "batchSize: 10").await?;
+    let dead_letters = four_day_dead_letter_stream(&setup).await?;
+    let worker = setup.fx.worker(&setup.manifest, "w1")?;
+    worker.wait_ready(LONG).await?;
+    let kept = max_age(&setup, &dead_letters).await?;
+    ensure!(
+        kept == Duration::from_secs(14 * 86_400),
+        "the dead-letter stream keeps messages {kept:?}, not retentionDays (14 days)\n{}",
+        worker.log_tail()
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn accept_shorter_retention_leaves_a_four_day_dead_letter_stream() -> Result<()> {
+    let setup = Setup::start(
+        "accepted",
+        "",
+        "batchSize: 10, deadLetter: {acceptShorterRetention: true}",
+    )
+    .await?;
+    let dead_letters = four_day_dead_letter_stream(&setup).await?;
+    let worker = setup.fx.worker(&setup.manifest, "w1")?;
+    worker.wait_ready(LONG).await?;
+    ensure!(max_age(&setup, &dead_letters).await? == FOUR_DAYS);
+    ensure!(
+        worker.log().contains("acceptShorterRetention"),
+        "no warning about the shorter retention:\n{}",
+        worker.log_tail()
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn oldest_dead_letter_age_gauge_counts_from_the_letter_write() -> Result<()> {
+    let setup = Setup::start("aged", ", ackWaitSeconds: 2", "batchSize: 10").await?;
+    let mut all = bodies(0..3);
+    all.push(b"{\"order\": broken".to_vec());
+    setup.produce(all).await?;
+    let worker = setup.fx.worker(&setup.manifest, "w1")?;
+    setup.wait_settled(3, &worker).await?;
+    let age = "switchboard_oldest_dead_letter_age_seconds";
+    wait_for(
+        LONG,
+        "one dead letter counted, its age above zero",
+        || async {
+            Ok(
+                setup.metric(&worker, "switchboard_dead_letter_messages")? == 1.0
+                    && setup.metric(&worker, age)? > 0.0,
+            )
+        },
+    )
+    .await
+    .with_context(|| worker.log_tail())?;
+    let seconds = setup.metric(&worker, age)?;
+    ensure!(
+        seconds < 120.0,
+        "the age counts from the letter's write: {seconds} s"
+    );
+    Ok(())
+}

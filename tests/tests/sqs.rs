@@ -62,14 +62,6 @@ fn bodies(name: &str, count: usize) -> impl Iterator<Item = Vec<u8>> + use<> {
     (0..count).map(move |i| format!(r#"{{"{name}":{i}}}"#).into_bytes())
 }
 
-async fn wait_ready(worker: &WorkerProcess) -> Result<()> {
-    wait_for(LONG, "the worker is ready", || async {
-        Ok(worker.http_get("/readyz")?.0 == 200)
-    })
-    .await
-    .with_context(|| worker.log_tail())
-}
-
 /// Waits until `queue` holds `expected` todos and the SQS queue is empty (nothing visible, in
 /// flight or delayed).
 async fn wait_drained(
@@ -246,7 +238,7 @@ async fn held_batch(name: &str) -> Result<Held> {
         ),
     )?;
     let worker = start_worker(&fx, &manifest, "worker-a")?;
-    wait_ready(&worker).await?;
+    worker.wait_ready(LONG).await?;
     let lock = TodosLock::take(&fx.postgres.url()).await?;
     mq.send_bodies(&queue, bodies(name, 10)).await?;
     wait_blocked_on_lock(&fx, &worker).await?;
@@ -664,5 +656,144 @@ async fn hung_receive_times_out_and_the_worker_carries_on() -> Result<()> {
     proxy.hang_receives(false);
     mq.send_bodies(&url, bodies("later", 10)).await?;
     wait_drained(&fx, &mq, "hung", &url, 20, &worker).await?;
-    wait_ready(&worker).await
+    worker.wait_ready(LONG).await
+}
+
+/// SQS's default retention, which a dead-letter queue created without attributes keeps.
+const FOUR_DAYS: &str = "345600";
+
+/// The queue's `MessageRetentionPeriod`, in seconds.
+async fn retention_seconds(client: &Client, queue_url: &str) -> Result<String> {
+    client
+        .get_queue_attributes()
+        .queue_url(queue_url)
+        .attribute_names(QueueAttributeName::MessageRetentionPeriod)
+        .send()
+        .await
+        .map_err(|err| sqs_error("GetQueueAttributes", err))?
+        .attributes
+        .unwrap_or_default()
+        .remove(&QueueAttributeName::MessageRetentionPeriod)
+        .context("no MessageRetentionPeriod")
+}
+
+/// Moto (ElasticMQ neither reports nor sets `MessageRetentionPeriod`) with `{name}` and
+/// `{name}-dlq` keeping messages 4 days; returns moto, its client and both URLs.
+async fn moto_dead_letter_four_days(
+    fx: &Fixture,
+    name: &str,
+) -> Result<(Moto, Client, String, String)> {
+    let moto = Moto::start(false, &fx.dir.path().join("moto.log"))?;
+    let client = moto.client("us-east-1");
+    let mut urls = Vec::new();
+    for queue in [name.to_owned(), format!("{name}-dlq")] {
+        let url = client
+            .create_queue()
+            .queue_name(&queue)
+            .attributes(QueueAttributeName::MessageRetentionPeriod, FOUR_DAYS)
+            .send()
+            .await
+            .map_err(|err| sqs_error("CreateQueue", err))?
+            .queue_url
+            .context("no QueueUrl")?;
+        urls.push(url);
+    }
+    let dlq = urls.pop().context("no DLQ")?;
+    let queue = urls.pop().context("no queue")?;
+    ensure!(retention_seconds(&client, &dlq).await? == FOUR_DAYS);
+    Ok((moto, client, queue, dlq))
+}
+
+#[tokio::test]
+async fn dead_letter_queue_kept_four_days_is_raised_to_retention_days() -> Result<()> {
+    let fx = Fixture::start().await?;
+    let (moto, client, queue, dlq) = moto_dead_letter_four_days(&fx, "brief").await?;
+    let manifest = fx.manifest(
+        "brief.yaml",
+        &sqs_manifest("brief", &queue, &moto.endpoint(), "", ""),
+    )?;
+    let worker = start_worker(&fx, &manifest, "worker-a")?;
+    worker.wait_ready(LONG).await?;
+    let kept = retention_seconds(&client, &dlq).await?;
+    ensure!(
+        kept == "1209600",
+        "the dead-letter queue keeps messages {kept} s, not retentionDays (14 days)"
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn dead_letter_retention_raise_denied_exits_naming_retention_days() -> Result<()> {
+    let fx = Fixture::start().await?;
+    let (moto, client, queue, dlq) = moto_dead_letter_four_days(&fx, "denied").await?;
+    let proxy = SqsProxy::start(moto.port())?;
+    proxy.deny_set_attributes(true);
+    let manifest = fx.manifest(
+        "denied.yaml",
+        &sqs_manifest("denied", &queue, &proxy.endpoint(), "", ""),
+    )?;
+    let mut worker = start_worker(&fx, &manifest, "worker-a")?;
+    let log = assert_fatal_exit(
+        &mut worker,
+        &[
+            "spec.delivery.deadLetter.retentionDays",
+            "acceptShorterRetention",
+            "AccessDenied",
+        ],
+    )?;
+    ensure!(
+        log.lines()
+            .any(|line| line.starts_with("error: spec.delivery.deadLetter.retentionDays: ")),
+        "the exit line does not lead with the setting:\n{log}"
+    );
+    ensure!(retention_seconds(&client, &dlq).await? == FOUR_DAYS);
+    Ok(())
+}
+
+#[tokio::test]
+async fn accept_shorter_retention_runs_with_a_four_day_dead_letter_queue() -> Result<()> {
+    let fx = Fixture::start().await?;
+    let (moto, client, queue, dlq) = moto_dead_letter_four_days(&fx, "accepted").await?;
+    let manifest = fx.manifest(
+        "accepted.yaml",
+        &sqs_manifest(
+            "accepted",
+            &queue,
+            &moto.endpoint(),
+            "",
+            ", deadLetter: {acceptShorterRetention: true}",
+        ),
+    )?;
+    let worker = start_worker(&fx, &manifest, "worker-a")?;
+    worker.wait_ready(LONG).await?;
+    ensure!(
+        worker.log().contains("acceptShorterRetention"),
+        "no warning about the shorter retention:\n{}",
+        worker.log_tail()
+    );
+    ensure!(retention_seconds(&client, &dlq).await? == FOUR_DAYS);
+    Ok(())
+}
+
+#[tokio::test]
+async fn retention_days_over_fourteen_is_refused_for_sqs_naming_the_field() -> Result<()> {
+    let fx = Fixture::start().await?;
+    let mq = ElasticMq::start()?;
+    let (queue, _) = queue_pair(&mq, "forever").await?;
+    let manifest = fx.manifest(
+        "forever.yaml",
+        &sqs_manifest(
+            "forever",
+            &queue,
+            &mq.endpoint(),
+            "",
+            ", deadLetter: {retentionDays: 30}",
+        ),
+    )?;
+    let mut worker = start_worker(&fx, &manifest, "worker-a")?;
+    assert_fatal_exit(
+        &mut worker,
+        &["spec.delivery.deadLetter.retentionDays", "14 days"],
+    )?;
+    Ok(())
 }

@@ -197,6 +197,16 @@ impl Broker for SqsSource {
                 "must be 1 to 43200",
             );
         }
+        if delivery
+            .dead_letter
+            .retention_days
+            .is_some_and(|days| days > SQS_MAX_RETENTION_DAYS)
+        {
+            error(
+                "spec.delivery.deadLetter.retentionDays",
+                "SQS keeps messages at most 14 days",
+            );
+        }
         for field in delivery
             .dead_letter
             .set_fields()
@@ -209,6 +219,9 @@ impl Broker for SqsSource {
         }
     }
 }
+
+/// The longest `MessageRetentionPeriod` SQS allows, in days.
+const SQS_MAX_RETENTION_DAYS: u32 = 14;
 
 fn default_wait_time_seconds() -> u32 {
     20

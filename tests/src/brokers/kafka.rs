@@ -254,18 +254,46 @@ impl KafkaServer {
 
     /// Sets topic configuration `key` of `topic` to `value`.
     pub async fn set_topic_config(&self, topic: &str, key: &str, value: &str) -> Result<()> {
+        self.set_topic_configs(topic, &[(key, value)]).await
+    }
+
+    /// Sets the topic's own configuration to `entries` (AlterConfigs: every other topic
+    /// setting goes back to the broker's default).
+    pub async fn set_topic_configs(&self, topic: &str, entries: &[(&str, &str)]) -> Result<()> {
         let admin: AdminClient<DefaultClientContext> = self.config().create()?;
+        let mut alter = AlterConfig::new(ResourceSpecifier::Topic(topic));
+        for (key, value) in entries {
+            alter = alter.set(key, value);
+        }
         let results = admin
             .alter_configs(
-                &[AlterConfig::new(ResourceSpecifier::Topic(topic)).set(key, value)],
+                &[alter],
                 &AdminOptions::new().operation_timeout(Some(REQUEST_TIMEOUT)),
             )
             .await
-            .with_context(|| format!("setting {key} of topic {topic}"))?;
+            .with_context(|| format!("setting {entries:?} of topic {topic}"))?;
         for result in results {
-            result.map_err(|(_, code)| anyhow!("setting {key} of topic {topic}: {code}"))?;
+            result.map_err(|(_, code)| anyhow!("setting {entries:?} of topic {topic}: {code}"))?;
         }
         Ok(())
+    }
+
+    /// The value of topic configuration `key` of `topic` (DescribeConfigs).
+    pub async fn topic_config(&self, topic: &str, key: &str) -> Result<Option<String>> {
+        let admin: AdminClient<DefaultClientContext> = self.config().create()?;
+        let results = admin
+            .describe_configs(
+                &[ResourceSpecifier::Topic(topic)],
+                &AdminOptions::new().request_timeout(Some(REQUEST_TIMEOUT)),
+            )
+            .await
+            .with_context(|| format!("describing topic {topic}"))?;
+        let config = results
+            .into_iter()
+            .next()
+            .context("DescribeConfigs answered nothing")?
+            .map_err(|code| anyhow!("describing topic {topic}: {code}"))?;
+        Ok(config.get(key).and_then(|entry| entry.value.clone()))
     }
 
     /// Produces one record per body (no key: librdkafka spreads them over the partitions),

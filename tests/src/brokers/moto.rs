@@ -86,6 +86,10 @@ impl Moto {
         format!("http://127.0.0.1:{}", self.port)
     }
 
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
     /// Calls SNS's query API (`Action=…` form parameters) in `us-east-1`; returns the XML
     /// answer. Unsigned: moto checks no signature unless told to, and finds the service in the
     /// credential scope of the `Authorization` header.

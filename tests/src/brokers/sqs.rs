@@ -764,6 +764,8 @@ struct ProxyState {
     refused: Mutex<HashSet<String>>,
     /// Receives are held unanswered while set.
     hang_receives: AtomicBool,
+    /// `SetQueueAttributes` is answered `AccessDenied` while set.
+    deny_set_attributes: AtomicBool,
     /// Receives held so far.
     hung: AtomicU64,
     /// Receives, deletes and visibility changes ElasticMQ answered `QueueDoesNotExist`.
@@ -827,6 +829,12 @@ impl SqsProxy {
     /// refuses a message it will never take (the sender's fault), and nothing is written.
     pub fn refuse_sends_to(&self, name: &str) {
         lock(&self.state.refused).insert(name.to_owned());
+    }
+
+    /// Answers every `SetQueueAttributes` `AccessDenied` (`true`), as SQS does for a role
+    /// without `sqs:SetQueueAttributes`, or forwards them again (`false`).
+    pub fn deny_set_attributes(&self, deny: bool) {
+        self.state.deny_set_attributes.store(deny, Ordering::SeqCst);
     }
 
     /// Holds every `ReceiveMessage` unanswered (`true`), or forwards them again (`false`).
@@ -902,6 +910,28 @@ fn refusal(target: &str, request: &serde_json::Value) -> axum::response::Respons
         .into_response()
 }
 
+/// SQS's answer to a call the credentials are not allowed to make (AWS JSON protocol).
+fn access_denied() -> axum::response::Response {
+    use axum::response::IntoResponse as _;
+    let body = serde_json::json!({"__type": "com.amazonaws.sqs#AccessDenied",
+        "message": "Access to the resource is denied (switchboard test proxy)."});
+    (
+        axum::http::StatusCode::FORBIDDEN,
+        [
+            (
+                axum::http::header::CONTENT_TYPE,
+                "application/x-amz-json-1.0",
+            ),
+            (
+                axum::http::HeaderName::from_static("x-amzn-query-error"),
+                "AccessDenied;Sender",
+            ),
+        ],
+        body.to_string(),
+    )
+        .into_response()
+}
+
 /// Forwards one call to ElasticMQ, unless it is refused or held.
 async fn forward(
     axum::extract::State((state, client)): axum::extract::State<(Arc<ProxyState>, ProxyClient)>,
@@ -923,6 +953,9 @@ async fn forward(
         state.hung.fetch_add(1, Ordering::SeqCst);
         // A hung server: the caller's own deadline is all that ends this call.
         std::future::pending::<()>().await;
+    }
+    if target.ends_with(".SetQueueAttributes") && state.deny_set_attributes.load(Ordering::SeqCst) {
+        return access_denied();
     }
     if target.ends_with(".SendMessage") || target.ends_with(".SendMessageBatch") {
         let request: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();

@@ -4,6 +4,7 @@ use switchboard_api::AmqpSource;
 
 use super::{Context, Loop, Plugin};
 use crate::transport::amqp::{Amqp, AmqpSettings};
+use crate::transport::retention::Retention;
 use crate::{WorkerError, env};
 
 impl Plugin for AmqpSource {
@@ -21,6 +22,7 @@ impl Plugin for AmqpSource {
             spec: self.clone(),
             dead_letter_exchange: dead_letter.exchange.clone(),
             dead_letter_routing_key: dead_letter.routing_key.clone(),
+            dead_letter_retention: Retention::of(dead_letter),
         };
         let transport = Amqp::new(settings, env("AMQP_URL")?, run.registry())?;
         run.drive(transport, self).await

@@ -5,6 +5,7 @@ use switchboard_api::KafkaSource;
 use super::{Context, Loop, Plugin};
 use crate::WorkerError;
 use crate::transport::kafka::{Kafka, KafkaSettings};
+use crate::transport::retention::Retention;
 
 impl Plugin for KafkaSource {
     fn title(&self) -> &'static str {
@@ -14,6 +15,7 @@ impl Plugin for KafkaSource {
     async fn run<L: Loop>(&self, context: Context<'_>, mut run: L) -> Result<(), WorkerError> {
         let settings = KafkaSettings {
             dead_letter_topic: context.dead_letter().topic.clone(),
+            dead_letter_retention: Retention::of(context.dead_letter()),
             adapter: context.name,
             consumer: context.consumer,
             spec: self.clone(),

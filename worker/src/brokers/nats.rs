@@ -5,6 +5,7 @@ use switchboard_api::{NatsSource, QueueAdapter};
 use super::{Context, Letters, Loop, Plugin};
 use crate::transport::nats::reader::NatsReader;
 use crate::transport::nats::{Auth, Connector, Nats, NatsSettings};
+use crate::transport::retention::Retention;
 use crate::{WorkerError, env};
 
 impl Plugin for NatsSource {
@@ -22,7 +23,7 @@ impl Plugin for NatsSource {
             spec: self.clone(),
             connector,
             dead_letter_subject: dead_letter.subject.clone(),
-            dead_letter_retention: dead_letter.retention(),
+            dead_letter_retention: Retention::of(dead_letter),
         };
         let transport = Nats::new(settings, context.store, run.registry());
         run.drive(transport, self).await

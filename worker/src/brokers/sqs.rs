@@ -4,6 +4,7 @@ use switchboard_api::{QueueAdapter, SqsSource};
 
 use super::{Context, Letters, Loop, Plugin};
 use crate::WorkerError;
+use crate::transport::retention::Retention;
 use crate::transport::sqs::reader::SqsReader;
 use crate::transport::sqs::{Sqs, SqsSettings};
 
@@ -20,7 +21,7 @@ impl Plugin for SqsSource {
             consumer: context.consumer,
             spec: self.clone(),
             dead_letter_queue_url: dead_letter.queue_url.clone(),
-            dead_letter_retention: dead_letter.retention(),
+            dead_letter_retention: Retention::of(dead_letter),
         };
         let transport = Sqs::new(settings, run.registry()).await?;
         run.drive(transport, self).await

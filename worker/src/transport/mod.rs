@@ -27,6 +27,7 @@ pub mod kafka;
 pub mod nats;
 pub mod reader;
 pub mod redis;
+pub mod retention;
 pub mod sqs;
 
 use std::future::Future;

@@ -1,5 +1,10 @@
 //! Declaring the queues a session needs: the source queue (checked, or declared with its type
-//! and bindings) and the default dead-letter queue `<queue>.dlq` when it does not exist.
+//! and bindings) and the default dead-letter queue `<queue>.dlq` when it does not exist, with
+//! `x-message-ttl` = `deadLetter.retentionDays` (honoured by classic and, since RabbitMQ 3.10,
+//! quorum queues; RabbitMQ takes at most 2^32 − 1 ms, about 49 days: a longer retention is
+//! declared without a TTL, kept until removed). Queue arguments cannot be changed: an existing
+//! dead-letter queue whose `x-message-ttl` is shorter (read as [`arguments`] can) is fatal
+//! naming the setting, unless `acceptShorterRetention`. A TTL set by a policy is not seen.
 
 use lapin::Connection;
 use lapin::options::{QueueBindOptions, QueueDeclareOptions};
@@ -7,9 +12,13 @@ use lapin::types::{AMQPValue, FieldTable, LongString};
 use switchboard_api::{AmqpDeclare, AmqpQueueType};
 
 use super::Amqp;
+use super::arguments::{self, Found, integer};
 use super::classify::{self, Addressed};
 use super::connection::{call, open_channel};
 use crate::transport::TransportError;
+
+/// The argument RabbitMQ expires messages of a queue with, in milliseconds.
+const MESSAGE_TTL: &str = "x-message-ttl";
 
 fn queue_type_argument(queue_type: AmqpQueueType) -> FieldTable {
     let mut arguments = FieldTable::default();
@@ -99,8 +108,8 @@ impl Amqp {
         Ok(())
     }
 
-    /// Declares the default dead-letter queue when it does not exist (an existing one is left
-    /// as it is, whatever its arguments).
+    /// Declares the default dead-letter queue when it does not exist; checks the retention of
+    /// an existing one.
     async fn declare_dead_letter_queue(
         &self,
         connection: &Connection,
@@ -119,7 +128,7 @@ impl Amqp {
         match exists {
             Ok(_) => {
                 let _ = channel.close(200, "declared".into()).await;
-                return Ok(());
+                return self.check_dead_letter_ttl(connection, queue).await;
             }
             Err(err) if classify::reply_code(&err) == Some(404) => {}
             Err(err) => {
@@ -135,15 +144,59 @@ impl Amqp {
             durable: true,
             ..QueueDeclareOptions::default()
         };
+        let mut arguments = queue_type_argument(queue_type);
+        let ttl = self.dead_letter_ttl();
+        if let Some(ttl) = ttl {
+            arguments.insert(MESSAGE_TTL.into(), AMQPValue::LongLongInt(i64::from(ttl)));
+        }
         call(
             names,
             "dead-letter queue declare",
             Addressed::DeadLetter,
-            channel.queue_declare(queue.into(), options, queue_type_argument(queue_type)),
+            channel.queue_declare(queue.into(), options, arguments),
         )
         .await?;
         let _ = channel.close(200, "declared".into()).await;
-        tracing::info!(queue, "declared the dead-letter queue");
+        tracing::info!(queue, x_message_ttl = ?ttl, "declared the dead-letter queue");
         Ok(())
+    }
+
+    /// The `x-message-ttl` of `retentionDays`; `None` past RabbitMQ's largest.
+    fn dead_letter_ttl(&self) -> Option<u32> {
+        u32::try_from(self.settings.dead_letter_retention.wanted.as_millis()).ok()
+    }
+
+    /// Fails fatally when the existing dead-letter queue `queue` has an `x-message-ttl` below
+    /// `retentionDays` (unless `acceptShorterRetention`); says what it cannot check.
+    async fn check_dead_letter_ttl(
+        &self,
+        connection: &Connection,
+        queue: &str,
+    ) -> Result<(), TransportError> {
+        let retention = self.settings.dead_letter_retention;
+        let found = arguments::read(&self.names, connection, queue, MESSAGE_TTL).await?;
+        let value = match found {
+            Found::Value(value) => value,
+            Found::Forbidden | Found::Unreadable => {
+                tracing::info!(
+                    queue,
+                    "cannot read the dead-letter queue's x-message-ttl (declaring needs the configure permission); make sure it keeps letters for deadLetter.retentionDays"
+                );
+                return Ok(());
+            }
+        };
+        let kept = value
+            .as_ref()
+            .and_then(integer)
+            .and_then(|ms| u64::try_from(ms).ok())
+            .map(std::time::Duration::from_millis);
+        match kept {
+            Some(kept) if retention.too_short(Some(kept)) => retention.refused(
+                queue,
+                kept,
+                "RabbitMQ cannot change a queue's x-message-ttl: delete the queue (after moving its letters) for the worker to declare it again",
+            ),
+            _ => Ok(()),
+        }
     }
 }

@@ -46,6 +46,7 @@
 //!   depth; pending is what this worker holds.
 
 mod acks;
+mod arguments;
 mod classify;
 mod connection;
 mod consume;
@@ -76,6 +77,7 @@ pub use self::probe::AmqpProbe;
 use self::probe::Held;
 use self::publisher::{Outgoing, Publisher};
 use self::session::Session;
+use crate::transport::retention::Retention;
 use crate::transport::{Acked, DeadLetter, Transport, TransportError};
 
 /// How long a blocking receive waits for a first delivery.
@@ -106,6 +108,9 @@ pub struct AmqpSettings {
     pub batch_size: usize,
     /// `spec.delivery.maxDeliveries`: a queue's `x-delivery-limit` may not be below it.
     pub max_deliveries: u64,
+    /// `retentionDays` and `acceptShorterRetention`: the default dead-letter queue's
+    /// `x-message-ttl`.
+    pub dead_letter_retention: Retention,
 }
 
 /// The AMQP transport.
@@ -327,6 +332,7 @@ mod tests {
             dead_letter_routing_key: None,
             batch_size: 10,
             max_deliveries: 5,
+            dead_letter_retention: Retention::of(&switchboard_api::DeadLetter::default()),
         }
     }
 

@@ -27,6 +27,7 @@ impl Kafka {
             .iter()
             .map(|letter| self.dead_letter_topic(&letter.message.receipt.partition.topic))
             .collect();
+        self.retention.hold(topics.iter().cloned()).await?;
         let contexts: Vec<Vec<(String, String)>> = letters.iter().map(context_headers).collect();
         let producer = self.producer()?;
         let sends = letters

@@ -63,6 +63,7 @@ mod incarnation;
 mod offsets;
 mod probe;
 mod receive;
+mod retention;
 mod subscribe;
 mod topic_id;
 
@@ -85,6 +86,7 @@ use self::incarnation::Incarnation;
 use self::offsets::TopicPartition;
 use self::probe::{KafkaProbe, Topics};
 use self::receive::{Fetched, InHand};
+use crate::transport::retention::Retention;
 use crate::transport::{Acked, DeadLetter, Message, Transport, TransportError};
 
 /// How long a metadata request or a synchronous commit may take.
@@ -100,6 +102,8 @@ pub struct KafkaSettings {
     pub spec: KafkaSource,
     /// `spec.delivery.deadLetter.topic`; default `<topic>.dlq`.
     pub dead_letter_topic: Option<String>,
+    /// `retentionDays` and `acceptShorterRetention`: held on each dead-letter topic.
+    pub dead_letter_retention: Retention,
 }
 
 /// What the worker needs to commit one record, and to dead-letter it as it came.
@@ -142,6 +146,7 @@ pub struct Kafka {
     producer: Option<FutureProducer<LogContext>>,
     producer_id: String,
     dead_letter_topic: Option<String>,
+    retention: retention::DeadLetterRetention,
     store: Store,
     fetched: VecDeque<Fetched>,
     in_hand: InHand,
@@ -164,6 +169,7 @@ impl Kafka {
             consumer: client_id,
             spec,
             dead_letter_topic,
+            dead_letter_retention,
         } = settings;
         let group = spec.group_id(&adapter);
         let state = Arc::new(ConsumerState::register(registry, &adapter));
@@ -177,6 +183,8 @@ impl Kafka {
         let probe: BaseConsumer<LogContext> = probe_config(&spec, &client_id, &group)?
             .create_with_context(LogContext::current())
             .map_err(|err| classify(err, "could not create the Kafka probe", Setting::Topics))?;
+        let retention =
+            retention::DeadLetterRetention::new(dead_letter_retention, &spec, &client_id);
         Ok(Self {
             source: format!("kafka:{adapter}"),
             adapter,
@@ -186,6 +194,7 @@ impl Kafka {
             producer: None,
             producer_id: format!("{client_id}-dlq"),
             dead_letter_topic,
+            retention,
             store,
             fetched: VecDeque::new(),
             in_hand: InHand::default(),
@@ -213,7 +222,12 @@ impl Transport for Kafka {
     }
 
     async fn prepare(&mut self) -> Result<(), TransportError> {
-        self.subscribe().await
+        self.subscribe().await?;
+        // The dead-letter topics of a pattern's topics are held before their first letter.
+        let named: Vec<String> = (self.spec.topics.iter().flatten())
+            .map(|topic| self.dead_letter_topic(topic))
+            .collect();
+        self.retention.hold(named).await
     }
 
     async fn receive(
@@ -260,6 +274,11 @@ impl Transport for Kafka {
             start_from: self.spec.start_from,
             adapter: self.adapter.clone(),
             lag: self.lag.clone(),
+            dead_letter_topics: match (&self.dead_letter_topic, &self.spec.topics) {
+                (Some(topic), _) => vec![topic.clone()],
+                (None, Some(named)) => named.iter().map(|t| self.dead_letter_topic(t)).collect(),
+                (None, None) => Vec::new(),
+            },
         }
     }
 

@@ -4,6 +4,12 @@
 //! no committed offset counts from where the group would start: its low watermark under
 //! `startFrom: earliest`, its high watermark (nothing to read) under `startFrom: latest`. The
 //! transport commits past transaction markers, so they are not counted either.
+//!
+//! The dead letters: the records each dead-letter topic still holds (high − low watermark,
+//! summed over its partitions: letters redriven but not yet expired count too, as Kafka
+//! deletes by retention, not by consumption) and the age of the oldest, from the timestamp of
+//! each partition's first record. Read for `deadLetter.topic`, else for `<topic>.dlq` of
+//! each named topic; not for the default dead-letter topics of a `topicPattern`.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -68,6 +74,8 @@ pub struct KafkaProbe {
     pub start_from: StartFrom,
     pub adapter: String,
     pub lag: Family<PartitionLabels, Gauge>,
+    /// The dead-letter topics whose depth is read (see the module doc).
+    pub dead_letter_topics: Vec<String>,
 }
 
 impl QueueProbe for KafkaProbe {
@@ -75,12 +83,16 @@ impl QueueProbe for KafkaProbe {
         let consumer = self.consumer.clone();
         let topics = self.topics.clone();
         let start_from = self.start_from;
-        let lags =
-            crate::task::spawn_blocking(move || partition_lags(&consumer, &topics, start_from))
-                .await
-                .map_err(|err| {
-                    TransportError::protocol(format!("the probe task failed: {err}"))
-                })??;
+        let dead_letter_topics = self.dead_letter_topics.clone();
+        let (lags, dead_letters) = crate::task::spawn_blocking(move || {
+            let lags = partition_lags(&consumer, &topics, start_from)?;
+            let dead_letters = (!dead_letter_topics.is_empty())
+                .then(|| dead_letter_depth(&consumer, &dead_letter_topics))
+                .transpose()?;
+            Ok::<_, TransportError>((lags, dead_letters))
+        })
+        .await
+        .map_err(|err| TransportError::protocol(format!("the probe task failed: {err}")))??;
         let mut backlog = 0;
         for lag in &lags {
             backlog += lag.lag;
@@ -97,9 +109,8 @@ impl QueueProbe for KafkaProbe {
             backlog: Some(backlog),
             pending: None,
             oldest_pending_age: oldest.map(|ms| Duration::from_millis(now_ms().saturating_sub(ms))),
-            // A dead-letter topic's depth is not a count Kafka keeps (retention, not consumption).
-            dead_letters: None,
-            oldest_dead_letter_age: None,
+            dead_letters: dead_letters.map(|(count, _)| count),
+            oldest_dead_letter_age: dead_letters.and_then(|(_, oldest)| oldest),
         })
     }
 }
@@ -172,7 +183,55 @@ fn partition_lags(
     Ok(lags)
 }
 
-/// Reads the first un-committed record of each partition of `unread` for its timestamp.
+/// The records the dead-letter `topics` hold, and the age of the oldest (zero when none).
+fn dead_letter_depth(
+    consumer: &BaseConsumer<LogContext>,
+    topics: &[String],
+) -> Result<(u64, Option<Duration>), TransportError> {
+    let mut held = Vec::new();
+    let mut first = TopicPartitionList::new();
+    for name in topics {
+        let metadata = consumer
+            .fetch_metadata(Some(name), REQUEST_TIMEOUT)
+            .map_err(failed("could not read the dead-letter topic's metadata"))?;
+        for topic in metadata.topics().iter().filter(|t| t.error().is_none()) {
+            for partition in topic.partitions() {
+                let (low, high) = consumer
+                    .fetch_watermarks(topic.name(), partition.id(), REQUEST_TIMEOUT)
+                    .map_err(failed("could not read the dead-letter topic's watermarks"))?;
+                let depth = u64::try_from(high - low).unwrap_or(0);
+                if depth > 0 {
+                    let _ = first.add_partition_offset(
+                        topic.name(),
+                        partition.id(),
+                        Offset::Offset(low),
+                    );
+                }
+                held.push(PartitionLag {
+                    topic: topic.name().to_owned(),
+                    partition: partition.id(),
+                    lag: depth,
+                    oldest_ms: None,
+                });
+            }
+        }
+    }
+    let count = held.iter().map(|partition| partition.lag).sum();
+    if count == 0 {
+        return Ok((0, Some(Duration::ZERO)));
+    }
+    oldest_timestamps(consumer, &first, &mut held)?;
+    let oldest = held
+        .iter()
+        .filter_map(|partition| partition.oldest_ms)
+        .min();
+    Ok((
+        count,
+        oldest.map(|ms| Duration::from_millis(now_ms().saturating_sub(ms))),
+    ))
+}
+
+/// Reads the first record of each partition of `unread` (from its offset) for its timestamp.
 fn oldest_timestamps(
     consumer: &BaseConsumer<LogContext>,
     unread: &TopicPartitionList,

@@ -2,7 +2,10 @@
 //! `<stream>.dlq.<subject>`) in a stream the worker makes sure of: the body byte-identical, the
 //! original headers kept (except the server's `Nats-*` ones), the context as `Switchboard-*`
 //! headers. Every PubAck is awaited before the originals are terminated; a letter the server
-//! can never take is reported as refused.
+//! can never take is reported as refused. The stream keeps letters `deadLetter.retentionDays`
+//! (MaxAge): set on the stream the worker creates, raised on an existing one whose non-zero
+//! MaxAge is shorter (a refused update is fatal naming the setting unless
+//! `acceptShorterRetention`).
 
 use std::time::SystemTime;
 
@@ -184,6 +187,7 @@ impl Nats {
             )),
             Ok(name) => {
                 tracing::info!(stream = %name, subject = %captured, "dead letters go to an existing stream");
+                self.hold_retention(js, &name).await?;
                 self.dead_letter_stream = Some(DeadLetterStream {
                     name,
                     subjects: captured,
@@ -195,7 +199,7 @@ impl Nats {
                 js.create_stream(stream::Config {
                     name: name.clone(),
                     subjects: vec![captured.clone()],
-                    max_age: self.settings.dead_letter_retention,
+                    max_age: self.settings.dead_letter_retention.wanted,
                     storage: stream::StorageType::File,
                     ..Default::default()
                 })
@@ -210,7 +214,7 @@ impl Nats {
                     }
                     _ => TransportError::transient("could not create the dead-letter stream", err),
                 })?;
-                tracing::info!(stream = %name, subject = %captured, max_age = ?self.settings.dead_letter_retention, "created the dead-letter stream (messages kept deadLetter.retentionDays)");
+                tracing::info!(stream = %name, subject = %captured, max_age = ?self.settings.dead_letter_retention.wanted, "created the dead-letter stream (messages kept deadLetter.retentionDays)");
                 self.dead_letter_stream = Some(DeadLetterStream {
                     name,
                     subjects: captured,
@@ -226,6 +230,43 @@ impl Nats {
             }
             Err(err) => Err(TransportError::transient(
                 "could not look up the dead-letter stream",
+                err,
+            )),
+        }
+    }
+}
+
+impl Nats {
+    /// Raises the MaxAge of the existing dead-letter stream `name` to `retentionDays` when it
+    /// is shorter (0 keeps messages for ever).
+    async fn hold_retention(
+        &self,
+        js: &jetstream::Context,
+        name: &str,
+    ) -> Result<(), TransportError> {
+        let retention = self.settings.dead_letter_retention;
+        let stream = js.get_stream(name).await.map_err(|err| {
+            TransportError::transient("could not read the dead-letter stream", err)
+        })?;
+        let mut config = stream.cached_info().config.clone();
+        let kept = Some(config.max_age).filter(|age| !age.is_zero());
+        let Some(kept) = kept.filter(|kept| retention.too_short(Some(*kept))) else {
+            return Ok(());
+        };
+        if retention.accept_shorter {
+            return retention.refused(name, kept, "not raised: accepted as it is");
+        }
+        config.max_age = retention.wanted;
+        match js.update_stream(config).await {
+            Ok(_) => {
+                tracing::info!(stream = %name, from = ?kept, to = ?retention.wanted, "raised the dead-letter stream's MaxAge to deadLetter.retentionDays");
+                Ok(())
+            }
+            Err(err) if matches!(err.kind(), CreateStreamErrorKind::JetStream(_)) => {
+                retention.refused(name, kept, format!("stream update: {err}"))
+            }
+            Err(err) => Err(TransportError::transient(
+                "could not update the dead-letter stream",
                 err,
             )),
         }

@@ -79,6 +79,7 @@ pub use self::connect::{Auth, Connector};
 pub use self::probe::NatsProbe;
 pub use self::receive::Identity;
 use crate::metrics::{adapter_counter, broker_reconnects};
+use crate::transport::retention::Retention;
 use crate::transport::{Acked, DeadLetter, Message, Transport, TransportError};
 
 /// A wait for the next message of a fetch: the fetch's expiry and a request's time.
@@ -110,9 +111,9 @@ pub struct NatsSettings {
     pub dead_letter_subject: Option<String>,
     /// `spec.delivery.maxDeliveries`.
     pub max_deliveries: u64,
-    /// `spec.delivery.deadLetter.retentionDays`: the MaxAge of a dead-letter stream the worker
-    /// creates.
-    pub dead_letter_retention: Duration,
+    /// `spec.delivery.deadLetter.retentionDays` and `acceptShorterRetention`: the MaxAge of
+    /// the dead-letter stream.
+    pub dead_letter_retention: Retention,
 }
 
 /// What the server needs to acknowledge one delivery, and where it came from.

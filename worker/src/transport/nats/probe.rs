@@ -60,25 +60,29 @@ impl QueueProbe for NatsProbe {
                     Duration::from_nanos(u64::try_from(age).unwrap_or(0))
                 })
         };
-        let dead_letters = match &self.dead_letter_stream {
-            Some(letters) => Some(dead_letter_count(&js, letters).await?),
-            None => None,
+        let (dead_letters, oldest_dead_letter_age) = match &self.dead_letter_stream {
+            Some(letters) => {
+                let (count, age) = dead_letter_depth(&js, letters).await?;
+                (Some(count), age)
+            }
+            None => (None, None),
         };
         Ok(QueueHealth {
             backlog: Some(info.num_pending),
             pending: Some(info.num_ack_pending as u64),
             oldest_pending_age,
             dead_letters,
-            oldest_dead_letter_age: None,
+            oldest_dead_letter_age,
         })
     }
 }
 
-/// Messages on the dead-letter subjects of `letters`' stream.
-async fn dead_letter_count(
+/// Messages on the dead-letter subjects of `letters`' stream, and the age of the first of
+/// them (when it was written: the stream's own timestamp; zero when there is none).
+async fn dead_letter_depth(
     js: &jetstream::Context,
     letters: &DeadLetterStream,
-) -> Result<u64, TransportError> {
+) -> Result<(u64, Option<Duration>), TransportError> {
     let failed = |err| TransportError::transient("could not read the dead-letter stream", err);
     let stream = js
         .get_stream_no_info(&letters.name)
@@ -92,7 +96,21 @@ async fn dead_letter_count(
     while let Some(subject) = subjects.next().await {
         count += subject.map_err(failed)?.1 as u64;
     }
-    Ok(count)
+    if count == 0 {
+        return Ok((0, Some(Duration::ZERO)));
+    }
+    let oldest = stream
+        .raw_message_builder()
+        .sequence(1)
+        .next_by_subject(letters.subjects.clone())
+        .send()
+        .await
+        .ok()
+        .map(|letter| {
+            let age = time_since(letter.time.unix_timestamp_nanos());
+            Duration::from_nanos(u64::try_from(age).unwrap_or(0))
+        });
+    Ok((count, oldest))
 }
 
 /// Nanoseconds from `unix_nanos` until now (zero for a time in the future).

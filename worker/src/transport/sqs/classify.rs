@@ -223,7 +223,7 @@ pub struct ServiceFault {
 pub struct CallFault(String);
 
 /// What happened, without anything secret, as the source of a [`TransportError`].
-fn fault<E>(err: &SdkError<E, HttpResponse>) -> Box<dyn std::error::Error + Send + Sync>
+pub fn fault<E>(err: &SdkError<E, HttpResponse>) -> Box<dyn std::error::Error + Send + Sync>
 where
     E: ProvideErrorMetadata + std::error::Error + Send + Sync + 'static,
 {

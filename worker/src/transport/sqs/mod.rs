@@ -76,6 +76,7 @@ pub use self::probe::SqsProbe;
 use self::queues::Queues;
 pub use self::receive::Receipt;
 use self::receive::SqsDelivery;
+use crate::transport::retention::Retention;
 use crate::transport::{Acked, DeadLetter, Transport, TransportError};
 
 /// The visibility timeout SQS gives a queue that does not say.
@@ -94,9 +95,9 @@ pub struct SqsSettings {
     /// `spec.delivery.deadLetter.queueUrl`; default: the queue's URL with `-dlq`.
     pub dead_letter_queue_url: Option<String>,
     pub batch_size: usize,
-    /// `spec.delivery.deadLetter.retentionDays`: the worker warns when the dead-letter queue
-    /// keeps messages for less (SQS's own `MessageRetentionPeriod` decides).
-    pub dead_letter_retention: Duration,
+    /// `spec.delivery.deadLetter.retentionDays` and `acceptShorterRetention`: a dead-letter
+    /// queue keeping messages for less has its `MessageRetentionPeriod` raised.
+    pub dead_letter_retention: Retention,
 }
 
 /// The SQS transport.
@@ -202,7 +203,11 @@ impl Sqs {
             spec,
             dead_letter_queue_url: adapter.spec.delivery.dead_letter.queue_url.clone(),
             batch_size: 10,
-            dead_letter_retention: adapter.spec.delivery.dead_letter.retention(),
+            // Reading letters must not fail on (nor change) the queue's retention.
+            dead_letter_retention: Retention {
+                accept_shorter: true,
+                ..Retention::of(&adapter.spec.delivery.dead_letter)
+            },
         };
         let mut sqs = Self::new(settings, &mut Registry::default()).await?;
         sqs.prepare().await?;
@@ -328,7 +333,7 @@ mod tests {
             spec: serde_json::from_value(spec).expect("spec"),
             dead_letter_queue_url: None,
             batch_size: 10,
-            dead_letter_retention: Duration::from_secs(14 * 86_400),
+            dead_letter_retention: Retention::of(&switchboard_api::DeadLetter::default()),
         }
     }
 

@@ -1,7 +1,7 @@
 //! What `prepare` learns about the queues: that credentials resolve, the source queue's URL
 //! (GetQueueUrl for a `queueName`), its visibility timeout, `RedrivePolicy` and `FifoQueue`,
 //! and that the dead-letter queue exists (its `FifoQueue`, `MaximumMessageSize` and
-//! `MessageRetentionPeriod`).
+//! `MessageRetentionPeriod`, raised to `deadLetter.retentionDays` when it is shorter).
 
 use std::time::{Duration, Instant};
 
@@ -9,7 +9,7 @@ use aws_sdk_sqs::Client;
 use aws_sdk_sqs::config::ProvideCredentials;
 use aws_sdk_sqs::types::QueueAttributeName;
 
-use super::classify::{self, Addressed, CREDENTIALS_SETTING};
+use super::classify::{self, Addressed, CREDENTIALS_SETTING, Verdict};
 use super::dead_letter::DEFAULT_MAX_MESSAGE_BYTES;
 use super::{DEFAULT_VISIBILITY_SECONDS, Sqs, client};
 use crate::transport::TransportError;
@@ -87,6 +87,7 @@ impl Sqs {
         self.errors.source_queue = url.clone();
         let source = self.read_source_queue(&url).await?;
         let dead_letter = self.read_dead_letter_queue(&url).await?;
+        self.hold_retention(&dead_letter).await?;
         if self.queues.is_none() {
             self.log_queues(&url, &source, &dead_letter);
         }
@@ -234,17 +235,62 @@ impl Sqs {
         })
     }
 
+    /// Raises the dead-letter queue's `MessageRetentionPeriod` to `deadLetter.retentionDays`
+    /// when it is shorter (SetQueueAttributes). A refusal that waiting cannot fix (AccessDenied,
+    /// an invalid value) is fatal naming the setting, unless `acceptShorterRetention`.
+    async fn hold_retention(&self, dead_letter: &DeadLetterQueue) -> Result<(), TransportError> {
+        let retention = self.settings.dead_letter_retention;
+        let Some(kept) = dead_letter
+            .kept
+            .filter(|kept| retention.too_short(Some(*kept)))
+        else {
+            return Ok(());
+        };
+        if retention.accept_shorter {
+            return retention.refused(&dead_letter.url, kept, "not raised: accepted as it is");
+        }
+        let result = self
+            .client
+            .set_queue_attributes()
+            .queue_url(&dead_letter.url)
+            .attributes(
+                QueueAttributeName::MessageRetentionPeriod,
+                retention.wanted.as_secs().to_string(),
+            )
+            .send()
+            .await;
+        match result {
+            Ok(_) => {
+                tracing::info!(
+                    dead_letter_queue = %dead_letter.url,
+                    from_seconds = kept.as_secs(),
+                    to_seconds = retention.wanted.as_secs(),
+                    "raised the dead-letter queue's MessageRetentionPeriod to deadLetter.retentionDays"
+                );
+                Ok(())
+            }
+            // Refused for good: the value (InvalidAttributeValue), or the permission.
+            Err(err)
+                if classify::refused_message(&err).is_some()
+                    || classify::verdict(&err) == Verdict::Credentials =>
+            {
+                retention.refused(
+                    &dead_letter.url,
+                    kept,
+                    format!(
+                        "SetQueueAttributes MessageRetentionPeriod: {}",
+                        classify::fault(&err)
+                    ),
+                )
+            }
+            Err(err) => Err(self
+                .errors
+                .error("SetQueueAttributes", Addressed::DeadLetter, err)),
+        }
+    }
+
     /// Logs, on the first `prepare`, what the queues are and what of them needs attention.
     fn log_queues(&self, url: &str, source: &SourceQueue, dead_letter: &DeadLetterQueue) {
-        let wanted = self.settings.dead_letter_retention;
-        if let Some(kept) = dead_letter.kept.filter(|kept| *kept < wanted) {
-            tracing::warn!(
-                dead_letter_queue = %dead_letter.url,
-                retention_seconds = kept.as_secs(),
-                wanted_seconds = wanted.as_secs(),
-                "the dead-letter queue keeps messages for less than deadLetter.retentionDays: raise its MessageRetentionPeriod (SQS allows at most 14 days)"
-            );
-        }
         if let Some(policy) = &source.redrive_policy {
             tracing::info!(
                 queue = %url,
