@@ -27,7 +27,9 @@ pub(super) struct Incarnation {
 }
 
 impl Kafka {
-    /// Sets the keys of the first `max` records in hand whose incarnation is certain. The ids
+    /// Sets the keys of the records in hand whose incarnation is certain, when the first `max`
+    /// (the batch asked for) are not all set: one read then proves every record taken ahead
+    /// too, so most receives read none. The ids
     /// of their topics are read now, after every record in hand was taken from librdkafka; a
     /// record takes its topic's id only if that id was read before its partition's epoch began,
     /// so before the record was fetched: ids are never re-used, so the topic was that
@@ -36,16 +38,20 @@ impl Kafka {
     /// [`Kafka::recreated`]); a partition whose records were fetched before its topic's id was
     /// first read is fetched again from its first record in hand, under a new epoch.
     pub(super) async fn identify(&mut self, max: usize) -> Result<(), TransportError> {
-        let wanted: BTreeSet<Arc<str>> = self
+        if self
             .fetched
             .iter()
             .take(max)
+            .all(|fetched| fetched.identified)
+        {
+            return Ok(());
+        }
+        let wanted: BTreeSet<Arc<str>> = self
+            .fetched
+            .iter()
             .filter(|fetched| !fetched.identified)
             .map(|fetched| fetched.message.receipt.partition.topic.clone())
             .collect();
-        if wanted.is_empty() {
-            return Ok(());
-        }
         for topic in &wanted {
             if !self.topic_ids.contains_key(topic) {
                 // A topic read for the first time (a pattern picks up topics created later).
@@ -53,18 +59,18 @@ impl Kafka {
             }
         }
         let existing = self.describe(wanted).await?;
-        let unproven = self.set_keys(max, &existing);
+        let unproven = self.set_keys(&existing);
         self.fetch_again(unproven);
         Ok(())
     }
 
-    /// Sets the keys of the first `max` records in hand of the `existing` topics whose
-    /// incarnation was known before their partition's epoch began; returns the partitions of
-    /// those whose incarnation was read only later.
-    fn set_keys(&mut self, max: usize, existing: &BTreeSet<Arc<str>>) -> BTreeSet<TopicPartition> {
+    /// Sets the keys of the records in hand of the `existing` topics whose incarnation was
+    /// known before their partition's epoch began; returns the partitions of those whose
+    /// incarnation was read only later.
+    fn set_keys(&mut self, existing: &BTreeSet<Arc<str>>) -> BTreeSet<TopicPartition> {
         let mut unproven = BTreeSet::new();
         let offsets = self.state.offsets();
-        for fetched in self.fetched.iter_mut().take(max) {
+        for fetched in self.fetched.iter_mut() {
             let receipt = &fetched.message.receipt;
             if fetched.identified || !existing.contains(&receipt.partition.topic) {
                 continue;

@@ -9,7 +9,8 @@
 //!   `spec.source.kafka.topics`), then subscribes (a `topicPattern` is librdkafka's `^` regex).
 //! - **Receive**: the records librdkafka has fetched, up to the batch size (a receive that
 //!   waited for its first record gathers more for up to 100 ms: the pipeline is idle then), each
-//!   offset of a partition once. The key is `kafka:{adapter}:{topic}:{topic-id}:{partition}:{offset}`
+//!   offset of a partition once. Up to four batches (at most 4 MiB of bodies) are taken into
+//!   hand ahead, so one topic-id read proves several batches. The key is `kafka:{adapter}:{topic}:{topic-id}:{partition}:{offset}`
 //!   (`kafka:{adapter}:{topic}:{partition}:{offset}` where the brokers keep no topic ids, before
 //!   Kafka 2.8): a topic deleted and created again re-uses its offsets, never its id. The
 //!   record's headers become the event's headers and its key (any bytes) the `kafka.key` header;

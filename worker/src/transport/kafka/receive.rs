@@ -21,6 +21,11 @@ use crate::transport::{Message, TransportError};
 const RECEIVE_WAIT: Duration = Duration::from_secs(1);
 /// How long a blocking receive gathers more records after its first one.
 const GATHER: Duration = Duration::from_millis(100);
+/// Records taken into hand ahead of the batch asked for, in batches: one topic-id read
+/// (`identify`) then proves them all, so most receives read none.
+const AHEAD_BATCHES: usize = 4;
+/// ... and in bytes of bodies: what is taken ahead is held in the worker's memory.
+const AHEAD_BYTES: usize = 4 << 20;
 /// The header holding the record's key among the event's headers.
 const KEY_HEADER: &str = "kafka.key";
 
@@ -247,7 +252,8 @@ impl Kafka {
         })
     }
 
-    /// Fetches what librdkafka holds, up to `max` records in hand. With `block` (the pipeline
+    /// Fetches what librdkafka holds, up to `max` records in hand, and more ahead of the
+    /// next batches while under [`AHEAD_BATCHES`] batches and [`AHEAD_BYTES`]. With `block` (the pipeline
     /// has nothing in flight), waits a bounded time for the first record, then gathers more for
     /// up to [`GATHER`]: partitions start fetching at different moments, and records of a
     /// partition that come a moment later would otherwise wait behind a whole batch. An error is
@@ -259,7 +265,10 @@ impl Kafka {
         if self.fetched.is_empty() && block {
             gather_until = Some(tokio::time::Instant::now() + RECEIVE_WAIT);
         }
-        while self.fetched.len() < max {
+        let mut bytes: usize = self.fetched.iter().map(|f| f.message.body.len()).sum();
+        while self.fetched.len() < max
+            || (self.fetched.len() < max * AHEAD_BATCHES && bytes < AHEAD_BYTES)
+        {
             let next = match gather_until {
                 Some(until) => match tokio::time::timeout_at(until, stream.next()).await {
                     Ok(next) => next,
@@ -283,6 +292,7 @@ impl Kafka {
                     if block && self.fetched.is_empty() {
                         gather_until = Some(tokio::time::Instant::now() + GATHER);
                     }
+                    bytes += message.body.len();
                     self.fetched.push_back(Fetched {
                         message,
                         identified: false,
