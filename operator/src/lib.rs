@@ -73,7 +73,7 @@ pub struct RunOptions {
     pub worker: WorkerSettings,
     /// `None`: run without leader election (a single replica).
     pub leader_election: Option<LeaseSettings>,
-    /// This process's name in the Lease and in Events.
+    /// This process's name in Events.
     pub identity: String,
     pub metrics_addr: SocketAddr,
     pub database_url: String,

@@ -6,7 +6,7 @@ use clap::{Args, Parser, Subcommand};
 use switchboard_api::SecretKeyRef;
 use switchboard_operator::build::WorkerSettings;
 use switchboard_operator::database_ca::DefaultCa;
-use switchboard_operator::lease::LeaseSettings;
+use switchboard_operator::lease::{LeaseSettings, unique_identity};
 use switchboard_operator::pod_template::PodDefaults;
 use switchboard_operator::{DEFAULT_WORKER_IMAGE, ErrorChain, RunOptions, crd_yaml, run};
 
@@ -97,7 +97,8 @@ struct RunArgs {
     #[arg(long, env = "SWITCHBOARD_LEASE_DURATION", default_value = "15s",
           value_parser = humantime::parse_duration)]
     lease_duration: Duration,
-    /// This replica's identity in the Lease and in Events [default: the host name].
+    /// This replica's name in Events [default: the host name]; its Lease identity is this name
+    /// plus `_` and a random suffix, so replicas sharing a host name never share an identity.
     #[arg(long, env = "HOSTNAME")]
     identity: Option<String>,
     /// Address of the /healthz, /readyz and /metrics server.
@@ -136,7 +137,7 @@ impl RunArgs {
             leader_election: self.leader_election.then(|| LeaseSettings {
                 name: self.lease_name,
                 namespace: self.lease_namespace,
-                identity: identity.clone(),
+                identity: unique_identity(&identity),
                 duration: self.lease_duration,
             }),
             identity,
