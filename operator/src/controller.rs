@@ -23,7 +23,9 @@ use switchboard_telemetry::{Backoff, Jitter};
 use tokio_util::sync::CancellationToken;
 
 use crate::ErrorChain;
-use crate::apply::{ReconcileError, apply_autoscaling, apply_disruption_budget, kubernetes};
+use crate::apply::{
+    ReconcileError, apply_autoscaling, apply_disruption_budget, hand_over_replicas, kubernetes,
+};
 use crate::build::{
     FIELD_MANAGER, InvalidAdapter, SecretValue, SecretValues, ValidAdapter, WorkerSettings,
     adapter_config, build, managed_selector, referenced_secrets, validate, worker_name,
@@ -230,15 +232,28 @@ async fn converge(
         .await
         .map_err(kubernetes("apply worker ConfigMap"))?;
     let deployments = Api::<Deployment>::namespaced(ctx.client.clone(), valid.namespace);
-    let before = deployments
+    let live = deployments
         .get_opt(&name)
         .await
-        .map_err(kubernetes("get worker Deployment"))?
-        .and_then(|d| d.metadata.resource_version);
+        .map_err(kubernetes("get worker Deployment"))?;
+    // KEDA's minimum, when it is to own `replicas`.
+    let min_replicas = objects
+        .autoscaled
+        .as_ref()
+        .and(adapter.spec.workload.autoscaling.as_ref())
+        .map(|autoscaling| autoscaling.min_replicas);
+    if let (Some(live), Some(min)) = (&live, min_replicas) {
+        hand_over_replicas(&deployments, live, min).await?;
+    }
+    let before = live.and_then(|d| d.metadata.resource_version);
     let applied = deployments
         .patch(&name, &apply, &Patch::Apply(&objects.deployment))
         .await
         .map_err(kubernetes("apply worker Deployment"))?;
+    if let (None, Some(min)) = (&before, min_replicas) {
+        // Created without `replicas` (so 1): up to the minimum before KEDA is asked.
+        hand_over_replicas(&deployments, &applied, min).await?;
+    }
     apply_autoscaling(
         &ctx.client,
         valid.namespace,
