@@ -31,13 +31,12 @@ use crate::build::{
     adapter_config, build, managed_selector, referenced_secrets, validate, worker_name,
 };
 use crate::metrics::{ErrorCategory, Metrics, ReconcileOutcome};
+use crate::mirror::remove_orphan_rows;
 use crate::runtime::refresh_runtime_status;
 use crate::status::{Outcome, desired_status};
 
 /// Held on every QueueAdapter until its `adapters` row is deleted.
 pub const FINALIZER: &str = "switchboard.dev/adapters-row";
-/// A successful reconcile runs again after this long even without a change (drift repair).
-const RESYNC: Duration = Duration::from_secs(300);
 const BACKOFF_INITIAL: Duration = Duration::from_millis(500);
 const BACKOFF_CAP: Duration = Duration::from_secs(300);
 
@@ -75,6 +74,8 @@ pub struct Context {
     settings: WorkerSettings,
     metrics: Arc<Metrics>,
     recorder: Recorder,
+    /// A successful reconcile runs again after this long even without a change (drift repair).
+    resync: Duration,
     failures: Mutex<HashMap<String, Failures>>,
 }
 
@@ -85,6 +86,7 @@ impl Context {
         settings: WorkerSettings,
         metrics: Arc<Metrics>,
         identity: &str,
+        resync: Duration,
     ) -> Self {
         let reporter = Reporter {
             controller: FIELD_MANAGER.to_owned(),
@@ -96,6 +98,7 @@ impl Context {
             store,
             settings,
             metrics,
+            resync,
             failures: Mutex::default(),
         }
     }
@@ -222,6 +225,7 @@ async fn converge(
             enabled: adapter.spec.enabled,
             config: &config,
             generation: adapter.metadata.generation.unwrap_or(0),
+            uid: adapter.metadata.uid.as_deref().unwrap_or_default(),
         })
         .await
         .map_err(ReconcileError::Store)?;
@@ -369,7 +373,7 @@ async fn apply(adapter: &QueueAdapter, ctx: &Context) -> Result<Action, Reconcil
             ctx.write_status(adapter, Outcome::Applied(&deployment))
                 .await?;
             ctx.metrics.reconciled(ReconcileOutcome::Applied);
-            Ok(Action::requeue(RESYNC))
+            Ok(Action::requeue(ctx.resync))
         }
         Err(err) => {
             let message = ErrorChain(&err).to_string();
@@ -484,6 +488,12 @@ pub async fn run_controller(ctx: Arc<Context>, stop: CancellationToken) {
         cache.clone(),
         stop.clone(),
     ));
+    let sweeper = tokio::spawn(remove_orphan_rows(
+        client.clone(),
+        ctx.store.clone(),
+        ctx.resync,
+        stop.clone(),
+    ));
     let settings = ctx.settings.clone();
     controller
         .owns(Api::<Deployment>::all(client.clone()), managed.clone())
@@ -507,6 +517,7 @@ pub async fn run_controller(ctx: Arc<Context>, stop: CancellationToken) {
         })
         .await;
     let _ = runtime.await;
+    let _ = sweeper.await;
 }
 
 #[cfg(test)]

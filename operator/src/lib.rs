@@ -13,6 +13,7 @@ pub mod controller;
 pub mod database_ca;
 pub mod lease;
 pub mod metrics;
+pub mod mirror;
 pub mod mounted;
 pub mod pdb;
 pub mod pod_template;
@@ -77,6 +78,8 @@ pub struct RunOptions {
     pub identity: String,
     pub metrics_addr: SocketAddr,
     pub database_url: String,
+    /// How often every adapter is reconciled again without a change, and orphan rows swept.
+    pub resync: std::time::Duration,
 }
 
 /// First SIGTERM/SIGINT cancels `shutdown`.
@@ -126,6 +129,7 @@ pub async fn run(options: RunOptions) -> Result<(), OperatorError> {
         options.worker,
         metrics.clone(),
         &options.identity,
+        options.resync,
     ));
     ready.store(true, Ordering::Relaxed);
 

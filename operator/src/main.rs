@@ -101,6 +101,11 @@ struct RunArgs {
     /// plus `_` and a random suffix, so replicas sharing a host name never share an identity.
     #[arg(long, env = "HOSTNAME")]
     identity: Option<String>,
+    /// How often every adapter is reconciled again without a change (drift repair: a
+    /// hand-edited Deployment or adapters row), and the rows of deleted adapters swept.
+    #[arg(long, env = "SWITCHBOARD_RESYNC_INTERVAL", default_value = "5m",
+          value_parser = humantime::parse_duration)]
+    resync_interval: Duration,
     /// Address of the /healthz, /readyz and /metrics server.
     #[arg(long, env = "SWITCHBOARD_METRICS_ADDR", default_value = "0.0.0.0:8080")]
     metrics_addr: SocketAddr,
@@ -143,6 +148,7 @@ impl RunArgs {
             identity,
             metrics_addr: self.metrics_addr,
             database_url: self.database_url,
+            resync: self.resync_interval,
         }
     }
 }
