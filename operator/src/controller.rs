@@ -147,6 +147,22 @@ impl Context {
         Ok(true)
     }
 
+    /// Says `err` in the status (Degraded=True with its reason) and, when that changed the
+    /// status, in a Warning Event; returns `err` to be retried with backoff. Best effort: the
+    /// API server may be what failed.
+    async fn report_failure(&self, adapter: &QueueAdapter, err: ReconcileError) -> ReconcileError {
+        let message = ErrorChain(&err).to_string();
+        let failed = Outcome::Failed {
+            reason: err.reason(),
+            message: &message,
+        };
+        if let Ok(true) = self.write_status(adapter, failed).await {
+            self.publish(adapter, EventType::Warning, err.reason(), message)
+                .await;
+        }
+        err
+    }
+
     fn adapters(&self, adapter: &QueueAdapter) -> Api<QueueAdapter> {
         Api::namespaced(self.client.clone(), &namespace(adapter))
     }
@@ -375,29 +391,21 @@ async fn apply(adapter: &QueueAdapter, ctx: &Context) -> Result<Action, Reconcil
             ctx.metrics.reconciled(ReconcileOutcome::Applied);
             Ok(Action::requeue(ctx.resync))
         }
-        Err(err) => {
-            let message = ErrorChain(&err).to_string();
-            let failed = Outcome::Failed {
-                reason: err.reason(),
-                message: &message,
-            };
-            // Best effort: the API server may be what failed.
-            if let Ok(true) = ctx.write_status(adapter, failed).await {
-                ctx.publish(adapter, EventType::Warning, err.reason(), message)
-                    .await;
-            }
-            Err(err)
-        }
+        Err(err) => Err(ctx.report_failure(adapter, err).await),
     }
 }
 
 async fn cleanup(adapter: &QueueAdapter, ctx: &Context) -> Result<Action, ReconcileError> {
     let name = adapter.adapter_name();
-    let deleted = ctx
-        .store
-        .delete_adapter(&name)
-        .await
-        .map_err(ReconcileError::Store)?;
+    let deleted = match ctx.store.delete_adapter(&name).await {
+        Ok(deleted) => deleted,
+        // The finalizer holds the object until the row is gone: say why it waits.
+        Err(err) => {
+            return Err(ctx
+                .report_failure(adapter, ReconcileError::Store(err))
+                .await);
+        }
+    };
     tracing::info!(adapter = %name, row_deleted = deleted, "adapter deleted; adapters row cleaned up");
     ctx.metrics.reconciled(ReconcileOutcome::CleanedUp);
     Ok(Action::await_change())

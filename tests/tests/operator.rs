@@ -1033,6 +1033,72 @@ async fn database_outage_is_reported_retried_with_backoff_and_recovered() -> Res
     Ok(())
 }
 
+#[tokio::test]
+async fn deleting_an_adapter_while_the_database_is_down_says_degraded_and_removes_the_row_later()
+-> Result<()> {
+    let mut env = OperatorEnv::start().await?;
+    let operator = env.start_operator("operator-a", &[])?;
+    env.apply_adapter(&ORDERS).await?;
+    wait_for(OPERATOR_TIMEOUT, "the adapters row exists", || async {
+        Ok(env.adapter_row("orders").await?.is_some())
+    })
+    .await
+    .with_context(|| operator.log_tail())?;
+    env.wait_adapter("orders", "Reconciled=True", |a| {
+        condition(a, "Reconciled") == Some(("True", "Applied"))
+    })
+    .await?;
+
+    env.fixture.postgres.stop();
+    env.adapters()
+        .delete("orders", &DeleteParams::default())
+        .await?;
+    let adapter = env
+        .wait_adapter("orders", "Degraded=True DatabaseUnavailable", |a| {
+            condition(a, "Degraded") == Some(("True", "DatabaseUnavailable"))
+        })
+        .await
+        .with_context(|| operator.log_tail())?;
+    ensure!(
+        condition(&adapter, "Reconciled") == Some(("False", "DatabaseUnavailable")),
+        "{:?}",
+        adapter.status
+    );
+    ensure!(adapter.metadata.deletion_timestamp.is_some());
+    let events: Api<Event> = Api::namespaced(env.admin.clone(), OperatorEnv::NAMESPACE);
+    wait_for(
+        OPERATOR_TIMEOUT,
+        "a Warning event DatabaseUnavailable",
+        || async {
+            Ok(events
+                .list(&ListParams::default())
+                .await?
+                .items
+                .iter()
+                .any(|e| {
+                    e.type_.as_deref() == Some("Warning")
+                        && e.reason.as_deref() == Some("DatabaseUnavailable")
+                        && e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some("orders")
+                }))
+        },
+    )
+    .await?;
+
+    env.fixture.postgres.restart()?;
+    wait_for(
+        OPERATOR_TIMEOUT,
+        "the QueueAdapter is gone once the database is back",
+        || async { Ok(env.adapters().get_opt("orders").await?.is_none()) },
+    )
+    .await
+    .with_context(|| operator.log_tail())?;
+    ensure!(
+        env.adapter_row("orders").await?.is_none(),
+        "adapters row left behind"
+    );
+    Ok(())
+}
+
 /// The operator's worker pod defaults, as the chart renders them (`--worker-pod-defaults`).
 const POD_DEFAULTS: &str = include_str!("../../operator/fixtures/pod-defaults.json");
 
