@@ -1,5 +1,6 @@
-//! The QueueAdapter controller: validate → dereference Secrets → build (pure) → mirror the
-//! `adapters` row → server-side apply (one field manager, owner references) → status.
+//! The QueueAdapter controller: validate → dereference Secrets → build (pure) → server-side
+//! apply (one field manager, owner references) → mirror the `adapters` row → status. The row
+//! comes last so that a database outage does not hold up the Kubernetes side.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -18,7 +19,7 @@ use kube::runtime::reflector::{ObjectRef, Store as Cache};
 use kube::runtime::{Controller, watcher};
 use kube::{Api, Client, Resource, ResourceExt};
 use switchboard_api::{QueueAdapter, SecretKeyRef};
-use switchboard_store::{QueueAdapterRow, Store};
+use switchboard_store::{QueueAdapterRow, StoreError};
 use switchboard_telemetry::{Backoff, Jitter};
 use tokio_util::sync::CancellationToken;
 
@@ -31,7 +32,7 @@ use crate::build::{
     adapter_config, build, managed_selector, referenced_secrets, validate, worker_name,
 };
 use crate::metrics::{ErrorCategory, Metrics, ReconcileOutcome};
-use crate::mirror::remove_orphan_rows;
+use crate::mirror::{MigratedStore, remove_orphan_rows};
 use crate::runtime::refresh_runtime_status;
 use crate::status::{Outcome, desired_status};
 
@@ -70,7 +71,7 @@ struct Failures {
 /// Everything a reconcile needs, built once.
 pub struct Context {
     client: Client,
-    store: Store,
+    store: MigratedStore,
     settings: WorkerSettings,
     metrics: Arc<Metrics>,
     recorder: Recorder,
@@ -82,7 +83,7 @@ pub struct Context {
 impl Context {
     pub fn new(
         client: Client,
-        store: Store,
+        store: MigratedStore,
         settings: WorkerSettings,
         metrics: Arc<Metrics>,
         identity: &str,
@@ -226,16 +227,13 @@ async fn secret_value(
     })
 }
 
-/// Mirrors the row and applies the ConfigMap and Deployment; returns the Deployment as applied.
-async fn converge(
-    adapter: &QueueAdapter,
-    valid: &ValidAdapter<'_>,
-    secrets: SecretValues<'_>,
-    ctx: &Context,
-) -> Result<Deployment, ReconcileError> {
-    let objects = build(valid, &ctx.settings, secrets).map_err(ReconcileError::Build)?;
+/// Makes the adapter's `adapters` row say what the adapter says.
+async fn mirror_row(adapter: &QueueAdapter, ctx: &Context) -> Result<(), ReconcileError> {
     let config = adapter_config(&adapter.spec);
     ctx.store
+        .migrated()
+        .await
+        .map_err(ReconcileError::Store)?
         .upsert_queue_adapter(&QueueAdapterRow {
             name: &adapter.adapter_name(),
             enabled: adapter.spec.enabled,
@@ -245,6 +243,18 @@ async fn converge(
         })
         .await
         .map_err(ReconcileError::Store)?;
+    Ok(())
+}
+
+/// Applies the ConfigMap and Deployment, then mirrors the row; returns the Deployment as
+/// applied.
+async fn converge(
+    adapter: &QueueAdapter,
+    valid: &ValidAdapter<'_>,
+    secrets: SecretValues<'_>,
+    ctx: &Context,
+) -> Result<Deployment, ReconcileError> {
+    let objects = build(valid, &ctx.settings, secrets).map_err(ReconcileError::Build)?;
     let apply = PatchParams::apply(FIELD_MANAGER).force();
     let name = worker_name(valid.name);
     Api::<ConfigMap>::namespaced(ctx.client.clone(), valid.namespace)
@@ -305,6 +315,7 @@ async fn converge(
         )
         .await;
     }
+    mirror_row(adapter, ctx).await?;
     Ok(applied)
 }
 
@@ -395,9 +406,13 @@ async fn apply(adapter: &QueueAdapter, ctx: &Context) -> Result<Action, Reconcil
     }
 }
 
+async fn delete_row(store: &MigratedStore, name: &str) -> Result<bool, StoreError> {
+    store.migrated().await?.delete_adapter(name).await
+}
+
 async fn cleanup(adapter: &QueueAdapter, ctx: &Context) -> Result<Action, ReconcileError> {
     let name = adapter.adapter_name();
-    let deleted = match ctx.store.delete_adapter(&name).await {
+    let deleted = match delete_row(&ctx.store, &name).await {
         Ok(deleted) => deleted,
         // The finalizer holds the object until the row is gone: say why it waits.
         Err(err) => {
@@ -492,7 +507,7 @@ pub async fn run_controller(ctx: Arc<Context>, stop: CancellationToken) {
     let cache = controller.store();
     let runtime = tokio::spawn(refresh_runtime_status(
         client.clone(),
-        ctx.store.clone(),
+        ctx.store.unmigrated().clone(),
         cache.clone(),
         stop.clone(),
     ));

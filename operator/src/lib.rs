@@ -36,6 +36,7 @@ use crate::build::WorkerSettings;
 use crate::controller::{Context, run_controller};
 use crate::lease::{LeaderElector, LeaseError, LeaseSettings};
 use crate::metrics::Metrics;
+use crate::mirror::MigratedStore;
 use crate::probes::OperatorProbes;
 
 /// The worker image used when neither the flag nor the spec names one: this operator's version.
@@ -60,8 +61,8 @@ pub enum OperatorError {
         #[source]
         source: std::io::Error,
     },
-    #[error("cannot migrate the database")]
-    Migrate(#[source] StoreError),
+    #[error("cannot use DATABASE_URL")]
+    Database(#[source] StoreError),
     #[error("cannot configure the Kubernetes client (KUBECONFIG or in-cluster)")]
     Client(#[source] kube::Error),
     #[error(transparent)]
@@ -97,8 +98,8 @@ fn cancel_on_signal(shutdown: CancellationToken) -> Result<(), OperatorError> {
     Ok(())
 }
 
-/// `switchboard-operator run`: migrates the database, then reconciles QueueAdapters (as the
-/// leader, with leader election) until SIGTERM.
+/// `switchboard-operator run`: reconciles QueueAdapters (as the leader, with leader election)
+/// until SIGTERM, migrating the database when it is first reached.
 pub async fn run(options: RunOptions) -> Result<(), OperatorError> {
     let shutdown = CancellationToken::new();
     cancel_on_signal(shutdown.clone())?;
@@ -117,15 +118,15 @@ pub async fn run(options: RunOptions) -> Result<(), OperatorError> {
             })?;
     tracing::info!(addr = %bound, "serving /healthz, /readyz and /metrics");
 
+    // Connects lazily and migrates on first use: the Kubernetes side is reconciled even while
+    // the database is down.
     let store = Store::connect(&options.database_url, 4, "switchboard-operator")
         .await
-        .map_err(OperatorError::Migrate)?;
-    store.migrate().await.map_err(OperatorError::Migrate)?;
-    tracing::info!("database migrations applied");
+        .map_err(OperatorError::Database)?;
     let client = Client::try_default().await.map_err(OperatorError::Client)?;
     let ctx = Arc::new(Context::new(
         client.clone(),
-        store,
+        MigratedStore::new(store),
         options.worker,
         metrics.clone(),
         &options.identity,

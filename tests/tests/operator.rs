@@ -1099,6 +1099,49 @@ async fn deleting_an_adapter_while_the_database_is_down_says_degraded_and_remove
     Ok(())
 }
 
+#[tokio::test]
+async fn operator_started_with_the_database_down_reconciles_kubernetes_and_mirrors_rows_later()
+-> Result<()> {
+    let mut env = OperatorEnv::start().await?;
+    env.fixture.postgres.stop();
+    let operator = env.start_operator("operator-a", &[])?;
+    env.apply_adapter(&ORDERS).await?;
+    env.wait_deployment("orders-worker", "the worker Deployment is created", |_| {
+        true
+    })
+    .await
+    .with_context(|| operator.log_tail())?;
+    env.wait_adapter("orders", "Degraded=True DatabaseUnavailable", |a| {
+        condition(a, "Degraded") == Some(("True", "DatabaseUnavailable"))
+    })
+    .await
+    .with_context(|| operator.log_tail())?;
+    // A disabled adapter is still scaled to zero.
+    env.apply_adapter(&ORDERS.replace("spec:\n", "spec:\n  enabled: false\n"))
+        .await?;
+    env.wait_deployment(
+        "orders-worker",
+        "the disabled adapter's workers stop",
+        |d| d.spec.as_ref().and_then(|s| s.replicas) == Some(0),
+    )
+    .await
+    .with_context(|| operator.log_tail())?;
+
+    env.fixture.postgres.restart()?;
+    wait_for(
+        OPERATOR_TIMEOUT,
+        "the row is mirrored once the database is back",
+        || async { Ok(env.adapter_row("orders").await?.is_some_and(|r| !r.enabled)) },
+    )
+    .await
+    .with_context(|| operator.log_tail())?;
+    env.wait_adapter("orders", "Degraded=False once the row is mirrored", |a| {
+        condition(a, "Degraded").is_some_and(|(status, _)| status == "False")
+    })
+    .await?;
+    Ok(())
+}
+
 /// The operator's worker pod defaults, as the chart renders them (`--worker-pod-defaults`).
 const POD_DEFAULTS: &str = include_str!("../../operator/fixtures/pod-defaults.json");
 
