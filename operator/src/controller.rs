@@ -1,6 +1,6 @@
-//! The QueueAdapter controller: validate → dereference Secrets → build (pure) → server-side
-//! apply (one field manager, owner references) → mirror the `adapters` row → status. The row
-//! comes last so that a database outage does not hold up the Kubernetes side.
+//! The QueueAdapter controller: validate → dereference Secrets → build (pure) → mirror the
+//! `adapters` row → server-side apply (one field manager, owner references) → status. A
+//! database outage does not hold up the apply: the reconcile fails after it.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -246,8 +246,8 @@ async fn mirror_row(adapter: &QueueAdapter, ctx: &Context) -> Result<(), Reconci
     Ok(())
 }
 
-/// Applies the ConfigMap and Deployment, then mirrors the row; returns the Deployment as
-/// applied.
+/// Mirrors the row, then applies the ConfigMap and Deployment even if mirroring failed (the
+/// error is returned after them); returns the Deployment as applied.
 async fn converge(
     adapter: &QueueAdapter,
     valid: &ValidAdapter<'_>,
@@ -255,6 +255,7 @@ async fn converge(
     ctx: &Context,
 ) -> Result<Deployment, ReconcileError> {
     let objects = build(valid, &ctx.settings, secrets).map_err(ReconcileError::Build)?;
+    let mirrored = mirror_row(adapter, ctx).await;
     let apply = PatchParams::apply(FIELD_MANAGER).force();
     let name = worker_name(valid.name);
     Api::<ConfigMap>::namespaced(ctx.client.clone(), valid.namespace)
@@ -315,7 +316,8 @@ async fn converge(
         )
         .await;
     }
-    mirror_row(adapter, ctx).await?;
+    // A database outage does not hold up the Kubernetes side; the reconcile fails after it.
+    mirrored?;
     Ok(applied)
 }
 
