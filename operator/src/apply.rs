@@ -55,7 +55,7 @@ pub(crate) fn kubernetes(action: &'static str) -> impl FnOnce(kube::Error) -> Re
 const HAND_OVER_MANAGER: &str = "switchboard-operator-handover";
 
 /// Whether the operator's field manager owns `deployment`'s `spec.replicas`.
-fn operator_owns_replicas(deployment: &Deployment) -> bool {
+pub fn operator_owns_replicas(deployment: &Deployment) -> bool {
     deployment
         .metadata
         .managed_fields

@@ -29,6 +29,8 @@ use kube::{Client, CustomResourceExt};
 use switchboard_api::QueueAdapter;
 use switchboard_store::{Store, StoreError};
 pub use switchboard_telemetry::ErrorChain;
+
+pub use crate::apply::operator_owns_replicas;
 use tokio::signal::unix::{SignalKind, signal};
 use tokio_util::sync::CancellationToken;
 

@@ -54,6 +54,28 @@ async fn wait_blocked(env: &OperatorEnv, name: &str, reason: &str) -> Result<Que
     Ok(adapter)
 }
 
+/// Waits for an Event of `type_` and `reason` about the adapter `orders`.
+async fn wait_event(env: &OperatorEnv, type_: &str, reason: &str) -> Result<()> {
+    let events: Api<Event> = Api::namespaced(env.admin.clone(), OperatorEnv::NAMESPACE);
+    wait_for(
+        OPERATOR_TIMEOUT,
+        &format!("a {type_} event {reason} about the adapter"),
+        || async {
+            Ok(events
+                .list(&ListParams::default())
+                .await?
+                .items
+                .iter()
+                .any(|e| {
+                    e.type_.as_deref() == Some(type_)
+                        && e.reason.as_deref() == Some(reason)
+                        && e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some("orders")
+                }))
+        },
+    )
+    .await
+}
+
 /// Starts an operator and applies ORDERS; returns once its worker Deployment has 2 replicas.
 async fn running_orders(env: &OperatorEnv) -> Result<control_plane::OperatorProcess> {
     let operator = env.start_operator("operator-a", &[])?;
@@ -484,23 +506,7 @@ async fn created_adapter_gets_a_restricted_worker_deployment_and_an_adapters_row
     let status_text = serde_json::to_string(&status)?;
     ensure!(!status_text.contains("redis://") && !status_text.contains("postgres://"));
 
-    let events: Api<Event> = Api::namespaced(env.admin.clone(), OperatorEnv::NAMESPACE);
-    wait_for(
-        OPERATOR_TIMEOUT,
-        "a Created event about the adapter",
-        || async {
-            Ok(events
-                .list(&ListParams::default())
-                .await?
-                .items
-                .iter()
-                .any(|e| {
-                    e.reason.as_deref() == Some("Created")
-                        && e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some("orders")
-                }))
-        },
-    )
-    .await?;
+    wait_event(&env, "Normal", "Created").await?;
     Ok(())
 }
 
@@ -1065,24 +1071,7 @@ async fn deleting_an_adapter_while_the_database_is_down_says_degraded_and_remove
         adapter.status
     );
     ensure!(adapter.metadata.deletion_timestamp.is_some());
-    let events: Api<Event> = Api::namespaced(env.admin.clone(), OperatorEnv::NAMESPACE);
-    wait_for(
-        OPERATOR_TIMEOUT,
-        "a Warning event DatabaseUnavailable",
-        || async {
-            Ok(events
-                .list(&ListParams::default())
-                .await?
-                .items
-                .iter()
-                .any(|e| {
-                    e.type_.as_deref() == Some("Warning")
-                        && e.reason.as_deref() == Some("DatabaseUnavailable")
-                        && e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some("orders")
-                }))
-        },
-    )
-    .await?;
+    wait_event(&env, "Warning", "DatabaseUnavailable").await?;
 
     env.fixture.postgres.restart()?;
     wait_for(

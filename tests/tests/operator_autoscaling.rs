@@ -8,6 +8,7 @@ use k8s_openapi::api::apps::v1::Deployment;
 use kube::Api;
 use kube::api::{ApiResource, DynamicObject, GroupVersionKind, Patch, PatchParams};
 use serde_json::json;
+use switchboard_operator::operator_owns_replicas;
 use switchboard_tests::control_plane::{
     OPERATOR_TIMEOUT, OperatorEnv, adapter_manifest, condition, wait_object,
 };
@@ -39,18 +40,6 @@ fn sqs_adapter(workload: &str) -> String {
 
 fn replicas(deployment: &Deployment) -> Option<i32> {
     deployment.spec.as_ref()?.replicas
-}
-
-/// Whether the operator's field manager owns the Deployment's `spec.replicas`.
-fn operator_owns_replicas(deployment: &Deployment) -> bool {
-    deployment
-        .metadata
-        .managed_fields
-        .iter()
-        .flatten()
-        .filter(|entry| entry.manager.as_deref() == Some("switchboard-operator"))
-        .filter_map(|entry| entry.fields_v1.as_ref())
-        .any(|fields| fields.0.pointer("/f:spec/f:replicas").is_some())
 }
 
 /// The Secrets [`sqs_adapter`] references.
