@@ -26,19 +26,17 @@ async fn the_row_follows_the_object_uid_and_generation_and_unchanged_rows_are_no
     let fx = Fixture::start().await?;
     let v2 = serde_json::json!({"target": {"queue": "orders"}, "delivery": {"batchSize": 2}});
     let v3 = serde_json::json!({"target": {"queue": "orders"}, "delivery": {"batchSize": 3}});
-    let at = |generation, enabled, config, uid| QueueAdapterRow {
-        name: "shop/orders",
-        enabled,
-        config,
-        generation,
-        uid,
+    let upsert = async |generation, enabled, config, uid| {
+        let row = QueueAdapterRow {
+            name: "shop/orders",
+            enabled,
+            config,
+            generation,
+            uid,
+        };
+        fx.store.upsert_queue_adapter(&row).await
     };
-    assert_eq!(
-        fx.store
-            .upsert_queue_adapter(&at(2, true, &v2, "uid-1"))
-            .await?,
-        Mirrored::Written
-    );
+    assert_eq!(upsert(2, true, &v2, "uid-1").await?, Mirrored::Written);
     let (family, trust_mode): (String, String) =
         sqlx::query_as("SELECT family, trust_mode FROM adapters WHERE name = 'shop/orders'")
             .fetch_one(fx.pool())
@@ -47,36 +45,16 @@ async fn the_row_follows_the_object_uid_and_generation_and_unchanged_rows_are_no
         (family.as_str(), trust_mode.as_str()),
         ("queue", "connection")
     );
-    assert_eq!(
-        fx.store
-            .upsert_queue_adapter(&at(2, true, &v2, "uid-1"))
-            .await?,
-        Mirrored::Unchanged
-    );
-    assert_eq!(
-        fx.store
-            .upsert_queue_adapter(&at(3, false, &v3, "uid-1"))
-            .await?,
-        Mirrored::Written
-    );
+    assert_eq!(upsert(2, true, &v2, "uid-1").await?, Mirrored::Unchanged);
+    assert_eq!(upsert(3, false, &v3, "uid-1").await?, Mirrored::Written);
     // Deleted and re-created under the same name: generation 1 of another object wins.
-    assert_eq!(
-        fx.store
-            .upsert_queue_adapter(&at(1, true, &v2, "uid-2"))
-            .await?,
-        Mirrored::Written
-    );
+    assert_eq!(upsert(1, true, &v2, "uid-2").await?, Mirrored::Written);
     assert_eq!(row(&fx).await?, Some((true, v2.clone(), 1)));
     // A row edited by hand (a higher generation, other content) is put back.
     sqlx::query("UPDATE adapters SET generation = 99, config = '{}' WHERE name = 'shop/orders'")
         .execute(fx.pool())
         .await?;
-    assert_eq!(
-        fx.store
-            .upsert_queue_adapter(&at(1, true, &v2, "uid-2"))
-            .await?,
-        Mirrored::Written
-    );
+    assert_eq!(upsert(1, true, &v2, "uid-2").await?, Mirrored::Written);
     assert_eq!(row(&fx).await?, Some((true, v2.clone(), 1)));
     Ok(())
 }
