@@ -2,6 +2,7 @@
 //! becomes a reconcile error: below the controller, which drives them, and above `build`,
 //! which makes them.
 
+use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use kube::api::{ApiResource, DynamicObject, Patch, PatchParams};
 use kube::{Api, Client};
@@ -47,6 +48,54 @@ impl ReconcileError {
 
 pub(crate) fn kubernetes(action: &'static str) -> impl FnOnce(kube::Error) -> ReconcileError {
     move |source| ReconcileError::Kubernetes { action, source }
+}
+
+/// The field manager that holds an autoscaled Deployment's `replicas` while the operator lets go
+/// of it: without an owner, the API server would reset it to 1 before KEDA's HPA takes over.
+const HAND_OVER_MANAGER: &str = "switchboard-operator-handover";
+
+/// Whether the operator's field manager owns `deployment`'s `spec.replicas`.
+pub fn operator_owns_replicas(deployment: &Deployment) -> bool {
+    deployment
+        .metadata
+        .managed_fields
+        .iter()
+        .flatten()
+        .filter(|entry| entry.manager.as_deref() == Some(FIELD_MANAGER))
+        .filter_map(|entry| entry.fields_v1.as_ref())
+        .any(|fields| fields.0.pointer("/f:spec/f:replicas").is_some())
+}
+
+/// Before the operator applies an autoscaled Deployment (without `replicas`): if it still owns
+/// `replicas` (autoscaling just switched on) or they are below `min_replicas`, a separate field
+/// manager pins them at max(current, `min_replicas`), so capacity never drops during the
+/// hand-over to KEDA, nor for good when KEDA is missing.
+pub(crate) async fn hand_over_replicas(
+    deployments: &Api<Deployment>,
+    live: &Deployment,
+    min_replicas: i32,
+) -> Result<(), ReconcileError> {
+    let current = live.spec.as_ref().and_then(|s| s.replicas).unwrap_or(1);
+    if !operator_owns_replicas(live) && current >= min_replicas {
+        return Ok(());
+    }
+    let pin = serde_json::json!({
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "spec": {"replicas": current.max(min_replicas)},
+    });
+    let name = live.metadata.name.as_deref().unwrap_or_default();
+    deployments
+        .patch(
+            name,
+            &PatchParams::apply(HAND_OVER_MANAGER).force(),
+            &Patch::Apply(&pin),
+        )
+        .await
+        .map_err(kubernetes(
+            "keep the worker replicas while handing them to KEDA",
+        ))?;
+    Ok(())
 }
 
 /// Applies KEDA's objects of an autoscaled adapter, or deletes the ones an earlier spec had

@@ -1,5 +1,6 @@
 //! The QueueAdapter controller: validate → dereference Secrets → build (pure) → mirror the
-//! `adapters` row → server-side apply (one field manager, owner references) → status.
+//! `adapters` row → server-side apply (one field manager, owner references) → status. A
+//! database outage does not hold up the apply: the reconcile fails after it.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -18,24 +19,25 @@ use kube::runtime::reflector::{ObjectRef, Store as Cache};
 use kube::runtime::{Controller, watcher};
 use kube::{Api, Client, Resource, ResourceExt};
 use switchboard_api::{QueueAdapter, QueueAdapterStatus, SecretKeyRef};
-use switchboard_store::{QueueAdapterRow, Store};
+use switchboard_store::{QueueAdapterRow, StoreError};
 use switchboard_telemetry::{Backoff, Jitter};
 use tokio_util::sync::CancellationToken;
 
 use crate::ErrorChain;
-use crate::apply::{ReconcileError, apply_autoscaling, apply_disruption_budget, kubernetes};
+use crate::apply::{
+    ReconcileError, apply_autoscaling, apply_disruption_budget, hand_over_replicas, kubernetes,
+};
 use crate::build::{
     FIELD_MANAGER, InvalidAdapter, SecretValue, SecretValues, ValidAdapter, WorkerSettings,
     adapter_config, build, managed_selector, referenced_secrets, validate, worker_name,
 };
 use crate::metrics::{ErrorCategory, Metrics, ReconcileOutcome};
+use crate::mirror::{MigratedStore, remove_orphan_rows};
 use crate::runtime::refresh_runtime_status;
 use crate::status::{Outcome, READY, deployment_workers, desired_status};
 
 /// Held on every QueueAdapter until its `adapters` row is deleted.
 pub const FINALIZER: &str = "switchboard.dev/adapters-row";
-/// A successful reconcile runs again after this long even without a change (drift repair).
-const RESYNC: Duration = Duration::from_secs(300);
 const BACKOFF_INITIAL: Duration = Duration::from_millis(500);
 const BACKOFF_CAP: Duration = Duration::from_secs(300);
 
@@ -69,20 +71,23 @@ struct Failures {
 /// Everything a reconcile needs, built once.
 pub struct Context {
     client: Client,
-    store: Store,
+    store: MigratedStore,
     settings: WorkerSettings,
     metrics: Arc<Metrics>,
     recorder: Recorder,
+    /// A successful reconcile runs again after this long even without a change (drift repair).
+    resync: Duration,
     failures: Mutex<HashMap<String, Failures>>,
 }
 
 impl Context {
     pub fn new(
         client: Client,
-        store: Store,
+        store: MigratedStore,
         settings: WorkerSettings,
         metrics: Arc<Metrics>,
         identity: &str,
+        resync: Duration,
     ) -> Self {
         let reporter = Reporter {
             controller: FIELD_MANAGER.to_owned(),
@@ -94,6 +99,7 @@ impl Context {
             store,
             settings,
             metrics,
+            resync,
             failures: Mutex::default(),
         }
     }
@@ -166,6 +172,22 @@ impl Context {
         }
     }
 
+    /// Says `err` in the status (Degraded=True with its reason) and, when that changed the
+    /// status, in a Warning Event; returns `err` to be retried with backoff. Best effort: the
+    /// API server may be what failed.
+    async fn report_failure(&self, adapter: &QueueAdapter, err: ReconcileError) -> ReconcileError {
+        let message = ErrorChain(&err).to_string();
+        let failed = Outcome::Failed {
+            reason: err.reason(),
+            message: &message,
+        };
+        if let Ok(true) = self.write_status(adapter, failed).await {
+            self.publish(adapter, EventType::Warning, err.reason(), message)
+                .await;
+        }
+        err
+    }
+
     fn adapters(&self, adapter: &QueueAdapter) -> Api<QueueAdapter> {
         Api::namespaced(self.client.clone(), &namespace(adapter))
     }
@@ -229,7 +251,27 @@ async fn secret_value(
     })
 }
 
-/// Mirrors the row and applies the ConfigMap and Deployment; returns the Deployment as applied.
+/// Makes the adapter's `adapters` row say what the adapter says.
+async fn mirror_row(adapter: &QueueAdapter, ctx: &Context) -> Result<(), ReconcileError> {
+    let config = adapter_config(&adapter.spec);
+    ctx.store
+        .migrated()
+        .await
+        .map_err(ReconcileError::Store)?
+        .upsert_queue_adapter(&QueueAdapterRow {
+            name: &adapter.adapter_name(),
+            enabled: adapter.spec.enabled,
+            config: &config,
+            generation: adapter.metadata.generation.unwrap_or(0),
+            uid: adapter.metadata.uid.as_deref().unwrap_or_default(),
+        })
+        .await
+        .map_err(ReconcileError::Store)?;
+    Ok(())
+}
+
+/// Mirrors the row, then applies the ConfigMap and Deployment even if mirroring failed (the
+/// error is returned after them); returns the Deployment as applied.
 async fn converge(
     adapter: &QueueAdapter,
     valid: &ValidAdapter<'_>,
@@ -237,16 +279,7 @@ async fn converge(
     ctx: &Context,
 ) -> Result<Deployment, ReconcileError> {
     let objects = build(valid, &ctx.settings, secrets).map_err(ReconcileError::Build)?;
-    let config = adapter_config(&adapter.spec);
-    ctx.store
-        .upsert_queue_adapter(&QueueAdapterRow {
-            name: &adapter.adapter_name(),
-            enabled: adapter.spec.enabled,
-            config: &config,
-            generation: adapter.metadata.generation.unwrap_or(0),
-        })
-        .await
-        .map_err(ReconcileError::Store)?;
+    let mirrored = mirror_row(adapter, ctx).await;
     let apply = PatchParams::apply(FIELD_MANAGER).force();
     let name = worker_name(valid.name);
     Api::<ConfigMap>::namespaced(ctx.client.clone(), valid.namespace)
@@ -254,15 +287,28 @@ async fn converge(
         .await
         .map_err(kubernetes("apply worker ConfigMap"))?;
     let deployments = Api::<Deployment>::namespaced(ctx.client.clone(), valid.namespace);
-    let before = deployments
+    let live = deployments
         .get_opt(&name)
         .await
-        .map_err(kubernetes("get worker Deployment"))?
-        .and_then(|d| d.metadata.resource_version);
+        .map_err(kubernetes("get worker Deployment"))?;
+    // KEDA's minimum, when it is to own `replicas`.
+    let min_replicas = objects
+        .autoscaled
+        .as_ref()
+        .and(adapter.spec.workload.autoscaling.as_ref())
+        .map(|autoscaling| autoscaling.min_replicas);
+    if let (Some(live), Some(min)) = (&live, min_replicas) {
+        hand_over_replicas(&deployments, live, min).await?;
+    }
+    let before = live.and_then(|d| d.metadata.resource_version);
     let applied = deployments
         .patch(&name, &apply, &Patch::Apply(&objects.deployment))
         .await
         .map_err(kubernetes("apply worker Deployment"))?;
+    if let (None, Some(min)) = (&before, min_replicas) {
+        // Created without `replicas` (so 1): up to the minimum before KEDA is asked.
+        hand_over_replicas(&deployments, &applied, min).await?;
+    }
     apply_autoscaling(
         &ctx.client,
         valid.namespace,
@@ -294,6 +340,8 @@ async fn converge(
         )
         .await;
     }
+    // A database outage does not hold up the Kubernetes side; the reconcile fails after it.
+    mirrored?;
     Ok(applied)
 }
 
@@ -378,31 +426,27 @@ async fn apply(adapter: &QueueAdapter, ctx: &Context) -> Result<Action, Reconcil
             ctx.write_status(adapter, Outcome::Applied(&deployment))
                 .await?;
             ctx.metrics.reconciled(ReconcileOutcome::Applied);
-            Ok(Action::requeue(RESYNC))
+            Ok(Action::requeue(ctx.resync))
         }
-        Err(err) => {
-            let message = ErrorChain(&err).to_string();
-            let failed = Outcome::Failed {
-                reason: err.reason(),
-                message: &message,
-            };
-            // Best effort: the API server may be what failed.
-            if let Ok(true) = ctx.write_status(adapter, failed).await {
-                ctx.publish(adapter, EventType::Warning, err.reason(), message)
-                    .await;
-            }
-            Err(err)
-        }
+        Err(err) => Err(ctx.report_failure(adapter, err).await),
     }
+}
+
+async fn delete_row(store: &MigratedStore, name: &str) -> Result<bool, StoreError> {
+    store.migrated().await?.delete_adapter(name).await
 }
 
 async fn cleanup(adapter: &QueueAdapter, ctx: &Context) -> Result<Action, ReconcileError> {
     let name = adapter.adapter_name();
-    let deleted = ctx
-        .store
-        .delete_adapter(&name)
-        .await
-        .map_err(ReconcileError::Store)?;
+    let deleted = match delete_row(&ctx.store, &name).await {
+        Ok(deleted) => deleted,
+        // The finalizer holds the object until the row is gone: say why it waits.
+        Err(err) => {
+            return Err(ctx
+                .report_failure(adapter, ReconcileError::Store(err))
+                .await);
+        }
+    };
     tracing::info!(adapter = %name, row_deleted = deleted, "adapter deleted; adapters row cleaned up");
     ctx.metrics.adapter_deleted(&name);
     ctx.metrics.reconciled(ReconcileOutcome::CleanedUp);
@@ -490,8 +534,14 @@ pub async fn run_controller(ctx: Arc<Context>, stop: CancellationToken) {
     let cache = controller.store();
     let runtime = tokio::spawn(refresh_runtime_status(
         client.clone(),
-        ctx.store.clone(),
+        ctx.store.unmigrated().clone(),
         cache.clone(),
+        stop.clone(),
+    ));
+    let sweeper = tokio::spawn(remove_orphan_rows(
+        client.clone(),
+        ctx.store.clone(),
+        ctx.resync,
         stop.clone(),
     ));
     let settings = ctx.settings.clone();
@@ -517,6 +567,7 @@ pub async fn run_controller(ctx: Arc<Context>, stop: CancellationToken) {
         })
         .await;
     let _ = runtime.await;
+    let _ = sweeper.await;
 }
 
 #[cfg(test)]

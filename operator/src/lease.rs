@@ -13,6 +13,13 @@ use kube::api::PostParams;
 use kube::{Api, Client};
 use tokio_util::sync::CancellationToken;
 
+/// `name` plus `_` and a random suffix, as client-go builds a Lease identity: two replicas with
+/// the same host name (hostNetwork pods on one node, two runs outside the cluster) must not
+/// both believe they hold the lease.
+pub fn unique_identity(name: &str) -> String {
+    format!("{name}_{:016x}", fastrand::u64(..))
+}
+
 /// Which Lease, who we are, how long a lease lasts.
 #[derive(Debug, Clone)]
 pub struct LeaseSettings {

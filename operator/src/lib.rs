@@ -13,6 +13,7 @@ pub mod controller;
 pub mod database_ca;
 pub mod lease;
 pub mod metrics;
+pub mod mirror;
 pub mod mounted;
 pub mod pdb;
 pub mod pod_template;
@@ -28,6 +29,8 @@ use kube::{Client, CustomResourceExt};
 use switchboard_api::QueueAdapter;
 use switchboard_store::{Store, StoreError};
 pub use switchboard_telemetry::ErrorChain;
+
+pub use crate::apply::operator_owns_replicas;
 use tokio::signal::unix::{SignalKind, signal};
 use tokio_util::sync::CancellationToken;
 
@@ -35,6 +38,7 @@ use crate::build::WorkerSettings;
 use crate::controller::{Context, run_controller};
 use crate::lease::{LeaderElector, LeaseError, LeaseSettings};
 use crate::metrics::Metrics;
+use crate::mirror::MigratedStore;
 use crate::probes::OperatorProbes;
 
 /// The worker image used when neither the flag nor the spec names one: this operator's version.
@@ -59,8 +63,8 @@ pub enum OperatorError {
         #[source]
         source: std::io::Error,
     },
-    #[error("cannot migrate the database")]
-    Migrate(#[source] StoreError),
+    #[error("cannot use DATABASE_URL")]
+    Database(#[source] StoreError),
     #[error("cannot configure the Kubernetes client (KUBECONFIG or in-cluster)")]
     Client(#[source] kube::Error),
     #[error(transparent)]
@@ -73,10 +77,12 @@ pub struct RunOptions {
     pub worker: WorkerSettings,
     /// `None`: run without leader election (a single replica).
     pub leader_election: Option<LeaseSettings>,
-    /// This process's name in the Lease and in Events.
+    /// This process's name in Events.
     pub identity: String,
     pub metrics_addr: SocketAddr,
     pub database_url: String,
+    /// How often every adapter is reconciled again without a change, and orphan rows swept.
+    pub resync: std::time::Duration,
 }
 
 /// First SIGTERM/SIGINT cancels `shutdown`.
@@ -94,8 +100,8 @@ fn cancel_on_signal(shutdown: CancellationToken) -> Result<(), OperatorError> {
     Ok(())
 }
 
-/// `switchboard-operator run`: migrates the database, then reconciles QueueAdapters (as the
-/// leader, with leader election) until SIGTERM.
+/// `switchboard-operator run`: reconciles QueueAdapters (as the leader, with leader election)
+/// until SIGTERM, migrating the database when it is first reached.
 pub async fn run(options: RunOptions) -> Result<(), OperatorError> {
     let shutdown = CancellationToken::new();
     cancel_on_signal(shutdown.clone())?;
@@ -114,18 +120,19 @@ pub async fn run(options: RunOptions) -> Result<(), OperatorError> {
             })?;
     tracing::info!(addr = %bound, "serving /healthz, /readyz and /metrics");
 
+    // Connects lazily and migrates on first use: the Kubernetes side is reconciled even while
+    // the database is down.
     let store = Store::connect(&options.database_url, 4, "switchboard-operator")
         .await
-        .map_err(OperatorError::Migrate)?;
-    store.migrate().await.map_err(OperatorError::Migrate)?;
-    tracing::info!("database migrations applied");
+        .map_err(OperatorError::Database)?;
     let client = Client::try_default().await.map_err(OperatorError::Client)?;
     let ctx = Arc::new(Context::new(
         client.clone(),
-        store,
+        MigratedStore::new(store),
         options.worker,
         metrics.clone(),
         &options.identity,
+        options.resync,
     ));
     ready.store(true, Ordering::Relaxed);
 

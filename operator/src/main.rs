@@ -6,7 +6,7 @@ use clap::{Args, Parser, Subcommand};
 use switchboard_api::SecretKeyRef;
 use switchboard_operator::build::WorkerSettings;
 use switchboard_operator::database_ca::DefaultCa;
-use switchboard_operator::lease::LeaseSettings;
+use switchboard_operator::lease::{LeaseSettings, unique_identity};
 use switchboard_operator::pod_template::PodDefaults;
 use switchboard_operator::{DEFAULT_WORKER_IMAGE, ErrorChain, RunOptions, crd_yaml, run};
 
@@ -97,9 +97,15 @@ struct RunArgs {
     #[arg(long, env = "SWITCHBOARD_LEASE_DURATION", default_value = "15s",
           value_parser = humantime::parse_duration)]
     lease_duration: Duration,
-    /// This replica's identity in the Lease and in Events [default: the host name].
+    /// This replica's name in Events [default: the host name]; its Lease identity is this name
+    /// plus `_` and a random suffix, so replicas sharing a host name never share an identity.
     #[arg(long, env = "HOSTNAME")]
     identity: Option<String>,
+    /// How often every adapter is reconciled again without a change (drift repair: a
+    /// hand-edited Deployment or adapters row), and the rows of deleted adapters swept.
+    #[arg(long, env = "SWITCHBOARD_RESYNC_INTERVAL", default_value = "5m",
+          value_parser = humantime::parse_duration)]
+    resync_interval: Duration,
     /// Address of the /healthz, /readyz and /metrics server.
     #[arg(long, env = "SWITCHBOARD_METRICS_ADDR", default_value = "0.0.0.0:8080")]
     metrics_addr: SocketAddr,
@@ -136,12 +142,13 @@ impl RunArgs {
             leader_election: self.leader_election.then(|| LeaseSettings {
                 name: self.lease_name,
                 namespace: self.lease_namespace,
-                identity: identity.clone(),
+                identity: unique_identity(&identity),
                 duration: self.lease_duration,
             }),
             identity,
             metrics_addr: self.metrics_addr,
             database_url: self.database_url,
+            resync: self.resync_interval,
         }
     }
 }

@@ -11,8 +11,10 @@ pub struct QueueAdapterRow<'a> {
     pub enabled: bool,
     /// The adapter's settings as JSON, without secrets.
     pub config: &'a serde_json::Value,
-    /// The resource's `metadata.generation`: a row of a newer generation is never overwritten.
+    /// The resource's `metadata.generation`.
     pub generation: i64,
+    /// The resource's `metadata.uid`: a re-created adapter of the same name has another.
+    pub uid: &'a str,
 }
 
 /// What an upsert did.
@@ -20,26 +22,28 @@ pub struct QueueAdapterRow<'a> {
 pub enum Mirrored {
     /// The row was inserted or changed.
     Written,
-    /// The row already said the same, or belongs to a newer generation.
+    /// The row already said exactly the same.
     Unchanged,
 }
 
 const UPSERT_SQL: &str = r#"
-INSERT INTO adapters (name, family, trust_mode, enabled, config, generation)
-VALUES ($1, 'queue', 'connection', $2, $3, $4)
+INSERT INTO adapters (name, family, trust_mode, enabled, config, generation, uid)
+VALUES ($1, 'queue', 'connection', $2, $3, $4, $5)
 ON CONFLICT (name) DO UPDATE
     SET family = EXCLUDED.family, trust_mode = EXCLUDED.trust_mode, enabled = EXCLUDED.enabled,
-        config = EXCLUDED.config, generation = EXCLUDED.generation, updated_at = now()
-    WHERE adapters.generation < EXCLUDED.generation
-       OR (adapters.generation = EXCLUDED.generation
-           AND (adapters.family, adapters.trust_mode, adapters.enabled, adapters.config)
-               IS DISTINCT FROM
-               (EXCLUDED.family, EXCLUDED.trust_mode, EXCLUDED.enabled, EXCLUDED.config))
+        config = EXCLUDED.config, generation = EXCLUDED.generation, uid = EXCLUDED.uid,
+        updated_at = now()
+    WHERE (adapters.family, adapters.trust_mode, adapters.enabled, adapters.config,
+           adapters.generation, adapters.uid)
+          IS DISTINCT FROM
+          (EXCLUDED.family, EXCLUDED.trust_mode, EXCLUDED.enabled, EXCLUDED.config,
+           EXCLUDED.generation, EXCLUDED.uid)
 "#;
 
 impl Store {
-    /// Inserts or updates the row named `row.name` unless the stored row has a newer generation.
-    /// Writes nothing when the row already matches.
+    /// Makes the row named `row.name` say exactly `row` (the QueueAdapter is the source of
+    /// truth: a row of a deleted adapter of the same name, or one edited by hand, is
+    /// overwritten). Writes nothing when the row already matches.
     pub async fn upsert_queue_adapter(
         &self,
         row: &QueueAdapterRow<'_>,
@@ -49,6 +53,7 @@ impl Store {
             .bind(row.enabled)
             .bind(row.config)
             .bind(row.generation)
+            .bind(row.uid)
             .execute(&self.pool)
             .await
             .map_err(StoreError::classify)?;
@@ -66,6 +71,31 @@ impl Store {
             .execute(&self.pool)
             .await
             .map_err(StoreError::classify)?;
+        Ok(result.rows_affected() > 0)
+    }
+
+    /// The queue adapters' rows: `(name, uid)`.
+    pub async fn queue_adapter_uids(&self) -> Result<Vec<(String, Option<String>)>, StoreError> {
+        sqlx::query_as("SELECT name, uid FROM adapters WHERE family = 'queue'")
+            .fetch_all(&self.pool)
+            .await
+            .map_err(StoreError::classify)
+    }
+
+    /// Deletes the row named `name` if it still belongs to the object `uid` (`None`: a row
+    /// written before uids were stored). Returns whether it deleted one.
+    pub async fn delete_adapter_of(
+        &self,
+        name: &str,
+        uid: Option<&str>,
+    ) -> Result<bool, StoreError> {
+        let result =
+            sqlx::query("DELETE FROM adapters WHERE name = $1 AND uid IS NOT DISTINCT FROM $2")
+                .bind(name)
+                .bind(uid)
+                .execute(&self.pool)
+                .await
+                .map_err(StoreError::classify)?;
         Ok(result.rows_affected() > 0)
     }
 }

@@ -54,6 +54,28 @@ async fn wait_blocked(env: &OperatorEnv, name: &str, reason: &str) -> Result<Que
     Ok(adapter)
 }
 
+/// Waits for an Event of `type_` and `reason` about the adapter `orders`.
+async fn wait_event(env: &OperatorEnv, type_: &str, reason: &str) -> Result<()> {
+    let events: Api<Event> = Api::namespaced(env.admin.clone(), OperatorEnv::NAMESPACE);
+    wait_for(
+        OPERATOR_TIMEOUT,
+        &format!("a {type_} event {reason} about the adapter"),
+        || async {
+            Ok(events
+                .list(&ListParams::default())
+                .await?
+                .items
+                .iter()
+                .any(|e| {
+                    e.type_.as_deref() == Some(type_)
+                        && e.reason.as_deref() == Some(reason)
+                        && e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some("orders")
+                }))
+        },
+    )
+    .await
+}
+
 /// Starts an operator and applies ORDERS; returns once its worker Deployment has 2 replicas.
 async fn running_orders(env: &OperatorEnv) -> Result<control_plane::OperatorProcess> {
     let operator = env.start_operator("operator-a", &[])?;
@@ -484,23 +506,7 @@ async fn created_adapter_gets_a_restricted_worker_deployment_and_an_adapters_row
     let status_text = serde_json::to_string(&status)?;
     ensure!(!status_text.contains("redis://") && !status_text.contains("postgres://"));
 
-    let events: Api<Event> = Api::namespaced(env.admin.clone(), OperatorEnv::NAMESPACE);
-    wait_for(
-        OPERATOR_TIMEOUT,
-        "a Created event about the adapter",
-        || async {
-            Ok(events
-                .list(&ListParams::default())
-                .await?
-                .items
-                .iter()
-                .any(|e| {
-                    e.reason.as_deref() == Some("Created")
-                        && e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some("orders")
-                }))
-        },
-    )
-    .await?;
+    wait_event(&env, "Normal", "Created").await?;
     Ok(())
 }
 
@@ -1030,6 +1036,98 @@ async fn database_outage_is_reported_retried_with_backoff_and_recovered() -> Res
     )
     .await?;
     ensure!(env.adapter_row("orders").await?.is_some());
+    Ok(())
+}
+
+#[tokio::test]
+async fn deleting_an_adapter_while_the_database_is_down_says_degraded_and_removes_the_row_later()
+-> Result<()> {
+    let mut env = OperatorEnv::start().await?;
+    let operator = env.start_operator("operator-a", &[])?;
+    env.apply_adapter(&ORDERS).await?;
+    wait_for(OPERATOR_TIMEOUT, "the adapters row exists", || async {
+        Ok(env.adapter_row("orders").await?.is_some())
+    })
+    .await
+    .with_context(|| operator.log_tail())?;
+    env.wait_adapter("orders", "Reconciled=True", |a| {
+        condition(a, "Reconciled") == Some(("True", "Applied"))
+    })
+    .await?;
+
+    env.fixture.postgres.stop();
+    env.adapters()
+        .delete("orders", &DeleteParams::default())
+        .await?;
+    let adapter = env
+        .wait_adapter("orders", "Degraded=True DatabaseUnavailable", |a| {
+            condition(a, "Degraded") == Some(("True", "DatabaseUnavailable"))
+        })
+        .await
+        .with_context(|| operator.log_tail())?;
+    ensure!(
+        condition(&adapter, "Reconciled") == Some(("False", "DatabaseUnavailable")),
+        "{:?}",
+        adapter.status
+    );
+    ensure!(adapter.metadata.deletion_timestamp.is_some());
+    wait_event(&env, "Warning", "DatabaseUnavailable").await?;
+
+    env.fixture.postgres.restart()?;
+    wait_for(
+        OPERATOR_TIMEOUT,
+        "the QueueAdapter is gone once the database is back",
+        || async { Ok(env.adapters().get_opt("orders").await?.is_none()) },
+    )
+    .await
+    .with_context(|| operator.log_tail())?;
+    ensure!(
+        env.adapter_row("orders").await?.is_none(),
+        "adapters row left behind"
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn operator_started_with_the_database_down_reconciles_kubernetes_and_mirrors_rows_later()
+-> Result<()> {
+    let mut env = OperatorEnv::start().await?;
+    env.fixture.postgres.stop();
+    let operator = env.start_operator("operator-a", &[])?;
+    env.apply_adapter(&ORDERS).await?;
+    env.wait_deployment("orders-worker", "the worker Deployment is created", |_| {
+        true
+    })
+    .await
+    .with_context(|| operator.log_tail())?;
+    env.wait_adapter("orders", "Degraded=True DatabaseUnavailable", |a| {
+        condition(a, "Degraded") == Some(("True", "DatabaseUnavailable"))
+    })
+    .await
+    .with_context(|| operator.log_tail())?;
+    // A disabled adapter is still scaled to zero.
+    env.apply_adapter(&ORDERS.replace("spec:\n", "spec:\n  enabled: false\n"))
+        .await?;
+    env.wait_deployment(
+        "orders-worker",
+        "the disabled adapter's workers stop",
+        |d| d.spec.as_ref().and_then(|s| s.replicas) == Some(0),
+    )
+    .await
+    .with_context(|| operator.log_tail())?;
+
+    env.fixture.postgres.restart()?;
+    wait_for(
+        OPERATOR_TIMEOUT,
+        "the row is mirrored once the database is back",
+        || async { Ok(env.adapter_row("orders").await?.is_some_and(|r| !r.enabled)) },
+    )
+    .await
+    .with_context(|| operator.log_tail())?;
+    env.wait_adapter("orders", "Degraded=False once the row is mirrored", |a| {
+        condition(a, "Degraded").is_some_and(|(status, _)| status == "False")
+    })
+    .await?;
     Ok(())
 }
 

@@ -8,8 +8,9 @@ use k8s_openapi::api::apps::v1::Deployment;
 use kube::Api;
 use kube::api::{ApiResource, DynamicObject, GroupVersionKind, Patch, PatchParams};
 use serde_json::json;
+use switchboard_operator::operator_owns_replicas;
 use switchboard_tests::control_plane::{
-    OPERATOR_TIMEOUT, OperatorEnv, adapter_manifest, wait_object,
+    OPERATOR_TIMEOUT, OperatorEnv, adapter_manifest, condition, wait_object,
 };
 use switchboard_tests::wait::wait_for;
 
@@ -41,23 +42,8 @@ fn replicas(deployment: &Deployment) -> Option<i32> {
     deployment.spec.as_ref()?.replicas
 }
 
-/// Whether the operator's field manager owns the Deployment's `spec.replicas`.
-fn operator_owns_replicas(deployment: &Deployment) -> bool {
-    deployment
-        .metadata
-        .managed_fields
-        .iter()
-        .flatten()
-        .filter(|entry| entry.manager.as_deref() == Some("switchboard-operator"))
-        .filter_map(|entry| entry.fields_v1.as_ref())
-        .any(|fields| fields.0.pointer("/f:spec/f:replicas").is_some())
-}
-
-#[tokio::test]
-async fn autoscaled_sqs_adapter_gets_a_scaled_object_keda_accepts_and_leaves_replicas_to_it()
--> Result<()> {
-    let env = OperatorEnv::start().await?;
-    env.plane.install_keda_crds().await?;
+/// The Secrets [`sqs_adapter`] references.
+async fn put_aws_secrets(env: &OperatorEnv) -> Result<()> {
     for (name, key, value) in [
         ("aws-id", "id", "AKIDEXAMPLE"),
         ("aws-secret", "secret", "not-a-real-secret"),
@@ -66,6 +52,15 @@ async fn autoscaled_sqs_adapter_gets_a_scaled_object_keda_accepts_and_leaves_rep
             .put_secret(&env.namespace, name, key, value)
             .await?;
     }
+    Ok(())
+}
+
+#[tokio::test]
+async fn autoscaled_sqs_adapter_gets_a_scaled_object_keda_accepts_and_leaves_replicas_to_it()
+-> Result<()> {
+    let env = OperatorEnv::start().await?;
+    env.plane.install_keda_crds().await?;
+    put_aws_secrets(&env).await?;
     let operator = env.start_operator("operator-a", &[])?;
     env.apply_adapter(&sqs_adapter(
         "  workload:\n    autoscaling: {minReplicas: 0, maxReplicas: 5, targetBacklogPerReplica: 50}\n",
@@ -322,5 +317,88 @@ async fn nats_rabbitmq_and_kafka_adapters_get_their_brokers_trigger_counting_hel
             "{name}: triggers\n{triggers:#}\nexpected\n{trigger:#}"
         );
     }
+    Ok(())
+}
+
+/// `workload` with `replicas` and, when given, `autoscaling` (a YAML flow mapping).
+fn workload(replicas: i32, autoscaling: Option<&str>) -> String {
+    let autoscaling = autoscaling
+        .map(|a| format!("    autoscaling: {a}\n"))
+        .unwrap_or_default();
+    format!("  workload:\n    replicas: {replicas}\n{autoscaling}")
+}
+
+#[tokio::test]
+async fn enabling_autoscaling_never_lowers_the_replicas_below_the_running_count_or_the_minimum()
+-> Result<()> {
+    let env = OperatorEnv::start().await?;
+    put_aws_secrets(&env).await?;
+    let operator = env.start_operator("operator-a", &[])?;
+    env.apply_adapter(&sqs_adapter(&workload(3, None))).await?;
+    env.wait_deployment("orders-worker", "3 replicas run", |d| {
+        replicas(d) == Some(3)
+    })
+    .await
+    .with_context(|| operator.log_tail())?;
+
+    // Without KEDA: the ScaledObject cannot be written, the 3 running replicas stay.
+    let min_two = "{minReplicas: 2, maxReplicas: 5, targetBacklogPerReplica: 50}";
+    env.apply_adapter(&sqs_adapter(&workload(3, Some(min_two))))
+        .await?;
+    env.wait_adapter(
+        "orders",
+        "Degraded=True KubernetesApiError (no KEDA)",
+        |a| {
+            condition(a, "Degraded")
+                .is_some_and(|c| c.status == "True" && c.reason == "KubernetesApiError")
+        },
+    )
+    .await
+    .with_context(|| operator.log_tail())?;
+    let deployment = env.deployments().get("orders-worker").await?;
+    ensure!(
+        replicas(&deployment) == Some(3),
+        "enabling autoscaling without KEDA changed 3 running replicas to {:?}",
+        replicas(&deployment)
+    );
+    // A minimum above what runs raises it.
+    let min_four = "{minReplicas: 4, maxReplicas: 5, targetBacklogPerReplica: 50}";
+    env.apply_adapter(&sqs_adapter(&workload(3, Some(min_four))))
+        .await?;
+    env.wait_deployment("orders-worker", "minReplicas 4 raises the replicas", |d| {
+        replicas(d) == Some(4)
+    })
+    .await
+    .with_context(|| operator.log_tail())?;
+
+    // With KEDA: switched off (the spec's 3 again), then on with minReplicas 1: 3 stay.
+    env.plane.install_keda_crds().await?;
+    let scaled_objects = keda(&env, "ScaledObject");
+    env.apply_adapter(&sqs_adapter(&workload(3, None))).await?;
+    env.wait_deployment("orders-worker", "the spec's 3 replicas again", |d| {
+        replicas(d) == Some(3) && operator_owns_replicas(d)
+    })
+    .await?;
+    let min_one = "{minReplicas: 1, maxReplicas: 5, targetBacklogPerReplica: 50}";
+    env.apply_adapter(&sqs_adapter(&workload(3, Some(min_one))))
+        .await?;
+    wait_object(
+        &scaled_objects,
+        "orders-worker",
+        "the ScaledObject exists",
+        |_| true,
+    )
+    .await
+    .with_context(|| operator.log_tail())?;
+    let deployment = env
+        .wait_deployment("orders-worker", "the operator let go of replicas", |d| {
+            !operator_owns_replicas(d)
+        })
+        .await?;
+    ensure!(
+        replicas(&deployment) == Some(3),
+        "enabling autoscaling with KEDA changed 3 running replicas to {:?}",
+        replicas(&deployment)
+    );
     Ok(())
 }

@@ -27,6 +27,14 @@ async fn holder(env: &OperatorEnv) -> Result<Option<String>> {
         .and_then(|s| s.holder_identity))
 }
 
+/// Whether the Lease is held by the replica with host name `host` (identity `host_<suffix>`).
+async fn held_by(env: &OperatorEnv, host: &str) -> Result<bool> {
+    Ok(holder(env)
+        .await?
+        .and_then(|h| h.strip_prefix(host).map(|rest| rest.starts_with('_')))
+        .unwrap_or(false))
+}
+
 async fn wait_leader(operator: &OperatorProcess) -> Result<()> {
     wait_for(
         OPERATOR_TIMEOUT,
@@ -65,7 +73,7 @@ async fn leader_and_standby(env: &OperatorEnv) -> Result<(OperatorProcess, Opera
     env.apply_adapter(&adapter_manifest("first", "")).await?;
     env.wait_deployment("first-worker", "the leader creates the worker", |_| true)
         .await?;
-    ensure!(holder(env).await?.as_deref() == Some("operator-a"));
+    ensure!(held_by(env, "operator-a").await?);
     wait_reconciled(&a).await?;
     ensure!(reconciliations(&b).await? == 0.0, "the standby reconciled");
     ensure!(b.metric_sum("switchboard_operator_leader").await? == 0.0);
@@ -80,7 +88,7 @@ async fn standby_takes_over(env: &OperatorEnv, b: &OperatorProcess) -> Result<()
         true
     })
     .await?;
-    ensure!(holder(env).await?.as_deref() == Some("operator-b"));
+    ensure!(held_by(env, "operator-b").await?);
     wait_reconciled(b).await?;
     Ok(())
 }
@@ -104,4 +112,50 @@ async fn a_killed_leader_is_replaced_once_its_lease_expires() -> Result<()> {
     let (a, b) = leader_and_standby(&env).await?;
     drop(a); // SIGKILL: no release, the lease must expire.
     standby_takes_over(&env, &b).await
+}
+
+#[tokio::test]
+async fn two_replicas_with_the_same_host_name_elect_exactly_one_leader() -> Result<()> {
+    let env = OperatorEnv::start().await?;
+    let a = env.start_operator("operator", LEADER_ARGS)?;
+    wait_leader(&a).await?;
+    // Same HOSTNAME, its own log file.
+    let b_logs = env.fixture.dir.path().join("second");
+    std::fs::create_dir_all(&b_logs)?;
+    let b = OperatorProcess::start(
+        &env.plane.operator_kubeconfig,
+        &env.fixture.postgres.url(),
+        &b_logs,
+        "operator",
+        LEADER_ARGS,
+    )?;
+    wait_for(
+        OPERATOR_TIMEOUT,
+        "the second replica leads or stands by",
+        || async {
+            Ok(b.metric_sum("switchboard_operator_leader").await? == 1.0
+                || b.log().contains("another replica leads; standing by"))
+        },
+    )
+    .await
+    .with_context(|| b.log_tail())?;
+    ensure!(
+        b.metric_sum("switchboard_operator_leader").await? == 0.0,
+        "both replicas lead\n{}",
+        b.log_tail()
+    );
+    ensure!(a.metric_sum("switchboard_operator_leader").await? == 1.0);
+    ensure!(
+        held_by(&env, "operator").await?,
+        "{:?}",
+        holder(&env).await?
+    );
+    // Across several renewals, still one leader.
+    env.apply_adapter(&adapter_manifest("first", "")).await?;
+    env.wait_deployment("first-worker", "the leader creates the worker", |_| true)
+        .await?;
+    wait_reconciled(&a).await?;
+    ensure!(reconciliations(&b).await? == 0.0, "the standby reconciled");
+    ensure!(b.metric_sum("switchboard_operator_leader").await? == 0.0);
+    Ok(())
 }
