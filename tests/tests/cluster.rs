@@ -413,17 +413,19 @@ async fn a_killed_operator_pod_is_replaced_and_the_replacement_takes_the_lease_a
 -> Result<()> {
     let env = shared().await?;
     let leases = Api::<Lease>::namespaced(env.admin().await?, RELEASE_NAMESPACE);
-    let holder = |lease: Option<Lease>| {
+    // The holder is the pod's name, `_` and a random suffix (two replicas never share one).
+    let held_by = |lease: Option<Lease>, pod: &str| {
         lease
             .and_then(|l| l.spec?.holder_identity)
-            .unwrap_or_default()
+            .and_then(|holder| holder.strip_prefix(pod)?.strip_prefix('_').map(str::len))
+            == Some(16)
     };
     let old = env
         .wait_ready_pods(RELEASE_NAMESPACE, OPERATOR_SELECTOR, 1, |_| true)
         .await?
         .remove(0);
     wait_for(TODO_TIMEOUT, "the operator holds the Lease", || async {
-        Ok(holder(leases.get_opt(RELEASE).await?) == pod_name(&old))
+        Ok(held_by(leases.get_opt(RELEASE).await?, &pod_name(&old)))
     })
     .await?;
     env.cluster.kubectl_ok(&[
@@ -437,7 +439,7 @@ async fn a_killed_operator_pod_is_replaced_and_the_replacement_takes_the_lease_a
     ])?;
     let new = wait_replaced(&env, RELEASE_NAMESPACE, OPERATOR_SELECTOR, &old).await?;
     wait_for(TODO_TIMEOUT, "the replacement takes the Lease", || async {
-        Ok(holder(leases.get_opt(RELEASE).await?) == pod_name(&new))
+        Ok(held_by(leases.get_opt(RELEASE).await?, &pod_name(&new)))
     })
     .await
     .with_context(|| env.describe(RELEASE_NAMESPACE))?;
