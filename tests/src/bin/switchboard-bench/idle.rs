@@ -183,19 +183,10 @@ impl Brokers {
             }
         }
         let mut position = 2;
-        for broker in [
-            &mut self.sqs as &mut dyn IdleQueues,
-            &mut self.nats,
-            &mut self.amqp,
-            &mut self.kafka,
-        ] {
-            if broker.measured() {
-                broker
-                    .add_adapters(per_kind(position), &mut adapters)
-                    .await?;
-                position += 1;
-            }
-        }
+        add_adapters(&mut self.sqs, per_kind, &mut position, &mut adapters).await?;
+        add_adapters(&mut self.nats, per_kind, &mut position, &mut adapters).await?;
+        add_adapters(&mut self.amqp, per_kind, &mut position, &mut adapters).await?;
+        add_adapters(&mut self.kafka, per_kind, &mut position, &mut adapters).await?;
         Ok(adapters)
     }
 }
@@ -207,40 +198,29 @@ async fn start_measured(broker: &mut impl BenchBroker) -> Result<()> {
     Ok(())
 }
 
-/// A broker that gives idle adapters their queues (object-safe, unlike [`BenchBroker`]).
-trait IdleQueues {
-    fn measured(&self) -> bool;
-    fn add_adapters<'a>(
-        &'a mut self,
-        count: usize,
-        adapters: &'a mut Vec<Adapter>,
-    ) -> futures::future::LocalBoxFuture<'a, Result<()>>;
-}
-
-impl<B: BenchBroker> IdleQueues for B {
-    fn measured(&self) -> bool {
-        self.messages() > 0
+/// The idle adapters of `broker`, if it is measured: `per_kind(position)` of them, each on an
+/// empty queue of its own; `position` is the broker's turn among the kinds.
+async fn add_adapters(
+    broker: &mut impl BenchBroker,
+    per_kind: impl Fn(usize) -> usize,
+    position: &mut usize,
+    adapters: &mut Vec<Adapter>,
+) -> Result<()> {
+    if broker.messages() == 0 {
+        return Ok(());
     }
-
-    fn add_adapters<'a>(
-        &'a mut self,
-        count: usize,
-        adapters: &'a mut Vec<Adapter>,
-    ) -> futures::future::LocalBoxFuture<'a, Result<()>> {
-        Box::pin(async move {
-            for _ in 0..count {
-                let queue = self.fresh_queue(0).await?;
-                let (source, env) = self.worker_source(&queue);
-                adapters.push(Adapter {
-                    kind: self.kind(),
-                    queue,
-                    source,
-                    env,
-                });
-            }
-            Ok(())
-        })
+    for _ in 0..per_kind(*position) {
+        let queue = broker.fresh_queue(0).await?;
+        let (source, env) = broker.worker_source(&queue);
+        adapters.push(Adapter {
+            kind: broker.kind(),
+            queue,
+            source,
+            env,
+        });
     }
+    *position += 1;
+    Ok(())
 }
 
 /// The figures per broker (median (min–max) over its workers), then the verdicts over every
