@@ -49,7 +49,12 @@ impl<T: Transport> Pipeline<T> {
     }
 
     /// Extends the lease of every batch whose extension is due (`batch`, whose next extension
-    /// is `extend_at`, and `others`); a no-op on brokers without a lease.
+    /// is `extend_at`, and `others`); a no-op on brokers without a lease. An extension that
+    /// takes over a quarter of the lease (a broker that extends one message per call, a short
+    /// lease, many batches held) strains the leases for one lease: meanwhile no batch is
+    /// received ahead, so fewer are held and extended, instead of extensions taking all the
+    /// time and crowding out the stores and acknowledgements
+    /// ([`settle_oldest`](super::settle::settle_oldest)).
     pub(super) async fn extend_leases(
         &mut self,
         extend_at: &mut Option<Instant>,
@@ -78,10 +83,14 @@ impl<T: Transport> Pipeline<T> {
             return Ok(());
         }
         let extended = messages.len();
-        match self
+        let started = Instant::now();
+        let outcome = self
             .broker_op(async |transport| transport.extend_lease(&messages).await)
-            .await
-        {
+            .await;
+        if started.elapsed() > lease / 4 {
+            self.leases_strained_until = Some(Instant::now() + lease);
+        }
+        match outcome {
             Ok(()) => {
                 self.metrics.leases_extended.inc_by(extended as u64);
                 Ok(())
@@ -94,5 +103,16 @@ impl<T: Transport> Pipeline<T> {
             Err(Stopped::Cancelled) => Ok(()),
             Err(Stopped::Fatal(err)) => Err(PipelineError::Broker(err)),
         }
+    }
+
+    /// Whether a batch may be received before the oldest held is settled: not while the
+    /// database is down (the batches in hand wait out the outage; more would only be held and
+    /// extended), nor for a lease after an extension strained the leases
+    /// ([`Self::extend_leases`]).
+    pub(super) fn receive_ahead(&self) -> bool {
+        !self.context.database.is_down()
+            && self
+                .leases_strained_until
+                .is_none_or(|until| Instant::now() >= until)
     }
 }

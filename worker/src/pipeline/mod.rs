@@ -103,6 +103,9 @@ pub struct Pipeline<T: Transport> {
     stale_log: StaleLog,
     /// Keys this worker dead-lettered lately: never dead-lettered twice.
     recent_letters: RecentLetters,
+    /// Until when no batch is received ahead: the last extension of the leases held took over
+    /// a quarter of a lease (see [`Pipeline::extend_leases`]).
+    leases_strained_until: Option<Instant>,
 }
 
 /// What became of a broker operation that did not succeed.
@@ -163,6 +166,7 @@ impl<T: Transport> Pipeline<T> {
             dead_letter_log: DeadLetterLog::default(),
             stale_log: StaleLog::default(),
             recent_letters: RecentLetters::default(),
+            leases_strained_until: None,
         }
     }
 
@@ -276,7 +280,7 @@ impl<T: Transport> Pipeline<T> {
                     let started = self.start(batch);
                     in_flight.push_back(started);
                     let storing: Vec<bool> = in_flight.iter().map(InFlight::storing).collect();
-                    if settle_oldest(&storing) {
+                    if settle_oldest(&storing, self.receive_ahead()) {
                         in_flight.pop_front()
                     } else {
                         None

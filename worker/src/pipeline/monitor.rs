@@ -5,6 +5,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Instant;
 
 use switchboard_telemetry::{Backoff, ErrorChain};
+use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
 use super::LIVENESS_SLACK;
@@ -28,6 +29,8 @@ pub(super) struct Monitor {
     health: Arc<Health>,
     metrics: Arc<Metrics>,
     state: Mutex<OutageState>,
+    /// Wakes the tasks waiting out a backoff when another one finds the dependency back.
+    recovered: Notify,
 }
 
 impl Monitor {
@@ -43,7 +46,17 @@ impl Monitor {
             health,
             metrics,
             state: Mutex::default(),
+            recovered: Notify::new(),
         }
+    }
+
+    /// Whether the last attempt failed (an outage is going on).
+    pub(super) fn is_down(&self) -> bool {
+        self.state
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .down_since
+            .is_some()
     }
 
     pub(super) fn up(&self) {
@@ -55,6 +68,7 @@ impl Monitor {
             state.up_since = Some(Instant::now());
         }
         if let Some(since) = state.down_since.take() {
+            self.recovered.notify_waiters();
             tracing::info!(
                 dependency = self.dependency.as_str(),
                 endpoint = %self.endpoint,
@@ -64,8 +78,8 @@ impl Monitor {
         }
     }
 
-    /// Records a failure of an attempt begun at `attempted` and waits out the backoff.
-    /// Returns `false` if shutdown interrupted it. An attempt begun before the last recovery
+    /// Records a failure of an attempt begun at `attempted` and waits out the backoff, or
+    /// until another task finds the dependency back. Returns `false` if shutdown interrupted it. An attempt begun before the last recovery
     /// (a concurrent task's stale failure) does not start a new outage.
     pub(super) async fn back_off(
         &self,
@@ -98,6 +112,7 @@ impl Monitor {
         tokio::select! {
             () = cancel.cancelled() => false,
             () = tokio::time::sleep(delay) => true,
+            () = self.recovered.notified() => true,
         }
     }
 }

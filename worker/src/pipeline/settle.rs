@@ -43,12 +43,17 @@ impl<R> InFlight<R> {
 
 /// Whether the oldest of the batches held (`storing`: whether each one's store task is still
 /// running, oldest first, the one just received last) is settled now: once it is stored, or
-/// when the stores running or the batches held reach their limits (then settling waits for
-/// its store). Never a younger one first: acknowledgements go in receive order, and a younger
-/// batch already stored waits without taking a store's place.
-pub(super) fn settle_oldest(storing: &[bool]) -> bool {
+/// when the stores running or the batches held reach their limits, or when no batch may be
+/// received ahead (`ahead` false: the database is down, or keeping the leases of the batches
+/// held is strained; then settling waits for its store). Never a younger one first:
+/// acknowledgements go in receive order, and a younger batch already stored waits without
+/// taking a store's place.
+pub(super) fn settle_oldest(storing: &[bool], ahead: bool) -> bool {
     let running = storing.iter().filter(|&&storing| storing).count();
-    storing.first().is_some_and(|&oldest| !oldest) || running >= IN_FLIGHT || storing.len() >= HELD
+    storing.first().is_some_and(|&oldest| !oldest)
+        || running >= IN_FLIGHT
+        || storing.len() >= HELD
+        || (!ahead && !storing.is_empty())
 }
 
 /// How one message of a batch was settled.
@@ -650,16 +655,24 @@ mod tests {
     #[test]
     fn the_oldest_batch_is_settled_once_stored_or_at_the_limits_never_a_younger_one_first() {
         // A younger batch stored first waits for the older one.
-        assert!(!settle_oldest(&[true, false]));
-        assert!(settle_oldest(&[false, true]));
+        assert!(!settle_oldest(&[true, false], true));
+        assert!(settle_oldest(&[false, true], true));
         // As many stores running as allowed: settle (wait for) the oldest.
-        assert!(settle_oldest(&[true; IN_FLIGHT]));
-        assert!(!settle_oldest(&[true; IN_FLIGHT - 1]));
+        assert!(settle_oldest(&[true; IN_FLIGHT], true));
+        assert!(!settle_oldest(&[true; IN_FLIGHT - 1], true));
         // As many batches held as allowed, most of them stored.
         let mut held = vec![false; HELD];
         held[0] = true;
-        assert!(settle_oldest(&held));
-        assert!(!settle_oldest(&held[..HELD - 1]));
+        assert!(settle_oldest(&held, true));
+        assert!(!settle_oldest(&held[..HELD - 1], true));
+    }
+
+    #[test]
+    fn when_no_batch_may_be_received_ahead_the_oldest_is_settled_before_another_is_received() {
+        assert!(settle_oldest(&[true], false));
+        assert!(settle_oldest(&[true, true], false));
+        assert!(!settle_oldest(&[true], true));
+        assert!(!settle_oldest(&[], false));
     }
 
     #[tokio::test]
@@ -715,7 +728,7 @@ mod tests {
         // The loop's choice: the younger one is stored, the older one is not, so neither is
         // settled yet.
         assert!(!younger.storing());
-        assert!(!settle_oldest(&[older.storing(), younger.storing()]));
+        assert!(!settle_oldest(&[older.storing(), younger.storing()], true));
         let mut others = VecDeque::from([younger]);
         {
             let mut settling = std::pin::pin!(pipeline.finish(older, &mut others));
