@@ -56,11 +56,11 @@ fn panel_queries(dashboard: &Value, adapter: &str) -> Result<Vec<(String, String
     Ok(queries)
 }
 
+/// (panel title, query) pairs.
+type Queries = Vec<(String, String)>;
+
 /// The (worker, operator) panel queries.
-fn worker_and_operator_queries(
-    dashboard: &Value,
-    adapter: &str,
-) -> Result<(Vec<(String, String)>, Vec<(String, String)>)> {
+fn worker_and_operator_queries(dashboard: &Value, adapter: &str) -> Result<(Queries, Queries)> {
     let (operator, worker) = panel_queries(dashboard, adapter)?
         .into_iter()
         .partition(|(_, query)| query.contains(OPERATOR_METRICS));
