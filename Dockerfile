@@ -24,7 +24,6 @@ COPY operator operator
 COPY tests tests
 COPY vendor vendor
 COPY migrations migrations
-COPY crds crds
 RUN --mount=type=cache,target=/usr/local/cargo/registry \
     --mount=type=cache,target=/src/target \
     cargo build --release --locked -p switchboard-worker -p switchboard-operator --bins \

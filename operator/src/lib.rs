@@ -47,7 +47,7 @@ pub const DEFAULT_WORKER_IMAGE: &str = concat!(
     env!("CARGO_PKG_VERSION")
 );
 
-/// The QueueAdapter CustomResourceDefinition as YAML (what `crds/` holds).
+/// The QueueAdapter CustomResourceDefinition as YAML (what `crds/` and the chart hold).
 pub fn crd_yaml() -> Result<String, serde_yaml_ng::Error> {
     serde_yaml_ng::to_string(&QueueAdapter::crd())
 }

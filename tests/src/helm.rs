@@ -11,6 +11,8 @@ use serde_json::Value;
 use crate::servers::workspace_path;
 
 pub const CHART: &str = "charts/switchboard";
+/// The QueueAdapter CRD the chart templates (`templates/crds.yaml`); `crds/` links to it.
+pub const CHART_CRD: &str = "charts/switchboard/files/queueadapters.switchboard.dev.yaml";
 pub const RELEASE: &str = "switchboard";
 /// The release namespace of every render (the kind path's too).
 pub const NAMESPACE: &str = "switchboard";

@@ -32,7 +32,7 @@ use switchboard_tests::control_plane::{
     wait_object,
 };
 use switchboard_tests::helm::{
-    CHART, NAMESPACE, RELEASE, helm, kind_of, render, the, yaml_documents,
+    CHART, CHART_CRD, NAMESPACE, RELEASE, helm, kind_of, render, the, yaml_documents,
 };
 use switchboard_tests::servers::workspace_path;
 use switchboard_tests::wait::wait_for;
@@ -587,7 +587,11 @@ fn names_and_labels_follow_helm_conventions() -> Result<()> {
     let objects = render(Some(CREATED_SECRET_VALUES), &[])?;
     for object in &objects {
         let name = object["metadata"]["name"].as_str().unwrap_or_default();
-        ensure!(name.starts_with("sb"), "fullnameOverride: {name}");
+        // The CRD's name is its group's, whatever the release.
+        ensure!(
+            name.starts_with("sb") || kind_of(object) == "CustomResourceDefinition",
+            "fullnameOverride: {name}"
+        );
         let labels = &object["metadata"]["labels"];
         for label in [
             "app.kubernetes.io/name",
@@ -662,7 +666,7 @@ async fn every_rendered_object_is_accepted_by_the_api_server_with_every_values_s
     }
     let mut applied = 0;
     for values in VALUE_SETS {
-        let objects = render(values, &["--include-crds"])?;
+        let objects = render(values, &[])?;
         let rendered = kinds(&objects);
         for kind in [
             "CustomResourceDefinition",
@@ -1034,17 +1038,82 @@ async fn operator_without_the_charts_deployments_rule_cannot_reconcile() -> Resu
 // ---------------------------------------------------------------------------------------------
 // Acceptance 4: the chart's CRD and versions
 
+/// The CRDs `helm template` renders with `extra` arguments.
+fn rendered_crds(extra: &[&str]) -> Result<Vec<Value>> {
+    Ok(render(None, extra)?
+        .into_iter()
+        .filter(|object| kind_of(object) == "CustomResourceDefinition")
+        .collect())
+}
+
+/// `value` with every number a float: helm's `fromYaml`/`toYaml` write `604800.0` as `604800`.
+fn numbers_as_floats(value: Value) -> Value {
+    match value {
+        Value::Number(n) => n.as_f64().map_or(Value::Number(n), Value::from),
+        Value::Array(items) => Value::Array(items.into_iter().map(numbers_as_floats).collect()),
+        Value::Object(fields) => Value::Object(
+            fields
+                .into_iter()
+                .map(|(key, value)| (key, numbers_as_floats(value)))
+                .collect(),
+        ),
+        other => other,
+    }
+}
+
 #[test]
-fn chart_crd_is_the_generated_crd_versions_are_the_crates_and_description_names_every_broker()
--> Result<()> {
-    let committed = std::fs::read_to_string(workspace_path(CRD_FILE))?;
-    let chart_copy = workspace_path("charts/switchboard/crds/queueadapters.switchboard.dev.yaml");
+fn chart_renders_the_generated_crd_from_its_only_copy_with_the_releases_labels() -> Result<()> {
+    // One copy: crds/ links to the file in the chart that `switchboard-operator crd` writes
+    // (checked against the API types by the operator's `committed_crd_matches_the_api_types`).
+    let (repository_copy, chart_copy) = (workspace_path(CRD_FILE), workspace_path(CHART_CRD));
     ensure!(
-        std::fs::read_to_string(&chart_copy)? == committed,
-        "{} differs from {CRD_FILE}; copy it: `cp {CRD_FILE} {}`",
-        chart_copy.display(),
-        chart_copy.display()
+        repository_copy.canonicalize()? == chart_copy.canonicalize()?,
+        "{CRD_FILE} must be a link to {CHART_CRD}: `ln -sf ../{CHART_CRD} {CRD_FILE}`"
     );
+    let generated: Value = serde_yaml_ng::from_str(&std::fs::read_to_string(&chart_copy)?)?;
+    let [mut rendered] = <[Value; 1]>::try_from(rendered_crds(&[])?)
+        .map_err(|crds| anyhow::anyhow!("{} CRDs rendered, not one", crds.len()))?;
+    let metadata = rendered["metadata"]
+        .as_object_mut()
+        .context("the CRD's metadata")?;
+    let labels = metadata.remove("labels").unwrap_or_default();
+    metadata.remove("annotations");
+    ensure!(
+        numbers_as_floats(rendered) == numbers_as_floats(generated),
+        "the rendered CRD differs from {CHART_CRD} (beyond its labels and annotations)"
+    );
+    ensure!(
+        labels["app.kubernetes.io/managed-by"] == "Helm"
+            && labels["app.kubernetes.io/instance"] == RELEASE,
+        "the CRD carries the release's labels: {labels}"
+    );
+    Ok(())
+}
+
+#[test]
+fn crd_is_kept_on_uninstall_unless_keep_is_false_and_absent_unless_install_is_true() -> Result<()> {
+    let keep_annotation = |crds: &[Value]| -> Vec<Value> {
+        crds.iter()
+            .map(|crd| crd["metadata"]["annotations"]["helm.sh/resource-policy"].clone())
+            .collect()
+    };
+    ensure!(
+        keep_annotation(&rendered_crds(&[])?) == [Value::from("keep")],
+        "by default the one CRD is annotated helm.sh/resource-policy: keep"
+    );
+    ensure!(
+        keep_annotation(&rendered_crds(&["--set", "crds.keep=false"])?) == [Value::Null],
+        "with crds.keep=false the one CRD has no resource policy"
+    );
+    ensure!(
+        rendered_crds(&["--set", "crds.install=false"])?.is_empty(),
+        "with crds.install=false no CRD is rendered"
+    );
+    Ok(())
+}
+
+#[test]
+fn chart_versions_are_the_crates_and_description_names_every_broker() -> Result<()> {
     let chart: serde_yaml_ng::Value = serde_yaml_ng::from_str(&std::fs::read_to_string(
         workspace_path("charts/switchboard/Chart.yaml"),
     )?)?;

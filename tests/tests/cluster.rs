@@ -3,7 +3,8 @@
 //! with the image built from the workspace's binaries. One cluster is shared by the tests that
 //! run at the same time, each in a namespace of its own.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
+use std::process::Command;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
@@ -12,18 +13,23 @@ use anyhow::{Context, Result, ensure};
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::Api;
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 use switchboard_tests::cluster::env::{ClusterEnv, shared};
 use switchboard_tests::cluster::{Cluster, Images, exclusive, host};
 use switchboard_tests::control_plane::adapter_manifest_in;
-use switchboard_tests::helm::{NAMESPACE as RELEASE_NAMESPACE, RELEASE};
+use switchboard_tests::helm::{CHART, NAMESPACE as RELEASE_NAMESPACE, RELEASE};
 use switchboard_tests::servers::workspace_path;
 use switchboard_tests::wait::{wait_for, wait_until};
 
 const TODO_TIMEOUT: Duration = Duration::from_secs(90);
 const OPERATOR_SELECTOR: &str = "app.kubernetes.io/name=switchboard";
+/// The last chart that shipped the CRD in its `crds/` folder (which Helm installs once and never
+/// upgrades): what the upgrade test upgrades from.
+const PREVIOUS_CHART_COMMIT: &str = "67e96c101284b20440e624aab99d67834b717d43";
+const CRD_NAME: &str = "queueadapters.switchboard.dev";
 /// Set for the child process of the killed-owner test: where it reports that its cluster runs.
 const OWNER_READY_ENV: &str = "SWITCHBOARD_CLUSTER_OWNER_READY";
 
@@ -60,6 +66,23 @@ async fn start_adapter(env: &ClusterEnv, name: &str, spec_extra: &str) -> Result
         .wait_ready_pods(name, &workers_of(name), 1, |_| true)
         .await?;
     pods.pop().context("one pod")
+}
+
+/// Sets adapter `name`'s `spec.enabled: false` and waits until none of its pods is left.
+async fn disable_and_wait_without_pods(env: &ClusterEnv, name: &str) -> Result<()> {
+    env.cluster.kubectl_ok(&[
+        "patch",
+        "qa",
+        name,
+        "-n",
+        name,
+        "--type=merge",
+        "-p",
+        r#"{"spec":{"enabled":false}}"#,
+    ])?;
+    env.wait_ready_pods(name, &workers_of(name), 0, |_| true)
+        .await?;
+    Ok(())
 }
 
 /// Produces to `stream` from a thread until stopped: a steady flow of messages while pods come
@@ -369,18 +392,7 @@ async fn disabling_an_adapter_stops_its_pods_and_deleting_it_collects_its_deploy
     start_adapter(&env, name, "").await?;
     produce(&env, name, 0..50)?;
     wait_todos(&env, name, name, 50).await?;
-    env.cluster.kubectl_ok(&[
-        "patch",
-        "qa",
-        name,
-        "-n",
-        name,
-        "--type=merge",
-        "-p",
-        r#"{"spec":{"enabled":false}}"#,
-    ])?;
-    env.wait_ready_pods(name, &workers_of(name), 0, |_| true)
-        .await?;
+    disable_and_wait_without_pods(&env, name).await?;
     wait_for(TODO_TIMEOUT, "the adapters row exists", || async {
         env.adapter_row_exists(name, name).await
     })
@@ -447,6 +459,183 @@ async fn a_killed_operator_pod_is_replaced_and_the_replacement_takes_the_lease_a
     start_adapter(&env, name, "").await?;
     produce(&env, name, 0..20)?;
     wait_todos(&env, name, name, 20).await
+}
+
+/// `charts/switchboard` as it was at `commit`, extracted into `dir` with `git archive`.
+fn chart_at(commit: &str, dir: &Path) -> Result<PathBuf> {
+    let archive = dir.join("chart.tar");
+    let mut git = Command::new("git");
+    git.current_dir(workspace_path(""))
+        .arg("archive")
+        .arg("--output")
+        .arg(&archive)
+        .args([commit, CHART]);
+    let mut tar = Command::new("tar");
+    tar.arg("-xf").arg(&archive).arg("-C").arg(dir);
+    for command in [&mut git, &mut tar] {
+        let output = command.output()?;
+        ensure!(
+            output.status.success(),
+            "{command:?} (the chart at {commit}; a shallow clone needs `git fetch --unshallow`): {}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+    }
+    Ok(dir.join(CHART))
+}
+
+/// The QueueAdapter CRD as the API server serves it.
+async fn served_crd(env: &ClusterEnv) -> Result<CustomResourceDefinition> {
+    Ok(Api::<CustomResourceDefinition>::all(env.admin().await?)
+        .get(CRD_NAME)
+        .await?)
+}
+
+/// (`helm.sh/resource-policy` annotation, `meta.helm.sh/release-name` annotation) of a CRD.
+fn helm_ownership(crd: &CustomResourceDefinition) -> (Option<&str>, Option<&str>) {
+    let annotation = |key: &str| {
+        crd.metadata
+            .annotations
+            .as_ref()
+            .and_then(|a| a.get(key))
+            .map(String::as_str)
+    };
+    (
+        annotation("helm.sh/resource-policy"),
+        annotation("meta.helm.sh/release-name"),
+    )
+}
+
+/// The memory limit of the pod's first container.
+fn memory_limit(pod: &Pod) -> Option<String> {
+    let container = pod.spec.as_ref()?.containers.first()?;
+    let limits = container.resources.as_ref()?.limits.as_ref()?;
+    Some(limits.get("memory")?.0.clone())
+}
+
+/// The bodies stored in queue `name` are exactly the `produced` ones the [`Producer`] wrote:
+/// none missing, none twice.
+async fn assert_stored_bodies(env: &ClusterEnv, name: &str, produced: usize) -> Result<()> {
+    let stored = env.stored_orders(name).await?;
+    let expected: Vec<i64> = (0..i64::try_from(produced)?).collect();
+    ensure!(
+        stored == expected,
+        "{produced} bodies produced, {} stored; the first missing or doubled: {:?}",
+        stored.len(),
+        stored
+            .iter()
+            .zip(&expected)
+            .find(|(stored, expected)| stored != expected)
+    );
+    Ok(())
+}
+
+/// `helm uninstall` leaves the CRD (keep policy) and adapter `name`; `helm install` under the
+/// same name takes the CRD back and its operator reconciles the adapter again.
+async fn uninstall_keeps_the_crd_and_the_adapter_and_install_takes_them_back(
+    env: &ClusterEnv,
+    name: &str,
+) -> Result<()> {
+    let uninstalled = env.cluster.helm(&[
+        "uninstall",
+        RELEASE,
+        "--namespace",
+        RELEASE_NAMESPACE,
+        "--wait",
+    ])?;
+    env.wait_ready_pods(RELEASE_NAMESPACE, OPERATOR_SELECTOR, 0, |_| true)
+        .await?;
+    ensure!(
+        helm_ownership(&served_crd(env).await?).0 == Some("keep"),
+        "helm uninstall kept the CRD: {uninstalled}"
+    );
+    env.cluster.kubectl_ok(&["get", "qa", name, "-n", name])?;
+    // Installed again under the same name: the release takes the kept CRD back (Helm refuses
+    // an object that is not its own), and its operator reconciles the kept adapter again.
+    env.release("install", &workspace_path(CHART), &[])?;
+    disable_and_wait_without_pods(env, name).await?;
+    Ok(())
+}
+
+/// The release installed from the previous chart (its CRD from `crds/`), an adapter storing a
+/// steady flow; `helm upgrade` to this chart, which changes the workers' defaults, so the
+/// operator and then the workers roll while messages flow. Every produced body is stored exactly
+/// once, the CRD served is the release's (with the keep policy), the adapter is Ready; and
+/// `helm uninstall` leaves the CRD and the QueueAdapter in place.
+#[tokio::test]
+async fn helm_upgrade_from_the_previous_chart_while_workers_roll_stores_every_body_once_and_serves_the_new_crd()
+-> Result<()> {
+    let _exclusive = exclusive().await;
+    let scratch = tempfile::tempdir()?;
+    let previous = chart_at(PREVIOUS_CHART_COMMIT, scratch.path())?;
+    ensure!(
+        previous.join("crds").is_dir() && !previous.join("templates/crds.yaml").exists(),
+        "the chart at {PREVIOUS_CHART_COMMIT} ships its CRD in crds/"
+    );
+    let env = ClusterEnv::start(&previous).await?;
+    let before = served_crd(&env).await?;
+    ensure!(
+        helm_ownership(&before) == (None, None),
+        "the previous chart's CRD (from crds/) is neither the release's nor kept: {:?}",
+        before.metadata.annotations
+    );
+    let name = "upgrade";
+    let first = start_adapter(&env, name, "").await?;
+    ensure!(memory_limit(&first).as_deref() == Some("512Mi"));
+    let producer = Producer::start(&env, name)?;
+    wait_stored(&env, name, 200).await?;
+
+    let produced_before = producer.produced();
+    let upgrade = ["--set", "worker.resources.limits.memory=640Mi"];
+    // The CRD that crds/ installed is not the release's: Helm refuses to take it over unless
+    // told to, once, on the first upgrade from such a chart (README, Upgrading).
+    let refused = env.release("upgrade", &workspace_path(CHART), &upgrade);
+    ensure!(
+        refused
+            .as_ref()
+            .is_err_and(|err| format!("{err:#}").contains("invalid ownership metadata")),
+        "helm upgrade without --take-ownership: {refused:?}"
+    );
+    let started = std::time::Instant::now();
+    env.release(
+        "upgrade",
+        &workspace_path(CHART),
+        &[&["--take-ownership"][..], &upgrade].concat(),
+    )
+    .with_context(|| env.describe(name))?;
+    let upgraded_in = started.elapsed();
+    let rolled = wait_replaced(&env, name, &workers_of(name), &first).await?;
+    ensure!(
+        memory_limit(&rolled).as_deref() == Some("640Mi"),
+        "the rolled worker runs with the upgraded defaults: {:?}",
+        memory_limit(&rolled)
+    );
+    wait_stored(&env, name, producer.produced()).await?;
+    let produced = producer.stop()?;
+    ensure!(
+        produced > produced_before,
+        "messages flowed through the upgrade"
+    );
+    wait_todos(&env, name, name, produced as i64)
+        .await
+        .with_context(|| env.describe(name))?;
+    assert_stored_bodies(&env, name, produced).await?;
+    let after = served_crd(&env).await?;
+    ensure!(
+        helm_ownership(&after) == (Some("keep"), Some(RELEASE)),
+        "the CRD served is the release's, with the keep policy: {:?}",
+        after.metadata.annotations
+    );
+    wait_for(TODO_TIMEOUT, "the adapter is Ready", || async {
+        env.adapter_ready(name, name).await
+    })
+    .await
+    .with_context(|| env.describe(name))?;
+    println!(
+        "{produced} messages ({produced_before} before the upgrade) stored once each through \
+         `helm upgrade` (which took {upgraded_in:.1?} with --wait)"
+    );
+
+    uninstall_keeps_the_crd_and_the_adapter_and_install_takes_them_back(&env, name).await
 }
 
 /// Not a test of its own: the cluster owner that

@@ -2,14 +2,16 @@
 //! Prometheus (`scripts/prometheus.sh`) scraping two real worker replicas every second while they
 //! store a Redis stream under load: every panel's query, with the `adapter` variable set, returns
 //! data, and the panels of queue-wide gauges (every replica reports the whole queue's backlog and
-//! pending) show the queue's figure, not one per replica added up.
+//! pending) show the queue's figure, not one per replica added up. The operator's panels against
+//! a real operator reconciling an adapter on a real kube-apiserver, scraped the same way.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::time::Duration;
 
 use anyhow::{Context, Result, ensure};
 use serde_json::Value;
 use switchboard_tests::Fixture;
+use switchboard_tests::control_plane::{OPERATOR_TIMEOUT, OperatorEnv, adapter_manifest};
 use switchboard_tests::prometheus::Prometheus;
 use switchboard_tests::servers::workspace_path;
 use switchboard_tests::wait::wait_for;
@@ -17,6 +19,11 @@ use switchboard_tests::wait::wait_for;
 const DASHBOARD: &str = "charts/switchboard/files/dashboard.json";
 /// Grafana's `$__rate_interval` for a 1 s scrape interval: a few samples per window.
 const RATE_INTERVAL: &str = "10s";
+/// The operator's metrics: its panels are checked against an operator, the others against
+/// workers.
+const OPERATOR_METRICS: &str = "switchboard_operator_";
+/// The operator's metrics without an `adapter` label: their panels show every adapter's.
+const OPERATOR_WIDE_METRICS: [&str; 1] = ["switchboard_operator_reconcile_failures_total"];
 
 /// (panel title, query) of every panel target, with `$adapter` and `$__rate_interval` set.
 fn panel_queries(dashboard: &Value, adapter: &str) -> Result<Vec<(String, String)>> {
@@ -30,7 +37,10 @@ fn panel_queries(dashboard: &Value, adapter: &str) -> Result<Vec<(String, String
                 .as_str()
                 .with_context(|| format!("panel {title}: a target without expr"))?;
             ensure!(
-                expr.contains(r#"adapter=~"$adapter""#),
+                expr.contains(r#"adapter=~"$adapter""#)
+                    || OPERATOR_WIDE_METRICS
+                        .iter()
+                        .any(|metric| expr.contains(metric)),
                 "panel {title}: {expr} is not per adapter"
             );
             let query = expr
@@ -44,6 +54,17 @@ fn panel_queries(dashboard: &Value, adapter: &str) -> Result<Vec<(String, String
         }
     }
     Ok(queries)
+}
+
+/// (panel title, query) pairs.
+type Queries = Vec<(String, String)>;
+
+/// The (worker, operator) panel queries.
+fn worker_and_operator_queries(dashboard: &Value, adapter: &str) -> Result<(Queries, Queries)> {
+    let (operator, worker) = panel_queries(dashboard, adapter)?
+        .into_iter()
+        .partition(|(_, query)| query.contains(OPERATOR_METRICS));
+    Ok((worker, operator))
 }
 
 /// The first sample's value of an instant-query result.
@@ -188,7 +209,7 @@ async fn dashboard_panels_return_data_and_count_queue_wide_gauges_once_with_two_
     let worker = fx.worker(&manifest, "w1")?;
     let replica = fx.worker(&manifest, "w2")?;
     let adapter = "test/orders";
-    let queries = panel_queries(&dashboard, adapter)?;
+    let (queries, _) = worker_and_operator_queries(&dashboard, adapter)?;
     let titles: Vec<&str> = dashboard["panels"]
         .as_array()
         .into_iter()
@@ -303,5 +324,122 @@ async fn dashboard_panels_return_data_and_count_queue_wide_gauges_once_with_two_
         "{} panel queries answered; {produced} messages produced, {stored:.0} stored/s, end-to-end p99 {p99:.3} s",
         queries.len(),
     );
+    Ok(())
+}
+
+/// The panel queries of `title`, in the order of its targets.
+fn queries_of<'a>(queries: &'a [(String, String)], title: &str) -> Vec<&'a str> {
+    queries
+        .iter()
+        .filter(|(panel, _)| panel == title)
+        .map(|(_, query)| query.as_str())
+        .collect()
+}
+
+/// An instant query's samples as `label value → sample value` (`""` for a sample without it).
+fn by_label(prometheus: &Prometheus, query: &str, label: &str) -> Result<BTreeMap<String, f64>> {
+    Ok(prometheus
+        .query(query)?
+        .iter()
+        .filter_map(|sample| {
+            let key = sample["metric"][label].as_str().unwrap_or_default();
+            Some((key.to_owned(), sample["value"][1].as_str()?.parse().ok()?))
+        })
+        .collect())
+}
+
+/// Waits until `check` holds for [`by_label`] of `query` and `label`; returns what it last saw.
+async fn wait_panel(
+    prometheus: &Prometheus,
+    what: &str,
+    (query, label): (&str, &str),
+    check: impl Fn(&BTreeMap<String, f64>) -> bool,
+) -> Result<BTreeMap<String, f64>> {
+    let mut seen = BTreeMap::new();
+    wait_for(OPERATOR_TIMEOUT, what, || {
+        let outcome = by_label(prometheus, query, label).map(|now| {
+            seen = now;
+            check(&seen)
+        });
+        async move { outcome }
+    })
+    .await
+    .with_context(|| format!("{query} by {label}: {seen:?}"))?;
+    Ok(seen)
+}
+
+#[tokio::test]
+async fn operator_panels_show_each_adapters_workers_and_ready_and_the_reconcile_failures()
+-> Result<()> {
+    const WORKERS: &str = "Workers and Ready (operator)";
+    const FAILURES: &str = "Reconcile failures (operator)";
+    let dashboard: Value =
+        serde_json::from_str(&std::fs::read_to_string(workspace_path(DASHBOARD))?)?;
+    let adapter = format!("{}/orders", OperatorEnv::NAMESPACE);
+    let (_, queries) = worker_and_operator_queries(&dashboard, &adapter)?;
+    let (Ok([workers, ready]), Ok([failures])) = (
+        <[&str; 2]>::try_from(queries_of(&queries, WORKERS)),
+        <[&str; 1]>::try_from(queries_of(&queries, FAILURES)),
+    ) else {
+        anyhow::bail!("panels {WORKERS} (workers, Ready) and {FAILURES} (one query): {queries:?}");
+    };
+    let mut env = OperatorEnv::start().await?;
+    let operator = env.start_operator("operator-0", &[])?;
+    let prometheus = Prometheus::start("switchboard-operator", &[operator.metrics_addr.port()])?;
+    let states = |available: f64, desired: f64| {
+        move |seen: &BTreeMap<String, f64>| {
+            seen.get("available") == Some(&available)
+                && seen.get("desired") == Some(&desired)
+                && seen.len() == 2
+        }
+    };
+    let ready_is = |value: f64| {
+        let adapter = adapter.clone();
+        move |seen: &BTreeMap<String, f64>| seen.len() == 1 && seen.get(&adapter) == Some(&value)
+    };
+
+    // Two workers wanted, none available yet (no kubelet here): the panel says so, Ready is 0.
+    env.apply_adapter(&adapter_manifest("orders", "  workload: {replicas: 2}\n"))
+        .await?;
+    let waiting = wait_panel(
+        &prometheus,
+        "2 desired, 0 available",
+        (workers, "state"),
+        states(0.0, 2.0),
+    )
+    .await
+    .with_context(|| operator.log_tail())?;
+    wait_panel(&prometheus, "not Ready", (ready, "adapter"), ready_is(0.0)).await?;
+    // Both available: the panel follows, and Ready turns 1.
+    env.mark_deployment_available("orders-worker").await?;
+    let running = wait_panel(
+        &prometheus,
+        "2 desired, 2 available",
+        (workers, "state"),
+        states(2.0, 2.0),
+    )
+    .await
+    .with_context(|| operator.log_tail())?;
+    wait_panel(&prometheus, "Ready", (ready, "adapter"), ready_is(1.0)).await?;
+    println!("{WORKERS}: {waiting:?}, then {running:?}");
+
+    // Every category's series is there, at 0; then the database goes down while the adapter
+    // changes: its reconciles fail, and the panel shows them as database failures.
+    wait_panel(&prometheus, "no failures", (failures, "category"), |seen| {
+        seen.contains_key("database") && seen.values().all(|rate| *rate == 0.0)
+    })
+    .await?;
+    env.fixture.postgres.stop();
+    env.apply_adapter(&adapter_manifest("orders", "  workload: {replicas: 3}\n"))
+        .await?;
+    let failing = wait_panel(
+        &prometheus,
+        "database failures",
+        (failures, "category"),
+        |seen| seen.get("database").is_some_and(|rate| *rate > 0.0),
+    )
+    .await
+    .with_context(|| operator.log_tail())?;
+    println!("{FAILURES}: {failing:?}");
     Ok(())
 }

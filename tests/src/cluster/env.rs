@@ -3,6 +3,7 @@
 //! the locally built image — one operator for the whole cluster, as users run it. Each test
 //! works in a namespace of its own ([`ClusterEnv::namespace`]).
 
+use std::path::Path;
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
@@ -17,6 +18,7 @@ use super::{Cluster, SLOT};
 use crate::Fixture;
 use crate::control_plane::{condition, create_namespace};
 use crate::helm::{CHART, NAMESPACE, RELEASE};
+use crate::servers::workspace_path;
 use crate::wait::wait_for;
 
 /// How long pods get to start, roll or stop.
@@ -44,7 +46,8 @@ fn url_port(url: &str) -> Result<u16> {
 }
 
 impl ClusterEnv {
-    async fn start() -> Result<Self> {
+    /// A cluster of its own with `chart` installed (the shared one: [`shared`]).
+    pub async fn start(chart: &Path) -> Result<Self> {
         let cluster = Cluster::start().await?;
         let fixture = Fixture::start().await?;
         let database = cluster.expose(fixture.postgres.port())?;
@@ -57,7 +60,14 @@ impl ClusterEnv {
             installed: String::new(),
         };
         env.namespace(NAMESPACE).await?;
-        let (repository, tag) = env
+        env.installed = env.release("install", chart, &[])?;
+        Ok(env)
+    }
+
+    /// `helm <command>` (install, upgrade) of the release from `chart` with the locally built
+    /// image and a fast leader lease, waiting for the operator, and `extra` arguments: its output.
+    pub fn release(&self, command: &str, chart: &Path, extra: &[&str]) -> Result<String> {
+        let (repository, tag) = self
             .cluster
             .images
             .switchboard
@@ -72,10 +82,11 @@ impl ClusterEnv {
             "leaderElection.enabled=true".to_owned(),
             format!("leaderElection.leaseDuration={LEASE_DURATION}"),
         ];
+        let chart = chart.display().to_string();
         let mut args = vec![
-            "install",
+            command,
             RELEASE,
-            CHART,
+            &chart,
             "--namespace",
             NAMESPACE,
             "--wait",
@@ -85,11 +96,10 @@ impl ClusterEnv {
         for value in &values {
             args.extend(["--set", value]);
         }
-        env.installed = env
-            .cluster
+        args.extend(extra);
+        self.cluster
             .helm(&args)
-            .with_context(|| env.cluster.log_tail("kubelet"))?;
-        Ok(env)
+            .with_context(|| self.cluster.log_tail("kubelet"))
     }
 
     pub async fn admin(&self) -> Result<Client> {
@@ -226,6 +236,17 @@ impl ClusterEnv {
         .fetch_one(&mut self.connection().await?)
         .await?)
     }
+
+    /// The `order` field of every todo's body in `queue`, in order (a body stored twice is
+    /// there twice).
+    pub async fn stored_orders(&self, queue: &str) -> Result<Vec<i64>> {
+        Ok(sqlx::query_scalar(
+            "SELECT (payload->>'order')::bigint FROM todos WHERE queue = $1 ORDER BY 1",
+        )
+        .bind(queue)
+        .fetch_all(&mut self.connection().await?)
+        .await?)
+    }
 }
 
 /// Whether the pod's Ready condition is True.
@@ -269,7 +290,7 @@ pub async fn shared() -> Result<SharedEnv> {
     let env = match existing {
         Some(env) => env,
         None => {
-            let env = Arc::new(ClusterEnv::start().await?);
+            let env = Arc::new(ClusterEnv::start(&workspace_path(CHART)).await?);
             *SHARED.lock().map_err(|_| anyhow::anyhow!("poisoned"))? = Arc::downgrade(&env);
             env
         }
