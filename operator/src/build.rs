@@ -451,6 +451,27 @@ fn object_meta(valid: &ValidAdapter<'_>, owner: &OwnerReference) -> ObjectMeta {
     }
 }
 
+/// The worker pod's volumes: the manifest's ConfigMap `config_map`, the Secrets it watches, and
+/// the files it reads.
+fn worker_volumes(valid: &ValidAdapter<'_>, config_map: &str) -> Vec<Volume> {
+    let manifest = Volume {
+        name: "manifest".to_owned(),
+        config_map: Some(ConfigMapVolumeSource {
+            name: config_map.to_owned(),
+            default_mode: Some(0o444),
+            ..ConfigMapVolumeSource::default()
+        }),
+        ..Volume::default()
+    };
+    let secrets = valid.broker_secrets.iter().map(|secret| secret.secret);
+    let watched = secrets_volume(secrets.chain([valid.database_secret]));
+    let files = mounted_files(valid.broker.mounted_files(), valid.database_ca);
+    [manifest, watched]
+        .into_iter()
+        .chain(files.iter().map(file_volume))
+        .collect()
+}
+
 /// The ConfigMap with the worker's manifest and the worker Deployment, owned by the adapter.
 pub fn build(
     valid: &ValidAdapter<'_>,
@@ -476,30 +497,7 @@ pub fn build(
         enable_service_links: Some(false),
         termination_grace_period_seconds: Some(TERMINATION_GRACE_PERIOD_SECONDS),
         security_context: Some(restricted_pod_security_context()),
-        volumes: Some(
-            std::iter::once(Volume {
-                name: "manifest".to_owned(),
-                config_map: Some(ConfigMapVolumeSource {
-                    name: name.clone(),
-                    default_mode: Some(0o444),
-                    ..ConfigMapVolumeSource::default()
-                }),
-                ..Volume::default()
-            })
-            .chain([secrets_volume(
-                valid
-                    .broker_secrets
-                    .iter()
-                    .map(|secret| secret.secret)
-                    .chain([valid.database_secret]),
-            )])
-            .chain(
-                mounted_files(valid.broker.mounted_files(), valid.database_ca)
-                    .iter()
-                    .map(file_volume),
-            )
-            .collect(),
-        ),
+        volumes: Some(worker_volumes(valid, &name)),
         ..pod_template::placement(&spec.workload, &settings.pod)
     };
     let deployment = Deployment {
@@ -542,7 +540,7 @@ pub fn build(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use k8s_openapi::api::core::v1::{KeyToPath, ResourceRequirements};
+    use k8s_openapi::api::core::v1::{KeyToPath, ProjectedVolumeSource, ResourceRequirements};
 
     const ORDERS: &str = include_str!("../fixtures/orders-stream.yaml");
     const DISABLED_WITH_DATABASE: &str = include_str!("../fixtures/disabled-with-database.yaml");
@@ -801,13 +799,7 @@ mod tests {
             (mount.mount_path.as_str(), mount.read_only),
             ("/var/run/switchboard/secrets", Some(true))
         );
-        let volume = pod
-            .volumes
-            .iter()
-            .flatten()
-            .find(|v| v.name == "watched-secrets")
-            .and_then(|v| v.projected.as_ref())
-            .expect("projected volume");
+        let volume = watched_secrets(&objects);
         let sources: Vec<(String, Vec<String>, Option<bool>)> = volume
             .sources
             .iter()
@@ -833,14 +825,19 @@ mod tests {
         let shared = build_fixture(&format!(
             "{ORDERS}  database:\n    urlSecretRef: {{name: redis, key: url}}\n"
         ));
-        let volume = pod_spec(&shared)
+        let sources = watched_secrets(&shared).sources.as_ref();
+        assert_eq!(sources.map(Vec::len), Some(1));
+    }
+
+    /// The projected volume of the Secrets the worker watches.
+    fn watched_secrets(objects: &WorkerObjects) -> &ProjectedVolumeSource {
+        pod_spec(objects)
             .volumes
             .iter()
             .flatten()
             .find(|v| v.name == "watched-secrets")
-            .and_then(|v| v.projected.clone())
-            .expect("projected volume");
-        assert_eq!(volume.sources.map(|s| s.len()), Some(1));
+            .and_then(|v| v.projected.as_ref())
+            .expect("projected volume")
     }
 
     #[test]
