@@ -463,8 +463,8 @@ fn worker_volumes(valid: &ValidAdapter<'_>, config_map: &str) -> Vec<Volume> {
         }),
         ..Volume::default()
     };
-    let secrets = valid.broker_secrets.iter().map(|secret| secret.secret);
-    let watched = secrets_volume(secrets.chain([valid.database_secret]));
+    let secrets = valid.broker_secrets.iter().map(|s| (s.env, s.secret));
+    let watched = secrets_volume(secrets.chain([("DATABASE_URL", valid.database_secret)]));
     let files = mounted_files(valid.broker.mounted_files(), valid.database_ca);
     [manifest, watched]
         .into_iter()
@@ -773,7 +773,7 @@ mod tests {
     }
 
     #[test]
-    fn every_secret_key_of_the_environment_is_mounted_once_under_its_secret_and_optional() {
+    fn every_secret_key_of_the_environment_is_mounted_under_its_secret_and_optional() {
         let objects = build_fixture(ORDERS);
         let pod = pod_spec(&objects);
         let container = &pod.containers[0];
@@ -813,20 +813,29 @@ mod tests {
         assert_eq!(
             sources,
             [
-                ("redis".to_owned(), vec!["redis/url".to_owned()], Some(true)),
+                (
+                    "redis".to_owned(),
+                    vec!["redis/REDIS_URL".to_owned()],
+                    Some(true)
+                ),
                 (
                     "switchboard-db".to_owned(),
-                    vec!["switchboard-db/url".to_owned()],
+                    vec!["switchboard-db/DATABASE_URL".to_owned()],
                     Some(true)
                 ),
             ]
         );
-        // Two references to one key: one file (a projected volume refuses duplicate paths).
+        // Two references to one key: a file for each variable, under one Secret.
         let shared = build_fixture(&format!(
             "{ORDERS}  database:\n    urlSecretRef: {{name: redis, key: url}}\n"
         ));
-        let sources = watched_secrets(&shared).sources.as_ref();
-        assert_eq!(sources.map(Vec::len), Some(1));
+        let sources = watched_secrets(&shared).sources.clone().unwrap_or_default();
+        let paths: Vec<String> = sources
+            .iter()
+            .flat_map(|source| source.secret.iter().flat_map(|s| s.items.iter().flatten()))
+            .map(|item| format!("{}→{}", item.key, item.path))
+            .collect();
+        assert_eq!(paths, ["url→redis/REDIS_URL", "url→redis/DATABASE_URL"]);
     }
 
     /// The projected volume of the Secrets the worker watches.

@@ -1,7 +1,7 @@
 //! The files a worker reads from ConfigMap or Secret keys (CA bundles), and the Secret keys of
 //! its environment as files it watches for rotation, as read-only volumes.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 
 use k8s_openapi::api::core::v1::{
     ConfigMapVolumeSource, KeyToPath, ProjectedVolumeSource, SecretProjection, SecretVolumeSource,
@@ -10,35 +10,34 @@ use k8s_openapi::api::core::v1::{
 use switchboard_api::{FileSource, MountedFile, SecretKeyRef};
 
 /// The volume, and where the worker sees it, holding every Secret key of its environment as
-/// `<secret>/<key>`: kubelet refreshes these files when a Secret changes, and the worker then
-/// restarts to take the new values into its environment.
+/// `<secret>/<environment variable>`: kubelet refreshes these files when a Secret changes, and
+/// the worker, finding one that differs from its environment, restarts to take the new value.
 pub const SECRETS_VOLUME: &str = "watched-secrets";
 pub const SECRETS_DIR: &str = "/var/run/switchboard/secrets";
 /// The worker's setting naming [`SECRETS_DIR`].
 pub const SECRETS_DIR_ENV: &str = "SWITCHBOARD_SECRETS_DIR";
 
-/// The [`SECRETS_VOLUME`] of `secrets`, read-only. Each Secret is optional here: a missing one
-/// stops the container at its environment (`CreateContainerConfigError` in the pod's status,
-/// which the operator reports) rather than at a mount, which only an Event would tell.
-pub fn secrets_volume<'a>(secrets: impl IntoIterator<Item = &'a SecretKeyRef>) -> Volume {
-    let mut keys: BTreeMap<&str, BTreeSet<&str>> = BTreeMap::new();
-    for secret in secrets {
-        keys.entry(&secret.name).or_default().insert(&secret.key);
+/// The [`SECRETS_VOLUME`] of `secrets` (environment variable, Secret key), read-only. Each
+/// Secret is optional here: a missing one stops the container at its environment
+/// (`CreateContainerConfigError` in the pod's status, which the operator reports) rather than
+/// at a mount, which only an Event would tell.
+pub fn secrets_volume<'a>(
+    secrets: impl IntoIterator<Item = (&'a str, &'a SecretKeyRef)>,
+) -> Volume {
+    let mut items: BTreeMap<&str, Vec<KeyToPath>> = BTreeMap::new();
+    for (env, secret) in secrets {
+        items.entry(&secret.name).or_default().push(KeyToPath {
+            key: secret.key.clone(),
+            path: format!("{}/{env}", secret.name),
+            mode: None,
+        });
     }
-    let sources = keys
+    let sources = items
         .into_iter()
-        .map(|(name, keys)| VolumeProjection {
+        .map(|(name, items)| VolumeProjection {
             secret: Some(SecretProjection {
                 name: name.to_owned(),
-                items: Some(
-                    keys.into_iter()
-                        .map(|key| KeyToPath {
-                            key: key.to_owned(),
-                            path: format!("{name}/{key}"),
-                            mode: None,
-                        })
-                        .collect(),
-                ),
+                items: Some(items),
                 optional: Some(true),
             }),
             ..VolumeProjection::default()

@@ -648,12 +648,19 @@ async fn changed_mounted_secret_stops_the_worker_cleanly_after_storing_and_ackin
 -> Result<()> {
     let fx = Fixture::start().await?;
     let manifest = fx.stream_adapter("rotate", "batchSize: 100", "")?;
-    // As kubelet mounts them: `<secret>/<key>`, beside its own `..data` entries.
+    // As kubelet mounts them: `<secret>/<VARIABLE>`, beside its own `..data` entries.
     let secrets = fx.dir.path().join("secrets");
-    let redis_url = fx.redis.url();
-    for (secret, value) in [("redis", redis_url.as_str()), ("switchboard-db", "db")] {
+    let redis_url = fx.env.redis_url.clone();
+    for (secret, variable, value) in [
+        ("redis", "REDIS_URL", redis_url.as_str()),
+        (
+            "switchboard-db",
+            "DATABASE_URL",
+            fx.env.database_url.as_str(),
+        ),
+    ] {
         std::fs::create_dir_all(secrets.join(secret))?;
-        std::fs::write(secrets.join(secret).join("url"), value)?;
+        std::fs::write(secrets.join(secret).join(variable), value)?;
     }
     std::fs::create_dir_all(secrets.join("..data"))?;
     let dir = secrets.display().to_string();
@@ -670,7 +677,7 @@ async fn changed_mounted_secret_stops_the_worker_cleanly_after_storing_and_ackin
     );
     // The Secret rotates (kubelet rewrites the file) while messages keep coming.
     let rotated = format!("{redis_url}?rotated=1");
-    std::fs::write(secrets.join("redis").join("url"), &rotated)?;
+    std::fs::write(secrets.join("redis").join("REDIS_URL"), &rotated)?;
     let changed = Instant::now();
     let status = loop {
         fx.produce("rotate", bodies(produced..produced + 50))?;

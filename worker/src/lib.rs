@@ -124,8 +124,8 @@ pub struct RunOptions {
     pub shutdown_timeout: Duration,
     /// Bound on each batch, probe and checkpoint read against PostgreSQL.
     pub database_timeout: Duration,
-    /// Where the Secrets the worker reads are mounted (`<secret>/<key>`): a change there stops
-    /// the worker gracefully so that it restarts onto the new values.
+    /// Where the Secrets the worker reads are mounted (`<secret>/<variable>`): a file that
+    /// differs from its variable stops the worker gracefully so that it restarts onto it.
     pub secrets_dir: Option<PathBuf>,
 }
 
@@ -367,8 +367,7 @@ async fn run_adapter(
 ) -> Result<(), WorkerError> {
     let cancel = CancellationToken::new();
     signals.spawn(cancel.clone());
-    // Before anything is read from the environment: a change from here on restarts the worker.
-    let secret_files = options.secrets_dir.map(SecretFiles::at_start);
+    let secret_files = options.secrets_dir.map(SecretFiles::new);
     let spec = &adapter.spec;
     let Some(broker) = spec.source.broker() else {
         return Err(WorkerError::NoSource);

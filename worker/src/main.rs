@@ -59,9 +59,9 @@ enum Command {
         #[arg(long, env = "SWITCHBOARD_DATABASE_TIMEOUT", default_value = "30s",
               value_parser = positive_duration)]
         database_timeout: Duration,
-        /// Where the Secrets the worker reads are mounted as `<secret>/<key>` files (set by the
-        /// operator): when one changes, the worker finishes the batch in hand and exits 0 so
-        /// that it is restarted with the new values.
+        /// Where the Secrets of the worker's environment are mounted as `<secret>/<VARIABLE>`
+        /// files (set by the operator): when one differs from its variable, the worker finishes
+        /// the batch in hand and exits 0 so that it is restarted with the new values.
         #[arg(long, env = "SWITCHBOARD_SECRETS_DIR")]
         secrets_dir: Option<PathBuf>,
     },

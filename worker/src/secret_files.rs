@@ -1,42 +1,37 @@
 //! Restarting onto rotated Secrets. In Kubernetes the operator mounts every Secret key the worker
-//! reads under one directory, as `<secret>/<key>`; kubelet refreshes those files when a Secret
-//! changes, while the environment keeps the values the container started with. The worker
-//! fingerprints the files at start and, once a Secret's files differ, stops as on SIGTERM (the
-//! batch in hand is stored and acknowledged, or left un-acknowledged) and exits 0: kubelet starts
-//! the container again, with the new values in its environment. Values are hashed, never kept
-//! or logged.
+//! reads from its environment under one directory, as `<secret>/<environment variable>`; kubelet
+//! refreshes those files when a Secret changes, while the environment keeps the values the
+//! container started with. Every [`POLL_INTERVAL`] the worker compares each file with the
+//! variable it names; once one differs it stops as on SIGTERM (the batch in hand is stored and
+//! acknowledged, or left un-acknowledged) and exits 0, so that kubelet starts the container
+//! again with the new values. A file that is missing or empty (a Secret kubelet has not projected
+//! yet, or one deleted) is no change. Values are compared, never kept or logged.
 
-use std::collections::BTreeMap;
+use std::ffi::OsString;
+use std::os::unix::ffi::OsStrExt as _;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use prometheus_client::metrics::counter::Counter;
-use sha2::{Digest, Sha256};
 use tokio_util::sync::CancellationToken;
 
-/// How often the mounted files are compared with their fingerprint at start.
+/// How often the mounted files are compared with the environment.
 pub const POLL_INTERVAL: Duration = Duration::from_secs(10);
 
-/// A digest of each Secret's mounted files, by Secret name.
-type Fingerprint = BTreeMap<String, [u8; 32]>;
-
-/// The mounted Secrets of this run, as they were when it started.
+/// Where the Secrets of this worker's environment are mounted.
 #[derive(Debug)]
 pub struct SecretFiles {
     dir: PathBuf,
-    at_start: Fingerprint,
 }
 
 impl SecretFiles {
-    /// Fingerprints the Secrets mounted under `dir` now.
-    pub fn at_start(dir: PathBuf) -> Self {
-        let at_start = fingerprint(&dir);
-        tracing::info!(dir = %dir.display(), secrets = at_start.len(), "restarting when a mounted Secret changes");
-        Self { dir, at_start }
+    pub fn new(dir: PathBuf) -> Self {
+        tracing::info!(dir = %dir.display(), "restarting when a mounted Secret differs from the environment");
+        Self { dir }
     }
 
-    /// Compares the files with their fingerprint every [`POLL_INTERVAL`] until one Secret
-    /// changed (then counts it in `restarts` and cancels `cancel`) or `cancel` fires.
+    /// Compares the files with the environment every [`POLL_INTERVAL`] until a Secret changed
+    /// (then counts it in `restarts` and cancels `cancel`) or `cancel` fires.
     pub fn stop_on_change(self, cancel: CancellationToken, restarts: Counter) {
         crate::task::spawn(async move {
             loop {
@@ -44,7 +39,7 @@ impl SecretFiles {
                     () = cancel.cancelled() => return,
                     () = tokio::time::sleep(POLL_INTERVAL) => {}
                 }
-                let changed = changed_secrets(&self.at_start, &fingerprint(&self.dir));
+                let changed = changed_secrets(&self.dir, |name| std::env::var_os(name));
                 if changed.is_empty() {
                     continue;
                 }
@@ -57,18 +52,6 @@ impl SecretFiles {
             }
         });
     }
-}
-
-/// The Secrets whose files differ between `before` and `now` (added or gone included).
-fn changed_secrets(before: &Fingerprint, now: &Fingerprint) -> Vec<String> {
-    let mut names: Vec<&String> = before.keys().chain(now.keys()).collect();
-    names.sort();
-    names.dedup();
-    names
-        .into_iter()
-        .filter(|name| before.get(*name) != now.get(*name))
-        .cloned()
-        .collect()
 }
 
 /// The visible entries of `dir`, sorted (kubelet's own start with `..`).
@@ -86,65 +69,57 @@ fn entries(dir: &Path) -> Vec<(String, PathBuf)> {
     entries
 }
 
-/// Each Secret directory under `dir` with a digest of its files' names and contents. An
-/// unreadable file counts as empty: its change is noticed when it can be read again.
-fn fingerprint(dir: &Path) -> Fingerprint {
+/// The Secrets under `dir` with a file (named for a variable) whose content differs from that
+/// variable in `env`.
+fn changed_secrets(dir: &Path, env: impl Fn(&str) -> Option<OsString>) -> Vec<String> {
     entries(dir)
         .into_iter()
         .filter(|(_, path)| path.is_dir())
-        .map(|(secret, path)| {
-            let mut hasher = Sha256::new();
-            for (key, file) in entries(&path) {
-                let value = std::fs::read(&file).unwrap_or_default();
-                for part in [key.as_bytes(), &value] {
-                    hasher.update((part.len() as u64).to_be_bytes());
-                    hasher.update(part);
-                }
-            }
-            (secret, hasher.finalize().into())
+        .filter(|(_, path)| {
+            entries(path).into_iter().any(|(variable, file)| {
+                let mounted = std::fs::read(&file).unwrap_or_default();
+                let started_with = env(&variable).unwrap_or_default();
+                !mounted.is_empty() && mounted != started_with.as_bytes()
+            })
         })
+        .map(|(secret, _)| secret)
         .collect()
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::collections::BTreeMap;
 
-    fn write(dir: &Path, secret: &str, key: &str, value: &str) {
+    fn write(dir: &Path, secret: &str, variable: &str, value: &str) {
         std::fs::create_dir_all(dir.join(secret)).expect("mkdir");
-        std::fs::write(dir.join(secret).join(key), value).expect("write");
+        std::fs::write(dir.join(secret).join(variable), value).expect("write");
     }
 
     #[test]
-    fn a_changed_added_or_removed_secret_is_named_and_kubelet_entries_are_ignored() {
+    fn a_secret_whose_file_differs_from_the_environment_is_named_and_missing_files_are_no_change() {
         let dir =
             std::env::temp_dir().join(format!("switchboard-secret-files-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
-        write(dir.as_path(), "redis", "url", "redis://a");
-        write(dir.as_path(), "db", "url", "postgres://a");
-        std::fs::create_dir(dir.as_path().join("..2026_12_04")).expect("mkdir");
-        let before = fingerprint(dir.as_path());
-        assert_eq!(before.len(), 2);
-        assert!(changed_secrets(&before, &fingerprint(dir.as_path())).is_empty());
+        let env = BTreeMap::from([("REDIS_URL", "redis://a"), ("DATABASE_URL", "postgres://a")]);
+        let lookup = |name: &str| env.get(name).map(OsString::from);
+        write(&dir, "redis", "REDIS_URL", "redis://a");
+        write(&dir, "db", "DATABASE_URL", "postgres://a");
+        write(&dir, "..2026_12_04", "REDIS_URL", "ignored");
+        assert!(changed_secrets(&dir, lookup).is_empty());
 
-        write(dir.as_path(), "redis", "url", "redis://b");
-        write(dir.as_path(), "..2026_12_04", "url", "ignored");
-        assert_eq!(
-            changed_secrets(&before, &fingerprint(dir.as_path())),
-            ["redis"]
-        );
+        // Not projected yet (or deleted): an empty or missing file is no change.
+        write(&dir, "db", "DATABASE_URL", "");
+        assert!(changed_secrets(&dir, lookup).is_empty());
 
-        std::fs::remove_dir_all(dir.as_path().join("db")).expect("rm");
-        write(dir.as_path(), "amqp", "uri", "amqp://a");
-        assert_eq!(
-            changed_secrets(&before, &fingerprint(dir.as_path())),
-            ["amqp", "db", "redis"]
-        );
+        write(&dir, "redis", "REDIS_URL", "redis://b");
+        assert_eq!(changed_secrets(&dir, lookup), ["redis"]);
         std::fs::remove_dir_all(&dir).expect("clean up");
     }
 
     #[test]
-    fn a_missing_directory_has_no_secrets() {
-        assert!(fingerprint(Path::new("/nonexistent/switchboard-secrets")).is_empty());
+    fn a_missing_directory_has_no_changes() {
+        let none = |_: &str| None;
+        assert!(changed_secrets(Path::new("/nonexistent/switchboard-secrets"), none).is_empty());
     }
 }
