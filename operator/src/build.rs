@@ -13,7 +13,9 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta, 
 
 use crate::autoscaling::{Autoscaled, autoscaling_objects};
 use crate::database_ca::{self, DefaultCa};
-use crate::mounted::{file_volume, mounted_files};
+use crate::mounted::{
+    SECRETS_DIR, SECRETS_DIR_ENV, SECRETS_VOLUME, file_volume, mounted_files, secrets_volume,
+};
 use crate::pdb::disruption_budget;
 use crate::pod_template::{self, PodDefaults};
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
@@ -27,8 +29,8 @@ use switchboard_api::{
 
 /// The one field manager every write of the operator uses.
 pub const FIELD_MANAGER: &str = "switchboard-operator";
-/// Pod-template annotation: a hash of the adapter's spec and the referenced Secrets' values, so
-/// that any change to either rolls the worker pods.
+/// Pod-template annotation: a hash of the adapter's spec (its Secret references, not their
+/// values: the operator cannot read Secrets), so that a change rolls the worker pods.
 pub const CONFIG_HASH_ANNOTATION: &str = "switchboard.dev/config-hash";
 /// Where the pod sees the ConfigMap holding the adapter's manifest.
 pub const MANIFEST_DIR: &str = "/etc/switchboard";
@@ -185,40 +187,6 @@ fn database_secret<'a>(
         .map_or(&settings.default_database_secret, |db| &db.url_secret_ref)
 }
 
-/// Every Secret key the worker of `spec` reads.
-pub fn referenced_secrets<'a>(
-    spec: &'a QueueAdapterSpec,
-    settings: &'a WorkerSettings,
-) -> impl Iterator<Item = &'a SecretKeyRef> {
-    let broker = spec
-        .source
-        .broker()
-        .and_then(|broker| broker.secret_env().ok())
-        .unwrap_or_default();
-    broker
-        .into_iter()
-        .map(|secret| secret.secret)
-        .chain(std::iter::once(database_secret(spec, settings)))
-}
-
-/// One value behind a secret reference, as the config hash takes it (never copied).
-/// Not `Debug`, so it cannot end up in a log line.
-#[derive(Clone, Copy)]
-pub struct SecretValue<'a> {
-    /// The Secret's uid. It keys the hash: whoever can read the Deployment but not the Secret
-    /// cannot test guesses of the value against the annotation.
-    pub uid: &'a str,
-    pub value: &'a [u8],
-}
-
-/// The values behind the adapter's secret references.
-#[derive(Clone)]
-pub struct SecretValues<'a> {
-    /// One per [`ValidAdapter::broker_secrets`], in that order.
-    pub broker: Vec<SecretValue<'a>>,
-    pub database_url: SecretValue<'a>,
-}
-
 /// Everything the worker needs, ready for server-side apply.
 #[derive(Debug, Clone)]
 pub struct WorkerObjects {
@@ -245,6 +213,9 @@ pub fn worker_name(adapter_name: &str) -> String {
     format!("{adapter_name}-worker")
 }
 
+/// The label naming the adapter of a worker object (its pods included).
+pub const INSTANCE_LABEL: &str = "app.kubernetes.io/instance";
+
 /// Labels that select the worker pods of one adapter.
 pub fn selector_labels(adapter_name: &str) -> BTreeMap<String, String> {
     BTreeMap::from([
@@ -252,10 +223,7 @@ pub fn selector_labels(adapter_name: &str) -> BTreeMap<String, String> {
             "app.kubernetes.io/name".to_owned(),
             "switchboard-worker".to_owned(),
         ),
-        (
-            "app.kubernetes.io/instance".to_owned(),
-            adapter_name.to_owned(),
-        ),
+        (INSTANCE_LABEL.to_owned(), adapter_name.to_owned()),
     ])
 }
 
@@ -302,21 +270,12 @@ pub fn worker_manifest(valid: &ValidAdapter<'_>) -> Result<String, BuildError> {
     ))
 }
 
-/// sha256 over the manifest, the database CA's source (the operator's default is not in the
-/// manifest) and each secret's uid and value, each part length-prefixed.
-pub fn config_hash(
-    manifest: &str,
-    database_ca: Option<&MountedFile<'_>>,
-    secrets: &SecretValues<'_>,
-) -> String {
+/// sha256 over the manifest and the database CA's source (the operator's default is not in the
+/// manifest), each part length-prefixed.
+pub fn config_hash(manifest: &str, database_ca: Option<&MountedFile<'_>>) -> String {
     let mut hasher = Sha256::new();
     let ca = format!("{:?}", database_ca.map(|file| file.source));
-    let values = secrets.broker.iter().chain([&secrets.database_url]);
-    let parts = values.flat_map(|secret| [secret.uid.as_bytes(), secret.value]);
-    for part in [manifest.as_bytes(), ca.as_bytes()]
-        .into_iter()
-        .chain(parts)
-    {
+    for part in [manifest.as_bytes(), ca.as_bytes()] {
         hasher.update((part.len() as u64).to_be_bytes());
         hasher.update(part);
     }
@@ -397,7 +356,8 @@ fn worker_container(valid: &ValidAdapter<'_>, settings: &WorkerSettings) -> Cont
         resources: pod_template::resources(workload, &settings.pod),
         security_context: Some(restricted_security_context()),
         volume_mounts: Some(
-            std::iter::once(("manifest", MANIFEST_DIR))
+            [("manifest", MANIFEST_DIR), (SECRETS_VOLUME, SECRETS_DIR)]
+                .into_iter()
                 .chain(files.iter().map(|file| (file.volume, file.dir)))
                 .map(|(name, dir)| VolumeMount {
                     name: name.to_owned(),
@@ -412,7 +372,7 @@ fn worker_container(valid: &ValidAdapter<'_>, settings: &WorkerSettings) -> Cont
 }
 
 /// The worker's environment: its pod name, the broker's secrets and mounted files, the
-/// database URL and JSON logs.
+/// database URL, where its Secrets are mounted for rotation, and JSON logs.
 fn worker_env(valid: &ValidAdapter<'_>, files: &[MountedFile]) -> Vec<EnvVar> {
     let hostname = EnvVar {
         name: "HOSTNAME".to_owned(),
@@ -439,6 +399,11 @@ fn worker_env(valid: &ValidAdapter<'_>, files: &[MountedFile]) -> Vec<EnvVar> {
         .chain(file_env)
         .chain([
             secret_env("DATABASE_URL", valid.database_secret),
+            EnvVar {
+                name: SECRETS_DIR_ENV.to_owned(),
+                value: Some(SECRETS_DIR.to_owned()),
+                ..EnvVar::default()
+            },
             EnvVar {
                 name: "LOG_JSON".to_owned(),
                 value: Some("true".to_owned()),
@@ -486,18 +451,38 @@ fn object_meta(valid: &ValidAdapter<'_>, owner: &OwnerReference) -> ObjectMeta {
     }
 }
 
+/// The worker pod's volumes: the manifest's ConfigMap `config_map`, the Secrets it watches, and
+/// the files it reads.
+fn worker_volumes(valid: &ValidAdapter<'_>, config_map: &str) -> Vec<Volume> {
+    let manifest = Volume {
+        name: "manifest".to_owned(),
+        config_map: Some(ConfigMapVolumeSource {
+            name: config_map.to_owned(),
+            default_mode: Some(0o444),
+            ..ConfigMapVolumeSource::default()
+        }),
+        ..Volume::default()
+    };
+    let secrets = valid.broker_secrets.iter().map(|s| (s.env, s.secret));
+    let watched = secrets_volume(secrets.chain([("DATABASE_URL", valid.database_secret)]));
+    let files = mounted_files(valid.broker.mounted_files(), valid.database_ca);
+    [manifest, watched]
+        .into_iter()
+        .chain(files.iter().map(file_volume))
+        .collect()
+}
+
 /// The ConfigMap with the worker's manifest and the worker Deployment, owned by the adapter.
 pub fn build(
     valid: &ValidAdapter<'_>,
     settings: &WorkerSettings,
-    secrets: SecretValues<'_>,
 ) -> Result<WorkerObjects, BuildError> {
     let owner = valid
         .adapter
         .controller_owner_ref(&())
         .ok_or(BuildError::NoUid)?;
     let manifest = worker_manifest(valid)?;
-    let hash = config_hash(&manifest, valid.database_ca.as_ref(), &secrets);
+    let hash = config_hash(&manifest, valid.database_ca.as_ref());
     let autoscaled = autoscaling_objects(valid.adapter, valid.broker, &object_meta(valid, &owner));
     let name = worker_name(valid.name);
     let spec = &valid.adapter.spec;
@@ -512,23 +497,7 @@ pub fn build(
         enable_service_links: Some(false),
         termination_grace_period_seconds: Some(TERMINATION_GRACE_PERIOD_SECONDS),
         security_context: Some(restricted_pod_security_context()),
-        volumes: Some(
-            std::iter::once(Volume {
-                name: "manifest".to_owned(),
-                config_map: Some(ConfigMapVolumeSource {
-                    name: name.clone(),
-                    default_mode: Some(0o444),
-                    ..ConfigMapVolumeSource::default()
-                }),
-                ..Volume::default()
-            })
-            .chain(
-                mounted_files(valid.broker.mounted_files(), valid.database_ca)
-                    .iter()
-                    .map(file_volume),
-            )
-            .collect(),
-        ),
+        volumes: Some(worker_volumes(valid, &name)),
         ..pod_template::placement(&spec.workload, &settings.pod)
     };
     let deployment = Deployment {
@@ -571,20 +540,11 @@ pub fn build(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use k8s_openapi::api::core::v1::{KeyToPath, ResourceRequirements};
+    use k8s_openapi::api::core::v1::{KeyToPath, ProjectedVolumeSource, ResourceRequirements};
 
     const ORDERS: &str = include_str!("../fixtures/orders-stream.yaml");
     const DISABLED_WITH_DATABASE: &str = include_str!("../fixtures/disabled-with-database.yaml");
     const NO_REDIS_SECRET: &str = include_str!("../fixtures/no-redis-secret.yaml");
-
-    const REDIS_URL: SecretValue<'static> = SecretValue {
-        uid: "5f0c7a1e-redis",
-        value: b"redis://:hunter2@redis:6379/0",
-    };
-    const DATABASE_URL: SecretValue<'static> = SecretValue {
-        uid: "9b3d2c4f-db",
-        value: b"postgres://app:s3cret@db/app",
-    };
 
     fn settings() -> WorkerSettings {
         WorkerSettings {
@@ -623,18 +583,11 @@ mod tests {
         serde_yaml_ng::from_str(yaml).expect("fixture parses")
     }
 
-    fn secrets() -> SecretValues<'static> {
-        SecretValues {
-            broker: vec![REDIS_URL],
-            database_url: DATABASE_URL,
-        }
-    }
-
     fn build_fixture(yaml: &str) -> WorkerObjects {
         let adapter = fixture(yaml);
         let settings = settings();
         let valid = validate(&adapter, &settings).expect("valid");
-        build(&valid, &settings, secrets()).expect("builds")
+        build(&valid, &settings).expect("builds")
     }
 
     fn pod_spec(objects: &WorkerObjects) -> &PodSpec {
@@ -808,47 +761,92 @@ mod tests {
     }
 
     #[test]
-    fn hash_changes_with_the_spec_and_with_each_secret_and_its_uid_but_holds_no_secret() {
-        let base = build_fixture(ORDERS);
-        let hash = hash_of(&base);
-        let changed_spec = build_fixture(&ORDERS.replace("batchSize: 200", "batchSize: 300"));
-        assert_ne!(hash_of(&changed_spec), hash);
-        let adapter = fixture(ORDERS);
-        let settings = settings();
-        let valid = validate(&adapter, &settings).expect("valid");
-        let other = |value: SecretValue<'static>, text: &'static [u8]| SecretValue {
-            value: text,
-            ..value
-        };
-        let recreated = |value: SecretValue<'static>| SecretValue {
-            uid: "0000-recreated",
-            ..value
-        };
-        for secrets in [
-            SecretValues {
-                broker: vec![other(REDIS_URL, b"redis://:other@redis:6379/0")],
-                database_url: DATABASE_URL,
-            },
-            SecretValues {
-                broker: vec![REDIS_URL],
-                database_url: other(DATABASE_URL, b"postgres://app:other@db/app"),
-            },
-            // Same values, other uids: the uid keys the hash.
-            SecretValues {
-                broker: vec![recreated(REDIS_URL)],
-                database_url: DATABASE_URL,
-            },
-            SecretValues {
-                broker: vec![REDIS_URL],
-                database_url: recreated(DATABASE_URL),
-            },
+    fn hash_changes_with_the_spec_and_its_secret_references() {
+        let hash = hash_of(&build_fixture(ORDERS));
+        for changed in [
+            ORDERS.replace("batchSize: 200", "batchSize: 300"),
+            ORDERS.replace("name: redis, key: url", "name: redis-2, key: url"),
         ] {
-            let rebuilt = build(&valid, &settings, secrets).expect("builds");
-            assert_ne!(hash_of(&rebuilt), hash);
+            assert_ne!(hash_of(&build_fixture(&changed)), hash);
         }
         assert_eq!(hash_of(&build_fixture(ORDERS)), hash, "deterministic");
-        let everything = format!("{base:?}");
-        assert!(!everything.contains("hunter2") && !everything.contains("s3cret"));
+    }
+
+    #[test]
+    fn every_secret_key_of_the_environment_is_mounted_under_its_secret_and_optional() {
+        let objects = build_fixture(ORDERS);
+        let pod = pod_spec(&objects);
+        let container = &pod.containers[0];
+        let env = |name: &str| {
+            container
+                .env
+                .iter()
+                .flatten()
+                .find(|e| e.name == name)
+                .and_then(|e| e.value.clone())
+        };
+        assert_eq!(
+            env("SWITCHBOARD_SECRETS_DIR").as_deref(),
+            Some("/var/run/switchboard/secrets")
+        );
+        let mount = container
+            .volume_mounts
+            .iter()
+            .flatten()
+            .find(|m| m.name == "watched-secrets")
+            .expect("mounted");
+        assert_eq!(
+            (mount.mount_path.as_str(), mount.read_only),
+            ("/var/run/switchboard/secrets", Some(true))
+        );
+        let volume = watched_secrets(&objects);
+        let sources: Vec<(String, Vec<String>, Option<bool>)> = volume
+            .sources
+            .iter()
+            .flatten()
+            .filter_map(|source| source.secret.as_ref())
+            .map(|secret| {
+                let paths = secret.items.iter().flatten().map(|i| i.path.clone());
+                (secret.name.clone(), paths.collect(), secret.optional)
+            })
+            .collect();
+        assert_eq!(
+            sources,
+            [
+                (
+                    "redis".to_owned(),
+                    vec!["redis/REDIS_URL".to_owned()],
+                    Some(true)
+                ),
+                (
+                    "switchboard-db".to_owned(),
+                    vec!["switchboard-db/DATABASE_URL".to_owned()],
+                    Some(true)
+                ),
+            ]
+        );
+        // Two references to one key: a file for each variable, under one Secret.
+        let shared = build_fixture(&format!(
+            "{ORDERS}  database:\n    urlSecretRef: {{name: redis, key: url}}\n"
+        ));
+        let sources = watched_secrets(&shared).sources.clone().unwrap_or_default();
+        let paths: Vec<String> = sources
+            .iter()
+            .flat_map(|source| source.secret.iter().flat_map(|s| s.items.iter().flatten()))
+            .map(|item| format!("{}→{}", item.key, item.path))
+            .collect();
+        assert_eq!(paths, ["url→redis/REDIS_URL", "url→redis/DATABASE_URL"]);
+    }
+
+    /// The projected volume of the Secrets the worker watches.
+    fn watched_secrets(objects: &WorkerObjects) -> &ProjectedVolumeSource {
+        pod_spec(objects)
+            .volumes
+            .iter()
+            .flatten()
+            .find(|v| v.name == "watched-secrets")
+            .and_then(|v| v.projected.as_ref())
+            .expect("projected volume")
     }
 
     #[test]
@@ -928,7 +926,7 @@ mod tests {
             ..settings()
         };
         let valid = validate(&adapter, &settings).expect("valid");
-        build(&valid, &settings, secrets()).expect("builds")
+        build(&valid, &settings).expect("builds")
     }
 
     /// The database CA volume's (kind, name, key) and the container's mount and PGSSLROOTCERT.

@@ -1,6 +1,7 @@
-//! The QueueAdapter controller: validate → dereference Secrets → build (pure) → mirror the
-//! `adapters` row → server-side apply (one field manager, owner references) → status. A
-//! database outage does not hold up the apply: the reconcile fails after it.
+//! The QueueAdapter controller: validate → build (pure) → mirror the `adapters` row →
+//! server-side apply (one field manager, owner references) → status, with what the worker pods'
+//! kubelet says of a missing Secret. A database outage does not hold up the apply: the reconcile
+//! fails after it. The operator never reads a Secret.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -8,17 +9,17 @@ use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use k8s_openapi::api::apps::v1::Deployment;
-use k8s_openapi::api::core::v1::{ConfigMap, Secret};
+use k8s_openapi::api::core::v1::{ConfigMap, Pod};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{PartialObjectMeta, Patch, PatchParams};
 use kube::runtime::controller::Action;
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::runtime::finalizer::{self, finalizer};
-use kube::runtime::reflector::{ObjectRef, Store as Cache};
+use kube::runtime::reflector::ObjectRef;
 use kube::runtime::{Controller, watcher};
 use kube::{Api, Client, Resource, ResourceExt};
-use switchboard_api::{QueueAdapter, QueueAdapterStatus, SecretKeyRef};
+use switchboard_api::{QueueAdapter, QueueAdapterStatus};
 use switchboard_store::{QueueAdapterRow, StoreError};
 use switchboard_telemetry::{Backoff, Jitter};
 use tokio_util::sync::CancellationToken;
@@ -28,11 +29,12 @@ use crate::apply::{
     ReconcileError, apply_autoscaling, apply_disruption_budget, hand_over_replicas, kubernetes,
 };
 use crate::build::{
-    FIELD_MANAGER, InvalidAdapter, SecretValue, SecretValues, ValidAdapter, WorkerSettings,
-    adapter_config, build, managed_selector, referenced_secrets, validate, worker_name,
+    FIELD_MANAGER, INSTANCE_LABEL, InvalidAdapter, ValidAdapter, WorkerSettings, adapter_config,
+    build, managed_selector, validate, worker_name,
 };
 use crate::metrics::{ErrorCategory, Metrics, ReconcileOutcome};
 use crate::mirror::{MigratedStore, remove_orphan_rows};
+use crate::pods::{CannotStart, worker_cannot_start};
 use crate::runtime::refresh_runtime_status;
 use crate::status::{Outcome, READY, deployment_workers, desired_status};
 
@@ -164,7 +166,7 @@ impl Context {
             .any(|c| c.type_ == READY && c.status == "True");
         self.metrics.adapter_ready(&name, ready);
         match outcome {
-            Outcome::Applied(deployment) => self
+            Outcome::Applied(deployment) | Outcome::PodsCannotStart { deployment, .. } => self
                 .metrics
                 .adapter_workers(&name, Some(deployment_workers(deployment))),
             Outcome::Blocked { .. } => self.metrics.adapter_workers(&name, None),
@@ -197,60 +199,6 @@ fn namespace(adapter: &QueueAdapter) -> String {
     adapter.namespace().unwrap_or_else(|| "default".to_owned())
 }
 
-/// A Secret's uid and the value behind one of its keys.
-#[derive(Default)]
-struct FetchedSecret {
-    uid: String,
-    value: Vec<u8>,
-}
-
-impl FetchedSecret {
-    fn as_value(&self) -> SecretValue<'_> {
-        SecretValue {
-            uid: &self.uid,
-            value: &self.value,
-        }
-    }
-}
-
-/// The Secret behind `reference` in the adapter's namespace; `Ok(Err(message))` when it is
-/// missing and `required`. A disabled adapter does not require its Secrets: it is scaled to zero
-/// whether or not they exist, and a missing one is hashed as empty.
-async fn secret_value(
-    secrets: &Api<Secret>,
-    namespace: &str,
-    reference: &SecretKeyRef,
-    required: bool,
-) -> Result<Result<FetchedSecret, String>, ReconcileError> {
-    let secret = secrets
-        .get_opt(&reference.name)
-        .await
-        .map_err(kubernetes("get Secret"))?;
-    let fetched = match secret {
-        None => Err(format!("Secret {namespace}/{} not found", reference.name)),
-        Some(secret) => {
-            let uid = secret.metadata.uid.unwrap_or_default();
-            secret
-                .data
-                .and_then(|mut data| data.remove(&reference.key))
-                .map(|value| FetchedSecret {
-                    uid,
-                    value: value.0,
-                })
-                .ok_or_else(|| {
-                    format!(
-                        "Secret {namespace}/{} has no key {:?}",
-                        reference.name, reference.key
-                    )
-                })
-        }
-    };
-    Ok(match fetched {
-        Err(_) if !required => Ok(FetchedSecret::default()),
-        fetched => fetched,
-    })
-}
-
 /// Makes the adapter's `adapters` row say what the adapter says.
 async fn mirror_row(adapter: &QueueAdapter, ctx: &Context) -> Result<(), ReconcileError> {
     let config = adapter_config(&adapter.spec);
@@ -275,10 +223,9 @@ async fn mirror_row(adapter: &QueueAdapter, ctx: &Context) -> Result<(), Reconci
 async fn converge(
     adapter: &QueueAdapter,
     valid: &ValidAdapter<'_>,
-    secrets: SecretValues<'_>,
     ctx: &Context,
 ) -> Result<Deployment, ReconcileError> {
-    let objects = build(valid, &ctx.settings, secrets).map_err(ReconcileError::Build)?;
+    let objects = build(valid, &ctx.settings).map_err(ReconcileError::Build)?;
     let mirrored = mirror_row(adapter, ctx).await;
     let apply = PatchParams::apply(FIELD_MANAGER).force();
     let name = worker_name(valid.name);
@@ -371,7 +318,7 @@ async fn stop_worker(adapter: &QueueAdapter, ctx: &Context) -> Result<(), Reconc
     }
 }
 
-/// Reports that the adapter cannot run as it is, and waits for a change to it or its Secrets.
+/// Reports that the adapter cannot run as it is, and waits for a change to it.
 async fn block(
     adapter: &QueueAdapter,
     ctx: &Context,
@@ -403,33 +350,45 @@ async fn apply(adapter: &QueueAdapter, ctx: &Context) -> Result<Action, Reconcil
             return block(adapter, ctx, invalid.reason(), &invalid.to_string()).await;
         }
     };
-    let secrets = Api::<Secret>::namespaced(ctx.client.clone(), valid.namespace);
-    let required = adapter.spec.enabled;
-    let mut broker = Vec::with_capacity(valid.broker_secrets.len());
-    for secret in &valid.broker_secrets {
-        match secret_value(&secrets, valid.namespace, secret.secret, required).await? {
-            Ok(fetched) => broker.push(fetched),
-            Err(message) => return block(adapter, ctx, "SecretNotFound", &message).await,
-        }
-    }
-    let database =
-        match secret_value(&secrets, valid.namespace, valid.database_secret, required).await? {
-            Ok(fetched) => fetched,
-            Err(message) => return block(adapter, ctx, "SecretNotFound", &message).await,
-        };
-    let values = SecretValues {
-        broker: broker.iter().map(FetchedSecret::as_value).collect(),
-        database_url: database.as_value(),
-    };
-    match converge(adapter, &valid, values, ctx).await {
+    match converge(adapter, &valid, ctx).await {
         Ok(deployment) => {
-            ctx.write_status(adapter, Outcome::Applied(&deployment))
-                .await?;
+            report_applied(adapter, &valid, &deployment, ctx).await?;
             ctx.metrics.reconciled(ReconcileOutcome::Applied);
             Ok(Action::requeue(ctx.resync))
         }
         Err(err) => Err(ctx.report_failure(adapter, err).await),
     }
+}
+
+/// Says in the status that the worker objects are applied, and whether a worker pod cannot
+/// start (then also in a Warning Event, when that is new).
+async fn report_applied(
+    adapter: &QueueAdapter,
+    valid: &ValidAdapter<'_>,
+    deployment: &Deployment,
+    ctx: &Context,
+) -> Result<(), ReconcileError> {
+    let cannot_start = if adapter.spec.enabled {
+        worker_cannot_start(&ctx.client, valid.namespace, valid.name).await?
+    } else {
+        None
+    };
+    let outcome = match &cannot_start {
+        None => Outcome::Applied(deployment),
+        Some(CannotStart { reason, message }) => Outcome::PodsCannotStart {
+            deployment,
+            reason,
+            message,
+        },
+    };
+    if ctx.write_status(adapter, outcome).await?
+        && let Some(CannotStart { reason, message }) = cannot_start
+    {
+        tracing::info!(adapter = %adapter.adapter_name(), reason, message, "a worker pod cannot start");
+        ctx.publish(adapter, EventType::Warning, reason, message)
+            .await;
+    }
+    Ok(())
 }
 
 async fn delete_row(store: &MigratedStore, name: &str) -> Result<bool, StoreError> {
@@ -507,20 +466,10 @@ fn error_policy(
     Action::requeue(delay)
 }
 
-/// The adapters in `secret`'s namespace that reference it (`secret` may be its metadata only).
-fn adapters_using(
-    cache: &Cache<QueueAdapter>,
-    settings: &WorkerSettings,
-    secret: &impl ResourceExt,
-) -> Vec<ObjectRef<QueueAdapter>> {
-    let name = secret.name_any();
-    cache
-        .state()
-        .iter()
-        .filter(|adapter| adapter.namespace() == secret.namespace())
-        .filter(|adapter| referenced_secrets(&adapter.spec, settings).any(|r| r.name == name))
-        .map(|adapter| ObjectRef::from_obj(adapter.as_ref()))
-        .collect()
+/// The adapter whose worker `pod` is (by its labels).
+fn adapter_of(pod: &PartialObjectMeta<Pod>) -> Option<ObjectRef<QueueAdapter>> {
+    let name = pod.labels().get(INSTANCE_LABEL)?;
+    Some(ObjectRef::new(name).within(&pod.namespace()?))
 }
 
 /// Runs the controller until `stop` fires, then lets running reconciles finish.
@@ -531,11 +480,10 @@ pub async fn run_controller(ctx: Arc<Context>, stop: CancellationToken) {
         Api::<QueueAdapter>::all(client.clone()),
         watcher::Config::default(),
     );
-    let cache = controller.store();
     let runtime = tokio::spawn(refresh_runtime_status(
         client.clone(),
         ctx.store.unmigrated().clone(),
-        cache.clone(),
+        controller.store(),
         stop.clone(),
     ));
     let sweeper = tokio::spawn(remove_orphan_rows(
@@ -544,17 +492,14 @@ pub async fn run_controller(ctx: Arc<Context>, stop: CancellationToken) {
         ctx.resync,
         stop.clone(),
     ));
-    let settings = ctx.settings.clone();
     controller
         .owns(Api::<Deployment>::all(client.clone()), managed.clone())
-        .owns(Api::<ConfigMap>::all(client.clone()), managed)
-        // Metadata only: a change of any Secret triggers the adapters that reference it, whose
-        // reconcile then reads just those Secrets. No other Secret's data reaches the operator.
-        .watches(
-            Api::<PartialObjectMeta<Secret>>::all(client),
-            watcher::Config::default(),
-            move |secret| adapters_using(&cache, &settings, &secret),
-        )
+        .owns(Api::<ConfigMap>::all(client.clone()), managed.clone())
+        // A worker pod's change (waiting for a missing Secret, started) triggers its adapter,
+        // whose reconcile reads the pods' status. No Secret is ever read or watched.
+        .watches(Api::<PartialObjectMeta<Pod>>::all(client), managed, |pod| {
+            adapter_of(&pod)
+        })
         .graceful_shutdown_on(async move { stop.cancelled_owned().await })
         .run(reconcile, error_policy, ctx)
         .for_each(|result| async move {

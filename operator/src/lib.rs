@@ -17,6 +17,7 @@ pub mod mirror;
 pub mod mounted;
 pub mod pdb;
 pub mod pod_template;
+mod pods;
 pub mod probes;
 pub mod runtime;
 pub mod status;

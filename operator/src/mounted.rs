@@ -1,7 +1,57 @@
-//! The files a worker reads from ConfigMap or Secret keys (CA bundles), as read-only volumes.
+//! The files a worker reads from ConfigMap or Secret keys (CA bundles), and the Secret keys of
+//! its environment as files it watches for rotation, as read-only volumes.
 
-use k8s_openapi::api::core::v1::{ConfigMapVolumeSource, KeyToPath, SecretVolumeSource, Volume};
-use switchboard_api::{FileSource, MountedFile};
+use std::collections::BTreeMap;
+
+use k8s_openapi::api::core::v1::{
+    ConfigMapVolumeSource, KeyToPath, ProjectedVolumeSource, SecretProjection, SecretVolumeSource,
+    Volume, VolumeProjection,
+};
+use switchboard_api::{FileSource, MountedFile, SecretKeyRef};
+
+/// The volume, and where the worker sees it, holding every Secret key of its environment as
+/// `<secret>/<environment variable>`: kubelet refreshes these files when a Secret changes, and
+/// the worker, finding one that differs from its environment, restarts to take the new value.
+pub const SECRETS_VOLUME: &str = "watched-secrets";
+pub const SECRETS_DIR: &str = "/var/run/switchboard/secrets";
+/// The worker's setting naming [`SECRETS_DIR`].
+pub const SECRETS_DIR_ENV: &str = "SWITCHBOARD_SECRETS_DIR";
+
+/// The [`SECRETS_VOLUME`] of `secrets` (environment variable, Secret key), read-only. Each
+/// Secret is optional here: a missing one stops the container at its environment
+/// (`CreateContainerConfigError` in the pod's status, which the operator reports) rather than
+/// at a mount, which only an Event would tell.
+pub fn secrets_volume<'a>(
+    secrets: impl IntoIterator<Item = (&'a str, &'a SecretKeyRef)>,
+) -> Volume {
+    let mut items: BTreeMap<&str, Vec<KeyToPath>> = BTreeMap::new();
+    for (env, secret) in secrets {
+        items.entry(&secret.name).or_default().push(KeyToPath {
+            key: secret.key.clone(),
+            path: format!("{}/{env}", secret.name),
+            mode: None,
+        });
+    }
+    let sources = items
+        .into_iter()
+        .map(|(name, items)| VolumeProjection {
+            secret: Some(SecretProjection {
+                name: name.to_owned(),
+                items: Some(items),
+                optional: Some(true),
+            }),
+            ..VolumeProjection::default()
+        })
+        .collect();
+    Volume {
+        name: SECRETS_VOLUME.to_owned(),
+        projected: Some(ProjectedVolumeSource {
+            sources: Some(sources),
+            default_mode: Some(0o444),
+        }),
+        ..Volume::default()
+    }
+}
 
 /// The files the worker reads: the broker's and the database CA.
 pub fn mounted_files<'a>(

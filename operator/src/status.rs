@@ -34,6 +34,12 @@ const RUNTIME_CONDITIONS: [&str; 4] = [
 pub enum Outcome<'a> {
     /// The worker objects were applied; the Deployment as the API server returned it.
     Applied(&'a Deployment),
+    /// Applied, but a worker pod cannot start (its kubelet says why: a missing Secret or key).
+    PodsCannotStart {
+        deployment: &'a Deployment,
+        reason: &'a str,
+        message: &'a str,
+    },
     /// The adapter cannot run as it is (invalid spec, missing Secret): waits for a change.
     Blocked { reason: &'a str, message: &'a str },
     /// A transient failure, retried with backoff.
@@ -153,7 +159,7 @@ pub fn desired_status(
     let broker = adapter.spec.source.broker();
     let mut ready_replicas = previous.and_then(|s| s.ready_replicas);
     let (ready, reconciled, degraded) = match outcome {
-        Outcome::Applied(deployment) => {
+        Outcome::Applied(deployment) | Outcome::PodsCannotStart { deployment, .. } => {
             ready_replicas = Some(
                 deployment
                     .status
@@ -164,7 +170,12 @@ pub fn desired_status(
             (
                 Some(deployment_ready(deployment, adapter.spec.enabled)),
                 Verdict::new(true, "Applied", "the worker Deployment matches the spec"),
-                deployment_degraded(deployment),
+                match outcome {
+                    Outcome::PodsCannotStart {
+                        reason, message, ..
+                    } => Verdict::new(true, reason, message),
+                    _ => deployment_degraded(deployment),
+                },
             )
         }
         Outcome::Blocked { reason, message } => (
@@ -509,15 +520,38 @@ mod tests {
     #[test]
     fn blocked_adapter_is_not_ready_and_says_why() {
         let blocked = Outcome::Blocked {
-            reason: "SecretNotFound",
-            message: "Secret shop/redis not found",
+            reason: "InvalidSpec",
+            message: "spec.source.redis.urlSecretRef is required",
         };
         let status = desired_status(&adapter(), blocked, &time(10));
         for type_ in [READY, RECONCILED] {
             assert_eq!(get(&status, type_).status, "False");
-            assert_eq!(get(&status, type_).reason, "SecretNotFound");
+            assert_eq!(get(&status, type_).reason, "InvalidSpec");
         }
         assert_eq!(get(&status, DEGRADED).status, "True");
+    }
+
+    #[test]
+    fn a_worker_pod_that_cannot_start_degrades_an_applied_adapter_until_it_starts() {
+        let deployment = deployment(1, 1, 0);
+        let waiting = Outcome::PodsCannotStart {
+            deployment: &deployment,
+            reason: "SecretNotFound",
+            message: r#"worker pod orders-worker-x cannot start: secret "redis" not found"#,
+        };
+        let mut adapter = adapter();
+        let status = desired_status(&adapter, waiting, &time(10));
+        assert_eq!(get(&status, RECONCILED).status, "True");
+        assert_eq!(get(&status, READY).status, "False");
+        let degraded = get(&status, DEGRADED);
+        assert_eq!(
+            (degraded.status.as_str(), degraded.reason.as_str()),
+            ("True", "SecretNotFound")
+        );
+        assert!(degraded.message.contains(r#"secret "redis""#));
+        adapter.status = Some(status);
+        let started = desired_status(&adapter, Outcome::Applied(&deployment), &time(20));
+        assert_eq!(get(&started, DEGRADED).status, "False");
     }
 
     fn report(worker: &str, reported: u64, oldest: Option<u64>, dead: Option<u64>) -> WorkerReport {

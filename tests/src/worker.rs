@@ -181,6 +181,11 @@ impl WorkerProcess {
         Ok(())
     }
 
+    /// The exit status, if the process has exited.
+    pub fn try_exit(&mut self) -> Result<Option<ExitStatus>> {
+        Ok(self.child.try_wait()?)
+    }
+
     /// Waits for the process to exit, up to `timeout`.
     pub fn wait_exit(&mut self, timeout: Duration) -> Result<ExitStatus> {
         let deadline = Instant::now() + timeout;

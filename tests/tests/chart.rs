@@ -12,7 +12,7 @@ use std::process::{Command, Stdio};
 use anyhow::{Context, Result, ensure};
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::coordination::v1::Lease;
-use k8s_openapi::api::core::v1::{Container, EnvVar};
+use k8s_openapi::api::core::v1::{Container, EnvVar, Secret};
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, PolicyRule, Role, RoleBinding};
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
@@ -981,6 +981,36 @@ async fn operator_with_the_charts_service_account_reconciles_an_adapter_end_to_e
         "reconciled with the chart's ServiceAccount: {:?}",
         condition(&adapter, "Reconciled")
     );
+
+    // …and reads no Secret: a real GET with its token is refused, and `kubectl auth can-i` as
+    // the ServiceAccount says no, for one nobody references, the adapter's own and the
+    // operator's database Secret.
+    env.plane
+        .put_secret("shop", "unreferenced", "password", "hunter2")
+        .await?;
+    let kubeconfig = env.fixture.dir.path().join("service-account.kubeconfig");
+    let chart_identity = switchboard_tests::control_plane::client(&kubeconfig).await?;
+    let account = format!("system:serviceaccount:{NAMESPACE}:switchboard");
+    for (namespace, name) in [
+        ("shop", "unreferenced"),
+        ("shop", "redis"),
+        (NAMESPACE, "operator-db"),
+    ] {
+        let got = Api::<Secret>::namespaced(chart_identity.clone(), namespace)
+            .get(name)
+            .await;
+        ensure!(
+            matches!(got, Err(kube::Error::Api(status)) if status.code == 403),
+            "GET Secret {namespace}/{name} with the chart's token is not 403"
+        );
+        let secret = format!("secret/{name}");
+        let args = [
+            "auth", "can-i", "get", &secret, "-n", namespace, "--as", &account,
+        ];
+        let output = env.plane.kubectl(&args)?;
+        let answer = String::from_utf8_lossy(&output.stdout);
+        ensure!(answer.trim() == "no", "kubectl {args:?}: {answer}");
+    }
     Ok(())
 }
 

@@ -17,9 +17,10 @@ use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomRe
 use kube::Api;
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
-use switchboard_tests::cluster::env::{ClusterEnv, shared};
+use switchboard_api::QueueAdapter;
+use switchboard_tests::cluster::env::{ClusterEnv, POD_TIMEOUT, shared};
 use switchboard_tests::cluster::{Cluster, Images, exclusive, host};
-use switchboard_tests::control_plane::adapter_manifest_in;
+use switchboard_tests::control_plane::{adapter_manifest_in, condition};
 use switchboard_tests::helm::{CHART, NAMESPACE as RELEASE_NAMESPACE, RELEASE};
 use switchboard_tests::servers::workspace_path;
 use switchboard_tests::wait::{wait_for, wait_until};
@@ -353,35 +354,142 @@ async fn deleting_a_worker_pod_mid_flow_and_a_rollout_restart_store_every_messag
     Ok(())
 }
 
+/// How often the worker container of `pod` has been restarted.
+fn restarts(pod: &Pod) -> i32 {
+    pod.status
+        .as_ref()
+        .and_then(|s| s.container_statuses.as_ref())
+        .and_then(|statuses| statuses.first())
+        .map_or(0, |status| status.restart_count)
+}
+
+/// Points Secret `redis` of adapter `name` at `url` and waits until its one worker pod, the same
+/// as `pod`, is Ready again after one more container restart: kubelet refreshes the mounted
+/// Secret, the worker stops cleanly and kubelet starts it anew.
+async fn rotate_redis_secret(env: &ClusterEnv, name: &str, url: &str, pod: &Pod) -> Result<Pod> {
+    let current = env.pods(name, &workers_of(name)).await?;
+    ensure!(
+        current.len() == 1 && pod_name(&current[0]) == pod_name(pod),
+        "one worker pod, {}",
+        pod_name(pod)
+    );
+    let restarts_at_least = restarts(&current[0]) + 1;
+    env.put_secret(name, "redis", url).await?;
+    let mut pods = env
+        .wait_ready_pods(name, &workers_of(name), 1, |pods| {
+            pods.iter()
+                .all(|p| pod_name(p) == pod_name(pod) && restarts(p) >= restarts_at_least)
+        })
+        .await?;
+    pods.pop().context("one pod")
+}
+
 #[tokio::test]
-async fn changing_the_referenced_secret_rolls_the_pods_onto_the_new_value() -> Result<()> {
+async fn changing_the_referenced_secret_restarts_the_worker_onto_the_new_value_losing_nothing()
+-> Result<()> {
     let env = shared().await?;
     let name = "rotation";
-    let first = start_adapter(&env, name, "").await?;
-    produce(&env, name, 0..100)?;
-    wait_todos(&env, name, name, 100).await?;
-    // The same Redis, database 1: only a pod that reads the new value sees what comes next.
+    let pod = start_adapter(&env, name, "").await?;
+    // Messages flow into database 0 while its Secret is switched to database 1 and back.
+    let producer = Producer::start(&env, name)?;
+    wait_stored(&env, name, 200).await?;
     let db1 = env.pod_redis_url.replace("/0", "/1");
-    env.put_secret(name, "redis", &db1).await?;
-    wait_replaced(&env, name, &workers_of(name), &first).await?;
-    let host_db1 = env.fixture.redis.url().replace("/0", "/1");
-    let mut redis = redis::Client::open(host_db1.as_str())?.get_connection()?;
-    for i in 100..150 {
-        redis::cmd("XADD")
-            .arg(name)
-            .arg("*")
-            .arg("body")
-            .arg(format!(r#"{{"order":{i}}}"#))
-            .query::<String>(&mut redis)?;
-    }
+    let pod = rotate_redis_secret(&env, name, &db1, &pod).await?;
+    // Only a worker that reads the new value connects to database 1.
     wait_for(
         TODO_TIMEOUT,
-        "the new pod stores database 1's messages",
-        || async { Ok(env.todos(name).await?.0 == 150) },
+        "the restarted worker connects to database 1",
+        || async {
+            let mut redis = env.fixture.redis.connection()?;
+            let clients: String = redis::cmd("CLIENT").arg("LIST").query(&mut redis)?;
+            Ok(clients.lines().any(|client| client.contains(" db=1 ")))
+        },
     )
     .await
     .with_context(|| env.describe(name))?;
-    assert_exactly_once(&env, name, 150).await
+    // Back to database 0: every message produced there, before, during and after the two
+    // restarts, is stored exactly once.
+    rotate_redis_secret(&env, name, &env.pod_redis_url, &pod).await?;
+    let produced = producer.stop()?;
+    wait_todos(&env, name, name, produced as i64)
+        .await
+        .with_context(|| env.describe(name))?;
+    let log = env
+        .cluster
+        .kubectl_ok(&["logs", "-n", name, &pod_name(&pod), "--previous"])?;
+    ensure!(
+        log.contains("mounted Secret changed") && !log.contains(&db1),
+        "the stopped worker's last log names the Secret, never its value:\n{log}"
+    );
+    Ok(())
+}
+
+/// Waits until QueueAdapter `namespace/name` satisfies `check`; returns it.
+async fn wait_condition(
+    env: &ClusterEnv,
+    namespace: &str,
+    name: &str,
+    what: &str,
+    check: impl Fn(&QueueAdapter) -> bool,
+) -> Result<QueueAdapter> {
+    let adapters = Api::<QueueAdapter>::namespaced(env.admin().await?, namespace);
+    wait_for(POD_TIMEOUT, what, || async {
+        Ok(check(&adapters.get(name).await?))
+    })
+    .await
+    .with_context(|| env.describe(namespace))?;
+    Ok(adapters.get(name).await?)
+}
+
+fn has(adapter: &QueueAdapter, type_: &str, status: &str, reason: &str) -> bool {
+    condition(adapter, type_).is_some_and(|c| c.status == status && c.reason == reason)
+}
+
+#[tokio::test]
+async fn a_missing_secret_is_reported_from_the_waiting_pod_and_cleared_when_it_starts() -> Result<()>
+{
+    let env = shared().await?;
+    let name = "late-secret";
+    env.namespace(name).await?;
+    let manifest = adapter_manifest_in(name, name, "")
+        .replace("name: redis, key: url", "name: redis-later, key: url");
+    env.apply(&manifest)?;
+    // The operator cannot read Secrets: the kubelet's CreateContainerConfigError tells it.
+    let adapter = wait_condition(&env, name, name, "Degraded=True SecretNotFound", |a| {
+        has(a, "Degraded", "True", "SecretNotFound")
+    })
+    .await?;
+    let message = &condition(&adapter, "Degraded").context("Degraded")?.message;
+    ensure!(
+        message.contains("redis-later"),
+        "names the Secret: {message}"
+    );
+
+    // Disabled, it is scaled to zero whatever its Secrets.
+    env.apply(&manifest.replace("spec:\n", "spec:\n  enabled: false\n"))?;
+    wait_condition(&env, name, name, "Ready=False Disabled", |a| {
+        has(a, "Ready", "False", "Disabled") && !has(a, "Degraded", "True", "SecretNotFound")
+    })
+    .await?;
+    wait_for(POD_TIMEOUT, "no worker pod", || async {
+        Ok(env.pods(name, &workers_of(name)).await?.is_empty())
+    })
+    .await
+    .with_context(|| env.describe(name))?;
+
+    // Enabled again with the Secret created: the pod starts and the report clears.
+    env.put_secret(name, "redis-later", &env.pod_redis_url)
+        .await?;
+    env.apply(&manifest)?;
+    env.wait_ready_pods(name, &workers_of(name), 1, |_| true)
+        .await?;
+    wait_condition(&env, name, name, "Ready=True, Degraded=False", |a| {
+        condition(a, "Ready").is_some_and(|c| c.status == "True")
+            && condition(a, "Degraded").is_some_and(|c| c.status == "False")
+    })
+    .await?;
+    produce(&env, name, 0..50)?;
+    wait_todos(&env, name, name, 50).await
 }
 
 #[tokio::test]

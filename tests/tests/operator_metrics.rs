@@ -80,10 +80,11 @@ async fn operator_adapter_gauges_follow_the_deployment_and_the_ready_condition()
     )
     .await?;
 
-    // Blocked (its Secret gone): not ready, and the workers unknown rather than stale.
+    // Blocked (an invalid spec: no Redis Secret named): not ready, and the workers unknown
+    // rather than stale.
     env.apply_adapter(
         &adapter_manifest("orders", "  workload: {replicas: 2}\n")
-            .replace("name: redis, key: url", "name: redis-gone, key: url"),
+            .replace(", urlSecretRef: {name: redis, key: url}", ""),
     )
     .await?;
     wait_gauges(

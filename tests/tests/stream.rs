@@ -643,6 +643,87 @@ async fn sigterm_during_steady_flow_exits_zero_and_acks_only_stored_entries() ->
     Ok(())
 }
 
+#[tokio::test]
+async fn changed_mounted_secret_stops_the_worker_cleanly_after_storing_and_acking_its_batch()
+-> Result<()> {
+    let fx = Fixture::start().await?;
+    let manifest = fx.stream_adapter("rotate", "batchSize: 100", "")?;
+    // As kubelet mounts them: `<secret>/<VARIABLE>`, beside its own `..data` entries.
+    let secrets = fx.dir.path().join("secrets");
+    let redis_url = fx.env.redis_url.clone();
+    for (secret, variable, value) in [
+        ("redis", "REDIS_URL", redis_url.as_str()),
+        (
+            "switchboard-db",
+            "DATABASE_URL",
+            fx.env.database_url.as_str(),
+        ),
+    ] {
+        std::fs::create_dir_all(secrets.join(secret))?;
+        std::fs::write(secrets.join(secret).join(variable), value)?;
+    }
+    std::fs::create_dir_all(secrets.join("..data"))?;
+    let dir = secrets.display().to_string();
+    let mut worker = fx.worker_with(&manifest, "w1", &[("SWITCHBOARD_SECRETS_DIR", &dir)])?;
+    let mut produced = 0;
+    while fx.todo_count("rotate").await? < 500 {
+        fx.produce("rotate", bodies(produced..produced + 100))?;
+        produced += 100;
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    ensure!(
+        worker.metric(r#"switchboard_worker_secret_restarts_total{adapter="test/rotate"}"#)? == 0.0,
+        "the restart counter is exported at zero"
+    );
+    // The Secret rotates (kubelet rewrites the file) while messages keep coming.
+    let rotated = format!("{redis_url}?rotated=1");
+    std::fs::write(secrets.join("redis").join("REDIS_URL"), &rotated)?;
+    let changed = Instant::now();
+    let status = loop {
+        fx.produce("rotate", bodies(produced..produced + 50))?;
+        produced += 50;
+        if let Some(status) = worker.try_exit()? {
+            break status;
+        }
+        ensure!(
+            changed.elapsed() < Duration::from_secs(30),
+            "the worker still runs 30 s after its Secret changed\n{}",
+            worker.log_tail()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    ensure!(
+        status.success(),
+        "exit code must be 0, got {status:?}\n{}",
+        worker.log_tail()
+    );
+    let log = worker.log();
+    let lines: Vec<&str> = log
+        .lines()
+        .filter(|line| line.contains("mounted Secret changed"))
+        .collect();
+    ensure!(
+        lines.len() == 1 && lines[0].contains("secret=redis"),
+        "one line naming the Secret that changed: {lines:?}"
+    );
+    ensure!(
+        !log.contains("rotated=1") && !log.contains(&redis_url),
+        "a Secret's value in the log"
+    );
+    let unstored = acked_without_a_todo(&fx, "rotate", "redis:test/rotate").await?;
+    ensure!(
+        unstored.is_empty(),
+        "acknowledged without a todo: {unstored:?}"
+    );
+
+    // Restarted (as kubelet would), it stores the rest: every message exactly once.
+    let _restarted = fx.worker(&manifest, "w1")?;
+    let total = i64::try_from(produced)?;
+    wait_stored(&fx, "rotate", "rotate", "switchboard", total).await?;
+    fx.assert_exactly_once("rotate", total).await?;
+    Ok(())
+}
+
 fn last_delivered_id(groups: &[redis::Value]) -> Option<String> {
     let redis::Value::Array(fields) = groups.first()? else {
         return None;

@@ -8,6 +8,7 @@ pub mod health;
 pub mod metrics;
 pub mod payload;
 pub mod pipeline;
+mod secret_files;
 pub mod send;
 mod task;
 mod text;
@@ -30,6 +31,7 @@ use crate::brokers::{Context, Loop, Plugin, Use};
 use crate::health::{Dependency, Health};
 use crate::metrics::Metrics;
 use crate::pipeline::{Pipeline, PipelineError, PipelineSettings};
+use crate::secret_files::SecretFiles;
 use crate::transport::{Transport, TransportError};
 
 /// Environment variable for the testing hook that aborts between commit and ack.
@@ -122,6 +124,9 @@ pub struct RunOptions {
     pub shutdown_timeout: Duration,
     /// Bound on each batch, probe and checkpoint read against PostgreSQL.
     pub database_timeout: Duration,
+    /// Where the Secrets the worker reads are mounted (`<secret>/<variable>`): a file that
+    /// differs from its variable stops the worker gracefully so that it restarts onto it.
+    pub secrets_dir: Option<PathBuf>,
 }
 
 pub(crate) fn env(name: &'static str) -> Result<String, WorkerError> {
@@ -249,6 +254,7 @@ struct Deps {
     cancel: CancellationToken,
     shutdown_timeout: Duration,
     settings: PipelineSettings,
+    secret_files: Option<SecretFiles>,
 }
 
 /// Runs the loop until it stops, or until the shutdown timeout after cancellation: dropping the
@@ -268,7 +274,18 @@ async fn drive<T: Transport>(
         cancel,
         shutdown_timeout,
         settings,
+        secret_files,
     } = deps;
+    let mut registry = registry;
+    if let Some(files) = secret_files {
+        let restarts = crate::metrics::adapter_counter(
+            &mut registry,
+            "worker_secret_restarts",
+            "Stops to restart onto a changed mounted Secret",
+            &adapter,
+        );
+        files.stop_on_change(cancel.clone(), restarts);
+    }
     let metrics = Arc::new(Metrics::new(&adapter, broker.guarantee(), registry));
     let _ = probes.metrics.set(metrics.clone());
     let pipeline = Pipeline::new(transport, store, settings, metrics, health, cancel.clone());
@@ -350,6 +367,7 @@ async fn run_adapter(
 ) -> Result<(), WorkerError> {
     let cancel = CancellationToken::new();
     signals.spawn(cancel.clone());
+    let secret_files = options.secrets_dir.map(SecretFiles::new);
     let spec = &adapter.spec;
     let Some(broker) = spec.source.broker() else {
         return Err(WorkerError::NoSource);
@@ -401,6 +419,7 @@ async fn run_adapter(
         health,
         cancel,
         shutdown_timeout: options.shutdown_timeout,
+        secret_files,
     };
     let result = run_source(&adapter, consumer, deps, &probes).await;
     stop_server.cancel();

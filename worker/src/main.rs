@@ -59,6 +59,11 @@ enum Command {
         #[arg(long, env = "SWITCHBOARD_DATABASE_TIMEOUT", default_value = "30s",
               value_parser = positive_duration)]
         database_timeout: Duration,
+        /// Where the Secrets of the worker's environment are mounted as `<secret>/<VARIABLE>`
+        /// files (set by the operator): when one differs from its variable, the worker finishes
+        /// the batch in hand and exits 0 so that it is restarted with the new values.
+        #[arg(long, env = "SWITCHBOARD_SECRETS_DIR")]
+        secrets_dir: Option<PathBuf>,
     },
     /// Check manifests as `run` would before connecting (and as the API server would), with no
     /// environment and no server: one line per file; exits 1 if any is invalid.
@@ -141,6 +146,7 @@ async fn main() -> ExitCode {
             metrics_addr,
             shutdown_timeout,
             database_timeout,
+            secrets_dir,
         } => {
             run(RunOptions {
                 file,
@@ -148,6 +154,7 @@ async fn main() -> ExitCode {
                 metrics_addr,
                 shutdown_timeout,
                 database_timeout,
+                secrets_dir,
             })
             .await
         }

@@ -1,8 +1,8 @@
 //! A kubelet stand-in: runs the first container of a Deployment's pod template as a local process,
-//! the way a kubelet would start it — ConfigMap and Secret volumes (all keys, or their `items`)
-//! written to a folder and the container's mount paths in its arguments and `env` values
-//! pointed there, `env` resolved from literal values, Secrets, ConfigMaps and the downward API,
-//! and nothing else from the test's environment.
+//! the way a kubelet would start it — ConfigMap, Secret and projected Secret volumes (all keys,
+//! or their `items`) written to a folder and the container's mount paths in its arguments and
+//! `env` values pointed there, `env` resolved from literal values, Secrets, ConfigMaps and the
+//! downward API, and nothing else from the test's environment.
 //!
 //! Two deliberate differences, because the process shares the host's network and file system:
 //! the metrics port is remapped to a free loopback port (`--metrics-addr`), and the container's
@@ -15,7 +15,9 @@ use std::process::{Child, Command};
 
 use anyhow::{Context, Result, bail};
 use k8s_openapi::api::apps::v1::Deployment;
-use k8s_openapi::api::core::v1::{ConfigMap, Container, EnvVar, PodSpec, Probe, Secret};
+use k8s_openapi::api::core::v1::{
+    ConfigMap, Container, EnvVar, KeyToPath, PodSpec, Probe, Secret, Volume,
+};
 use kube::{Api, Client};
 use tempfile::TempDir;
 
@@ -102,7 +104,68 @@ async fn resolve_env(
     }
 }
 
-/// Writes each ConfigMap or Secret volume to a folder; returns mount path → local folder.
+/// `data`'s files as `items` name them (all keys without `items`); a key `items` names that
+/// `data` lacks is an error unless `optional`.
+fn pick_files(
+    volume: &str,
+    data: BTreeMap<String, Vec<u8>>,
+    items: Option<&Vec<KeyToPath>>,
+    optional: bool,
+) -> Result<Vec<(String, Vec<u8>)>> {
+    let Some(items) = items else {
+        return Ok(data.into_iter().collect());
+    };
+    let mut files = Vec::new();
+    for item in items {
+        match data.get(&item.key) {
+            Some(value) => files.push((item.path.clone(), value.clone())),
+            None if optional => {}
+            None => bail!("volume {volume}: no key {}", item.key),
+        }
+    }
+    Ok(files)
+}
+
+/// The files of a ConfigMap, Secret or projected (Secrets only) volume, by path.
+async fn volume_files(
+    client: &Client,
+    namespace: &str,
+    volume: &Volume,
+) -> Result<Vec<(String, Vec<u8>)>> {
+    let name = &volume.name;
+    if let Some(source) = &volume.config_map {
+        let data = config_map(client, namespace, &source.name).await?;
+        let data = data.into_iter().map(|(k, v)| (k, v.into_bytes())).collect();
+        return pick_files(name, data, source.items.as_ref(), false);
+    }
+    if let Some(source) = &volume.secret {
+        let secret = source
+            .secret_name
+            .as_deref()
+            .context("a Secret volume without name")?;
+        let data = secret_data(client, namespace, secret).await?;
+        return pick_files(name, data, source.items.as_ref(), false);
+    }
+    let Some(projected) = &volume.projected else {
+        bail!("volume {name}: only ConfigMap, Secret and projected Secret volumes are supported");
+    };
+    let mut files = Vec::new();
+    for source in projected.sources.iter().flatten() {
+        let secret = source.secret.as_ref().with_context(|| {
+            format!("volume {name}: only Secrets are supported in a projection")
+        })?;
+        let optional = secret.optional == Some(true);
+        let data = match secret_data(client, namespace, &secret.name).await {
+            Ok(data) => data,
+            Err(_) if optional => continue,
+            Err(err) => return Err(err),
+        };
+        files.extend(pick_files(name, data, secret.items.as_ref(), optional)?);
+    }
+    Ok(files)
+}
+
+/// Writes each volume the container mounts to a folder; returns mount path → local folder.
 async fn mount_volumes(
     client: &Client,
     namespace: &str,
@@ -118,47 +181,14 @@ async fn mount_volumes(
             .flatten()
             .find(|v| v.name == mount.name)
             .with_context(|| format!("volume {} is not defined", mount.name))?;
-        let (data, items): (BTreeMap<String, Vec<u8>>, _) =
-            match (&volume.config_map, &volume.secret) {
-                (Some(source), _) => (
-                    config_map(client, namespace, &source.name)
-                        .await?
-                        .into_iter()
-                        .map(|(key, value)| (key, value.into_bytes()))
-                        .collect(),
-                    source.items.as_ref(),
-                ),
-                (None, Some(source)) => {
-                    let name = source
-                        .secret_name
-                        .as_deref()
-                        .context("a Secret volume without name")?;
-                    (
-                        secret_data(client, namespace, name).await?,
-                        source.items.as_ref(),
-                    )
-                }
-                (None, None) => bail!(
-                    "volume {}: only ConfigMap and Secret volumes are supported",
-                    volume.name
-                ),
-            };
         let local = root.join(&volume.name);
         std::fs::create_dir_all(&local)?;
-        let files: Vec<(&String, &Vec<u8>)> = match items {
-            Some(items) => items
-                .iter()
-                .map(|item| {
-                    let value = data
-                        .get(&item.key)
-                        .with_context(|| format!("volume {}: no key {}", volume.name, item.key))?;
-                    Ok((&item.path, value))
-                })
-                .collect::<Result<_>>()?,
-            None => data.iter().collect(),
-        };
-        for (path, value) in files {
-            std::fs::write(local.join(path), value)?;
+        for (path, value) in volume_files(client, namespace, volume).await? {
+            let file = local.join(path);
+            if let Some(dir) = file.parent() {
+                std::fs::create_dir_all(dir)?;
+            }
+            std::fs::write(file, value)?;
         }
         mounts.push((mount.mount_path.clone(), local));
     }
