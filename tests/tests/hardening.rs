@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, ensure};
 use switchboard_tests::servers::{Postgres, Redis};
 use switchboard_tests::wait::wait_for;
-use switchboard_tests::worker::{WorkerEnv, WorkerProcess};
+use switchboard_tests::worker::{WorkerEnv, WorkerProcess, migrate};
 use switchboard_tests::{Fixture, field};
 
 const LONG: Duration = Duration::from_secs(120);
@@ -367,6 +367,35 @@ async fn permanent_misconfiguration_exits_non_zero_within_30s_naming_the_setting
         refused.log_tail()
     );
     ensure!(refused.http_get("/healthz")?.0 == 200, "still retrying");
+    Ok(())
+}
+
+#[test]
+fn migrate_against_an_unreachable_database_names_database_url_and_its_host_and_port_never_the_password()
+-> Result<()> {
+    const SECRET: &str = "hunter2-secret";
+    // A reserved loopback port nobody listens on: every connection attempt is refused.
+    let closed = switchboard_tests::servers::free_port()?;
+    let logs = tempfile::tempdir()?;
+    let env = WorkerEnv {
+        database_url: format!("postgres://postgres:{SECRET}@127.0.0.1:{closed}/postgres"),
+        redis_url: String::new(),
+        log_dir: logs.path().to_owned(),
+    };
+    let output = migrate(&env)?;
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    ensure!(!output.status.success(), "migrate succeeded: {stderr}");
+    for expected in ["DATABASE_URL", &format!("127.0.0.1:{closed}")] {
+        ensure!(
+            stderr.contains(expected),
+            "stderr lacks {expected}: {stderr}"
+        );
+    }
+    ensure!(!stderr.contains("pool timed out"), "{stderr}");
+    ensure!(
+        !stderr.contains(SECRET) && !String::from_utf8_lossy(&output.stdout).contains(SECRET),
+        "the password leaked: {stderr}"
+    );
     Ok(())
 }
 
