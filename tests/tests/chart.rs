@@ -468,6 +468,11 @@ fn chart_renders_worker_pod_defaults_with_resources_and_the_charts_pull_secrets(
         quantities(Some(&ha.resources), "limits") == pairs(&[("memory", "1Gi")]),
         "{ha:?}"
     );
+    ensure!(
+        ha.pod_annotations == pairs(&[("team", "platform")])
+            && ha.pod_labels == pairs(&[("team", "platform")]),
+        "{ha:?}"
+    );
     Ok(())
 }
 
