@@ -2,7 +2,6 @@
 //! binary, PostgreSQL and redis-server: undecodable stream entries, gauges during a database
 //! outage, permanent misconfiguration, and the dead-letter and waiting gauges.
 
-use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, ensure};
@@ -105,19 +104,6 @@ async fn undecodable_stream_entry_is_dead_lettered_while_its_batch_is_stored_als
     Ok(())
 }
 
-/// The group's lag as Redis reports it.
-fn group_lag(fx: &Fixture, stream: &str) -> Result<i64> {
-    let mut conn = fx.redis.connection()?;
-    let groups: Vec<HashMap<String, redis::Value>> = redis::cmd("XINFO")
-        .arg("GROUPS")
-        .arg(stream)
-        .query(&mut conn)?;
-    match groups.first().and_then(|group| group.get("lag")) {
-        Some(redis::Value::Int(lag)) => Ok(*lag),
-        other => anyhow::bail!("no lag in XINFO GROUPS: {other:?}"),
-    }
-}
-
 #[tokio::test]
 async fn backlog_gauge_follows_the_real_lag_during_a_database_outage() -> Result<()> {
     // claimIdleSeconds 2: the queue is probed every second.
@@ -140,13 +126,13 @@ async fn backlog_gauge_follows_the_real_lag_during_a_database_outage() -> Result
         fx.produce("lag", bodies(next..next + 500))?;
         next += 500;
         // The worker holds a few batches in hand; everything else is lag, growing.
-        let lag = group_lag(&fx, "lag")?;
+        let lag = fx.group_lag("lag")?;
         ensure!(lag > 0, "the lag grows while the database is down: {lag}");
         let produced_at = Instant::now();
         wait_for(
             INTERVAL * 2 + Duration::from_millis(500),
             &format!("the backlog gauge shows the real lag (about {lag})"),
-            || async { Ok(worker.metric(backlog)? == group_lag(&fx, "lag")? as f64) },
+            || async { Ok(worker.metric(backlog)? == fx.group_lag("lag")? as f64) },
         )
         .await
         .with_context(|| worker.log_tail())?;
