@@ -516,6 +516,7 @@ pub fn build(
             template: PodTemplateSpec {
                 metadata: Some(pod_template::metadata(
                     &spec.workload,
+                    &settings.pod,
                     labels(valid.name),
                     (CONFIG_HASH_ANNOTATION.to_owned(), hash),
                 )),
@@ -1091,7 +1092,7 @@ mod tests {
     #[test]
     fn worker_pod_takes_the_operators_defaults_when_the_adapter_sets_none() {
         let objects = orders_with("");
-        let (pod, _) = placement_of(&objects);
+        let (pod, metadata) = placement_of(&objects);
         let secrets: Vec<&str> = pod
             .image_pull_secrets
             .iter()
@@ -1117,6 +1118,18 @@ mod tests {
         assert_eq!(quantity(resources, "limits", "memory"), "512Mi");
         // The API token stays unmounted whatever account the pod runs as.
         assert_eq!(pod.automount_service_account_token, Some(false));
+        // The default pod labels and annotations, under the selector labels and the hash.
+        let labels = metadata.labels.as_ref().expect("labels");
+        assert_eq!(
+            (&labels["team"], &labels["tier"]),
+            (&"platform".to_owned(), &"queues".to_owned())
+        );
+        for (key, value) in super::labels("orders") {
+            assert_eq!(labels[&key], value, "{key} is the operator's");
+        }
+        let annotations = metadata.annotations.as_ref().expect("annotations");
+        assert_eq!(annotations["cost-center"], "queues");
+        assert_eq!(annotations[CONFIG_HASH_ANNOTATION], hash_of(&objects));
     }
 
     #[test]
@@ -1159,13 +1172,16 @@ mod tests {
             "",
             "replaced as a whole"
         );
+        // Pod labels and annotations merge: the adapter's keys win, the defaults' others stay.
         let labels = metadata.labels.as_ref().expect("labels");
         assert_eq!(labels["team"], "shop");
+        assert_eq!(labels["tier"], "queues");
         for (key, value) in super::labels("orders") {
             assert_eq!(labels[&key], value, "{key} is the operator's");
         }
         let annotations = metadata.annotations.as_ref().expect("annotations");
         assert_eq!(annotations["team"], "shop");
+        assert_eq!(annotations["cost-center"], "queues");
         assert_ne!(annotations[CONFIG_HASH_ANNOTATION], "forged");
         assert_eq!(annotations[CONFIG_HASH_ANNOTATION], hash_of(&objects));
         let restricted = build_fixture(ORDERS);

@@ -74,9 +74,10 @@ struct RunArgs {
     #[arg(long, env = "SWITCHBOARD_DEFAULT_DATABASE_CA", value_parser = DefaultCa::parse)]
     default_database_ca: Option<DefaultCa>,
     /// Defaults of every worker pod, as JSON: imagePullSecrets, serviceAccountName,
-    /// nodeSelector, tolerations, affinity, topologySpreadConstraints, priorityClassName and
-    /// resources, spelled as in a pod spec (the Helm chart renders it from `worker.*`). A
-    /// QueueAdapter's spec.workload field of the same name replaces the default.
+    /// nodeSelector, tolerations, affinity, topologySpreadConstraints, priorityClassName,
+    /// resources, podAnnotations and podLabels, spelled as in a pod spec (the Helm chart renders
+    /// it from `worker.*`). A QueueAdapter's spec.workload field of the same name replaces the
+    /// default; podAnnotations and podLabels merge, the adapter's value winning per key.
     #[arg(long, env = "SWITCHBOARD_WORKER_POD_DEFAULTS", default_value = "{}",
           value_parser = PodDefaults::from_json)]
     worker_pod_defaults: PodDefaults,

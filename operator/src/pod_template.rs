@@ -2,7 +2,8 @@
 //! serviceAccountName, nodeSelector, tolerations, affinity, topologySpreadConstraints,
 //! priorityClassName, resources, podAnnotations and podLabels, over the operator's defaults
 //! (`--worker-pod-defaults`, Helm values `worker.*`). A field the adapter sets replaces the
-//! default as a whole; nothing here touches the pod's security context, which stays restricted.
+//! default as a whole, except podAnnotations and podLabels, merged key by key (the adapter's
+//! value wins); nothing here touches the pod's security context, which stays restricted.
 
 use std::collections::BTreeMap;
 
@@ -27,6 +28,9 @@ pub struct PodDefaults {
     pub topology_spread_constraints: Vec<TopologySpreadConstraint>,
     pub priority_class_name: String,
     pub resources: ResourceRequirements,
+    /// Annotations and labels of every worker pod, merged under the adapter's own.
+    pub pod_annotations: BTreeMap<String, String>,
+    pub pod_labels: BTreeMap<String, String>,
 }
 
 impl PodDefaults {
@@ -67,16 +71,23 @@ pub fn resources(workload: &Workload, defaults: &PodDefaults) -> Option<Resource
     chosen(workload.resources.as_ref(), &defaults.resources)
 }
 
-/// The pod template's metadata: the adapter's podLabels under the operator's `labels` (which
-/// select the pods and always win), its podAnnotations under the config hash annotation.
+/// The pod template's metadata, merged key by key: the defaults' podLabels, the adapter's over
+/// them, the operator's `labels` (which select the pods) over both; the same for podAnnotations
+/// with the config hash annotation on top.
 pub fn metadata(
     workload: &Workload,
+    defaults: &PodDefaults,
     labels: BTreeMap<String, String>,
     annotation: (String, String),
 ) -> ObjectMeta {
-    let mut pod_labels = workload.pod_labels.clone();
+    let merged = |default: &BTreeMap<String, String>, own: &BTreeMap<String, String>| {
+        let mut map = default.clone();
+        map.extend(own.clone());
+        map
+    };
+    let mut pod_labels = merged(&defaults.pod_labels, &workload.pod_labels);
     pod_labels.extend(labels);
-    let mut annotations = workload.pod_annotations.clone();
+    let mut annotations = merged(&defaults.pod_annotations, &workload.pod_annotations);
     annotations.extend([annotation]);
     ObjectMeta {
         labels: Some(pod_labels),

@@ -292,6 +292,38 @@ impl Fixture {
         )
     }
 
+    /// The first group's lag on `stream` as Redis reports it (`XINFO GROUPS`).
+    pub fn group_lag(&self, stream: &str) -> Result<i64> {
+        let mut conn = self.redis.connection()?;
+        let groups: Vec<HashMap<String, redis::Value>> = redis::cmd("XINFO")
+            .arg("GROUPS")
+            .arg(stream)
+            .query(&mut conn)?;
+        match groups.first().and_then(|group| group.get("lag")) {
+            Some(redis::Value::Int(lag)) => Ok(*lag),
+            other => anyhow::bail!("no lag in XINFO GROUPS: {other:?}"),
+        }
+    }
+
+    /// When the oldest entry `group` holds unacknowledged was added (Unix ms, from its ID in
+    /// the `XPENDING` summary); `None` when nothing is pending.
+    pub fn oldest_pending_ms(&self, stream: &str, group: &str) -> Result<Option<i64>> {
+        let mut conn = self.redis.connection()?;
+        let summary: redis::Value = redis::cmd("XPENDING")
+            .arg(stream)
+            .arg(group)
+            .query(&mut conn)?;
+        let redis::Value::Array(parts) = summary else {
+            return Ok(None);
+        };
+        let Some(redis::Value::BulkString(id)) = parts.get(1) else {
+            return Ok(None);
+        };
+        let id = String::from_utf8_lossy(id);
+        let ms = id.split_once('-').map_or(id.as_ref(), |(ms, _)| ms);
+        Ok(Some(ms.parse().with_context(|| format!("stream ID {id}"))?))
+    }
+
     /// Entries of `group` delivered and not acknowledged.
     pub fn pending(&self, stream: &str, group: &str) -> Result<u64> {
         let mut conn = self.redis.connection()?;

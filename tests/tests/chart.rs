@@ -23,8 +23,10 @@ use kube::core::GroupVersionKind;
 use kube::discovery::Scope;
 use kube::{Api, Client};
 use serde_json::Value;
+use switchboard_api::{ConfigMapKeyRef, SecretKeyRef};
 use switchboard_operator::DEFAULT_WORKER_IMAGE;
 use switchboard_operator::build::{WORKER_COMMAND, WORKER_UID, worker_name};
+use switchboard_operator::database_ca::DefaultCa;
 use switchboard_operator::pod_template::PodDefaults;
 use switchboard_tests::control_plane::pod::LocalPod;
 use switchboard_tests::control_plane::{
@@ -465,6 +467,80 @@ fn chart_renders_worker_pod_defaults_with_resources_and_the_charts_pull_secrets(
     ensure!(
         quantities(Some(&ha.resources), "limits") == pairs(&[("memory", "1Gi")]),
         "{ha:?}"
+    );
+    ensure!(
+        ha.pod_annotations == pairs(&[("team", "platform")])
+            && ha.pod_labels == pairs(&[("team", "platform")]),
+        "{ha:?}"
+    );
+    Ok(())
+}
+
+/// The operator's `SWITCHBOARD_DEFAULT_DATABASE_CA` as the chart renders it with `extra`,
+/// parsed as the operator parses it.
+fn default_database_ca(extra: &[&str]) -> Result<Option<DefaultCa>> {
+    let deployment: Deployment = the(&render(None, extra)?, "Deployment")?;
+    env_value(
+        operator_container(&deployment)?,
+        "SWITCHBOARD_DEFAULT_DATABASE_CA",
+    )
+    .map(|text| DefaultCa::parse(text).map_err(anyhow::Error::msg))
+    .transpose()
+}
+
+#[test]
+fn chart_default_database_ca_reaches_the_operator_as_a_reference_it_parses() -> Result<()> {
+    ensure!(
+        default_database_ca(&[])?.is_none(),
+        "no worker.defaultDatabaseCa, no default CA"
+    );
+    let secret = default_database_ca(&[
+        "--set",
+        "worker.defaultDatabaseCa.caSecretRef.name=pg-ca",
+        "--set",
+        "worker.defaultDatabaseCa.caSecretRef.key=ca.crt",
+    ])?;
+    ensure!(
+        secret
+            == Some(DefaultCa::Secret(SecretKeyRef {
+                name: "pg-ca".into(),
+                key: "ca.crt".into(),
+            })),
+        "{secret:?}"
+    );
+    let config_map = default_database_ca(&[
+        "--set",
+        "worker.defaultDatabaseCa.caConfigMapRef.name=pg-cluster-ca",
+        "--set",
+        "worker.defaultDatabaseCa.caConfigMapRef.key=ca.crt",
+    ])?;
+    ensure!(
+        config_map
+            == Some(DefaultCa::ConfigMap(ConfigMapKeyRef {
+                name: "pg-cluster-ca".into(),
+                key: "ca.crt".into(),
+            })),
+        "{config_map:?}"
+    );
+    // Both: the values schema refuses them, naming the value.
+    let both = render(
+        None,
+        &[
+            "--set",
+            "worker.defaultDatabaseCa.caSecretRef.name=pg-ca",
+            "--set",
+            "worker.defaultDatabaseCa.caSecretRef.key=ca.crt",
+            "--set",
+            "worker.defaultDatabaseCa.caConfigMapRef.name=pg-cluster-ca",
+            "--set",
+            "worker.defaultDatabaseCa.caConfigMapRef.key=ca.crt",
+        ],
+    )
+    .err()
+    .context("both CA references render")?;
+    ensure!(
+        format!("{both:#}").contains("/worker/defaultDatabaseCa"),
+        "{both:#}"
     );
     Ok(())
 }

@@ -2,7 +2,7 @@
 //! server, with the real worker binary and a real PostgreSQL. A broker joins by implementing
 //! `BrokerFixture` (tests/src/brokers) and one line in the `contract_suite!` list at the end.
 
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
 use anyhow::{Context, Result, ensure};
 use nix::sys::signal::Signal;
@@ -412,6 +412,7 @@ async fn database_outage_is_recovered<B: BrokerFixture>() -> Result<()> {
     let worker = contract.fx.worker(&manifest, "w1")?;
     contract.produce(bodies(0..200)).await?;
     contract.wait_settled(200, &worker).await?;
+    let stopped = SystemTime::now();
     contract.fx.postgres.stop();
     contract.produce(bodies(200..400)).await?;
     wait_for(LONG, "readiness turns false during the outage", || async {
@@ -419,6 +420,7 @@ async fn database_outage_is_recovered<B: BrokerFixture>() -> Result<()> {
     })
     .await?;
     let outage = Instant::now();
+    readiness_names_the_database_and_since_when(&worker, stopped, &contract.fx.env.database_url)?;
     wait_for(Duration::from_secs(20), "a 10 s outage", || async {
         ensure!(
             worker.http_get("/healthz")?.0 == 200,
@@ -444,6 +446,34 @@ async fn database_outage_is_recovered<B: BrokerFixture>() -> Result<()> {
     ensure!(
         down.contains(&at) && !down.contains("postgres://"),
         "{down}"
+    );
+    Ok(())
+}
+
+/// `/readyz` while PostgreSQL is down (stopped at `stopped`): 503, and a line
+/// `database unavailable since <RFC 3339> (<n>s): <error>` with a start no earlier than the stop
+/// (to the second) and no later than now, and nothing of `database_url`.
+fn readiness_names_the_database_and_since_when(
+    worker: &WorkerProcess,
+    stopped: SystemTime,
+    database_url: &str,
+) -> Result<()> {
+    let (status, body) = worker.http_get("/readyz")?;
+    ensure!(status == 503, "{status}: {body}");
+    let since = body
+        .lines()
+        .find_map(|line| line.strip_prefix("database unavailable since "))
+        .and_then(|rest| rest.split_once(' '))
+        .with_context(|| format!("/readyz does not name the database: {body}"))?
+        .0;
+    let since = humantime::parse_rfc3339(since).with_context(|| body.clone())?;
+    ensure!(
+        since + Duration::from_secs(1) >= stopped && since <= SystemTime::now(),
+        "the outage's start {since:?} is not between the stop {stopped:?} and now: {body}"
+    );
+    ensure!(
+        !body.contains(database_url) && !body.contains("postgres@"),
+        "/readyz shows the database's credentials: {body}"
     );
     Ok(())
 }

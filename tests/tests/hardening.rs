@@ -2,13 +2,12 @@
 //! binary, PostgreSQL and redis-server: undecodable stream entries, gauges during a database
 //! outage, permanent misconfiguration, and the dead-letter and waiting gauges.
 
-use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, ensure};
 use switchboard_tests::servers::{Postgres, Redis};
 use switchboard_tests::wait::wait_for;
-use switchboard_tests::worker::{WorkerEnv, WorkerProcess};
+use switchboard_tests::worker::{WorkerEnv, WorkerProcess, migrate};
 use switchboard_tests::{Fixture, field};
 
 const LONG: Duration = Duration::from_secs(120);
@@ -105,19 +104,6 @@ async fn undecodable_stream_entry_is_dead_lettered_while_its_batch_is_stored_als
     Ok(())
 }
 
-/// The group's lag as Redis reports it.
-fn group_lag(fx: &Fixture, stream: &str) -> Result<i64> {
-    let mut conn = fx.redis.connection()?;
-    let groups: Vec<HashMap<String, redis::Value>> = redis::cmd("XINFO")
-        .arg("GROUPS")
-        .arg(stream)
-        .query(&mut conn)?;
-    match groups.first().and_then(|group| group.get("lag")) {
-        Some(redis::Value::Int(lag)) => Ok(*lag),
-        other => anyhow::bail!("no lag in XINFO GROUPS: {other:?}"),
-    }
-}
-
 #[tokio::test]
 async fn backlog_gauge_follows_the_real_lag_during_a_database_outage() -> Result<()> {
     // claimIdleSeconds 2: the queue is probed every second.
@@ -140,13 +126,13 @@ async fn backlog_gauge_follows_the_real_lag_during_a_database_outage() -> Result
         fx.produce("lag", bodies(next..next + 500))?;
         next += 500;
         // The worker holds a few batches in hand; everything else is lag, growing.
-        let lag = group_lag(&fx, "lag")?;
+        let lag = fx.group_lag("lag")?;
         ensure!(lag > 0, "the lag grows while the database is down: {lag}");
         let produced_at = Instant::now();
         wait_for(
             INTERVAL * 2 + Duration::from_millis(500),
             &format!("the backlog gauge shows the real lag (about {lag})"),
-            || async { Ok(worker.metric(backlog)? == group_lag(&fx, "lag")? as f64) },
+            || async { Ok(worker.metric(backlog)? == fx.group_lag("lag")? as f64) },
         )
         .await
         .with_context(|| worker.log_tail())?;
@@ -367,6 +353,35 @@ async fn permanent_misconfiguration_exits_non_zero_within_30s_naming_the_setting
         refused.log_tail()
     );
     ensure!(refused.http_get("/healthz")?.0 == 200, "still retrying");
+    Ok(())
+}
+
+#[test]
+fn migrate_against_an_unreachable_database_names_database_url_and_its_host_and_port_never_the_password()
+-> Result<()> {
+    const SECRET: &str = "hunter2-secret";
+    // A reserved loopback port nobody listens on: every connection attempt is refused.
+    let closed = switchboard_tests::servers::free_port()?;
+    let logs = tempfile::tempdir()?;
+    let env = WorkerEnv {
+        database_url: format!("postgres://postgres:{SECRET}@127.0.0.1:{closed}/postgres"),
+        redis_url: String::new(),
+        log_dir: logs.path().to_owned(),
+    };
+    let output = migrate(&env)?;
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    ensure!(!output.status.success(), "migrate succeeded: {stderr}");
+    for expected in ["DATABASE_URL", &format!("127.0.0.1:{closed}")] {
+        ensure!(
+            stderr.contains(expected),
+            "stderr lacks {expected}: {stderr}"
+        );
+    }
+    ensure!(!stderr.contains("pool timed out"), "{stderr}");
+    ensure!(
+        !stderr.contains(SECRET) && !String::from_utf8_lossy(&output.stdout).contains(SECRET),
+        "the password leaked: {stderr}"
+    );
     Ok(())
 }
 

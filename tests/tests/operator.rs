@@ -1159,6 +1159,21 @@ async fn operator_started_with_the_database_down_reconciles_kubernetes_and_mirro
 /// The operator's worker pod defaults, as the chart renders them (`--worker-pod-defaults`).
 const POD_DEFAULTS: &str = include_str!("../../operator/fixtures/pod-defaults.json");
 
+/// The labels and annotations of `deployment`'s pod template.
+fn pod_labels_and_annotations(
+    deployment: &Deployment,
+) -> Result<(BTreeMap<String, String>, BTreeMap<String, String>)> {
+    let metadata = deployment
+        .spec
+        .as_ref()
+        .and_then(|s| s.template.metadata.as_ref())
+        .context("pod metadata")?;
+    Ok((
+        metadata.labels.clone().unwrap_or_default(),
+        metadata.annotations.clone().unwrap_or_default(),
+    ))
+}
+
 #[tokio::test]
 async fn pod_template_reaches_the_worker_pod_and_the_adapters_values_win_over_the_operators()
 -> Result<()> {
@@ -1200,6 +1215,19 @@ async fn pod_template_reaches_the_worker_pod_and_the_adapters_values_win_over_th
     );
     ensure!(pod.priority_class_name.as_deref() == Some("queue-workers"));
     ensure!(pod.affinity.is_none() && pod.topology_spread_constraints.is_none());
+    // The default pod labels and annotations, under the selector labels and the config hash.
+    let (labels, annotations) = pod_labels_and_annotations(&plain)?;
+    ensure!(
+        labels.get("team").map(String::as_str) == Some("platform")
+            && labels.get("tier").map(String::as_str) == Some("queues")
+            && labels.get("app.kubernetes.io/instance").map(String::as_str) == Some("plain"),
+        "{labels:?}"
+    );
+    ensure!(
+        annotations.get("cost-center").map(String::as_str) == Some("queues")
+            && config_hash(&plain).is_some_and(|hash| hash.len() == 64),
+        "{annotations:?}"
+    );
 
     let custom = env
         .wait_deployment("custom-worker", "the custom worker Deployment", |_| true)
@@ -1239,22 +1267,22 @@ async fn pod_template_reaches_the_worker_pod_and_the_adapters_values_win_over_th
             && security.run_as_non_root == Some(true)
             && security.allow_privilege_escalation == Some(false)
     );
-    let metadata = custom
-        .spec
-        .as_ref()
-        .and_then(|s| s.template.metadata.as_ref())
-        .context("pod metadata")?;
-    let labels = metadata.labels.clone().unwrap_or_default();
+    // The adapter's pod labels and annotations win per key; the defaults' other keys stay.
+    let (labels, annotations) = pod_labels_and_annotations(&custom)?;
     ensure!(
-        labels.get("team").map(String::as_str) == Some("shop"),
+        labels.get("team").map(String::as_str) == Some("shop")
+            && labels.get("tier").map(String::as_str) == Some("queues"),
         "{labels:?}"
     );
     ensure!(
         labels.get("app.kubernetes.io/instance").map(String::as_str) == Some("custom"),
         "podLabels cannot move the pods out of their Deployment's selector: {labels:?}"
     );
-    let annotations = metadata.annotations.clone().unwrap_or_default();
-    ensure!(annotations.get("team").map(String::as_str) == Some("shop"));
+    ensure!(
+        annotations.get("team").map(String::as_str) == Some("shop")
+            && annotations.get("cost-center").map(String::as_str) == Some("queues"),
+        "{annotations:?}"
+    );
     ensure!(
         config_hash(&custom).is_some_and(|hash| hash.len() == 64),
         "the config hash is the operator's: {annotations:?}"

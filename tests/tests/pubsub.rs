@@ -54,12 +54,17 @@ async fn pubsub_stores_what_is_published_while_subscribed_and_resubscribes_after
         "the startup log must state the guarantee"
     );
     let (_, metrics) = worker.http_get("/metrics")?;
-    ensure!(
-        metrics.contains(
-            r#"switchboard_delivery_guarantee{adapter="test/events",guarantee="at_most_once"} 1"#
-        ),
-        "{metrics}"
-    );
+    // The info metric under its name, and under its old name for one release.
+    for name in [
+        "switchboard_delivery_guarantee_info",
+        "switchboard_delivery_guarantee",
+    ] {
+        let series = format!(r#"{name}{{adapter="test/events",guarantee="at_most_once"}} 1"#);
+        ensure!(
+            metrics.contains(&series),
+            "metrics lack {series}:\n{metrics}"
+        );
+    }
 
     for chunk in 0..5 {
         publish(&fx, "events", chunk * 1000..(chunk + 1) * 1000)?;

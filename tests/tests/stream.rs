@@ -73,6 +73,8 @@ async fn issue_manifest_runs_unchanged_and_stores_every_entry() -> Result<()> {
         r#"switchboard_messages_received_total{adapter="default/orders"} 1000"#,
         r#"switchboard_messages_stored_total{adapter="default/orders"} 1000"#,
         r#"switchboard_messages_duplicate_total{adapter="default/orders"} 0"#,
+        r#"switchboard_delivery_guarantee_info{adapter="default/orders",guarantee="at_least_once"} 1"#,
+        // Its old name, kept for one release.
         r#"switchboard_delivery_guarantee{adapter="default/orders",guarantee="at_least_once"} 1"#,
         "switchboard_commit_duration_seconds_bucket",
         "switchboard_end_to_end_latency_seconds_bucket",

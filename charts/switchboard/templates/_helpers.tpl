@@ -93,5 +93,7 @@ default to the chart's own.
   "topologySpreadConstraints" $worker.topologySpreadConstraints
   "priorityClassName" $worker.priorityClassName
   "resources" $worker.resources
+  "podAnnotations" $worker.podAnnotations
+  "podLabels" $worker.podLabels
   | toJson }}
 {{- end }}
