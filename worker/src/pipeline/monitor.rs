@@ -79,8 +79,9 @@ impl Monitor {
     }
 
     /// Records a failure of an attempt begun at `attempted` and waits out the backoff, or
-    /// until another task finds the dependency back. Returns `false` if shutdown interrupted it. An attempt begun before the last recovery
-    /// (a concurrent task's stale failure) does not start a new outage.
+    /// until another task finds the dependency back. Returns `false` if shutdown interrupted
+    /// it. An attempt begun before the last recovery (a concurrent task's stale failure) does
+    /// not start a new outage.
     pub(super) async fn back_off(
         &self,
         err: &(dyn std::error::Error + Sync),
