@@ -18,6 +18,7 @@ use crate::mounted::{
 };
 use crate::pdb::disruption_budget;
 use crate::pod_template::{self, PodDefaults};
+use crate::worker_traces::WorkerTraces;
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use kube::Resource;
@@ -61,6 +62,8 @@ pub struct WorkerSettings {
     pub default_database_ca: Option<DefaultCa>,
     /// Defaults of the pod template's placement, identity and resources.
     pub pod: PodDefaults,
+    /// Where workers export traces (none by default).
+    pub traces: WorkerTraces,
 }
 
 /// Why a QueueAdapter cannot be turned into a worker (it waits for a spec change).
@@ -329,7 +332,8 @@ fn http_probe(path: &str, period_seconds: i32) -> Probe {
 fn worker_container(valid: &ValidAdapter<'_>, settings: &WorkerSettings) -> Container {
     let workload = &valid.adapter.spec.workload;
     let files = mounted_files(valid.broker.mounted_files(), valid.database_ca);
-    let env = worker_env(valid, &files);
+    let mut env = worker_env(valid, &files);
+    env.extend(settings.traces.env(valid.namespace, valid.name));
     Container {
         name: "worker".to_owned(),
         image: Some(
@@ -563,6 +567,7 @@ mod tests {
             },
             default_database_ca: None,
             pod: PodDefaults::from_json(POD_DEFAULTS).expect("pod defaults parse"),
+            traces: WorkerTraces::default(),
         }
     }
 

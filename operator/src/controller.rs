@@ -21,8 +21,11 @@ use kube::runtime::{Controller, watcher};
 use kube::{Api, Client, Resource, ResourceExt};
 use switchboard_api::{QueueAdapter, QueueAdapterStatus};
 use switchboard_store::{QueueAdapterRow, StoreError};
+use switchboard_telemetry::traces::KeyValue;
 use switchboard_telemetry::{Backoff, Jitter};
 use tokio_util::sync::CancellationToken;
+use tracing::Instrument as _;
+use tracing::field::Empty;
 
 use crate::ErrorChain;
 use crate::apply::{
@@ -412,7 +415,34 @@ async fn cleanup(adapter: &QueueAdapter, ctx: &Context) -> Result<Action, Reconc
     Ok(Action::await_change())
 }
 
+/// A reconcile in its span (`reconcile QueueAdapter` when exported, with the adapter's
+/// namespace, name and generation; failed with the error).
 async fn reconcile(adapter: Arc<QueueAdapter>, ctx: Arc<Context>) -> ReconcileResult {
+    let span = tracing::info_span!("reconcile", otel.name = Empty, otel.kind = Empty);
+    switchboard_telemetry::traces::describe(
+        &span,
+        "reconcile QueueAdapter",
+        "internal",
+        [
+            KeyValue::new(
+                "k8s.namespace.name",
+                adapter.namespace().unwrap_or_default(),
+            ),
+            KeyValue::new("switchboard.adapter", adapter.adapter_name()),
+            KeyValue::new(
+                "k8s.object.generation",
+                adapter.metadata.generation.unwrap_or(0),
+            ),
+        ],
+    );
+    let result = reconcile_once(adapter, ctx).instrument(span.clone()).await;
+    if let Err(err) = &result {
+        switchboard_telemetry::traces::fail(&span, err);
+    }
+    result
+}
+
+async fn reconcile_once(adapter: Arc<QueueAdapter>, ctx: Arc<Context>) -> ReconcileResult {
     let started = Instant::now();
     let key = adapter.adapter_name();
     let api = ctx.adapters(&adapter);

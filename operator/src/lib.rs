@@ -21,6 +21,7 @@ mod pods;
 pub mod probes;
 pub mod runtime;
 pub mod status;
+pub mod worker_traces;
 
 use std::net::SocketAddr;
 use std::sync::Arc;

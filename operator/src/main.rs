@@ -8,6 +8,7 @@ use switchboard_operator::build::WorkerSettings;
 use switchboard_operator::database_ca::DefaultCa;
 use switchboard_operator::lease::{LeaseSettings, unique_identity};
 use switchboard_operator::pod_template::PodDefaults;
+use switchboard_operator::worker_traces::WorkerTraces;
 use switchboard_operator::{DEFAULT_WORKER_IMAGE, ErrorChain, RunOptions, crd_yaml, run};
 
 /// Kubernetes operator for Switchboard QueueAdapters: one worker Deployment and one `adapters`
@@ -81,6 +82,18 @@ struct RunArgs {
     #[arg(long, env = "SWITCHBOARD_WORKER_POD_DEFAULTS", default_value = "{}",
           value_parser = PodDefaults::from_json)]
     worker_pod_defaults: PodDefaults,
+    /// OTLP/HTTP endpoint every worker exports its traces to, e.g.
+    /// `http://otel-collector.observability:4318` (their OTEL_EXPORTER_OTLP_ENDPOINT) [default:
+    /// none: workers export no traces]. The operator's own traces follow its OTEL_* environment.
+    #[arg(long, env = "SWITCHBOARD_WORKER_OTLP_ENDPOINT")]
+    worker_otlp_endpoint: Option<String>,
+    /// OTEL_TRACES_SAMPLER of the workers (e.g. `parentbased_traceidratio`) [default: the
+    /// SDK's, parentbased_always_on].
+    #[arg(long, env = "SWITCHBOARD_WORKER_TRACES_SAMPLER")]
+    worker_traces_sampler: Option<String>,
+    /// OTEL_TRACES_SAMPLER_ARG of the workers (e.g. `0.1`).
+    #[arg(long, env = "SWITCHBOARD_WORKER_TRACES_SAMPLER_ARG")]
+    worker_traces_sampler_arg: Option<String>,
     /// Reconcile only while holding a coordination.k8s.io Lease (run several replicas safely).
     #[arg(long, env = "SWITCHBOARD_LEADER_ELECTION")]
     leader_election: bool,
@@ -139,6 +152,11 @@ impl RunArgs {
                 },
                 default_database_ca: self.default_database_ca,
                 pod: self.worker_pod_defaults,
+                traces: WorkerTraces {
+                    endpoint: self.worker_otlp_endpoint.filter(|e| !e.is_empty()),
+                    sampler: self.worker_traces_sampler.filter(|s| !s.is_empty()),
+                    sampler_arg: self.worker_traces_sampler_arg.filter(|a| !a.is_empty()),
+                },
             },
             leader_election: self.leader_election.then(|| LeaseSettings {
                 name: self.lease_name,
@@ -164,8 +182,17 @@ async fn main() -> ExitCode {
             .map(|yaml| print!("{yaml}"))
             .map_err(anyhow::Error::from),
         Command::Run(args) => {
-            switchboard_telemetry::init_tracing(cli.log_json);
-            run(args.into_options()).await.map_err(anyhow::Error::from)
+            let traces =
+                match switchboard_telemetry::init_tracing(cli.log_json, "switchboard-operator") {
+                    Ok(traces) => traces,
+                    Err(err) => {
+                        eprintln!("error: {err}");
+                        return ExitCode::FAILURE;
+                    }
+                };
+            let result = run(args.into_options()).await.map_err(anyhow::Error::from);
+            traces.shutdown().await;
+            result
         }
     };
     match result {

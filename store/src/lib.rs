@@ -164,6 +164,9 @@ pub struct NewEvent {
     pub payload: String,
     /// The headers as a JSON object's text.
     pub headers: String,
+    /// The W3C trace context the todo keeps (`todos.traceparent`, `todos.tracestate`).
+    pub traceparent: Option<String>,
+    pub tracestate: Option<String>,
 }
 
 /// How a batch is deduplicated.
@@ -224,8 +227,9 @@ pub struct Store {
 const INGEST_SQL: &str = r#"
 WITH input AS (
     SELECT *, ord = min(ord) OVER (PARTITION BY external_id) AS first_of_id
-    FROM unnest($3::text[], $4::text[], $5::text[], $6::text[]) WITH ORDINALITY
-         AS t(external_id, idempotency_key, payload, headers, ord)
+    FROM unnest($3::text[], $4::text[], $5::text[], $6::text[], $7::text[], $8::text[])
+         WITH ORDINALITY AS t(external_id, idempotency_key, payload, headers, traceparent,
+                              tracestate, ord)
 ), new_events AS (
     INSERT INTO events (source, external_id, payload, headers)
     SELECT $1, external_id, payload::jsonb, headers::jsonb FROM input WHERE first_of_id
@@ -233,8 +237,9 @@ WITH input AS (
     ON CONFLICT (source, external_id) DO NOTHING
     RETURNING id, external_id, payload
 ), new_todos AS (
-    INSERT INTO todos (queue, idempotency_key, event_id, payload)
-    SELECT $2, input.idempotency_key, new_events.id, new_events.payload
+    INSERT INTO todos (queue, idempotency_key, event_id, payload, traceparent, tracestate)
+    SELECT $2, input.idempotency_key, new_events.id, new_events.payload, input.traceparent,
+           input.tracestate
     FROM new_events JOIN input USING (external_id)
     WHERE input.first_of_id
     ORDER BY input.ord
@@ -243,7 +248,7 @@ WITH input AS (
 ), checkpoint AS (
     INSERT INTO source_positions (source, partition, position)
     SELECT $1, p.partition, p.position::bigint[]
-    FROM unnest($7::text[], $8::text[]) AS p(partition, position)
+    FROM unnest($9::text[], $10::text[]) AS p(partition, position)
     WHERE EXISTS (SELECT 1 FROM new_events)
     ON CONFLICT (source, partition) DO UPDATE
         SET position = EXCLUDED.position, updated_at = now()
@@ -261,12 +266,13 @@ ORDER BY input.ord
 const INGEST_BY_BODY_SQL: &str = r#"
 WITH input AS (
     SELECT *
-    FROM unnest($3::text[], $4::text[], $5::text[], $6::text[]) WITH ORDINALITY
-         AS t(external_id, idempotency_key, payload, headers, ord)
+    FROM unnest($3::text[], $4::text[], $5::text[], $6::text[], $7::text[], $8::text[])
+         WITH ORDINALITY AS t(external_id, idempotency_key, payload, headers, traceparent,
+                              tracestate, ord)
 ), fresh AS (
     SELECT DISTINCT ON (input.idempotency_key)
            input.ord, input.external_id, input.idempotency_key, input.payload, input.headers,
-           nextval('events_id_seq') AS event_id
+           input.traceparent, input.tracestate, nextval('events_id_seq') AS event_id
     FROM input
     LEFT JOIN LATERAL (
         SELECT 1 AS found FROM todos
@@ -282,8 +288,9 @@ WITH input AS (
     FROM fresh ORDER BY ord
     RETURNING id, payload
 ), new_todos AS (
-    INSERT INTO todos (queue, idempotency_key, event_id, payload)
-    SELECT $2, fresh.idempotency_key, new_events.id, new_events.payload
+    INSERT INTO todos (queue, idempotency_key, event_id, payload, traceparent, tracestate)
+    SELECT $2, fresh.idempotency_key, new_events.id, new_events.payload, fresh.traceparent,
+           fresh.tracestate
     FROM new_events JOIN fresh ON fresh.event_id = new_events.id
     ORDER BY fresh.ord
     ON CONFLICT (queue, idempotency_key) WHERE status IN ('pending', 'claimed') DO NOTHING
@@ -456,6 +463,9 @@ impl Store {
     /// Stores a batch in one transaction (one statement). Returns one outcome per event.
     pub async fn ingest_batch(&self, batch: &IngestBatch<'_>) -> Result<Vec<Stored>, StoreError> {
         let column = |f: fn(&NewEvent) -> &str| batch.events.iter().map(f).collect::<Vec<&str>>();
+        let optional = |f: fn(&NewEvent) -> Option<&str>| {
+            batch.events.iter().map(f).collect::<Vec<Option<&str>>>()
+        };
         let partitions: Vec<&str> = batch
             .positions
             .iter()
@@ -483,7 +493,9 @@ impl Store {
             .bind(column(|e| &e.external_id))
             .bind(column(|e| &e.idempotency_key))
             .bind(column(|e| &e.payload))
-            .bind(column(|e| &e.headers));
+            .bind(column(|e| &e.headers))
+            .bind(optional(|e| e.traceparent.as_deref()))
+            .bind(optional(|e| e.tracestate.as_deref()));
         if batch.dedup == Dedup::NativeId {
             query = query.bind(partitions).bind(positions);
         }

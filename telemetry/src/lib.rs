@@ -4,8 +4,10 @@
 
 mod backoff;
 pub mod metrics;
+pub mod traces;
 
 pub use backoff::{Backoff, Jitter};
+pub use traces::{Traces, TracesError};
 
 use std::error::Error;
 use std::fmt;
@@ -19,6 +21,9 @@ use axum::response::IntoResponse;
 use axum::routing::get;
 use prometheus_client::registry::Registry;
 use tokio_util::sync::CancellationToken;
+use tracing_subscriber::Layer as _;
+use tracing_subscriber::layer::SubscriberExt as _;
+use tracing_subscriber::util::SubscriberInitExt as _;
 
 /// Displays an error with its whole `source()` chain, `outer: inner: …`. A cause whose text
 /// the error before it already ends with (client libraries that print their source in their
@@ -42,11 +47,13 @@ impl fmt::Display for ErrorChain<'_> {
     }
 }
 
-/// Sets up logging: `RUST_LOG` filters (default `info`); JSON lines when `json`; colours only
-/// on a terminal. Unless `RUST_LOG` names them, lapin's own lines are off (it logs every AMQP
-/// failure that it also returns, and the caller logs an outage once) and async-nats' are
-/// warnings only (its `event: connected` lines, on its own task, repeat the worker's).
-pub fn init_tracing(json: bool) {
+/// Sets up logging and, when the standard `OTEL_*` environment configures an exporter, traces
+/// (see [`traces`]; `service` is the default `service.name`). Logging: `RUST_LOG` filters
+/// (default `info`); JSON lines when `json`; colours only on a terminal. Unless `RUST_LOG`
+/// names them, lapin's own lines are off (it logs every AMQP failure that it also returns, and
+/// the caller logs an outage once) and async-nats' are warnings only (its `event: connected`
+/// lines, on its own task, repeat the worker's). Must be called inside the Tokio runtime.
+pub fn init_tracing(json: bool, service: &'static str) -> Result<Traces, TracesError> {
     let mut filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
     let rust_log = std::env::var("RUST_LOG").unwrap_or_default();
@@ -57,15 +64,23 @@ pub fn init_tracing(json: bool) {
             filter = filter.add_directive(directive);
         }
     }
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
+    let (traces, exporting) = match traces::layer(service)? {
+        Some((traces, layer)) => (traces, Some(layer)),
+        None => (Traces::default(), None),
+    };
+    let log = tracing_subscriber::fmt::layer()
         .with_target(false)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stdout()));
-    if json {
-        builder.json().init();
+    let log = if json {
+        log.json().boxed()
     } else {
-        builder.init();
-    }
+        log.boxed()
+    };
+    tracing_subscriber::registry()
+        .with(exporting)
+        .with(log.with_filter(filter))
+        .init();
+    Ok(traces)
 }
 
 /// The Prometheus text exposition (OpenMetrics) of a registry.

@@ -8,6 +8,7 @@
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
+use switchboard_api::source::Messaging;
 
 use anyhow::{Result, ensure};
 use switchboard_api::{DeliveryGuarantee, Envelope, PayloadFormat};
@@ -274,6 +275,11 @@ fn start(fx: &Fixture, script: Script, lease: Option<Duration>) -> Running {
         envelope: Envelope::None,
         abort_after_commits: None,
         dead_letter_retention: Duration::from_secs(14 * 86_400),
+        messaging: Messaging {
+            system: "test",
+            destination: "pipeline".to_owned(),
+            consumer_group: None,
+        },
     };
     let pipeline = Pipeline::new(
         transport,

@@ -12,6 +12,7 @@ mod secret_files;
 pub mod send;
 mod task;
 mod text;
+pub mod trace_context;
 pub mod transport;
 
 use std::net::SocketAddr;
@@ -299,7 +300,12 @@ async fn drive<T: Transport>(
 }
 
 /// The pipeline settings of `spec`, for consumer `worker` of adapter `adapter`.
-fn pipeline_settings(spec: &QueueAdapterSpec, adapter: &str, worker: &str) -> PipelineSettings {
+fn pipeline_settings(
+    spec: &QueueAdapterSpec,
+    broker: &dyn Broker,
+    adapter: &str,
+    worker: &str,
+) -> PipelineSettings {
     PipelineSettings {
         adapter: adapter.to_owned(),
         worker: worker.to_owned(),
@@ -313,6 +319,7 @@ fn pipeline_settings(spec: &QueueAdapterSpec, adapter: &str, worker: &str) -> Pi
             .ok()
             .and_then(|v| v.parse().ok()),
         dead_letter_retention: spec.delivery.dead_letter.retention(),
+        messaging: broker.messaging(adapter),
     }
 }
 
@@ -413,7 +420,7 @@ async fn run_adapter(
     }
     tracing::info!(consumer = %consumer, "consumer name");
     let deps = Deps {
-        settings: pipeline_settings(spec, &name, &consumer),
+        settings: pipeline_settings(spec, broker, &name, &consumer),
         adapter: name,
         store,
         health,

@@ -4,7 +4,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::{Parser, Subcommand};
-use switchboard_telemetry::{ErrorChain, init_tracing};
+use switchboard_telemetry::{ErrorChain, Traces, init_tracing};
 use switchboard_worker::send::{SendOptions, send};
 use switchboard_worker::{RunOptions, WorkerError, dlq, lint, migrate, run};
 
@@ -127,12 +127,20 @@ fn lint_files(files: &[PathBuf]) -> ExitCode {
 async fn main() -> ExitCode {
     let cli = Cli::parse();
     // The dlq, send and lint commands print for people and scripts on stdout, where the log would go.
-    if !matches!(
+    let traces = if matches!(
         cli.command,
         Command::Dlq(_) | Command::Send { .. } | Command::Lint { .. }
     ) {
-        init_tracing(cli.log_json);
-    }
+        Traces::default()
+    } else {
+        match init_tracing(cli.log_json, "switchboard-worker") {
+            Ok(traces) => traces,
+            Err(err) => {
+                eprintln!("error: {err}");
+                return ExitCode::FAILURE;
+            }
+        }
+    };
     // Two rustls providers are linked (see Cargo.toml); an error only means one is installed.
     let _ = rustls::crypto::ring::default_provider().install_default();
     let result = match cli.command {
@@ -159,6 +167,7 @@ async fn main() -> ExitCode {
             .await
         }
     };
+    traces.shutdown().await;
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(err) => {

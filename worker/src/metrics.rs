@@ -9,8 +9,6 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::{Metric, Registry};
 use std::sync::atomic::AtomicU64;
-use switchboard_api::source::BrokerSpec;
-use switchboard_api::source::redis::RedisMode;
 use switchboard_api::{DeliveryGuarantee, QueueAdapter};
 use switchboard_telemetry::metrics::{create_series, register, register_aliased};
 
@@ -60,34 +58,18 @@ struct InfoLabels {
 
 impl InfoLabels {
     fn of(adapter: &QueueAdapter) -> Self {
-        let (system, destination, consumer_group) = match adapter.spec.source.spec() {
-            Some(BrokerSpec::Redis(redis)) => {
-                let (destination, group) = match redis.mode {
-                    RedisMode::Stream => (&redis.stream, redis.group.clone()),
-                    RedisMode::List => (&redis.list, String::new()),
-                    RedisMode::Pubsub => (&redis.channel, String::new()),
-                };
-                ("redis", destination.clone().unwrap_or_default(), group)
-            }
-            Some(BrokerSpec::Sqs(sqs)) => {
-                let queue = sqs.queue_url.as_deref().or(sqs.queue_name.as_deref());
-                let name = queue.and_then(|q| q.rsplit('/').next()).unwrap_or_default();
-                ("aws_sqs", name.to_owned(), String::new())
-            }
-            Some(BrokerSpec::Nats(nats)) => ("nats", nats.stream.clone(), nats.consumer.clone()),
-            Some(BrokerSpec::Amqp(amqp)) => ("rabbitmq", amqp.queue.clone(), String::new()),
-            Some(BrokerSpec::Kafka(kafka)) => {
-                let topics = match (&kafka.topics, &kafka.topic_pattern) {
-                    (Some(topics), _) => topics.join(","),
-                    (None, pattern) => pattern.clone().unwrap_or_default(),
-                };
-                ("kafka", topics, kafka.group_id(&adapter.adapter_name()))
-            }
-            Some(BrokerSpec::Gateway(gateway)) => ("aws_sqs", gateway.queue.clone(), String::new()),
+        let name = adapter.adapter_name();
+        let messaging = adapter.spec.source.broker().map(|b| b.messaging(&name));
+        let (system, destination, consumer_group) = match messaging {
+            Some(m) => (
+                m.system,
+                m.destination,
+                m.consumer_group.unwrap_or_default(),
+            ),
             None => ("", String::new(), String::new()),
         };
         Self {
-            adapter: adapter.adapter_name(),
+            adapter: name,
             namespace: adapter.metadata.namespace.clone().unwrap_or_default(),
             name: adapter.metadata.name.clone().unwrap_or_default(),
             system,
@@ -124,6 +106,9 @@ pub struct Metrics {
     /// Dead letters the broker's dead-letter destination refused for good, kept in
     /// PostgreSQL's `dead_letters` table instead (also counted by reason as dead-lettered).
     pub kept_in_database: Counter,
+    /// Messages whose `traceparent` (or `AWSTraceHeader`) is not valid: stored without a
+    /// trace context.
+    pub malformed_trace_contexts: Counter,
     dead_lettered: Family<ReasonLabels, Counter>,
     errors: Family<DependencyLabels, Counter>,
     dependency_up: Family<DependencyLabels, Gauge>,
@@ -230,7 +215,7 @@ fn adapter_histogram(
 }
 
 /// The adapter's message counters in the order of [`Metrics`]' fields: name and help.
-const MESSAGE_COUNTERS: [(&str, &str); 8] = [
+const MESSAGE_COUNTERS: [(&str, &str); 9] = [
     ("messages_received", "Messages received from the broker"),
     ("messages_stored", "Messages stored as new todos"),
     (
@@ -256,6 +241,10 @@ const MESSAGE_COUNTERS: [(&str, &str); 8] = [
     (
         "dead_letters_kept_in_database",
         "Dead letters the broker's dead-letter destination refused for good, kept in PostgreSQL's dead_letters table instead (`switchboard-worker dlq list` shows them)",
+    ),
+    (
+        "trace_contexts_malformed",
+        "Messages whose traceparent (or AWSTraceHeader) is not valid W3C trace context: stored without one",
     ),
 ];
 
@@ -406,6 +395,7 @@ impl Metrics {
             stale_receipts,
             leases_extended,
             kept_in_database,
+            malformed_trace_contexts,
         ] = MESSAGE_COUNTERS.map(|(name, help)| adapter_counter(r, name, help, adapter));
         let (dead_lettered, errors, dependency_up) = register_labelled_families(r);
         let [batch_size, commit_seconds, end_to_end_seconds] = register_histograms(r, adapter);
@@ -428,6 +418,7 @@ impl Metrics {
             stale_receipts,
             leases_extended,
             kept_in_database,
+            malformed_trace_contexts,
             dead_lettered,
             errors,
             dependency_up,

@@ -5,7 +5,7 @@ use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 
-use super::{Broker, MissingSecret, SecretEnv, Triggers};
+use super::{Broker, Messaging, MissingSecret, SecretEnv, Triggers};
 use crate::{Autoscaling, Delivery, DeliveryGuarantee, FieldError, SecretKeyRef};
 
 /// How the worker reads from RabbitMQ.
@@ -90,6 +90,14 @@ impl Broker for AmqpSource {
 
     fn guarantee(&self) -> DeliveryGuarantee {
         DeliveryGuarantee::AtLeastOnce
+    }
+
+    fn messaging(&self, _adapter: &str) -> Messaging {
+        Messaging {
+            system: "rabbitmq",
+            destination: self.queue.clone(),
+            consumer_group: None,
+        }
     }
 
     fn secret_env(&self) -> Result<Vec<SecretEnv<'_>>, MissingSecret> {

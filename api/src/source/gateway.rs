@@ -5,7 +5,7 @@ use kube::KubeSchema;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-use super::{Broker, FileSource, MissingSecret, MountedFile, SecretEnv};
+use super::{Broker, Messaging, FileSource, MissingSecret, MountedFile, SecretEnv};
 use crate::{Delivery, DeliveryGuarantee, FieldError, SecretKeyRef};
 
 /// The environment variable holding a static bearer token.
@@ -143,6 +143,14 @@ impl Broker for GatewaySource {
 
     fn guarantee(&self) -> DeliveryGuarantee {
         DeliveryGuarantee::AtLeastOnce
+    }
+
+    fn messaging(&self, _adapter: &str) -> Messaging {
+        Messaging {
+            system: "aws_sqs",
+            destination: self.queue.clone(),
+            consumer_group: None,
+        }
     }
 
     fn secret_env(&self) -> Result<Vec<SecretEnv<'_>>, MissingSecret> {

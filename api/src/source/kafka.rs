@@ -6,7 +6,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::json;
 
 use super::redis::StartFrom;
-use super::{Broker, MissingSecret, SecretEnv, Triggers};
+use super::{Broker, Messaging, MissingSecret, SecretEnv, Triggers};
 use crate::{Autoscaling, Delivery, DeliveryGuarantee, FieldError, SecretKeyRef};
 
 /// How the worker reads from Kafka.
@@ -122,6 +122,18 @@ impl Broker for KafkaSource {
 
     fn guarantee(&self) -> DeliveryGuarantee {
         DeliveryGuarantee::AtLeastOnce
+    }
+
+    fn messaging(&self, adapter: &str) -> Messaging {
+        let destination = match (&self.topics, &self.topic_pattern) {
+            (Some(topics), _) => topics.join(","),
+            (None, pattern) => pattern.clone().unwrap_or_default(),
+        };
+        Messaging {
+            system: "kafka",
+            destination,
+            consumer_group: Some(self.group_id(adapter)),
+        }
     }
 
     fn secret_env(&self) -> Result<Vec<SecretEnv<'_>>, MissingSecret> {

@@ -178,6 +178,20 @@ pub struct Triggers {
     pub authentication: Option<serde_json::Value>,
 }
 
+/// Where a source's messages come from, in OpenTelemetry's messaging conventions (the worker's
+/// batch spans).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Messaging {
+    /// `messaging.system`: the conventions' name where they have one (`aws_sqs`, `kafka`,
+    /// `rabbitmq`; the gateway fronts an SQS queue: `aws_sqs`), else the broker's (`redis`,
+    /// `nats`).
+    pub system: &'static str,
+    /// `messaging.destination.name`: the stream, queue, subject or topics read.
+    pub destination: String,
+    /// `messaging.consumer.group.name`, where the broker has consumer groups.
+    pub consumer_group: Option<String>,
+}
+
 /// What every broker's spec tells the operator and the worker.
 pub trait Broker: std::fmt::Debug + Send + Sync {
     /// The key under `spec.source` (`redis`, `sqs`, `nats`, `amqp`, `kafka`, `gateway`): the status's `source` and the prefix of
@@ -186,6 +200,8 @@ pub trait Broker: std::fmt::Debug + Send + Sync {
     /// The broker-specific mode the status shows (`stream`, `fifo`, …).
     fn mode(&self) -> &'static str;
     fn guarantee(&self) -> DeliveryGuarantee;
+    /// Where adapter `adapter`'s (`namespace/name`) messages come from, for traces.
+    fn messaging(&self, adapter: &str) -> Messaging;
     /// The Secret keys the worker reads, each with the environment variable it becomes.
     /// Fails when a reference the worker needs in Kubernetes is missing.
     fn secret_env(&self) -> Result<Vec<SecretEnv<'_>>, MissingSecret>;

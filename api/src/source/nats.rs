@@ -5,7 +5,7 @@ use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 
-use super::{Broker, MissingSecret, SecretEnv, Triggers};
+use super::{Broker, Messaging, MissingSecret, SecretEnv, Triggers};
 use crate::{Autoscaling, Delivery, DeliveryGuarantee, FieldError, SecretKeyRef};
 
 /// How the worker reads from NATS JetStream.
@@ -86,6 +86,14 @@ impl Broker for NatsSource {
 
     fn guarantee(&self) -> DeliveryGuarantee {
         DeliveryGuarantee::AtLeastOnce
+    }
+
+    fn messaging(&self, _adapter: &str) -> Messaging {
+        Messaging {
+            system: "nats",
+            destination: self.stream.clone(),
+            consumer_group: Some(self.consumer.clone()),
+        }
     }
 
     fn secret_env(&self) -> Result<Vec<SecretEnv<'_>>, MissingSecret> {

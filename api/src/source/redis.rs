@@ -5,7 +5,7 @@ use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 
-use super::{Broker, MissingSecret, SecretEnv, Triggers};
+use super::{Broker, Messaging, MissingSecret, SecretEnv, Triggers};
 use crate::{Autoscaling, DeadLetter, Delivery, DeliveryGuarantee, FieldError, SecretKeyRef};
 
 /// How the worker reads from Redis.
@@ -120,6 +120,19 @@ impl Broker for RedisSource {
         match self.mode {
             RedisMode::Stream | RedisMode::List => DeliveryGuarantee::AtLeastOnce,
             RedisMode::Pubsub => DeliveryGuarantee::AtMostOnce,
+        }
+    }
+
+    fn messaging(&self, _adapter: &str) -> Messaging {
+        let destination = match self.mode {
+            RedisMode::Stream => &self.stream,
+            RedisMode::List => &self.list,
+            RedisMode::Pubsub => &self.channel,
+        };
+        Messaging {
+            system: "redis",
+            destination: destination.clone().unwrap_or_default(),
+            consumer_group: (self.mode == RedisMode::Stream).then(|| self.group.clone()),
         }
     }
 

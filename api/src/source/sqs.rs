@@ -5,7 +5,7 @@ use kube::KubeSchema;
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
-use super::{Broker, MissingSecret, SecretEnv, Triggers};
+use super::{Broker, Messaging, MissingSecret, SecretEnv, Triggers};
 use crate::{Autoscaling, Delivery, DeliveryGuarantee, FieldError, SecretKeyRef};
 
 /// How the worker reads from SQS.
@@ -95,6 +95,23 @@ impl Broker for SqsSource {
 
     fn guarantee(&self) -> DeliveryGuarantee {
         DeliveryGuarantee::AtLeastOnce
+    }
+
+    fn messaging(&self, _adapter: &str) -> Messaging {
+        let url_name = self
+            .queue_url
+            .as_deref()
+            .and_then(|url| url.rsplit('/').next());
+        Messaging {
+            system: "aws_sqs",
+            destination: self
+                .queue_name
+                .as_deref()
+                .or(url_name)
+                .unwrap_or_default()
+                .to_owned(),
+            consumer_group: None,
+        }
     }
 
     fn secret_env(&self) -> Result<Vec<SecretEnv<'_>>, MissingSecret> {

@@ -8,11 +8,12 @@ use switchboard_api::Envelope;
 use switchboard_store::{Dedup, NewEvent};
 use tracing::Instrument as _;
 
-use super::Pipeline;
 use super::settle::InFlight;
 use super::store::Origin;
+use super::{Pipeline, spans};
 use crate::envelope::{self, PayloadRules, Unwrapped};
 use crate::payload::{Poison, PoisonReason, fields_json, payload_json, storable_text};
+use crate::trace_context::{self, Found};
 use crate::transport::identity::{id_in_scope, idempotency_key};
 use crate::transport::{IDEMPOTENCY_KEY_HEADER, Message, Transport};
 
@@ -31,6 +32,8 @@ impl<T: Transport> Pipeline<T> {
         let mut events = Vec::with_capacity(batch.len());
         let mut origins = Vec::with_capacity(batch.len());
         let mut redelivered = Vec::new();
+        let exporting = switchboard_telemetry::traces::exporting();
+        let mut links = Vec::new();
         for (index, message) in batch.iter().enumerate() {
             if let Some(detail) = &message.undecodable {
                 poison.push((
@@ -57,7 +60,14 @@ impl<T: Transport> Pipeline<T> {
                 continue;
             }
             match self.new_event(message) {
-                Ok(event) => {
+                Ok((event, trace)) => {
+                    match trace {
+                        Found::Valid(context) if exporting => links.extend(context.span_context()),
+                        Found::Malformed => {
+                            self.metrics.malformed_trace_contexts.inc();
+                        }
+                        _ => {}
+                    }
                     events.push(event);
                     origins.push(Origin {
                         position: message.position.clone(),
@@ -71,17 +81,19 @@ impl<T: Transport> Pipeline<T> {
                 Err(verdict) => poison.push((index, verdict)),
             }
         }
-        let span = tracing::info_span!(
-            "batch",
-            size = batch.len(),
-            first = %batch.first().map_or("", |m| m.external_id.as_str()),
-            last = %batch.last().map_or("", |m| m.external_id.as_str()),
+        let span = spans::batch(
+            &settings.messaging,
+            batch.len(),
+            batch.first().map_or("", |m| m.external_id.as_str()),
+            batch.last().map_or("", |m| m.external_id.as_str()),
+            links,
         );
         let task = (!events.is_empty()).then(|| {
             let context = self.context.clone();
+            let step = spans::step(&span, &settings.messaging, "store");
             crate::task::spawn(
                 async move { context.store_events(events, origins, redelivered).await }
-                    .instrument(span.clone()),
+                    .instrument(step),
             )
         });
         InFlight {
@@ -122,14 +134,16 @@ impl<T: Transport> Pipeline<T> {
     pub(super) fn event_id(&self, message: &Message<T::Receipt>) -> Option<String> {
         match self.settings.envelope {
             Envelope::None => Some(self.identity(message).0),
-            Envelope::CloudEvents | Envelope::Sns => {
-                self.new_event(message).ok().map(|event| event.external_id)
-            }
+            Envelope::CloudEvents | Envelope::Sns => self
+                .new_event(message)
+                .ok()
+                .map(|(event, _)| event.external_id),
         }
     }
 
-    /// The event to store for `message`: its body and headers, or what its envelope holds.
-    fn new_event(&self, message: &Message<T::Receipt>) -> Result<NewEvent, Poison> {
+    /// The event to store for `message`: its body and headers, or what its envelope holds;
+    /// with the trace context those headers carry.
+    fn new_event(&self, message: &Message<T::Receipt>) -> Result<(NewEvent, Found), Poison> {
         let settings = &self.settings;
         let rules = PayloadRules {
             format: settings.format,
@@ -142,25 +156,41 @@ impl<T: Transport> Pipeline<T> {
         } = match settings.envelope {
             Envelope::None => {
                 let (external_id, idempotency_key) = self.identity(message);
-                return Ok(NewEvent {
+                let event = NewEvent {
                     external_id,
                     idempotency_key,
                     payload: payload_json(&message.body, settings.format, settings.max_bytes)?,
                     headers: fields_json(&message.headers),
-                });
+                    traceparent: None,
+                    tracestate: None,
+                };
+                return Ok(traced(event, &message.headers));
             }
             Envelope::CloudEvents => envelope::cloud_event(&message.body, &message.headers, rules)?,
             Envelope::Sns => envelope::sns_notification(&message.body, &message.headers, rules)?,
         };
         // The envelope's id is unique within the source (RabbitMQ's too: these keys never had
         // the queue in them, and a stored key must keep deduplicating).
-        Ok(NewEvent {
+        let event = NewEvent {
             idempotency_key: storable(idempotency_key(&self.context.source, &event_id)),
             external_id: storable(event_id),
             payload,
             headers: fields_json(&headers),
-        })
+            traceparent: None,
+            tracestate: None,
+        };
+        Ok(traced(event, &headers))
     }
+}
+
+/// `event` with the trace context of `headers` (its todo keeps a valid one).
+fn traced(mut event: NewEvent, headers: &[(String, Vec<u8>)]) -> (NewEvent, Found) {
+    let found = trace_context::of(headers);
+    if let Found::Valid(context) = &found {
+        event.traceparent = Some(context.traceparent.clone());
+        event.tracestate = context.tracestate.clone();
+    }
+    (event, found)
 }
 
 /// `text` as a text column holds it (see [`storable_text`]), without a copy when it is already.

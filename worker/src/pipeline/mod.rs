@@ -24,6 +24,7 @@ mod lease;
 mod monitor;
 mod report;
 mod settle;
+mod spans;
 mod stale_log;
 mod store;
 
@@ -31,6 +32,7 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use switchboard_api::source::Messaging;
 use switchboard_api::{Envelope, PayloadFormat};
 use switchboard_store::{Dedup, Store, StoreError};
 use switchboard_telemetry::ErrorChain;
@@ -69,6 +71,8 @@ pub struct PipelineSettings {
     /// How long dead letters are kept (`deadLetter.retentionDays`): attempts recorded for
     /// messages that never settled are pruned after it too.
     pub dead_letter_retention: Duration,
+    /// What the source is in OpenTelemetry's messaging terms (the batch spans).
+    pub messaging: Messaging,
 }
 
 /// How often the attempts of messages that never settled are pruned.

@@ -13,7 +13,7 @@ use switchboard_telemetry::ErrorChain;
 use tracing::Instrument as _;
 
 use super::store::StoreTask;
-use super::{Pipeline, PipelineError, Stopped};
+use super::{Pipeline, PipelineError, Stopped, spans};
 use crate::payload::{Poison, PoisonReason};
 use crate::transport::{
     Attempt, Attempts, DeadLetter, ErrorKind, HELD, IN_FLIGHT, Message, Transport, TransportError,
@@ -141,7 +141,7 @@ impl<T: Transport> Pipeline<T> {
             poison,
             task,
             mut extend_at,
-            span: _,
+            span,
         } = in_flight;
         let mut settled: Vec<Option<Settled>> = vec![None; batch.len()];
         for (index, verdict) in poison {
@@ -168,8 +168,29 @@ impl<T: Transport> Pipeline<T> {
                 std::process::abort();
             }
         }
+        let step = spans::step(&span, &self.settings.messaging, "settle");
+        let result = self
+            .settle_stored(&batch, settled, &mut extend_at, others)
+            .instrument(step.clone())
+            .await;
+        if let Err(err) = &result {
+            switchboard_telemetry::traces::fail(&step, err);
+            switchboard_telemetry::traces::fail(&span, err);
+        }
+        result
+    }
+
+    /// Settles a batch whose store is done (`settled`: every message's verdict): dead letters
+    /// written and confirmed, then the acknowledgements, by its [`plan`].
+    async fn settle_stored(
+        &mut self,
+        batch: &[Message<T::Receipt>],
+        mut settled: Vec<Option<Settled>>,
+        extend_at: &mut Option<Instant>,
+        others: &mut VecDeque<InFlight<T::Receipt>>,
+    ) -> Result<(), PipelineError> {
         if !self
-            .acknowledge_overdue_duplicates(&batch, &mut settled)
+            .acknowledge_overdue_duplicates(batch, &mut settled)
             .await?
         {
             return Ok(());
@@ -187,14 +208,14 @@ impl<T: Transport> Pipeline<T> {
         // The batches held behind this one keep their lease while it is settled (each broker
         // call below can take a while): a lease run out would hand their messages to another
         // receive, and a poison message would be dead-lettered twice.
-        self.extend_leases(&mut extend_at, &batch, others).await?;
+        self.extend_leases(extend_at, batch, others).await?;
         if !self.write_dead_letters(&poison).await? {
             return Ok(());
         }
         for (message, _) in &poison {
             self.recent_letters.insert(&message.idempotency_key);
         }
-        self.extend_leases(&mut extend_at, &batch, others).await?;
+        self.extend_leases(extend_at, batch, others).await?;
         let acks: Vec<&Message<T::Receipt>> = plan
             .acknowledge
             .iter()
@@ -436,6 +457,7 @@ mod tests {
 
     use std::sync::{Arc, Mutex, PoisonError};
     use std::time::Duration;
+    use switchboard_api::source::Messaging;
 
     use futures::FutureExt as _;
     use switchboard_api::{DeliveryGuarantee, Envelope, PayloadFormat};
@@ -584,6 +606,11 @@ mod tests {
             envelope: Envelope::None,
             abort_after_commits: None,
             dead_letter_retention: Duration::from_secs(3600),
+            messaging: Messaging {
+                system: "test",
+                destination: "settle".to_owned(),
+                consumer_group: None,
+            },
         };
         let metrics = Arc::new(Metrics::new(
             "test/settle",

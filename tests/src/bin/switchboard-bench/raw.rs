@@ -59,6 +59,8 @@ impl RawRows {
                     external_id: id,
                     payload: String::from_utf8_lossy(&order_body(i)).into_owned(),
                     headers: "{}".to_owned(),
+                    traceparent: None,
+                    tracestate: None,
                 }
             })
             .collect();

@@ -231,6 +231,8 @@ pub(crate) fn stream_event(name: &str, entry: &redis::streams::StreamId) -> Resu
         external_id: entry.id.clone(),
         payload: String::from_utf8(body)?,
         headers: "{}".to_owned(),
+        traceparent: None,
+        tracestate: None,
     })
 }
 
