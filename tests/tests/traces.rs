@@ -124,3 +124,54 @@ async fn collector_receives_an_otlp_http_span_and_reads_it_back_with_its_link() 
     Ok(())
 }
 
+/// X-Ray's trace header as AWS SDKs send it: the `AWSTraceHeader` system attribute.
+const AWS_TRACE_HEADER: &str =
+    "Root=1-5759e988-bd862e3fe1be46a994272793;Parent=53995c3f42cd8ad8;Sampled=1";
+
+/// ElasticMQ keeps the `AWSTraceHeader` system attribute of a send and returns it on receive,
+/// so the SQS fixture can send trace context the way X-Ray-instrumented producers do.
+#[tokio::test]
+async fn sqs_fixture_sends_the_aws_trace_header_system_attribute() -> Result<()> {
+    use aws_sdk_sqs::types::MessageSystemAttributeName;
+    use switchboard_tests::brokers::{BrokerFixture, SqsBroker};
+    let fx = Fixture::start().await?;
+    let (sqs, _env) = SqsBroker::start(&fx).await?;
+    sqs.create(&fx, "traced").await?;
+    sqs.produce_with_trace_header("traced", r#"{"order":1}"#, AWS_TRACE_HEADER)
+        .await?;
+    let messages = sqs.server.receive_all(&sqs.url("traced")).await?;
+    let [message] = messages.as_slice() else {
+        anyhow::bail!("one message: {messages:?}");
+    };
+    let header = message
+        .attributes()
+        .and_then(|system| system.get(&MessageSystemAttributeName::AwsTraceHeader));
+    ensure!(
+        header.map(String::as_str) == Some(AWS_TRACE_HEADER),
+        "AWSTraceHeader: {:?}",
+        message.attributes()
+    );
+    Ok(())
+}
+
+/// A Redis list item is a body alone: sending headers fails naming that, and nothing is pushed
+/// without them.
+#[tokio::test]
+async fn redis_list_fixture_refuses_headers_naming_why() -> Result<()> {
+    use switchboard_tests::brokers::{BrokerFixture, RedisListBroker};
+    let fx = Fixture::start().await?;
+    let (list, _env) = RedisListBroker::start(&fx).await?;
+    list.create(&fx, "traced").await?;
+    let sent = list
+        .produce_with_headers(&fx, "traced", b"{}".to_vec(), &[("traceparent", "00-…")])
+        .await;
+    let error = sent.err().map(|err| err.to_string()).unwrap_or_default();
+    ensure!(error.contains("has no headers"), "{error:?}");
+    let mut conn = fx.redis.connection()?;
+    let pushed: i64 = redis::cmd("LLEN").arg("traced").query(&mut conn)?;
+    ensure!(
+        pushed == 0,
+        "nothing pushed without its headers: {pushed} items"
+    );
+    Ok(())
+}
