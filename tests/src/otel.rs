@@ -110,19 +110,26 @@ impl Collector {
     /// Every span the file exporter wrote so far, in the order received. A line still being
     /// written (no newline yet) is left for the next call.
     pub fn spans(&self) -> Result<Vec<Span>> {
-        let text = match std::fs::read_to_string(&self.spans_file) {
-            Ok(text) => text,
-            Err(err) if err.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
-            Err(err) => return Err(err).context(self.spans_file.display().to_string()),
-        };
-        let complete = text.rfind('\n').map_or("", |end| &text[..end]);
+        let text = self.exported_text()?;
         let mut spans = Vec::new();
-        for line in complete.lines().filter(|line| !line.trim().is_empty()) {
+        for line in text.lines().filter(|line| !line.trim().is_empty()) {
             let export: wire::Export = serde_json::from_str(line)
                 .with_context(|| format!("an OTLP JSON line of the file exporter: {line}"))?;
             spans.extend(export.into_spans());
         }
         Ok(spans)
+    }
+
+    /// Every complete line the file exporter wrote so far, as written (OTLP JSON): for greps
+    /// over everything exported (no secret in any attribute, event or resource).
+    pub fn exported_text(&self) -> Result<String> {
+        let mut text = match std::fs::read_to_string(&self.spans_file) {
+            Ok(text) => text,
+            Err(err) if err.kind() == std::io::ErrorKind::NotFound => String::new(),
+            Err(err) => return Err(err).context(self.spans_file.display().to_string()),
+        };
+        text.truncate(text.rfind('\n').map_or(0, |end| end + 1));
+        Ok(text)
     }
 
     /// Polls [`Collector::spans`] until `predicate` holds for them or `timeout` passes; returns

@@ -116,6 +116,11 @@ async fn collector_receives_an_otlp_http_span_and_reads_it_back_with_its_link() 
                 == Some(&AttributeValue::String("boom".into())),
         "{event:#?}"
     );
+    let text = collector.exported_text()?;
+    ensure!(
+        text.contains(LINKED_SPAN) && text.contains("t61rcWkgMzE"),
+        "the raw export holds the link: {text}"
+    );
     ensure!(
         collector.grpc_endpoint().starts_with("http://127.0.0.1:")
             && collector.http_endpoint() == format!("http://127.0.0.1:{}", collector.http_port()),
