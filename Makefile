@@ -3,7 +3,7 @@ SHELL := /bin/bash
 export CARGO_TARGET_DIR ?= $(HOME)/.cache/switchboard/target
 CARGO ?= cargo
 
-.PHONY: rust-side servers-side demo demo-k8s demo-cluster control-plane cluster-bins image test deps build lint bench helm prometheus sqs-server nats-server kafka-server hydra kind-up kind-demo kind-down
+.PHONY: rust-side servers-side demo demo-k8s demo-cluster control-plane cluster-bins image test deps build lint bench helm prometheus sqs-server nats-server kafka-server hydra otelcol kind-up kind-demo kind-down
 
 ## make demo: the whole pipeline locally (ephemeral PostgreSQL + Redis, 20,000 messages, a kill -9 mid-way),
 ## then the Kubernetes path (make demo-k8s)
@@ -39,7 +39,7 @@ rust-side:
 	$(CARGO) test --workspace --no-run
 
 servers-side:
-	$(MAKE) --no-print-directory -j1 helm prometheus control-plane cluster-bins sqs-server nats-server kafka-server hydra
+	$(MAKE) --no-print-directory -j1 helm prometheus control-plane cluster-bins sqs-server nats-server kafka-server hydra otelcol
 
 deps:
 	scripts/install-deps.sh
@@ -97,6 +97,12 @@ kafka-server:
 hydra:
 	scripts/hydra.sh >/dev/null
 
+## make otelcol: a minimal OpenTelemetry Collector (OTLP receiver, file exporter writing OTLP JSON)
+## for the trace tests, built once from the Go module proxy into ~/.cache/switchboard/otelcol-<version>
+## (or taken from OTELCOL_BIN); docs/testing.md
+otelcol:
+	scripts/otelcol.sh >/dev/null
+
 ## make kind-up / kind-demo / kind-down: the kind path for people with Docker (docs/kubernetes.md)
 kind-up:
 	scripts/kind-up.sh
@@ -110,7 +116,7 @@ kind-down:
 ## make bench: worker throughput, CPU, latency and memory vs the raw PostgreSQL, Redis, SQS
 ## (ElasticMQ), NATS JetStream, RabbitMQ and Kafka limits, in release, against real servers, every phase 3 times, median and spread
 ## (docs/PERFORMANCE.md); fails if any entry is not stored exactly once
-bench: deps sqs-server nats-server kafka-server
+bench: deps sqs-server nats-server kafka-server otelcol
 	$(CARGO) build --release --workspace --bins
 	$(CARGO) run --quiet --release -p switchboard-tests --bin switchboard-bench -- \
 		--worker $(CARGO_TARGET_DIR)/release/switchboard-worker $(BENCH_ARGS)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every test of the workspace, in two lanes at once: the contract suite (13 tests × 8 brokers,
+# Every test of the workspace, in two lanes at once: the contract suite (14 tests × 8 brokers,
 # about half of the whole time, mostly waiting on brokers) and everything else. Both lanes run
 # the same compiled binaries (built once first); each lane's output is printed whole when it
 # ends, then one closing line sums both. Exits non-zero when a lane failed.

@@ -5,6 +5,7 @@ pub mod brokers;
 pub mod cluster;
 pub mod control_plane;
 pub mod helm;
+pub mod otel;
 pub mod prometheus;
 pub mod proxy;
 pub mod send;

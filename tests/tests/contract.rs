@@ -660,15 +660,50 @@ async fn connections_cut_mid_flow_lose_nothing<B: BrokerFixture>() -> Result<()>
     Ok(())
 }
 
+/// A producer's W3C trace context in the broker's native headers (stream fields, SQS or gateway
+/// message attributes, NATS, AMQP or Kafka headers) arrives unchanged in the stored event's
+/// `headers`, beside an ordinary header.
+async fn trace_context_headers_arrive_in_the_events_headers<B: BrokerFixture>() -> Result<()> {
+    const HEADERS: [(&str, &str); 3] = [
+        (
+            "traceparent",
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+        ),
+        ("tracestate", "congo=t61rcWkgMzE,rojo=00f067aa0ba902b7"),
+        ("tenant", "acme"),
+    ];
+    let contract = Contract::<B>::start("traced").await?;
+    let manifest = contract.manifest("batchSize: 20", "")?;
+    let worker = contract.fx.worker(&manifest, "w1")?;
+    let (fx, name) = (&contract.fx, contract.name);
+    contract
+        .broker
+        .produce_with_headers(fx, name, br#"{"order":1}"#.to_vec(), &HEADERS)
+        .await?;
+    contract.wait_settled(1, &worker).await?;
+    contract.assert_exactly_once(1).await?;
+    let headers: serde_json::Value = sqlx::query_scalar(
+        "SELECT e.headers FROM todos t JOIN events e ON e.id = t.event_id WHERE t.queue = $1",
+    )
+    .bind(name)
+    .fetch_one(fx.pool())
+    .await?;
+    for (header, value) in HEADERS {
+        ensure!(headers[header] == value, "header {header}: {headers}");
+    }
+    Ok(())
+}
+
 /// The suite, for one broker.
-/// `chaos:`, `recreate:`, `undecodable:` and `cut:` take attributes for those tests of a broker: an `#[ignore]` there
+/// `chaos:`, `recreate:`, `undecodable:`, `cut:` and `headers:` take attributes for those tests of a broker: an `#[ignore]` there
 /// names a limit that broker's page states (docs/brokers/<broker>.md, "Not guaranteed").
 macro_rules! contract_suite {
     ($($module:ident => $broker:ty {
         chaos: [$(#[$chaos:meta])*],
         recreate: [$(#[$recreate:meta])*],
         undecodable: [$(#[$undecodable:meta])*],
-        cut: [$(#[$cut:meta])*] $(,)?
+        cut: [$(#[$cut:meta])*],
+        headers: [$(#[$headers:meta])*] $(,)?
     }),* $(,)?) => {$(
         mod $module {
             use super::*;
@@ -741,22 +776,35 @@ macro_rules! contract_suite {
             async fn connections_cut_mid_receive_and_mid_ack_lose_nothing() -> Result<()> {
                 connections_cut_mid_flow_lose_nothing::<$broker>().await
             }
+
+            $(#[$headers])*
+            #[tokio::test]
+            async fn traceparent_and_tracestate_headers_arrive_in_the_events_headers() -> Result<()> {
+                trace_context_headers_arrive_in_the_events_headers::<$broker>().await
+            }
         }
     )*};
 }
 
 contract_suite! {
-    redis_stream => RedisStreamBroker { chaos: [], recreate: [], undecodable: [], cut: [] },
-    redis_list => RedisListBroker { chaos: [], recreate: [], undecodable: [], cut: [] },
-    sqs_standard => SqsBroker { chaos: [], recreate: [], undecodable: [], cut: [] },
-    nats => NatsBroker { chaos: [], recreate: [], undecodable: [], cut: [] },
+    redis_stream => RedisStreamBroker { chaos: [], recreate: [], undecodable: [], cut: [], headers: [] },
+    redis_list => RedisListBroker {
+        chaos: [],
+        recreate: [],
+        undecodable: [],
+        cut: [],
+        headers: [#[ignore = "a Redis list item is a body alone, no headers (docs/brokers/redis-lists.md)"]],
+    },
+    sqs_standard => SqsBroker { chaos: [], recreate: [], undecodable: [], cut: [], headers: [] },
+    nats => NatsBroker { chaos: [], recreate: [], undecodable: [], cut: [], headers: [] },
     amqp_quorum => AmqpQuorumBroker {
         chaos: [],
         recreate: [],
         undecodable: [],
         cut: [],
+        headers: [],
     },
-    amqp_classic => AmqpClassicBroker { chaos: [], recreate: [], undecodable: [], cut: [] },
-    kafka => KafkaBroker { chaos: [], recreate: [], undecodable: [], cut: [] },
-    gateway => GatewayBroker { chaos: [], recreate: [], undecodable: [], cut: [] },
+    amqp_classic => AmqpClassicBroker { chaos: [], recreate: [], undecodable: [], cut: [], headers: [] },
+    kafka => KafkaBroker { chaos: [], recreate: [], undecodable: [], cut: [], headers: [] },
+    gateway => GatewayBroker { chaos: [], recreate: [], undecodable: [], cut: [], headers: [] },
 }

@@ -2,13 +2,13 @@
 //! PostgreSQL and the real broker server. A producer that publishes one event twice gets two
 //! broker message ids; the envelope's own id still makes one todo, whatever the first todo's
 //! status. A broker joins with its line in `envelope_suite!` at the end (`with_headers` when
-//! it implements `HeaderBroker`).
+//! its `BrokerFixture::produce_with_headers` sends headers).
 
 use std::time::Duration;
 
 use anyhow::{Context, Result, ensure};
 use serde_json::{Value, json};
-use switchboard_tests::brokers::envelope::{EnvelopeBroker, HeaderBroker};
+use switchboard_tests::brokers::envelope::EnvelopeBroker;
 use switchboard_tests::brokers::{
     AmqpClassicBroker, AmqpQuorumBroker, KafkaBroker, NatsBroker, RedisListBroker,
     RedisStreamBroker, SqsBroker,
@@ -210,7 +210,7 @@ async fn structured_cloudevent_twice<B: EnvelopeBroker>() -> Result<()> {
 /// Acceptance 1, binary mode: attributes in `ce-*` headers (stream fields, SQS message
 /// attributes), the body is the data. A binary event without `ce-id` is dead-lettered naming
 /// `id`, its body byte-identical.
-async fn binary_cloudevent_twice<B: HeaderBroker>() -> Result<()> {
+async fn binary_cloudevent_twice<B: EnvelopeBroker>() -> Result<()> {
     let adapter = Adapter::<B>::start("binary", "cloudevents").await?;
     let headers = |id: &'static str| {
         vec![
@@ -225,11 +225,11 @@ async fn binary_cloudevent_twice<B: HeaderBroker>() -> Result<()> {
     let (fx, name) = (&adapter.fx, adapter.name);
     adapter
         .broker
-        .produce_with_headers(fx, name, body, &headers("B-1"))
+        .produce_with_headers(fx, name, body.to_vec(), &headers("B-1"))
         .await?;
     adapter
         .broker
-        .produce_with_headers(fx, name, body, &headers("B-1"))
+        .produce_with_headers(fx, name, body.to_vec(), &headers("B-1"))
         .await?;
     let lacking_id = b" {\"order\": \"no id\"}\n";
     let no_id: Vec<(&str, &str)> = headers("")
@@ -238,7 +238,7 @@ async fn binary_cloudevent_twice<B: HeaderBroker>() -> Result<()> {
         .collect();
     adapter
         .broker
-        .produce_with_headers(fx, name, lacking_id, &no_id)
+        .produce_with_headers(fx, name, lacking_id.to_vec(), &no_id)
         .await?;
     adapter.wait_handled(3.0).await?;
     let todos = adapter.assert_keys(&[&format!("ce:{SOURCE}:B-1")]).await?;

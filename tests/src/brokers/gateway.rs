@@ -46,7 +46,7 @@ use serde_json::{Value, json};
 use tokio::sync::oneshot;
 
 use super::hydra::{Hydra, OAuthClient};
-use super::sqs::ElasticMq;
+use super::sqs::{ElasticMq, string_attributes};
 use super::{BrokerFixture, SqsBroker};
 use crate::Fixture;
 use crate::servers::{free_port, http_get};
@@ -1163,6 +1163,26 @@ impl BrokerFixture for GatewayBroker {
     /// never re-use one.
     async fn recreate(&self, _fx: &Fixture, name: &str) -> Result<()> {
         self.sqs.recreate_after(name, || true).await
+    }
+
+    /// A message whose headers are `String` message attributes, as a producer sends them to
+    /// the SQS queue behind the gateway (which serves them as `attributes.values`).
+    async fn produce_with_headers(
+        &self,
+        _fx: &Fixture,
+        name: &str,
+        body: Vec<u8>,
+        headers: &[(&str, &str)],
+    ) -> Result<()> {
+        self.sqs
+            .server
+            .send_with_attributes(
+                &self.sqs.url(name),
+                encode_body(&body).into_bytes(),
+                string_attributes(headers),
+            )
+            .await
+            .map(drop)
     }
 
     /// A message whose `Number` attribute the gateway serves as a JSON number (`"n": 5`),

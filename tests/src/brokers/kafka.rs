@@ -698,6 +698,25 @@ impl BrokerFixture for KafkaBroker {
         Ok(self.server.bootstrap())
     }
 
+    /// A record without a key whose headers are record headers.
+    async fn produce_with_headers(
+        &self,
+        _fx: &Fixture,
+        name: &str,
+        body: Vec<u8>,
+        headers: &[(&str, &str)],
+    ) -> Result<()> {
+        let record = Record {
+            key: None,
+            value: Some(body),
+            headers: headers
+                .iter()
+                .map(|(header, value)| ((*header).to_owned(), Some(value.as_bytes().to_vec())))
+                .collect(),
+        };
+        self.server.produce_records(name, vec![record]).await
+    }
+
     /// A record whose key is an `IntegerSerializer` 300 (`00 00 01 2c`: NUL bytes) and whose
     /// header `trace` is not UTF-8.
     async fn produce_undecodable(&self, _fx: &Fixture, name: &str, body: Vec<u8>) -> Result<()> {

@@ -67,6 +67,18 @@ pub trait BrokerFixture: Sized {
     /// byte-identical; either way its neighbours are stored and no connection is dropped.
     async fn produce_undecodable(&self, fx: &Fixture, name: &str, body: Vec<u8>) -> Result<()>;
 
+    /// Adds one message with `body` and `headers` in the broker's native headers (stream
+    /// fields beside the body field, SQS or gateway `String` message attributes, NATS headers,
+    /// AMQP `headers` table entries as long strings, Kafka record headers). A broker without
+    /// headers (a Redis list) fails naming that.
+    async fn produce_with_headers(
+        &self,
+        fx: &Fixture,
+        name: &str,
+        body: Vec<u8>,
+        headers: &[(&str, &str)],
+    ) -> Result<()>;
+
     /// `host:port` of the server every worker connection goes to (the contract suite puts a
     /// connection-cutting proxy there, tests/src/proxy.rs).
     fn address(&self, fx: &Fixture) -> Result<String>;

@@ -474,6 +474,29 @@ impl BrokerFixture for NatsBroker {
         self.server.recreate_stream(&Self::stream(name)).await
     }
 
+    /// A message whose headers are NATS headers, published to the queue's subject.
+    async fn produce_with_headers(
+        &self,
+        _fx: &Fixture,
+        name: &str,
+        body: Vec<u8>,
+        headers: &[(&str, &str)],
+    ) -> Result<()> {
+        let mut map = async_nats::HeaderMap::new();
+        for (header, value) in headers {
+            map.insert(*header, *value);
+        }
+        let subject = Self::subject(name);
+        self.server
+            .jetstream()
+            .publish_with_headers(subject.clone(), map, body.into())
+            .await
+            .with_context(|| format!("publishing to {subject}"))?
+            .await
+            .with_context(|| format!("PubAck for {subject}"))?;
+        Ok(())
+    }
+
     /// A header value that is not UTF-8 (`async-nats` cannot decode the delivery).
     async fn produce_undecodable(&self, _fx: &Fixture, name: &str, body: Vec<u8>) -> Result<()> {
         self.server

@@ -515,6 +515,22 @@ impl<const CLASSIC: bool> BrokerFixture for AmqpBroker<CLASSIC> {
             .await
     }
 
+    /// A message whose headers are long-string entries of its `headers` table.
+    async fn produce_with_headers(
+        &self,
+        _fx: &Fixture,
+        name: &str,
+        body: Vec<u8>,
+        headers: &[(&str, &str)],
+    ) -> Result<()> {
+        let mut table = FieldTable::default();
+        for (header, value) in headers {
+            table.insert((*header).into(), text(value));
+        }
+        let properties = Self::properties().with_headers(table);
+        self.server.publish(name, [(body, properties)]).await
+    }
+
     /// Headers a producer may send that are no text: a byte array holding NUL and bytes that
     /// are not UTF-8, a long string that is not UTF-8, and a nested table of both.
     async fn produce_undecodable(&self, _fx: &Fixture, name: &str, body: Vec<u8>) -> Result<()> {

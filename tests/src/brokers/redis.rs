@@ -74,6 +74,24 @@ impl BrokerFixture for RedisStreamBroker {
         delete_key(fx, name)
     }
 
+    /// An entry whose `body` field is the body and whose other fields are the headers.
+    async fn produce_with_headers(
+        &self,
+        fx: &Fixture,
+        name: &str,
+        body: Vec<u8>,
+        headers: &[(&str, &str)],
+    ) -> Result<()> {
+        let mut conn = fx.redis.connection()?;
+        let mut cmd = redis::cmd("XADD");
+        cmd.arg(name).arg("*").arg("body").arg(body);
+        for (field, value) in headers {
+            cmd.arg(field).arg(value);
+        }
+        cmd.query::<String>(&mut conn)?;
+        Ok(())
+    }
+
     /// A field whose value is not UTF-8 and holds a NUL byte (a field *name* that is not
     /// UTF-8 makes the entry poison, tests/tests/stream.rs).
     async fn produce_undecodable(&self, fx: &Fixture, name: &str, body: Vec<u8>) -> Result<()> {
@@ -200,6 +218,22 @@ impl BrokerFixture for RedisListBroker {
 
     async fn recreate(&self, fx: &Fixture, name: &str) -> Result<()> {
         delete_key(fx, name)
+    }
+
+    /// A list item is a body alone: a trace context has to ride in the body (a structured
+    /// CloudEvent's `traceparent`).
+    async fn produce_with_headers(
+        &self,
+        _fx: &Fixture,
+        name: &str,
+        _body: Vec<u8>,
+        headers: &[(&str, &str)],
+    ) -> Result<()> {
+        let names: Vec<&str> = headers.iter().map(|(header, _)| *header).collect();
+        anyhow::bail!(
+            "list {name}: a Redis list item is a body alone and has no headers for {names:?} \
+             (send a structured CloudEvent instead)"
+        )
     }
 
     /// A list item is a body alone: it has no header, key or attribute that could be

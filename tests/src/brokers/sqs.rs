@@ -20,8 +20,8 @@ use aws_sdk_sqs::Client;
 use aws_sdk_sqs::config::{Credentials, SharedCredentialsProvider};
 use aws_sdk_sqs::error::DisplayErrorContext;
 use aws_sdk_sqs::types::{
-    Message, MessageAttributeValue, MessageSystemAttributeName, QueueAttributeName,
-    SendMessageBatchRequestEntry,
+    Message, MessageAttributeValue, MessageSystemAttributeName, MessageSystemAttributeNameForSends,
+    MessageSystemAttributeValue, QueueAttributeName, SendMessageBatchRequestEntry,
 };
 use nix::sys::signal::Signal;
 use tempfile::TempDir;
@@ -651,6 +651,21 @@ impl BrokerFixture for SqsBroker {
             .await
     }
 
+    /// A message whose headers are `String` message attributes.
+    async fn produce_with_headers(
+        &self,
+        _fx: &Fixture,
+        name: &str,
+        body: Vec<u8>,
+        headers: &[(&str, &str)],
+    ) -> Result<()> {
+        let attributes = string_attributes(headers);
+        self.server
+            .send_with_attributes(&self.url(name), body, attributes)
+            .await
+            .map(drop)
+    }
+
     /// Message attributes that are not plain text: a `Binary` value holding NUL (UTF-8, but
     /// PostgreSQL's jsonb refuses `\u0000`), a `Binary.gif` value that is not UTF-8, a custom
     /// `Number.float` type.
@@ -681,7 +696,42 @@ pub fn odd_attributes() -> Vec<(&'static str, &'static str, Vec<u8>)> {
     ]
 }
 
+/// `headers` as `String` message attributes (name, data type, value).
+pub(crate) fn string_attributes<'a>(
+    headers: &[(&'a str, &str)],
+) -> Vec<(&'a str, &'static str, Vec<u8>)> {
+    headers
+        .iter()
+        .map(|(header, value)| (*header, "String", value.as_bytes().to_vec()))
+        .collect()
+}
+
 impl SqsBroker {
+    /// Adds one message with `body` and the `AWSTraceHeader` *system* attribute (X-Ray's
+    /// `Root=1-…;Parent=…;Sampled=1`), as AWS SDKs with X-Ray send it.
+    pub async fn produce_with_trace_header(
+        &self,
+        name: &str,
+        body: &str,
+        trace_header: &str,
+    ) -> Result<()> {
+        let url = self.url(name);
+        let value = MessageSystemAttributeValue::builder()
+            .data_type("String")
+            .string_value(trace_header)
+            .build()?;
+        self.server
+            .client()
+            .send_message()
+            .queue_url(&url)
+            .message_body(body)
+            .message_system_attributes(MessageSystemAttributeNameForSends::AwsTraceHeader, value)
+            .send()
+            .await
+            .map_err(|err| sqs_error(&format!("SendMessage {url}"), err))?;
+        Ok(())
+    }
+
     /// Deletes queue `name` and creates it again with the contract queues' attributes once
     /// `found_missing` says a worker call found it missing: the worker meets the deleted queue
     /// whatever the timing, as it would on AWS, which asks for 60 s between the two (ElasticMQ
