@@ -418,7 +418,12 @@ async fn cleanup(adapter: &QueueAdapter, ctx: &Context) -> Result<Action, Reconc
 /// A reconcile in its span (`reconcile QueueAdapter` when exported, with the adapter's
 /// namespace, name and generation; failed with the error).
 async fn reconcile(adapter: Arc<QueueAdapter>, ctx: Arc<Context>) -> ReconcileResult {
-    let span = tracing::info_span!("reconcile", otel.name = Empty, otel.kind = Empty);
+    let span = tracing::info_span!(
+        target: switchboard_telemetry::traces::SPAN_TARGET,
+        "reconcile",
+        otel.name = Empty,
+        otel.kind = Empty
+    );
     switchboard_telemetry::traces::describe(
         &span,
         "reconcile QueueAdapter",

@@ -68,6 +68,12 @@ pub fn init_tracing(json: bool, service: &'static str) -> Result<Traces, TracesE
         Some((traces, layer)) => (traces, Some(layer)),
         None => (Traces::default(), None),
     };
+    if exporting.is_some()
+        && let Ok(directive) = format!("{}=info", traces::SPAN_TARGET).parse()
+    {
+        // The exported spans, whatever RUST_LOG says of the logs.
+        filter = filter.add_directive(directive);
+    }
     let log = tracing_subscriber::fmt::layer()
         .with_target(false)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stdout()));
@@ -77,8 +83,9 @@ pub fn init_tracing(json: bool, service: &'static str) -> Result<Traces, TracesE
         log.boxed()
     };
     tracing_subscriber::registry()
+        .with(filter)
+        .with(log)
         .with(exporting)
-        .with(log.with_filter(filter))
         .init();
     Ok(traces)
 }

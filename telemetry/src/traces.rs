@@ -7,9 +7,9 @@
 //! setting. TLS is verified against the public web roots plus the CA file
 //! `OTEL_EXPORTER_OTLP_CERTIFICATE` names.
 //!
-//! Only spans that name themselves for OpenTelemetry (an `otel.name` field: a worker's batch
-//! and its steps, an operator's reconcile) and warnings and errors inside them are exported;
-//! the log filter (`RUST_LOG`) does not apply to them.
+//! Only spans of the target [`SPAN_TARGET`] (a worker's batch and its steps, an operator's
+//! reconcile) and the warnings and errors inside them are exported; `RUST_LOG` cannot turn
+//! those spans off while traces are exported.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
@@ -30,7 +30,7 @@ use rustls::pki_types::pem::PemObject;
 use tracing::{Span, Subscriber};
 use tracing_opentelemetry::OpenTelemetrySpanExt as _;
 use tracing_subscriber::Layer;
-use tracing_subscriber::filter::filter_fn;
+use tracing_subscriber::layer::Context;
 use tracing_subscriber::registry::LookupSpan;
 
 /// The one protocol spoken.
@@ -40,6 +40,10 @@ const PROTOCOL: &str = "http/protobuf";
 const CALL_TIMEOUT: Duration = Duration::from_secs(10);
 /// Answers larger than this are refused (a collector answers with a few bytes).
 const MAX_ANSWER_BYTES: usize = 1 << 20;
+
+/// The target of the spans that are exported (`tracing::info_span!(target: SPAN_TARGET, …)`),
+/// named for OpenTelemetry by [`describe`].
+pub const SPAN_TARGET: &str = "switchboard_traces";
 
 /// Set once spans are exported: what only an exported span needs (links, attributes that logs
 /// do not show) is not worked out otherwise.
@@ -198,19 +202,15 @@ where
         .with_threads(false)
         .with_target(false)
         .with_level(true)
-        .with_filter(filter_fn(|meta| {
-            if meta.is_span() {
-                meta.fields().field("otel.name").is_some()
-            } else {
-                *meta.level() <= tracing::Level::WARN
-            }
-        }));
+        // Nothing here reads OpenTelemetry's current context; activating it on every enter of
+        // a span (a batch's spans are entered by every poll) would only cost.
+        .with_context_activation(false);
     EXPORTING.store(true, Ordering::Relaxed);
     Ok(Some((
         Traces {
             provider: Some(provider),
         },
-        layer,
+        Exported(layer),
     )))
 }
 
@@ -296,5 +296,97 @@ impl HttpClient for ExportClient {
             .spawn(call)
             .await
             .map_err(|err| HttpError::from(format!("the export call stopped: {err}")))?
+    }
+}
+
+/// The exporting layer, shown only the spans of [`SPAN_TARGET`] and the warnings and errors.
+/// Not a per-layer filter: tracing-subscriber's per-layer filter state is thread-local and
+/// went wrong under the worker's interleaved tasks (spans disabled for the log and the export
+/// alike, seen as missing `settle` spans and log lines without their batch); this wrapper keeps
+/// no state of its own and leaves filtering to the one global `RUST_LOG` filter.
+struct Exported<L>(L);
+
+fn exported(metadata: &tracing::Metadata<'_>) -> bool {
+    metadata.target() == SPAN_TARGET
+}
+
+impl<L> Exported<L> {
+    fn sees<S>(id: &tracing::span::Id, ctx: &Context<'_, S>) -> bool
+    where
+        S: Subscriber + for<'a> LookupSpan<'a>,
+    {
+        ctx.metadata(id).is_some_and(exported)
+    }
+}
+
+impl<S, L> Layer<S> for Exported<L>
+where
+    S: Subscriber + for<'a> LookupSpan<'a>,
+    L: Layer<S>,
+{
+    fn on_register_dispatch(&self, subscriber: &tracing::Dispatch) {
+        self.0.on_register_dispatch(subscriber);
+    }
+
+    fn on_layer(&mut self, subscriber: &mut S) {
+        self.0.on_layer(subscriber);
+    }
+
+    fn on_new_span(
+        &self,
+        attrs: &tracing::span::Attributes<'_>,
+        id: &tracing::span::Id,
+        ctx: Context<'_, S>,
+    ) {
+        if exported(attrs.metadata()) {
+            self.0.on_new_span(attrs, id, ctx);
+        }
+    }
+
+    fn on_record(
+        &self,
+        id: &tracing::span::Id,
+        values: &tracing::span::Record<'_>,
+        ctx: Context<'_, S>,
+    ) {
+        if Self::sees(id, &ctx) {
+            self.0.on_record(id, values, ctx);
+        }
+    }
+
+    fn on_event(&self, event: &tracing::Event<'_>, ctx: Context<'_, S>) {
+        if *event.metadata().level() <= tracing::Level::WARN {
+            self.0.on_event(event, ctx);
+        }
+    }
+
+    fn on_enter(&self, id: &tracing::span::Id, ctx: Context<'_, S>) {
+        if Self::sees(id, &ctx) {
+            self.0.on_enter(id, ctx);
+        }
+    }
+
+    fn on_exit(&self, id: &tracing::span::Id, ctx: Context<'_, S>) {
+        if Self::sees(id, &ctx) {
+            self.0.on_exit(id, ctx);
+        }
+    }
+
+    fn on_close(&self, id: tracing::span::Id, ctx: Context<'_, S>) {
+        if Self::sees(&id, &ctx) {
+            self.0.on_close(id, ctx);
+        }
+    }
+
+    // tracing-opentelemetry's span extension (`set_attribute`, `add_link`, `set_status`) finds
+    // its layer by downcasting the subscriber: the wrapped layer must answer for itself.
+    #[allow(unsafe_code)]
+    unsafe fn downcast_raw(&self, id: std::any::TypeId) -> Option<*const ()> {
+        if id == std::any::TypeId::of::<Self>() {
+            Some(self as *const Self as *const ())
+        } else {
+            // SAFETY: forwarding to the wrapped layer, which upholds the same contract.
+            unsafe { self.0.downcast_raw(id) }
+        }
     }
 }

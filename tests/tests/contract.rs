@@ -10,6 +10,7 @@ use switchboard_tests::brokers::{
     AmqpClassicBroker, AmqpQuorumBroker, BrokerFixture, GatewayBroker, KafkaBroker, NatsBroker,
     RedisListBroker, RedisStreamBroker, SqsBroker,
 };
+use switchboard_tests::otel::{Collector, SpanKind};
 use switchboard_tests::proxy::CuttingProxy;
 use switchboard_tests::wait::wait_for;
 use switchboard_tests::worker::WorkerProcess;
@@ -660,50 +661,218 @@ async fn connections_cut_mid_flow_lose_nothing<B: BrokerFixture>() -> Result<()>
     Ok(())
 }
 
-/// A producer's W3C trace context in the broker's native headers (stream fields, SQS or gateway
-/// message attributes, NATS, AMQP or Kafka headers) arrives unchanged in the stored event's
-/// `headers`, beside an ordinary header.
-async fn trace_context_headers_arrive_in_the_events_headers<B: BrokerFixture>() -> Result<()> {
-    const HEADERS: [(&str, &str); 3] = [
+/// How a broker's message carries its trace context: its own headers (the W3C `traceparent`
+/// and `tracestate`), or, where it has none (a Redis list item), a CloudEvent's
+/// distributed-tracing extension in the body.
+#[derive(Clone, Copy, Debug)]
+enum Carrier {
+    Headers,
+    CloudEvent,
+}
+
+const TRACEPARENT: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+const TRACESTATE: &str = "congo=t61rcWkgMzE,rojo=00f067aa0ba902b7";
+const TRACE_ID: &str = "4bf92f3577b34da6a3ce929d0e0e4736";
+
+/// With traces exported to a real OpenTelemetry Collector, a message sent with a trace context
+/// (and one with a malformed `traceparent`, and one with none) is stored once each; the todo
+/// keeps the context (`todos.traceparent`, `tracestate`) and the event its headers as sent;
+/// the batch span — a root, `process {destination}`, kind consumer, with the messaging
+/// attributes of OpenTelemetry's conventions — links to the producer's span; the malformed one
+/// is counted and carries nothing.
+async fn trace_context_reaches_the_todo_and_the_batch_span_links_to_it<B: BrokerFixture>(
+    carrier: Carrier,
+    system: &str,
+) -> Result<()> {
+    let mut contract = Contract::<B>::start("traced").await?;
+    let collector = Collector::start(&contract.fx)?;
+    contract.fx.extra_env.extend([
         (
-            "traceparent",
-            "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+            "OTEL_EXPORTER_OTLP_ENDPOINT".to_owned(),
+            collector.http_endpoint(),
         ),
-        ("tracestate", "congo=t61rcWkgMzE,rojo=00f067aa0ba902b7"),
-        ("tenant", "acme"),
-    ];
-    let contract = Contract::<B>::start("traced").await?;
-    let manifest = contract.manifest("batchSize: 20", "")?;
+        ("OTEL_BSP_SCHEDULE_DELAY".to_owned(), "100".to_owned()),
+    ]);
+    let payload = match carrier {
+        Carrier::Headers => "",
+        Carrier::CloudEvent => "envelope: cloudevents",
+    };
+    let manifest = contract.manifest("batchSize: 20", payload)?;
     let worker = contract.fx.worker(&manifest, "w1")?;
     let (fx, name) = (&contract.fx, contract.name);
-    contract
-        .broker
-        .produce_with_headers(fx, name, br#"{"order":1}"#.to_vec(), &HEADERS)
-        .await?;
-    contract.wait_settled(1, &worker).await?;
-    contract.assert_exactly_once(1).await?;
-    let headers: serde_json::Value = sqlx::query_scalar(
-        "SELECT e.headers FROM todos t JOIN events e ON e.id = t.event_id WHERE t.queue = $1",
+    let (body_name, header_prefix) = match carrier {
+        Carrier::Headers => ("traced", ""),
+        Carrier::CloudEvent => ("traced", "ce-"),
+    };
+    let message = |order: u32, traceparent: Option<&str>| match carrier {
+        Carrier::Headers => {
+            let mut headers = vec![("tenant", "acme")];
+            if let Some(traceparent) = traceparent {
+                headers.extend([("traceparent", traceparent), ("tracestate", TRACESTATE)]);
+            }
+            let headers: Vec<(String, String)> = headers
+                .into_iter()
+                .map(|(k, v)| (k.to_owned(), v.to_owned()))
+                .collect();
+            (format!(r#"{{"order":{order}}}"#).into_bytes(), headers)
+        }
+        Carrier::CloudEvent => {
+            let mut event = serde_json::json!({
+                "specversion": "1.0", "id": format!("{body_name}-{order}"),
+                "source": "urn:test", "type": "order", "data": {"order": order},
+            });
+            if let Some(traceparent) = traceparent {
+                event["traceparent"] = traceparent.into();
+                event["tracestate"] = TRACESTATE.into();
+            }
+            (event.to_string().into_bytes(), Vec::new())
+        }
+    };
+    for (order, traceparent) in [
+        (1, Some(TRACEPARENT)),
+        (2, Some("00-not-a-trace-context-01")),
+        (3, None),
+    ] {
+        let (body, headers) = message(order, traceparent);
+        if headers.is_empty() {
+            contract.broker.produce(fx, name, vec![body]).await?;
+        } else {
+            let headers: Vec<(&str, &str)> = headers
+                .iter()
+                .map(|(k, v)| (k.as_str(), v.as_str()))
+                .collect();
+            contract
+                .broker
+                .produce_with_headers(fx, name, body, &headers)
+                .await?;
+        }
+    }
+    contract.wait_settled(3, &worker).await?;
+    contract.assert_exactly_once(3).await?;
+    let rows: Vec<(
+        serde_json::Value,
+        Option<String>,
+        Option<String>,
+        serde_json::Value,
+    )> = sqlx::query_as(
+        "SELECT t.payload, t.traceparent, t.tracestate, e.headers FROM todos t \
+             JOIN events e ON e.id = t.event_id WHERE t.queue = $1 ORDER BY t.payload::text",
     )
     .bind(name)
-    .fetch_one(fx.pool())
+    .fetch_all(fx.pool())
     .await?;
-    for (header, value) in HEADERS {
-        ensure!(headers[header] == value, "header {header}: {headers}");
+    let order = |row: &(serde_json::Value, _, _, _)| row.0["order"].as_u64();
+    let traced = rows
+        .iter()
+        .find(|row| order(row) == Some(1))
+        .context("order 1")?;
+    ensure!(
+        traced.1.as_deref() == Some(TRACEPARENT) && traced.2.as_deref() == Some(TRACESTATE),
+        "the todo keeps the trace context: {traced:?}"
+    );
+    ensure!(
+        traced.3[format!("{header_prefix}traceparent")] == TRACEPARENT
+            && traced.3[format!("{header_prefix}tracestate")] == TRACESTATE,
+        "the event keeps the headers as sent: {}",
+        traced.3
+    );
+    if let Carrier::Headers = carrier {
+        ensure!(
+            traced.3["tenant"] == "acme",
+            "other headers kept: {}",
+            traced.3
+        );
+    }
+    for untraced in rows.iter().filter(|row| order(row) != Some(1)) {
+        ensure!(
+            untraced.1.is_none() && untraced.2.is_none(),
+            "no trace context from a malformed or missing traceparent: {untraced:?}"
+        );
+    }
+    ensure!(
+        worker.metric("switchboard_trace_contexts_malformed_total")? == 1.0,
+        "the malformed traceparent is counted"
+    );
+    let spans = collector
+        .wait_for_spans(
+            LONG,
+            "a batch span linked to the producer's span, and its settle span",
+            |spans| {
+                spans.iter().any(|span| {
+                    span.name.starts_with("process ")
+                        && span.links.iter().any(|link| link.trace_id == TRACE_ID)
+                }) && spans.iter().any(|span| span.name == "settle")
+            },
+        )
+        .await
+        .map_err(|err| {
+            let names: Vec<String> = collector
+                .spans()
+                .unwrap_or_default()
+                .iter()
+                .map(|span| format!("{} {:?}", span.name, span.links))
+                .collect();
+            err.context(format!("spans received: {names:?}\n{}", worker.log_tail()))
+        })?;
+    let batch = spans
+        .iter()
+        .find(|span| span.links.iter().any(|link| link.trace_id == TRACE_ID))
+        .context("the linked batch span")?;
+    let link = batch
+        .links
+        .iter()
+        .find(|link| link.trace_id == TRACE_ID)
+        .context("the link")?;
+    ensure!(link.span_id == "00f067aa0ba902b7", "{link:?}");
+    ensure!(link.trace_state == TRACESTATE, "{link:?}");
+    ensure!(
+        batch.kind == SpanKind::Consumer
+            && batch.parent_span_id.is_empty()
+            && batch.trace_id != TRACE_ID
+            && batch.service_name() == Some("switchboard-worker"),
+        "a root consumer span of the worker, linking, not continuing: {batch:?}"
+    );
+    let destination = batch
+        .attribute_str("messaging.destination.name")
+        .context("messaging.destination.name")?;
+    ensure!(
+        batch.name == format!("process {destination}") && !destination.is_empty(),
+        "{batch:?}"
+    );
+    ensure!(
+        batch.attribute_str("messaging.system") == Some(system),
+        "{batch:?}"
+    );
+    ensure!(batch.attribute_str("messaging.operation.type") == Some("process"));
+    let count = batch.attributes.get("messaging.batch.message_count");
+    ensure!(
+        count
+            .and_then(|count| count.as_i64())
+            .is_some_and(|count| (1..=3).contains(&count)),
+        "{batch:?}"
+    );
+    for step in ["store", "settle"] {
+        ensure!(
+            spans
+                .iter()
+                .any(|span| span.name == step && span.parent_span_id == batch.span_id),
+            "a {step} span inside the batch span: {spans:#?}"
+        );
     }
     Ok(())
 }
 
 /// The suite, for one broker.
-/// `chaos:`, `recreate:`, `undecodable:`, `cut:` and `headers:` take attributes for those tests of a broker: an `#[ignore]` there
-/// names a limit that broker's page states (docs/brokers/<broker>.md, "Not guaranteed").
+/// `chaos:`, `recreate:`, `undecodable:` and `cut:` take attributes for those tests of a broker: an `#[ignore]` there
+/// names a limit that broker's page states (docs/brokers/<broker>.md, "Not guaranteed");
+/// `trace:` says how its messages carry a trace context and its `messaging.system`.
 macro_rules! contract_suite {
     ($($module:ident => $broker:ty {
         chaos: [$(#[$chaos:meta])*],
         recreate: [$(#[$recreate:meta])*],
         undecodable: [$(#[$undecodable:meta])*],
         cut: [$(#[$cut:meta])*],
-        headers: [$(#[$headers:meta])*] $(,)?
+        trace: ($carrier:expr, $system:literal) $(,)?
     }),* $(,)?) => {$(
         mod $module {
             use super::*;
@@ -777,34 +946,33 @@ macro_rules! contract_suite {
                 connections_cut_mid_flow_lose_nothing::<$broker>().await
             }
 
-            $(#[$headers])*
             #[tokio::test]
-            async fn traceparent_and_tracestate_headers_arrive_in_the_events_headers() -> Result<()> {
-                trace_context_headers_arrive_in_the_events_headers::<$broker>().await
+            async fn trace_context_reaches_the_todo_and_the_batch_span_links_to_it() -> Result<()> {
+                super::trace_context_reaches_the_todo_and_the_batch_span_links_to_it::<$broker>($carrier, $system).await
             }
         }
     )*};
 }
 
 contract_suite! {
-    redis_stream => RedisStreamBroker { chaos: [], recreate: [], undecodable: [], cut: [], headers: [] },
+    redis_stream => RedisStreamBroker { chaos: [], recreate: [], undecodable: [], cut: [], trace: (Carrier::Headers, "redis") },
     redis_list => RedisListBroker {
         chaos: [],
         recreate: [],
         undecodable: [],
         cut: [],
-        headers: [#[ignore = "a Redis list item is a body alone, no headers (docs/brokers/redis-lists.md)"]],
+        trace: (Carrier::CloudEvent, "redis"),
     },
-    sqs_standard => SqsBroker { chaos: [], recreate: [], undecodable: [], cut: [], headers: [] },
-    nats => NatsBroker { chaos: [], recreate: [], undecodable: [], cut: [], headers: [] },
+    sqs_standard => SqsBroker { chaos: [], recreate: [], undecodable: [], cut: [], trace: (Carrier::Headers, "aws_sqs") },
+    nats => NatsBroker { chaos: [], recreate: [], undecodable: [], cut: [], trace: (Carrier::Headers, "nats") },
     amqp_quorum => AmqpQuorumBroker {
         chaos: [],
         recreate: [],
         undecodable: [],
         cut: [],
-        headers: [],
+        trace: (Carrier::Headers, "rabbitmq"),
     },
-    amqp_classic => AmqpClassicBroker { chaos: [], recreate: [], undecodable: [], cut: [], headers: [] },
-    kafka => KafkaBroker { chaos: [], recreate: [], undecodable: [], cut: [], headers: [] },
-    gateway => GatewayBroker { chaos: [], recreate: [], undecodable: [], cut: [], headers: [] },
+    amqp_classic => AmqpClassicBroker { chaos: [], recreate: [], undecodable: [], cut: [], trace: (Carrier::Headers, "rabbitmq") },
+    kafka => KafkaBroker { chaos: [], recreate: [], undecodable: [], cut: [], trace: (Carrier::Headers, "kafka") },
+    gateway => GatewayBroker { chaos: [], recreate: [], undecodable: [], cut: [], trace: (Carrier::Headers, "aws_sqs") },
 }

@@ -126,6 +126,9 @@ fn lint_files(files: &[PathBuf]) -> ExitCode {
 #[tokio::main(flavor = "current_thread")]
 async fn main() -> ExitCode {
     let cli = Cli::parse();
+    // Two rustls providers are linked (see Cargo.toml); an error only means one is installed.
+    // Before anything builds a TLS client (the trace exporter's too).
+    let _ = rustls::crypto::ring::default_provider().install_default();
     // The dlq, send and lint commands print for people and scripts on stdout, where the log would go.
     let traces = if matches!(
         cli.command,
@@ -141,8 +144,6 @@ async fn main() -> ExitCode {
             }
         }
     };
-    // Two rustls providers are linked (see Cargo.toml); an error only means one is installed.
-    let _ = rustls::crypto::ring::default_provider().install_default();
     let result = match cli.command {
         Command::Lint { files } => return lint_files(&files),
         Command::Migrate => migrate().await,

@@ -28,6 +28,7 @@ pub(super) fn batch(
     links: Vec<SpanContext>,
 ) -> Span {
     let span = tracing::info_span!(
+        target: traces::SPAN_TARGET,
         "batch",
         otel.name = Empty,
         otel.kind = Empty,
@@ -54,7 +55,13 @@ pub(super) fn batch(
 /// A step of the batch in `parent`: `store` (its transaction) or `settle` (dead letters and
 /// acknowledgements, with the messaging attributes).
 pub(super) fn step(parent: &Span, messaging: &Messaging, operation: &'static str) -> Span {
-    let span = tracing::info_span!(parent: parent, "step", otel.name = Empty, otel.kind = Empty);
+    let span = tracing::info_span!(
+        target: traces::SPAN_TARGET,
+        parent: parent,
+        "step",
+        otel.name = Empty,
+        otel.kind = Empty
+    );
     if traces::exporting() {
         let attributes = match operation {
             "settle" => attributes(messaging, operation),
