@@ -1,6 +1,7 @@
-//! The trace fixture itself, without the product: a real OpenTelemetry Collector
-//! (tests/src/otel.rs) receives a span over OTLP/HTTP and [`Collector::spans`] reads it back
-//! from the file exporter's JSON lines, typed, with its link.
+//! The trace fixture itself, without the product (a real OpenTelemetry Collector,
+//! tests/src/otel.rs, receives a span over OTLP/HTTP and [`Collector::spans`] reads it back
+//! from the file exporter's JSON lines, typed, with its link), and what only one broker carries:
+//! SQS's X-Ray `AWSTraceHeader`. The contract suite shows the trace path of every broker.
 
 use std::time::Duration;
 
@@ -178,5 +179,62 @@ async fn redis_list_fixture_refuses_headers_naming_why() -> Result<()> {
         pushed == 0,
         "nothing pushed without its headers: {pushed} items"
     );
+    Ok(())
+}
+
+/// Through the worker: a message whose only trace context is X-Ray's `AWSTraceHeader` system
+/// attribute gets a todo whose `traceparent` is the same trace and parent (sampled), and the
+/// batch span, exported to the collector, links to that parent.
+#[tokio::test]
+async fn sqs_aws_trace_header_becomes_the_todos_traceparent_and_the_batch_links_to_it() -> Result<()>
+{
+    use switchboard_tests::brokers::{BrokerFixture, SqsBroker};
+    let mut fx = Fixture::start().await?;
+    let (sqs, env) = SqsBroker::start(&fx).await?;
+    let collector = Collector::start(&fx)?;
+    fx.extra_env = env;
+    fx.extra_env.extend([
+        (
+            "OTEL_EXPORTER_OTLP_ENDPOINT".to_owned(),
+            collector.http_endpoint(),
+        ),
+        ("OTEL_BSP_SCHEDULE_DELAY".to_owned(), "100".to_owned()),
+    ]);
+    let source = sqs.create(&fx, "xray").await?;
+    let manifest = fx.manifest(
+        "xray.yaml",
+        &switchboard_tests::source_manifest("xray", &source, sqs.delivery(), ""),
+    )?;
+    let worker = fx.worker(&manifest, "w1")?;
+    sqs.produce_with_trace_header("xray", r#"{"order":1}"#, AWS_TRACE_HEADER)
+        .await?;
+    let expected = "00-5759e988bd862e3fe1be46a994272793-53995c3f42cd8ad8-01";
+    switchboard_tests::wait::wait_for(Duration::from_secs(120), "the todo", || async {
+        let count: i64 = sqlx::query_scalar("SELECT count(*) FROM todos WHERE queue = 'xray'")
+            .fetch_one(fx.pool())
+            .await?;
+        Ok(count == 1)
+    })
+    .await
+    .map_err(|err| err.context(worker.log_tail()))?;
+    let traceparent: Option<String> =
+        sqlx::query_scalar("SELECT traceparent FROM todos WHERE queue = 'xray'")
+            .fetch_one(fx.pool())
+            .await?;
+    ensure!(
+        traceparent.as_deref() == Some(expected),
+        "todo traceparent {traceparent:?}"
+    );
+    collector
+        .wait_for_spans(Duration::from_secs(60), "the linked batch span", |spans| {
+            spans.iter().any(|span| {
+                span.attribute_str("messaging.system") == Some("aws_sqs")
+                    && span.links.iter().any(|link| {
+                        link.trace_id == "5759e988bd862e3fe1be46a994272793"
+                            && link.span_id == "53995c3f42cd8ad8"
+                    })
+            })
+        })
+        .await?;
     Ok(())
 }
