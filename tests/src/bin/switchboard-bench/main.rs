@@ -2,7 +2,8 @@
 //! Redis and the other brokers (SQS on ElasticMQ, …), next to the raw limits of each server, in
 //! one run (see docs/PERFORMANCE.md). The rooms: `measure` (CPU, memory, latency), `table`
 //! (medians, ratios, verdicts), `raw` (the database limit), `redis_stream` (the Redis phases),
-//! `broker` (every other broker's phases, one file each); this file runs the rounds.
+//! `broker` (every other broker's phases, one file each), `traced` (the cost of trace
+//! context); this file runs the rounds.
 //!
 //! Every phase runs `--repeats` times (3), in rounds (every phase once, then again): the Redis
 //! and database rounds first, then each other broker's rounds with its server the only broker
@@ -18,6 +19,7 @@ use anyhow::{Context, Result, ensure};
 use clap::{Parser, ValueEnum};
 use nix::sys::signal::Signal;
 use switchboard_store::Store;
+use switchboard_tests::otel::Collector;
 use switchboard_tests::servers::Postgres;
 use switchboard_tests::wait::wait_for;
 use switchboard_tests::worker::{WorkerEnv, WorkerProcess};
@@ -42,6 +44,7 @@ mod raw;
 mod redis_stream;
 mod sqs;
 mod table;
+mod traced;
 
 /// Measures the worker end to end and the raw limits of PostgreSQL and Redis.
 #[derive(Debug, Parser)]
@@ -87,6 +90,8 @@ struct Args {
     kafka: KafkaArgs,
     #[command(flatten)]
     idle: idle::IdleArgs,
+    #[command(flatten)]
+    traced: traced::TraceArgs,
 }
 
 /// How long any one phase may take before the bench gives up.
@@ -257,6 +262,7 @@ impl Bench {
         mode: Mode,
         name: &str,
         batch_size: usize,
+        extra_env: &[(&str, &str)],
     ) -> Result<WorkerProcess> {
         let manifest = self.fx.manifest(
             &format!("{name}.yaml"),
@@ -272,7 +278,7 @@ impl Bench {
             &self.worker_env(database),
             &manifest,
             "bench",
-            &[],
+            extra_env,
         )
     }
 
@@ -284,11 +290,42 @@ impl Bench {
         entries: usize,
     ) -> Result<Measurement> {
         let name = format!("{}-batch{batch_size}-r{}", mode.as_str(), self.round);
+        let label = format!("worker {} batchSize {batch_size}", mode.as_str());
+        let preload = |fx: &Fixture, key: &str| mode.preload(fx, key, (0..entries).map(order_body));
+        self.drain(
+            Drain {
+                mode,
+                name,
+                label,
+                batch_size,
+                entries,
+            },
+            preload,
+            &[],
+        )
+        .await
+    }
+
+    /// Preloads `drain.entries` messages with `preload`, then measures the worker (run with
+    /// `extra_env`) draining them: time, CPU, peak RSS; checks each was stored once.
+    async fn drain(
+        &mut self,
+        drain: Drain,
+        preload: impl FnOnce(&Fixture, &str) -> Result<()>,
+        extra_env: &[(&str, &str)],
+    ) -> Result<Measurement> {
+        let Drain {
+            mode,
+            name,
+            label,
+            batch_size,
+            entries,
+        } = drain;
         let database = self.fresh_database(4).await?;
-        mode.preload(&self.fx, &name, (0..entries).map(order_body))?;
+        preload(&self.fx, &name)?;
         let before = self.cpu_snapshot();
         let started = Instant::now();
-        let worker = self.start_worker(&database, mode, &name, batch_size)?;
+        let worker = self.start_worker(&database, mode, &name, batch_size, extra_env)?;
         wait_acked(&worker, &name, entries).await?;
         let elapsed = started.elapsed();
         let cpu = self.cpu_since(before, Some(worker.pid()));
@@ -299,7 +336,7 @@ impl Bench {
         mode.ensure_drained(&self.fx, &name)?;
         self.drop_database(database).await?;
         Ok(Measurement {
-            name: format!("worker {} batchSize {batch_size}", mode.as_str()),
+            name: label,
             messages: entries,
             elapsed,
             cpu,
@@ -307,6 +344,16 @@ impl Bench {
             store_share,
         })
     }
+}
+
+/// One worker run of [`Bench::drain`]: the mode and key read, the row's label, the batch size
+/// and how many messages are preloaded.
+struct Drain {
+    mode: Mode,
+    name: String,
+    label: String,
+    batch_size: usize,
+    entries: usize,
 }
 
 async fn todo_count(store: &Store, queue: &str) -> Result<i64> {
@@ -478,6 +525,16 @@ async fn run(args: Args) -> Result<()> {
             load_average()
         );
     }
+    let collector = (bench.args.traced.trace_messages > 0)
+        .then(|| Collector::start(&bench.fx))
+        .transpose()?;
+    if let Some(collector) = &collector {
+        for number in 1..=repeats {
+            eprintln!("trace-context round {number} of {repeats}");
+            bench.round = number;
+            bench.trace_rounds(collector, &mut table).await?;
+        }
+    }
     brokers.rounds(&mut bench, &mut table).await?;
     let args = &bench.args;
     let batch_size = args.batch_size;
@@ -559,6 +616,9 @@ async fn run(args: Args) -> Result<()> {
         Err(_) => println!("list / stream: not measured (--modes has no list)"),
     }
     brokers.print_verdicts(&table)?;
+    if collector.is_some() {
+        traced::print_verdicts(&table)?;
+    }
     let idle = bench.args.idle.clone();
     bench.idle_cost(&idle, &mut brokers).await?;
     println!();

@@ -20,7 +20,7 @@ impl Bench {
         let (rate, seconds) = (self.args.rate, self.args.latency_seconds);
         let total = usize::try_from(rate * seconds)?;
         let database = self.fresh_database(4).await?;
-        let worker = self.start_worker(&database, Mode::Stream, name, self.args.batch_size)?;
+        let worker = self.start_worker(&database, Mode::Stream, name, self.args.batch_size, &[])?;
         wait_for(PHASE_TIMEOUT, "the worker is ready", || async {
             Ok(worker.http_get("/readyz")?.0 == 200)
         })
