@@ -113,3 +113,67 @@ async fn pubsub_sigterm_exits_zero_promptly() -> Result<()> {
     ensure!(status.success(), "{status:?}");
     Ok(())
 }
+
+/// Pub/sub carries trace context the only way a bare message can, a CloudEvent's
+/// distributed-tracing extension: the todo keeps it and the batch span, exported to a real
+/// OpenTelemetry Collector, links to the producer's span.
+#[tokio::test]
+async fn pubsub_cloud_event_trace_context_reaches_the_todo_and_the_batch_span_links_to_it()
+-> Result<()> {
+    let mut fx = Fixture::start().await?;
+    let collector = switchboard_tests::otel::Collector::start(&fx)?;
+    fx.extra_env.extend([
+        (
+            "OTEL_EXPORTER_OTLP_ENDPOINT".to_owned(),
+            collector.http_endpoint(),
+        ),
+        ("OTEL_BSP_SCHEDULE_DELAY".to_owned(), "100".to_owned()),
+    ]);
+    let manifest = fx.manifest(
+        "traced.yaml",
+        &adapter_manifest(
+            "traced",
+            "mode: pubsub, channel: traced",
+            "batchSize: 10",
+            "envelope: cloudevents",
+        ),
+    )?;
+    let worker = fx.worker(&manifest, "w1")?;
+    wait_for(LONG, "the worker is subscribed", || async {
+        Ok(subscribers(&fx, "traced")? == 1)
+    })
+    .await?;
+    let traceparent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01";
+    let event = serde_json::json!({
+        "specversion": "1.0", "id": "e-1", "source": "urn:test", "type": "t",
+        "traceparent": traceparent, "data": {"event": 1},
+    });
+    let mut conn = fx.redis.connection()?;
+    redis::cmd("PUBLISH")
+        .arg("traced")
+        .arg(event.to_string())
+        .query::<i64>(&mut conn)?;
+    wait_for(LONG, "the todo", || async {
+        let stored: Option<String> =
+            sqlx::query_scalar("SELECT traceparent FROM todos WHERE queue = 'traced' LIMIT 1")
+                .fetch_optional(fx.pool())
+                .await?
+                .flatten();
+        Ok(stored.as_deref() == Some(traceparent))
+    })
+    .await
+    .map_err(|err| err.context(worker.log_tail()))?;
+    collector
+        .wait_for_spans(LONG, "the linked batch span", |spans| {
+            spans.iter().any(|span| {
+                span.name == "process traced"
+                    && span.attribute_str("messaging.system") == Some("redis")
+                    && span.links.iter().any(|link| {
+                        link.trace_id == "0af7651916cd43dd8448eb211c80319c"
+                            && link.span_id == "b7ad6b7169203331"
+                    })
+            })
+        })
+        .await?;
+    Ok(())
+}
