@@ -20,7 +20,7 @@ use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 pub use opentelemetry::KeyValue;
-use opentelemetry::trace::{Status, TracerProvider as _};
+use opentelemetry::trace::{Status, TraceContextExt as _, TracerProvider as _};
 use opentelemetry_http::{HttpClient, HttpError, Request, Response};
 use opentelemetry_otlp::{SpanExporter, WithExportConfig as _, WithHttpConfig as _};
 use opentelemetry_sdk::Resource;
@@ -70,6 +70,18 @@ pub fn describe(
             span.set_attribute(attribute.key, attribute.value);
         }
     }
+}
+
+/// The trace id of the current span, when spans are exported and it is sampled (metric
+/// exemplars).
+pub fn current_trace_id() -> Option<String> {
+    if !exporting() {
+        return None;
+    }
+    let context = Span::current().context();
+    let span = context.span();
+    let span = span.span_context();
+    (span.is_valid() && span.is_sampled()).then(|| span.trace_id().to_string())
 }
 
 /// Marks `span` failed with `error` (its whole cause chain), when spans are exported.

@@ -851,6 +851,30 @@ async fn trace_context_reaches_the_todo_and_the_batch_span_links_to_it<B: Broker
             .is_some_and(|count| (1..=3).contains(&count)),
         "{batch:?}"
     );
+    // The latency histograms keep the batch's trace as an exemplar (OpenMetrics); the
+    // end-to-end one only where the broker gives an enqueue time (it observed something).
+    let (_, metrics) = worker.http_get("/metrics")?;
+    let exemplar = format!("trace_id=\"{}\"", batch.trace_id);
+    for histogram in [
+        "switchboard_commit_duration_seconds",
+        "switchboard_end_to_end_latency_seconds",
+    ] {
+        let observed = metrics.lines().any(|line| {
+            line.starts_with(&format!("{histogram}_count"))
+                && line.split_whitespace().last() != Some("0")
+        });
+        ensure!(
+            !observed
+                || metrics.lines().any(|line| {
+                    line.starts_with(&format!("{histogram}_bucket")) && line.contains(&exemplar)
+                }),
+            "{histogram}: an exemplar with the batch's trace id {exemplar}: {metrics}"
+        );
+    }
+    ensure!(
+        metrics.contains(&exemplar),
+        "the commit histogram always observes: {metrics}"
+    );
     for step in ["store", "settle"] {
         ensure!(
             spans

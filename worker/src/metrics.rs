@@ -4,6 +4,7 @@
 use prometheus_client::encoding::{EncodeLabelSet, EncodeMetric};
 use prometheus_client::metrics::TypedMetric;
 use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::exemplar::HistogramWithExemplars;
 use prometheus_client::metrics::family::{Family, MetricConstructor};
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
@@ -113,8 +114,9 @@ pub struct Metrics {
     errors: Family<DependencyLabels, Counter>,
     dependency_up: Family<DependencyLabels, Gauge>,
     pub batch_size: Histogram,
-    pub commit_seconds: Histogram,
-    pub end_to_end_seconds: Histogram,
+    /// With the trace of a batch that observed the bucket, when spans are exported.
+    pub commit_seconds: LatencyHistogram,
+    pub end_to_end_seconds: LatencyHistogram,
     pub backlog: Gauge,
     pub pending: Gauge,
     pub oldest_pending_age_seconds: Gauge<f64, AtomicU64>,
@@ -202,17 +204,30 @@ pub fn broker_reconnects(registry: &mut Registry, adapter: &str, alias: Option<&
     )
 }
 
-fn adapter_histogram(
+fn adapter_histogram<M>(
     registry: &mut Registry,
     name: &str,
     help: &str,
     adapter: &str,
-    constructor: fn() -> Histogram,
-) -> Histogram {
-    let family =
-        Family::<AdapterLabels, Histogram, fn() -> Histogram>::new_with_constructor(constructor);
+    constructor: fn() -> M,
+) -> M
+where
+    Family<AdapterLabels, M, fn() -> M>: Metric + Clone,
+    M: Clone,
+{
+    let family = Family::<AdapterLabels, M, fn() -> M>::new_with_constructor(constructor);
     adapter_series(registry, name, None, help, family, adapter)
 }
+
+/// An exemplar's label: the trace of the batch whose value it is (OpenMetrics exposition only,
+/// never a series label).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct TraceExemplar {
+    pub trace_id: String,
+}
+
+/// A latency histogram whose buckets keep an exemplar with a trace id.
+pub type LatencyHistogram = HistogramWithExemplars<TraceExemplar>;
 
 /// The adapter's message counters in the order of [`Metrics`]' fields: name and help.
 const MESSAGE_COUNTERS: [(&str, &str); 9] = [
@@ -279,7 +294,10 @@ fn register_labelled_families(
 }
 
 /// Batch size, commit duration and end-to-end latency.
-fn register_histograms(r: &mut Registry, adapter: &str) -> [Histogram; 3] {
+fn register_histograms(
+    r: &mut Registry,
+    adapter: &str,
+) -> (Histogram, LatencyHistogram, LatencyHistogram) {
     let batch_size = adapter_histogram(
         r,
         "batch_size",
@@ -297,7 +315,7 @@ fn register_histograms(r: &mut Registry, adapter: &str) -> [Histogram; 3] {
         "commit_duration_seconds",
         "Time to store one batch (one transaction)",
         adapter,
-        || Histogram::new(exponential_buckets(0.0005, 2.0, 14)),
+        || LatencyHistogram::new(exponential_buckets(0.0005, 2.0, 14)),
     );
     let end_to_end_seconds = adapter_histogram(
         r,
@@ -307,9 +325,9 @@ fn register_histograms(r: &mut Registry, adapter: &str) -> [Histogram; 3] {
          so there it is measured from the worker's first sight of the message (its first \
          delivery)",
         adapter,
-        || Histogram::new(exponential_buckets(0.001, 2.0, 18)),
+        || LatencyHistogram::new(exponential_buckets(0.001, 2.0, 18)),
     );
-    [batch_size, commit_seconds, end_to_end_seconds]
+    (batch_size, commit_seconds, end_to_end_seconds)
 }
 
 /// What the queue probe reads from the broker.
@@ -398,7 +416,7 @@ impl Metrics {
             malformed_trace_contexts,
         ] = MESSAGE_COUNTERS.map(|(name, help)| adapter_counter(r, name, help, adapter));
         let (dead_lettered, errors, dependency_up) = register_labelled_families(r);
-        let [batch_size, commit_seconds, end_to_end_seconds] = register_histograms(r, adapter);
+        let (batch_size, commit_seconds, end_to_end_seconds) = register_histograms(r, adapter);
         let queue = QueueGauges::register(r, adapter);
         let ready = adapter_gauge(
             r,

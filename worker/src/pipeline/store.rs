@@ -14,7 +14,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::monitor::Monitor;
 use crate::health::now_ms;
-use crate::metrics::Metrics;
+use crate::metrics::{Metrics, TraceExemplar};
 use crate::payload::{Poison, PoisonReason, fields_json, storable_text};
 use crate::transport::{Attempt, DeadLetter, Position, TransportError, UNSETTLED};
 
@@ -70,9 +70,11 @@ impl StoreContext {
         let started = Instant::now();
         let stored = self.persist(|| self.store.ingest_batch(&batch)).await?;
         if stored.is_some() {
-            self.metrics
-                .commit_seconds
-                .observe(started.elapsed().as_secs_f64());
+            self.metrics.commit_seconds.observe(
+                started.elapsed().as_secs_f64(),
+                trace_exemplar(),
+                None,
+            );
         }
         Ok(stored)
     }
@@ -310,15 +312,18 @@ impl StoreContext {
 
     fn record(&self, outcomes: &Outcomes, origins: &[Origin]) {
         let now = now_ms();
+        let exemplar = trace_exemplar();
         for (outcome, origin) in outcomes.iter().zip(origins) {
             match outcome {
                 Ok(Stored::New | Stored::NewEventOnly) => {
                     self.metrics.stored.inc();
                     if let Some(enqueued) = origin.enqueued_at_ms {
                         let latency = Duration::from_millis(now.saturating_sub(enqueued));
-                        self.metrics
-                            .end_to_end_seconds
-                            .observe(latency.as_secs_f64());
+                        self.metrics.end_to_end_seconds.observe(
+                            latency.as_secs_f64(),
+                            exemplar.clone(),
+                            None,
+                        );
                     }
                 }
                 Ok(Stored::Duplicate) => {
@@ -339,3 +344,8 @@ pub(super) struct Origin {
 
 /// The store task of one batch.
 pub(super) type StoreTask = JoinHandle<Result<Option<Outcomes>, StoreError>>;
+
+/// The exemplar of what the current batch observes: its trace, when it is exported and sampled.
+fn trace_exemplar() -> Option<TraceExemplar> {
+    switchboard_telemetry::traces::current_trace_id().map(|trace_id| TraceExemplar { trace_id })
+}
