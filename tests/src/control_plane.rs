@@ -557,6 +557,18 @@ impl OperatorProcess {
         identity: &str,
         extra_args: &[&str],
     ) -> Result<Self> {
+        Self::start_with_env(kubeconfig, database_url, log_dir, identity, extra_args, &[])
+    }
+
+    /// [`OperatorProcess::start`] with the environment variables `extra_env` besides.
+    pub fn start_with_env(
+        kubeconfig: &Path,
+        database_url: &str,
+        log_dir: &Path,
+        identity: &str,
+        extra_args: &[&str],
+        extra_env: &[(&str, &str)],
+    ) -> Result<Self> {
         let metrics_addr: SocketAddr = format!("127.0.0.1:{}", free_port()?).parse()?;
         let log = log_dir.join(format!("operator-{identity}.log"));
         let child = spawn_logged(
@@ -568,7 +580,8 @@ impl OperatorProcess {
                 .env("KUBECONFIG", kubeconfig)
                 .env("DATABASE_URL", database_url)
                 .env("HOSTNAME", identity)
-                .env("RUST_LOG", "info"),
+                .env("RUST_LOG", "info")
+                .envs(extra_env.iter().copied()),
             &log,
         )?;
         Ok(Self {

@@ -13,6 +13,7 @@ use anyhow::{Context, Result, ensure};
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{Container, EnvVar, Secret};
+use k8s_openapi::api::networking::v1::NetworkPolicy;
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, PolicyRule, Role, RoleBinding};
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
@@ -279,18 +280,24 @@ fn schema_rejects_values_of_the_wrong_type_and_unknown_keys() -> Result<()> {
         (&["--set", "dashboard.lables.a=b"], "'lables' not allowed"),
     ];
     for (values, needle) in cases {
-        let mut args = vec!["template", RELEASE, CHART];
-        args.extend(values);
-        let output = helm(&args)?;
-        let stderr = String::from_utf8_lossy(&output.stderr);
-        ensure!(
-            !output.status.success()
-                && stderr.contains("don't meet the specifications of the schema")
-                && stderr.contains(needle),
-            "helm {args:?} should fail naming {needle:?}; status {}, stderr:\n{stderr}",
-            output.status
-        );
+        ensure_schema_refuses(values, needle)?;
     }
+    Ok(())
+}
+
+/// `helm template` with `values` fails the chart's schema, naming `needle`.
+fn ensure_schema_refuses(values: &[&str], needle: &str) -> Result<()> {
+    let mut args = vec!["template", RELEASE, CHART];
+    args.extend(values);
+    let output = helm(&args)?;
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    ensure!(
+        !output.status.success()
+            && stderr.contains("don't meet the specifications of the schema")
+            && stderr.contains(needle),
+        "helm {args:?} should fail naming {needle:?}; status {}, stderr:\n{stderr}",
+        output.status
+    );
     Ok(())
 }
 
@@ -404,6 +411,103 @@ fn operator_deployment_is_restricted_probed_and_elects_a_leader_with_replicas() 
             .map(|f| f.field_path.as_str());
         ensure!(namespace == Some("metadata.namespace"), "POD_NAMESPACE");
     }
+    Ok(())
+}
+
+/// The OTLP environment the chart gives the operator (for its own spans and, through the
+/// `SWITCHBOARD_WORKER_*` settings, for every worker it builds).
+const TELEMETRY_ENV: [&str; 7] = [
+    "OTEL_EXPORTER_OTLP_ENDPOINT",
+    "OTEL_SERVICE_NAME",
+    "SWITCHBOARD_WORKER_OTLP_ENDPOINT",
+    "OTEL_TRACES_SAMPLER",
+    "SWITCHBOARD_WORKER_TRACES_SAMPLER",
+    "OTEL_TRACES_SAMPLER_ARG",
+    "SWITCHBOARD_WORKER_TRACES_SAMPLER_ARG",
+];
+
+/// The TCP ports the operator's NetworkPolicy lets it reach.
+fn egress_ports(objects: &[Value]) -> Result<BTreeSet<i32>> {
+    let policy: NetworkPolicy = the(objects, "NetworkPolicy")?;
+    let egress = policy.spec.and_then(|s| s.egress).context("egress rules")?;
+    Ok(egress
+        .iter()
+        .flat_map(|rule| rule.ports.iter().flatten())
+        .filter(|port| port.protocol.as_deref() == Some("TCP"))
+        .filter_map(|port| match port.port {
+            Some(IntOrString::Int(number)) => Some(number),
+            _ => None,
+        })
+        .collect())
+}
+
+#[test]
+fn telemetry_values_give_the_operator_and_its_workers_the_otlp_endpoint_and_sampler() -> Result<()>
+{
+    let policy = ["--set", "networkPolicy.enabled=true"];
+    let telemetry = [
+        "--set",
+        "telemetry.otlp.endpoint=http://collector.obs:4318",
+        "--set",
+        "telemetry.tracesSampler=parentbased_traceidratio",
+        "--set-string",
+        "telemetry.tracesSamplerArg=0.25",
+        "--set",
+        "networkPolicy.otlpPort=4319",
+    ];
+    let objects = render(None, &[&policy[..], &telemetry[..]].concat())?;
+    let deployment: Deployment = the(&objects, "Deployment")?;
+    let container = operator_container(&deployment)?;
+    let rendered: Vec<_> = TELEMETRY_ENV
+        .iter()
+        .map(|name| (*name, env_value(container, name)))
+        .collect();
+    ensure!(
+        rendered
+            == [
+                (
+                    "OTEL_EXPORTER_OTLP_ENDPOINT",
+                    Some("http://collector.obs:4318")
+                ),
+                ("OTEL_SERVICE_NAME", Some("switchboard-operator")),
+                (
+                    "SWITCHBOARD_WORKER_OTLP_ENDPOINT",
+                    Some("http://collector.obs:4318")
+                ),
+                ("OTEL_TRACES_SAMPLER", Some("parentbased_traceidratio")),
+                (
+                    "SWITCHBOARD_WORKER_TRACES_SAMPLER",
+                    Some("parentbased_traceidratio")
+                ),
+                ("OTEL_TRACES_SAMPLER_ARG", Some("0.25")),
+                ("SWITCHBOARD_WORKER_TRACES_SAMPLER_ARG", Some("0.25")),
+            ],
+        "{rendered:?}"
+    );
+    let ports = egress_ports(&objects)?;
+    ensure!(ports.contains(&4319), "the OTLP port is allowed: {ports:?}");
+
+    // Without an endpoint: no tracing environment at all, and no OTLP port.
+    let objects = render(None, &policy)?;
+    let deployment: Deployment = the(&objects, "Deployment")?;
+    let container = operator_container(&deployment)?;
+    let set: Vec<_> = TELEMETRY_ENV
+        .iter()
+        .filter(|name| env(container, name).is_some())
+        .collect();
+    ensure!(set.is_empty(), "without an endpoint: {set:?}");
+    let ports = egress_ports(&objects)?;
+    ensure!(!ports.contains(&4318), "no OTLP port: {ports:?}");
+
+    // The schema refuses a sampler the SDK does not know and an endpoint without its scheme.
+    ensure_schema_refuses(
+        &["--set", "telemetry.tracesSampler=sometimes"],
+        "/telemetry/tracesSampler",
+    )?;
+    ensure_schema_refuses(
+        &["--set", "telemetry.otlp.endpoint=collector.obs:4318"],
+        "'collector.obs:4318' does not match",
+    )?;
     Ok(())
 }
 
