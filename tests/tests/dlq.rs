@@ -1679,3 +1679,59 @@ async fn sqs_list_with_a_limit_receives_a_page_not_the_queue() -> Result<()> {
     );
     Ok(())
 }
+
+/// A dead letter keeps its message's trace context, and its redrive brings it back: the todo
+/// made from the redriven letter carries the producer's `traceparent` and `tracestate`.
+#[tokio::test]
+async fn a_dead_letter_keeps_its_trace_context_and_its_redrive_gives_it_to_the_todo() -> Result<()>
+{
+    const TRACEPARENT: &str = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01";
+    let case = StreamCase::start("traced-letters").await?;
+    let strict = case.manifest(false)?;
+    let mut conn = case.fx.redis.connection()?;
+    redis::cmd("XADD")
+        .arg(&case.name)
+        .arg("*")
+        .arg("body")
+        .arg("not json")
+        .arg("traceparent")
+        .arg(TRACEPARENT)
+        .arg("tracestate")
+        .arg("congo=t61rcWkgMzE")
+        .query::<String>(&mut conn)?;
+    let mut worker = case.fx.worker(&strict, "strict")?;
+    wait_for(LONG, "the message is dead-lettered", || async {
+        Ok(case.dead_letters().await? == 1)
+    })
+    .await
+    .with_context(|| worker.log_tail())?;
+    worker.signal(Signal::SIGTERM)?;
+    worker.wait_exit(Duration::from_secs(30))?;
+    let file = path_text(&strict)?.to_owned();
+    let letters = list_json(&case, &file)?;
+    let [letter] = letters.as_slice() else {
+        anyhow::bail!("one letter: {letters:?}");
+    };
+    ensure!(
+        letter.to_string().contains(TRACEPARENT),
+        "the letter keeps the traceparent among its headers: {letter}"
+    );
+    let fixed = case.manifest(true)?;
+    let _worker = case.fx.worker(&fixed, "fixed")?;
+    dlq_ok(&case, &["redrive", "--file", &file, "--all"])?;
+    wait_for(LONG, "the redriven todo", || async {
+        Ok(case.fx.todo_count(case.queue()).await? == 1)
+    })
+    .await?;
+    let (traceparent, tracestate): (Option<String>, Option<String>) =
+        sqlx::query_as("SELECT traceparent, tracestate FROM todos WHERE queue = $1")
+            .bind(case.queue())
+            .fetch_one(case.fx.pool())
+            .await?;
+    ensure!(
+        traceparent.as_deref() == Some(TRACEPARENT)
+            && tracestate.as_deref() == Some("congo=t61rcWkgMzE"),
+        "the redriven todo keeps the trace context: {traceparent:?} {tracestate:?}"
+    );
+    Ok(())
+}
