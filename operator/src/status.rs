@@ -148,6 +148,29 @@ fn condition(
     }
 }
 
+/// `Ready` when nothing was applied: as it was, else unknown.
+fn ready_unchanged(
+    previous: Option<&QueueAdapterStatus>,
+    generation: Option<i64>,
+    now: &Time,
+) -> Condition {
+    previous
+        .and_then(|s| s.conditions.iter().find(|c| c.type_ == READY).cloned())
+        .unwrap_or_else(|| {
+            condition(
+                previous,
+                READY,
+                Verdict {
+                    status: "Unknown",
+                    reason: "Reconciling",
+                    message: "the worker has not been applied yet".to_owned(),
+                },
+                generation,
+                now,
+            )
+        })
+}
+
 /// The status `adapter` should have after `outcome`, at time `now`.
 pub fn desired_status(
     adapter: &QueueAdapter,
@@ -191,21 +214,7 @@ pub fn desired_status(
     };
     let ready = match ready {
         Some(verdict) => condition(previous, READY, verdict, generation, now),
-        None => previous
-            .and_then(|s| s.conditions.iter().find(|c| c.type_ == READY).cloned())
-            .unwrap_or_else(|| {
-                condition(
-                    previous,
-                    READY,
-                    Verdict {
-                        status: "Unknown",
-                        reason: "Reconciling",
-                        message: "the worker has not been applied yet".to_owned(),
-                    },
-                    generation,
-                    now,
-                )
-            }),
+        None => ready_unchanged(previous, generation, now),
     };
     let mut conditions = vec![
         ready,

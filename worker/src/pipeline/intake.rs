@@ -4,6 +4,7 @@
 
 use std::time::Instant;
 
+use opentelemetry::trace::SpanContext;
 use switchboard_api::Envelope;
 use switchboard_store::{Dedup, NewEvent};
 use tracing::Instrument as _;
@@ -32,42 +33,15 @@ impl<T: Transport> Pipeline<T> {
         let mut events = Vec::with_capacity(batch.len());
         let mut origins = Vec::with_capacity(batch.len());
         let mut redelivered = Vec::new();
-        let exporting = switchboard_telemetry::traces::exporting();
         let mut links = Vec::new();
         for (index, message) in batch.iter().enumerate() {
-            if let Some(detail) = &message.undecodable {
-                poison.push((
-                    index,
-                    Poison {
-                        reason: PoisonReason::Undecodable,
-                        detail: detail.clone(),
-                    },
-                ));
-                continue;
-            }
-            if self.count_deliveries && message.delivery_count > settings.max_deliveries {
-                let detail = format!(
-                    "delivered {} times without being stored; delivery.maxDeliveries is {}",
-                    message.delivery_count, settings.max_deliveries
-                );
-                poison.push((
-                    index,
-                    Poison {
-                        reason: PoisonReason::MaxDeliveries,
-                        detail,
-                    },
-                ));
-                continue;
-            }
-            match self.new_event(message) {
+            let event = match self.refused(message) {
+                Some(verdict) => Err(verdict),
+                None => self.new_event(message),
+            };
+            match event {
                 Ok((event, trace)) => {
-                    match trace {
-                        Found::Valid(context) if exporting => links.extend(context.span_context()),
-                        Found::Malformed => {
-                            self.metrics.malformed_trace_contexts.inc();
-                        }
-                        _ => {}
-                    }
+                    self.note_trace(trace, &mut links);
                     events.push(event);
                     origins.push(Origin {
                         position: message.position.clone(),
@@ -106,6 +80,41 @@ impl<T: Transport> Pipeline<T> {
                 .lease()
                 .map(|lease| Instant::now() + lease / 2),
             span,
+        }
+    }
+
+    /// Why `message` is poison before it is even read: undecodable, or delivered more often
+    /// than `maxDeliveries` (where the pipeline counts deliveries).
+    fn refused(&self, message: &Message<T::Receipt>) -> Option<Poison> {
+        let max_deliveries = self.settings.max_deliveries;
+        if let Some(detail) = &message.undecodable {
+            Some(Poison {
+                reason: PoisonReason::Undecodable,
+                detail: detail.clone(),
+            })
+        } else if self.count_deliveries && message.delivery_count > max_deliveries {
+            Some(Poison {
+                reason: PoisonReason::MaxDeliveries,
+                detail: format!(
+                    "delivered {} times without being stored; delivery.maxDeliveries is {}",
+                    message.delivery_count, max_deliveries
+                ),
+            })
+        } else {
+            None
+        }
+    }
+
+    /// Counts a malformed trace context; keeps a valid one to link to while spans are exported.
+    fn note_trace(&self, trace: Found, links: &mut Vec<SpanContext>) {
+        match trace {
+            Found::Valid(context) if switchboard_telemetry::traces::exporting() => {
+                links.extend(context.span_context());
+            }
+            Found::Malformed => {
+                self.metrics.malformed_trace_contexts.inc();
+            }
+            _ => {}
         }
     }
 
