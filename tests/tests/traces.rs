@@ -238,3 +238,51 @@ async fn sqs_aws_trace_header_becomes_the_todos_traceparent_and_the_batch_links_
         .await?;
     Ok(())
 }
+
+/// A trace setting that cannot work stops the worker at once, non-zero, with one line naming
+/// it: a protocol other than OTLP/HTTP with protobuf, a CA file that does not exist, an
+/// endpoint that is not a URL.
+#[tokio::test]
+async fn an_unusable_trace_setting_exits_non_zero_naming_it() -> Result<()> {
+    let cases = [
+        (
+            "OTEL_EXPORTER_OTLP_PROTOCOL",
+            "grpc",
+            "OTEL_EXPORTER_OTLP_PROTOCOL",
+        ),
+        (
+            "OTEL_EXPORTER_OTLP_CERTIFICATE",
+            "/nonexistent/ca.pem",
+            "OTEL_EXPORTER_OTLP_CERTIFICATE",
+        ),
+        (
+            "OTEL_EXPORTER_OTLP_ENDPOINT",
+            "not a url",
+            "OTEL_EXPORTER_OTLP_ENDPOINT",
+        ),
+    ];
+    for (variable, value, named) in cases {
+        let mut fx = Fixture::start().await?;
+        fx.extra_env = vec![(variable.to_owned(), value.to_owned())];
+        if variable != "OTEL_EXPORTER_OTLP_ENDPOINT" {
+            fx.extra_env.push((
+                "OTEL_EXPORTER_OTLP_ENDPOINT".to_owned(),
+                "http://127.0.0.1:4318".to_owned(),
+            ));
+        }
+        let manifest = fx.stream_adapter("orders", "", "")?;
+        let mut worker = fx.worker(&manifest, "w1")?;
+        let status = worker.wait_exit(Duration::from_secs(30))?;
+        let log = worker.log();
+        ensure!(
+            !status.success(),
+            "{variable}={value}: exits non-zero\n{log}"
+        );
+        let lines: Vec<&str> = log.lines().filter(|line| line.contains(named)).collect();
+        ensure!(
+            lines.len() == 1 && lines[0].starts_with("error: "),
+            "{variable}={value}: one line naming {named}\n{log}"
+        );
+    }
+    Ok(())
+}
