@@ -4,12 +4,12 @@
 
 use std::time::Instant;
 
-use opentelemetry::trace::SpanContext;
 use switchboard_api::Envelope;
 use switchboard_store::{Dedup, NewEvent};
 use tracing::Instrument as _;
 
 use super::settle::InFlight;
+use super::spans::Links;
 use super::store::Origin;
 use super::{Pipeline, spans};
 use crate::envelope::{self, PayloadRules, Unwrapped};
@@ -33,7 +33,7 @@ impl<T: Transport> Pipeline<T> {
         let mut events = Vec::with_capacity(batch.len());
         let mut origins = Vec::with_capacity(batch.len());
         let mut redelivered = Vec::new();
-        let mut links = Vec::new();
+        let mut links = Links::default();
         for (index, message) in batch.iter().enumerate() {
             let event = match self.refused(message) {
                 Some(verdict) => Err(verdict),
@@ -105,11 +105,16 @@ impl<T: Transport> Pipeline<T> {
         }
     }
 
-    /// Counts a malformed trace context; keeps a valid one to link to while spans are exported.
-    fn note_trace(&self, trace: Found, links: &mut Vec<SpanContext>) {
+    /// Counts a malformed trace context; keeps a valid one to link to while spans are exported
+    /// (at most [`spans::MAX_LINKS`]; the rest only counted).
+    fn note_trace(&self, trace: Found, links: &mut Links) {
         match trace {
             Found::Valid(context) if switchboard_telemetry::traces::exporting() => {
-                links.extend(context.span_context());
+                if links.kept.len() < spans::MAX_LINKS {
+                    links.kept.extend(context.span_context());
+                } else {
+                    links.dropped += 1;
+                }
             }
             Found::Malformed => {
                 self.metrics.malformed_trace_contexts.inc();

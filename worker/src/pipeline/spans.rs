@@ -19,13 +19,20 @@ use tracing_opentelemetry::OpenTelemetrySpanExt as _;
 /// attribute `switchboard.links_dropped` counts the rest.
 pub const MAX_LINKS: usize = 128;
 
+/// The message contexts a batch span links to, and how many more there were.
+#[derive(Debug, Default)]
+pub(super) struct Links {
+    pub kept: Vec<SpanContext>,
+    pub dropped: usize,
+}
+
 /// The span of a received batch of `size` messages (`first` and `last` their external ids).
 pub(super) fn batch(
     messaging: &Messaging,
     size: usize,
     first: &str,
     last: &str,
-    links: Vec<SpanContext>,
+    links: Links,
 ) -> Span {
     let span = tracing::info_span!(
         target: traces::SPAN_TARGET,
@@ -39,13 +46,13 @@ pub(super) fn batch(
     if traces::exporting() {
         let mut attributes = attributes(messaging, "process");
         attributes.push(KeyValue::new("messaging.batch.message_count", size as i64));
-        let dropped = links.len().saturating_sub(MAX_LINKS);
-        if dropped > 0 {
-            attributes.push(KeyValue::new("switchboard.links_dropped", dropped as i64));
+        if links.dropped > 0 {
+            let dropped = links.dropped as i64;
+            attributes.push(KeyValue::new("switchboard.links_dropped", dropped));
         }
         let name = format!("process {}", messaging.destination);
         traces::describe(&span, &name, "consumer", attributes);
-        for link in links.into_iter().take(MAX_LINKS) {
+        for link in links.kept {
             span.add_link(link);
         }
     }
