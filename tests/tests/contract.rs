@@ -851,10 +851,11 @@ async fn trace_context_reaches_the_todo_and_the_batch_span_links_to_it<B: Broker
             .is_some_and(|count| (1..=3).contains(&count)),
         "{batch:?}"
     );
-    // The latency histograms keep the batch's trace as an exemplar (OpenMetrics); the
+    // The latency histograms keep, per bucket, the trace of the last batch that observed it as
+    // an exemplar (OpenMetrics): each must be the trace of an exported batch span; the
     // end-to-end one only where the broker gives an enqueue time (it observed something).
     let (_, metrics) = worker.http_get("/metrics")?;
-    let exemplar = format!("trace_id=\"{}\"", batch.trace_id);
+    let mut exemplars: Vec<String> = Vec::new();
     for histogram in [
         "switchboard_commit_duration_seconds",
         "switchboard_end_to_end_latency_seconds",
@@ -863,18 +864,32 @@ async fn trace_context_reaches_the_todo_and_the_batch_span_links_to_it<B: Broker
             line.starts_with(&format!("{histogram}_count"))
                 && line.split_whitespace().last() != Some("0")
         });
+        let found: Vec<String> = metrics
+            .lines()
+            .filter(|line| line.starts_with(&format!("{histogram}_bucket")))
+            .filter_map(|line| line.split("trace_id=\"").nth(1))
+            .filter_map(|rest| rest.split('"').next())
+            .map(str::to_owned)
+            .collect();
         ensure!(
-            !observed
-                || metrics.lines().any(|line| {
-                    line.starts_with(&format!("{histogram}_bucket")) && line.contains(&exemplar)
-                }),
-            "{histogram}: an exemplar with the batch's trace id {exemplar}: {metrics}"
+            !observed || !found.is_empty(),
+            "{histogram}: exemplars with trace ids: {metrics}"
         );
+        exemplars.extend(found);
     }
     ensure!(
-        metrics.contains(&exemplar),
+        !exemplars.is_empty(),
         "the commit histogram always observes: {metrics}"
     );
+    collector
+        .wait_for_spans(LONG, "a batch span for every exemplar's trace", |spans| {
+            exemplars.iter().all(|id| {
+                spans
+                    .iter()
+                    .any(|span| span.name.starts_with("process ") && &span.trace_id == id)
+            })
+        })
+        .await?;
     for step in ["store", "settle"] {
         ensure!(
             spans
