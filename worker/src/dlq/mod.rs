@@ -111,7 +111,8 @@ pub enum DlqCommand {
         /// Only letters dead-lettered for this reason.
         #[arg(long, value_parser = poison_reason())]
         reason: Option<String>,
-        /// Only letters dead-lettered within this long (`1h`, `2d`).
+        /// Only letters dead-lettered within this long (`1h`, `2d`); not those whose age is
+        /// unknown.
         #[arg(long, value_parser = humantime::parse_duration)]
         since: Option<Duration>,
         /// At most this many letters.
@@ -162,7 +163,8 @@ pub enum DlqCommand {
         /// Only letters dead-lettered for this reason.
         #[arg(long, conflicts_with = "ids", value_parser = poison_reason())]
         reason: Option<String>,
-        /// Only letters dead-lettered longer ago than this (`14d`).
+        /// Only letters dead-lettered longer ago than this (`14d`). A letter whose age is
+        /// unknown (listed as `?`: one SQS's RedrivePolicy moved) is never deleted by age.
         #[arg(long, value_parser = humantime::parse_duration)]
         older_than: Option<Duration>,
         /// Say what would be deleted, delete nothing.

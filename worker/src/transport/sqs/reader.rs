@@ -16,7 +16,16 @@
 //! `RedrivePolicy`) is the original message: its attempts are the ones the worker recorded in
 //! PostgreSQL (read when `DATABASE_URL` is set). Redrive sends the body and the original message
 //! attributes to the source queue with [`IDEMPOTENCY_KEY_HEADER`] = `sqs:{adapter}:{original
-//! MessageId}`, waits for SQS to accept it, then deletes the letter.
+//! MessageId}`, waits for SQS to accept it, then deletes the letter; to a FIFO source with a
+//! `MessageDeduplicationId` made from that key and the letter's own id ([`deduplication_id`]).
+//!
+//! When a letter was dead-lettered: for a letter the worker wrote, `x-dlq-last-seen` (the time
+//! it wrote it), else its `SentTimestamp` (the same write). For a letter SQS moved, unknown:
+//! SQS keeps a moved message's enqueue time (its `SentTimestamp`) from the original send on a
+//! standard queue and documents a FIFO queue's reset only as the retention clock; no system
+//! attribute is documented as the time of the move (`ApproximateFirstReceiveTimestamp` is a
+//! receive, `DeadLetterQueueSourceArn` says where from, not when). Such a letter is listed
+//! with its age unknown, and `--older-than` never selects it.
 
 use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
@@ -120,7 +129,8 @@ impl SqsReader {
             return Some(StoredLetter {
                 original_id: Some(id.clone()),
                 id,
-                dead_lettered_at_ms: sent,
+                // Unknown: SQS records no time of the move (see the module).
+                dead_lettered_at_ms: None,
                 reason: Some(REDRIVE_POLICY_REASON.to_owned()),
                 delivery_count: None,
                 last_error: Some(
@@ -300,6 +310,21 @@ pub(super) fn unpack_redriven(headers: &mut Vec<(String, Vec<u8>)>) {
     headers.sort_by(|a, b| a.0.cmp(&b.0));
 }
 
+/// The `MessageDeduplicationId` of a redriven copy of the dead letter `letter_id` sent to a
+/// FIFO source with the key `key`: new for SQS each time the letter is dead-lettered again (a
+/// letter dead-lettered again is a new message with a new id, so its next redrive is not
+/// dropped as a duplicate of the last one within SQS's five-minute deduplication interval),
+/// the same when the same dead letter is redriven again after a crash between its send and its
+/// delete (SQS drops that second copy within the interval; after it, the copy carries the same
+/// idempotency key and makes no second todo).
+fn deduplication_id(key: &str, letter_id: &str) -> String {
+    let mut digest = Sha256::new();
+    digest.update(key.as_bytes());
+    digest.update(b"\n");
+    digest.update(letter_id.as_bytes());
+    hex::encode(digest.finalize())
+}
+
 /// A message attribute: `String` when `value` is UTF-8, `Binary` otherwise.
 pub(super) fn attribute(value: &[u8]) -> Result<MessageAttributeValue, TransportError> {
     let built = match std::str::from_utf8(value) {
@@ -441,7 +466,7 @@ impl DeadLetterReader for SqsReader {
                 );
             send = send
                 .message_group_id(group)
-                .message_deduplication_id(hex::encode(Sha256::digest(key.as_bytes())));
+                .message_deduplication_id(deduplication_id(&key, &letter.id));
         }
         send.send()
             .await
@@ -471,6 +496,20 @@ impl DeadLetterReader for SqsReader {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn each_dead_lettering_of_a_letter_redrives_as_a_new_fifo_message() {
+        let key = "sqs:shop/orders.fifo:m-1";
+        let first = deduplication_id(key, "dlq-1");
+        assert_eq!(first, deduplication_id(key, "dlq-1"), "a rerun: the same");
+        assert_ne!(
+            first,
+            deduplication_id(key, "dlq-2"),
+            "dead-lettered again: new"
+        );
+        assert_ne!(first, deduplication_id("sqs:shop/orders.fifo:m-2", "dlq-1"));
+        assert!(first.len() <= 128, "SQS's limit");
+    }
 
     #[test]
     fn a_copy_of_a_letter_at_the_attribute_limit_packs_its_key_and_unpacks_as_the_original() {
