@@ -965,6 +965,8 @@ dlq_suite!(redis_stream, StreamCase, binary: true);
 dlq_suite!(redis_list, ListCase, binary: true);
 dlq_suite!(sqs, SqsCase, binary: false);
 dlq_suite!(nats, NatsCase, binary: true);
+#[path = "dlq/sqs.rs"]
+mod sqs_case;
 
 /// Dead letters in the 200,000-letter tests.
 const MANY: usize = 200_000;

@@ -791,8 +791,8 @@ impl SqsBroker {
 
 /// An HTTP proxy on a loopback port in front of ElasticMQ, on its own thread and runtime (the
 /// tests block their own at times). It forwards every call, except that it can refuse sends to
-/// chosen queues as SQS refuses a message it will never take, and hold receives unanswered (a
-/// hung server).
+/// chosen queues as SQS refuses a message it will never take, and hold receives or deletes
+/// unanswered (a hung server).
 pub struct SqsProxy {
     port: u16,
     state: Arc<ProxyState>,
@@ -818,6 +818,10 @@ struct ProxyState {
     deny_set_attributes: AtomicBool,
     /// Receives held so far.
     hung: AtomicU64,
+    /// `DeleteMessage` calls are held unanswered while set.
+    hang_deletes: AtomicBool,
+    /// `DeleteMessage` calls held so far.
+    hung_deletes: AtomicU64,
     /// Receives, deletes and visibility changes ElasticMQ answered `QueueDoesNotExist`.
     missing_queue: AtomicU64,
 }
@@ -895,6 +899,16 @@ impl SqsProxy {
     /// How many receives were held so far.
     pub fn hung_receives(&self) -> u64 {
         self.state.hung.load(Ordering::SeqCst)
+    }
+
+    /// Holds every `DeleteMessage` unanswered (`true`), or forwards them again (`false`).
+    pub fn hang_deletes(&self, hang: bool) {
+        self.state.hang_deletes.store(hang, Ordering::SeqCst);
+    }
+
+    /// How many `DeleteMessage` calls were held so far.
+    pub fn hung_deletes(&self) -> u64 {
+        self.state.hung_deletes.load(Ordering::SeqCst)
     }
 
     /// How many receives, deletes and visibility changes ElasticMQ answered
@@ -1002,6 +1016,10 @@ async fn forward(
     if target.ends_with(".ReceiveMessage") && state.hang_receives.load(Ordering::SeqCst) {
         state.hung.fetch_add(1, Ordering::SeqCst);
         // A hung server: the caller's own deadline is all that ends this call.
+        std::future::pending::<()>().await;
+    }
+    if target.ends_with(".DeleteMessage") && state.hang_deletes.load(Ordering::SeqCst) {
+        state.hung_deletes.fetch_add(1, Ordering::SeqCst);
         std::future::pending::<()>().await;
     }
     if target.ends_with(".SetQueueAttributes") && state.deny_set_attributes.load(Ordering::SeqCst) {
