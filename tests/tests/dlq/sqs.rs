@@ -54,7 +54,7 @@ fn letter_ids(case: &SqsCase, file: &str) -> Result<Vec<String>> {
 /// `dlq redrive --all`, which must say it redrove one letter.
 fn redrive_one(case: &SqsCase, file: &str) -> Result<()> {
     let summary = String::from_utf8(dlq_ok(case, &["redrive", "--file", file, "--all"])?)?;
-    ensure!(summary.contains("1 redriven"), "{summary}");
+    ensure!(summary.contains("redrive: 1 redriven "), "{summary}");
     Ok(())
 }
 
@@ -263,7 +263,10 @@ async fn redrive_killed_between_send_and_delete_then_run_again_leaves_one_todo_e
     );
     case.settle().await?;
     let summary = String::from_utf8(dlq_ok(&case, &["redrive", "--file", &file, "--all"])?)?;
-    ensure!(summary.contains(&format!("{WINDOW} redriven")), "{summary}");
+    ensure!(
+        summary.contains(&format!("redrive: {WINDOW} redriven ")),
+        "{summary}"
+    );
     stored(&case, WINDOW as i64, &fixed).await?;
     ensure!(
         case.fx().todo_count(case.queue()).await? == WINDOW as i64,
