@@ -965,6 +965,9 @@ dlq_suite!(redis_stream, StreamCase, binary: true);
 dlq_suite!(redis_list, ListCase, binary: true);
 dlq_suite!(sqs, SqsCase, binary: false);
 dlq_suite!(nats, NatsCase, binary: true);
+// The gateway's API cannot read its dead-letter queue: no suite, the command says what to do.
+#[path = "dlq/gateway.rs"]
+mod gateway_case;
 
 /// Dead letters in the 200,000-letter tests.
 const MANY: usize = 200_000;
