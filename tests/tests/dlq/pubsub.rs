@@ -210,3 +210,74 @@ async fn pubsub_purge_removes_only_older_letters_and_refuses_without_yes_or_term
 {
     super::purge_removes_only_older_letters_and_refuses_unconfirmed::<PubSubCase>("purge").await
 }
+
+/// A letter of a pattern subscription goes back to the channel it was published on (its
+/// `channel` header), not to the pattern.
+#[tokio::test]
+async fn pubsub_letter_of_a_pattern_subscription_goes_back_to_its_own_channel() -> Result<()> {
+    let fx = Fixture::start().await?;
+    let manifest = |fixed: bool| {
+        let (delivery, payload) = manifest_settings(fixed);
+        let redis = "mode: pubsub, channel: \"orders.*\", pattern: true";
+        fx.manifest(
+            &format!("pattern-{fixed}.yaml"),
+            &adapter_manifest("pattern", redis, &delivery, payload),
+        )
+    };
+    let patterns = || -> Result<i64> {
+        Ok(redis::cmd("PUBSUB")
+            .arg("NUMPAT")
+            .query(&mut fx.redis.connection()?)?)
+    };
+    let strict = manifest(false)?;
+    let mut worker = fx.worker(&strict, "strict")?;
+    wait_for(LONG, "the worker is subscribed to the pattern", || async {
+        Ok(patterns()? == 1)
+    })
+    .await?;
+    redis::cmd("PUBLISH")
+        .arg("orders.eu")
+        .arg("not json")
+        .query::<()>(&mut fx.redis.connection()?)?;
+    wait_for(LONG, "the letter", || async {
+        Ok(fx.llen("orders.*.dlq")? == 1)
+    })
+    .await?;
+    worker.signal(nix::sys::signal::Signal::SIGTERM)?;
+    worker.wait_exit(std::time::Duration::from_secs(30))?;
+
+    let _worker = fx.worker(&manifest(true)?, "fixed")?;
+    wait_for(LONG, "the fixed worker is subscribed", || async {
+        Ok(patterns()? == 1)
+    })
+    .await?;
+    let file = path_text(&strict)?;
+    let redrive = std::process::Command::new(switchboard_tests::worker::worker_binary()?)
+        .args(["dlq", "redrive", "--file", file, "--all"])
+        .env("DATABASE_URL", &fx.env.database_url)
+        .env("REDIS_URL", &fx.env.redis_url)
+        .stdin(Stdio::null())
+        .output()?;
+    let stdout = String::from_utf8_lossy(&redrive.stdout);
+    ensure!(
+        redrive.status.success() && stdout.contains("1 redriven"),
+        "{stdout}{}",
+        String::from_utf8_lossy(&redrive.stderr)
+    );
+    wait_for(LONG, "the todo", || async {
+        Ok(fx.todo_count("pattern").await? == 1)
+    })
+    .await?;
+    let channels: Vec<Option<String>> = sqlx::query_scalar(
+        "SELECT e.headers->>'channel' FROM todos t JOIN events e ON e.id = t.event_id \
+         WHERE t.queue = 'pattern'",
+    )
+    .fetch_all(fx.pool())
+    .await?;
+    ensure!(
+        channels == [Some("orders.eu".to_owned())],
+        "published again on orders.eu: {channels:?}"
+    );
+    ensure!(fx.llen("orders.*.dlq")? == 0, "the list is empty");
+    Ok(())
+}
