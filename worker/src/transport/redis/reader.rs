@@ -360,11 +360,14 @@ impl DeadLetterReader for ListReader {
 
 /// Publishes a letter (`ARGV[2]`) to its channel (`ARGV[1]`) and, only if a subscriber received
 /// it, removes its record (`ARGV[3]`) from the dead-letter list (`KEYS[1]`); one script, so
-/// Redis runs it whole. Returns the receivers and the records removed.
-const PUBLISH_THEN_REMOVE: &str = "local receivers = redis.call('PUBLISH', ARGV[1], ARGV[2])
-local removed = 0
-if receivers > 0 then removed = redis.call('LREM', KEYS[1], -1, ARGV[3]) end
-return {receivers, removed}";
+/// Redis runs it whole. Returns the subscribers that received it, or -1 (nothing published)
+/// when the record is no longer in the list.
+const PUBLISH_THEN_REMOVE: &str = "if not redis.call('LPOS', KEYS[1], ARGV[3], 'RANK', -1) then
+  return -1
+end
+local receivers = redis.call('PUBLISH', ARGV[1], ARGV[2])
+if receivers > 0 then redis.call('LREM', KEYS[1], -1, ARGV[3]) end
+return receivers";
 
 /// The dead-letter list of a pub/sub adapter: listed, shown and purged as list mode's is.
 ///
@@ -396,6 +399,7 @@ impl PubSubReader {
         Ok(Self {
             letters: ListReader {
                 conn: Connection::new(open(url)?, CONTROL_TIMEOUT).naming(keys),
+                // List mode's source list: none here (this reader names its own source).
                 list: String::new(),
                 dead_letter_list,
                 removed: 0,
@@ -464,24 +468,21 @@ impl DeadLetterReader for PubSubReader {
             .arg(&channel)
             .arg(&letter.body)
             .arg(&letter.handle);
-        let reply = self.letters.conn.query("PUBLISH+LREM", &script).await?;
-        let counts: Vec<u64> = array(&reply)
-            .unwrap_or_default()
-            .iter()
-            .filter_map(integer)
-            .collect();
-        let (receivers, removed) = match counts[..] {
-            [receivers, removed] => (receivers, removed),
-            _ => return Err(protocol("PUBLISH+LREM", "unexpected reply")),
-        };
-        if receivers == 0 {
-            return Err(TransportError::protocol(format!(
+        match self.letters.conn.query("PUBLISH+LREM", &script).await? {
+            Value::Int(receivers) if receivers > 0 => {
+                self.letters.removed += 1;
+                Ok(())
+            }
+            Value::Int(0) => Err(TransportError::protocol(format!(
                 "no subscriber on channel {channel}: the letter stays in {list}; start the \
                  worker and run the redrive again once it is subscribed"
-            )));
+            ))),
+            Value::Int(_) => Err(TransportError::protocol(format!(
+                "letter {} is no longer in {list} (another command took it): not published",
+                letter.id
+            ))),
+            other => Err(protocol("PUBLISH+LREM", format!("{other:?}"))),
         }
-        self.letters.removed += usize::try_from(removed).unwrap_or(0);
-        Ok(())
     }
 
     async fn remove(&mut self, letters: &[StoredLetter]) -> Result<(), TransportError> {
