@@ -967,6 +967,12 @@ dlq_suite!(sqs, SqsCase, binary: false);
 dlq_suite!(nats, NatsCase, binary: true);
 #[path = "dlq/sqs.rs"]
 mod sqs_case;
+// The gateway's API cannot read its dead-letter queue: no suite, the command says what to do.
+#[path = "dlq/gateway.rs"]
+mod gateway_case;
+// Pub/sub has no redelivery (no `max_deliveries` letters): its own tests, the suite's purge.
+#[path = "dlq/pubsub.rs"]
+mod pubsub_case;
 
 /// Dead letters in the 200,000-letter tests.
 const MANY: usize = 200_000;

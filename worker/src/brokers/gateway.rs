@@ -2,13 +2,13 @@
 
 use switchboard_api::{GatewaySource, QueueAdapter};
 
-use super::{Context, Loop, Plugin};
+use super::{Context, Letters, Loop, Plugin};
 use crate::WorkerError;
 use crate::transport::gateway::{self, GatewaySettings, GatewayTransport};
 
 impl Plugin for GatewaySource {
     fn title(&self) -> &'static str {
-        "this broker"
+        "the gateway"
     }
 
     async fn run<L: Loop>(&self, context: Context<'_>, mut run: L) -> Result<(), WorkerError> {
@@ -19,6 +19,17 @@ impl Plugin for GatewaySource {
         };
         let transport = GatewayTransport::new(settings, run.registry())?;
         run.drive(transport, self).await
+    }
+
+    /// The gateway has no reader (see [`gateway::DEAD_LETTERS_UNREADABLE`]): the command says
+    /// why and what to do, then reads the letters kept in PostgreSQL, if `DATABASE_URL` is set.
+    async fn read_letters<D: Letters>(
+        &self,
+        _adapter: &QueueAdapter,
+        letters: D,
+    ) -> Result<(), WorkerError> {
+        eprintln!("note: {}", gateway::DEAD_LETTERS_UNREADABLE);
+        letters.unread(self.title()).await
     }
 
     async fn send(

@@ -5,7 +5,7 @@ use switchboard_api::{QueueAdapter, RedisMode, RedisSource};
 use super::{Context, Letters, Loop, Plugin};
 use crate::transport::redis::list::{ListSettings, RedisList};
 use crate::transport::redis::pubsub::{PubSubSettings, RedisPubSub};
-use crate::transport::redis::reader::{ListReader, StreamReader};
+use crate::transport::redis::reader::{ListReader, PubSubReader, StreamReader};
 use crate::transport::redis::stream::{RedisStream, StreamSettings};
 use crate::{WorkerError, env};
 
@@ -93,7 +93,10 @@ impl Plugin for RedisSource {
                 let url = env("REDIS_URL")?;
                 letters.read(ListReader::new(adapter, self, &url)?).await
             }
-            RedisMode::Pubsub => letters.unread(self.title()).await,
+            RedisMode::Pubsub => {
+                let url = env("REDIS_URL")?;
+                letters.read(PubSubReader::new(adapter, self, &url)?).await
+            }
         }
     }
 }

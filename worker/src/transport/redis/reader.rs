@@ -1,8 +1,10 @@
 //! The Redis dead-letter readers (`switchboard-worker dlq`): the dead-letter stream of stream
-//! mode and the dead-letter list of list mode.
+//! mode and the dead-letter lists of list and pub/sub modes.
 //!
 //! Redrive puts a letter back and removes it in one `MULTI`/`EXEC`: Redis runs both or neither,
-//! so a redrive that is killed never leaves a letter both redriven and still dead. A stream
+//! so a redrive that is killed never leaves a letter both redriven and still dead. A pub/sub
+//! letter is published and removed in one script, and removed only if `PUBLISH` reached a
+//! subscriber (see [`PubSubReader`]). A stream
 //! letter goes back as a new entry (the body in `bodyField`, the original fields, and
 //! [`IDEMPOTENCY_KEY_HEADER`] = `redis:{adapter}:{original entry id}`); a list letter's body is
 //! pushed back as producers push it (its key is its body's hash, so it needs no header).
@@ -17,7 +19,7 @@ use sha2::{Digest, Sha256};
 use switchboard_api::{QueueAdapter, RedisSource};
 
 use super::stream::{parse_entries, parse_id};
-use super::{CONTROL_TIMEOUT, Connection, NamedKey, array, open, record_time_ms};
+use super::{CONTROL_TIMEOUT, Connection, NamedKey, array, open, protocol, record_time_ms};
 use crate::transport::reader::{
     Cursor, DeadLetterReader, Page, StoredLetter, headers_from_json, redrive_key,
 };
@@ -353,5 +355,137 @@ impl DeadLetterReader for ListReader {
             self.removed += removed.iter().sum::<usize>();
         }
         Ok(())
+    }
+}
+
+/// Publishes a letter (`ARGV[2]`) to its channel (`ARGV[1]`) and, only if a subscriber received
+/// it, removes its record (`ARGV[3]`) from the dead-letter list (`KEYS[1]`); one script, so
+/// Redis runs it whole. Returns the subscribers that received it, or -1 (nothing published)
+/// when the record is no longer in the list.
+const PUBLISH_THEN_REMOVE: &str = "if not redis.call('LPOS', KEYS[1], ARGV[3], 'RANK', -1) then
+  return -1
+end
+local receivers = redis.call('PUBLISH', ARGV[1], ARGV[2])
+if receivers > 0 then redis.call('LREM', KEYS[1], -1, ARGV[3]) end
+return receivers";
+
+/// The dead-letter list of a pub/sub adapter: listed, shown and purged as list mode's is.
+///
+/// A channel keeps nothing, so a letter is redriven by publishing it and removing it in one
+/// script that removes it only if `PUBLISH` reached at least one subscriber: with none the
+/// letter stays (the redrive counts it failed and says so), and a redrive killed at any point
+/// has published and removed a letter both or neither. What a subscriber receives is then
+/// under pub/sub's own guarantee: the worker stores it unless it dies first (at-most-once), and
+/// any client subscribed to the channel counts as a receiver, not only the worker.
+#[derive(Debug)]
+pub struct PubSubReader {
+    letters: ListReader,
+    channel: String,
+    pattern: bool,
+}
+
+impl PubSubReader {
+    pub fn new(
+        adapter: &QueueAdapter,
+        redis: &RedisSource,
+        url: &str,
+    ) -> Result<Self, TransportError> {
+        let dead_letter_list = redis.dead_letter_key(&adapter.spec.delivery.dead_letter);
+        let keys = vec![NamedKey::new(
+            &dead_letter_list,
+            "spec.delivery.deadLetter.list",
+            "list",
+        )];
+        Ok(Self {
+            letters: ListReader {
+                conn: Connection::new(open(url)?, CONTROL_TIMEOUT).naming(keys),
+                // List mode's source list: none here (this reader names its own source).
+                list: String::new(),
+                dead_letter_list,
+                removed: 0,
+            },
+            channel: redis.channel.clone().unwrap_or_default(),
+            pattern: redis.pattern,
+        })
+    }
+
+    /// The channel `letter` was published on: its `channel` header (every pub/sub message
+    /// carries it), else the adapter's channel when that is not a pattern.
+    fn channel_of(&self, letter: &StoredLetter) -> Option<String> {
+        letter
+            .headers
+            .iter()
+            .find(|(name, _)| name == "channel")
+            .and_then(|(_, channel)| String::from_utf8(channel.clone()).ok())
+            .or_else(|| (!self.pattern).then(|| self.channel.clone()))
+    }
+}
+
+impl DeadLetterReader for PubSubReader {
+    fn destination(&self) -> String {
+        self.letters.destination()
+    }
+
+    fn source(&self) -> String {
+        if self.pattern {
+            format!("Redis channels matching {}", self.channel)
+        } else {
+            format!("Redis channel {}", self.channel)
+        }
+    }
+
+    fn caveats(&self) -> Vec<String> {
+        vec![
+            "pub/sub is at-most-once: a letter is removed only if PUBLISH reached a subscriber \
+             (else it stays and counts as failed), and a worker that dies before storing it \
+             loses it; any client subscribed to the channel counts as a subscriber"
+                .to_owned(),
+            "redriven letters (oldest first) are published like new messages".to_owned(),
+        ]
+    }
+
+    async fn count(&mut self) -> Result<Option<u64>, TransportError> {
+        self.letters.count().await
+    }
+
+    async fn page(&mut self, after: Option<&Cursor>, limit: usize) -> Result<Page, TransportError> {
+        self.letters.page(after, limit).await
+    }
+
+    async fn redrive(&mut self, letter: &StoredLetter) -> Result<(), TransportError> {
+        let Some(channel) = self.channel_of(letter) else {
+            return Err(TransportError::protocol(format!(
+                "letter {} does not say which channel matching {} it came from",
+                letter.id, self.channel
+            )));
+        };
+        let list = &self.letters.dead_letter_list;
+        let mut script = redis::cmd("EVAL");
+        script
+            .arg(PUBLISH_THEN_REMOVE)
+            .arg(1)
+            .arg(list)
+            .arg(&channel)
+            .arg(&letter.body)
+            .arg(&letter.handle);
+        match self.letters.conn.query("PUBLISH+LREM", &script).await? {
+            Value::Int(receivers) if receivers > 0 => {
+                self.letters.removed += 1;
+                Ok(())
+            }
+            Value::Int(0) => Err(TransportError::protocol(format!(
+                "no subscriber on channel {channel}: the letter stays in {list}; start the \
+                 worker and run the redrive again once it is subscribed"
+            ))),
+            Value::Int(_) => Err(TransportError::protocol(format!(
+                "letter {} is no longer in {list} (another command took it): not published",
+                letter.id
+            ))),
+            other => Err(protocol("PUBLISH+LREM", format!("{other:?}"))),
+        }
+    }
+
+    async fn remove(&mut self, letters: &[StoredLetter]) -> Result<(), TransportError> {
+        self.letters.remove(letters).await
     }
 }
