@@ -159,6 +159,17 @@ pub(super) async fn redrive<R: DeadLetterReader>(
     for caveat in reader.caveats() {
         eprintln!("note: {caveat}");
     }
+    // Letters dead-lettered after this are not this pass's: a worker still failing them would
+    // otherwise have the pass chase its own copies for ever.
+    let started_ms = super::now_ms();
+    let newer = std::cell::Cell::new(0_usize);
+    let takes = |letter: &StoredLetter| {
+        let before = letter.dead_lettered_at_ms.is_none_or(|at| at <= started_ms);
+        if !before && selection.takes(letter) {
+            newer.set(newer.get() + 1);
+        }
+        before && selection.takes(letter)
+    };
     let mut mover = Mover {
         stop: Stop::install()?,
         interval: rate.map(|rate| Duration::from_secs_f64(1.0 / rate)),
@@ -172,12 +183,9 @@ pub(super) async fn redrive<R: DeadLetterReader>(
             mover.redrive(reader, letters).await?;
         }
         None => {
-            walk(
-                reader,
-                SQS_SIZED_PAGE,
-                |letter| selection.takes(letter),
-                async |reader, letters| mover.redrive(reader, letters).await,
-            )
+            walk(reader, SQS_SIZED_PAGE, takes, async |reader, letters| {
+                mover.redrive(reader, letters).await
+            })
             .await?;
         }
     }
@@ -191,6 +199,7 @@ pub(super) async fn redrive<R: DeadLetterReader>(
         redriven: mover.done - mover.failed,
         left,
         failed: mover.failed,
+        newer: newer.get(),
         seconds: mover.started.elapsed().as_secs_f64(),
     };
     summary.print(reader, signal)
@@ -257,6 +266,8 @@ struct Summary {
     /// Letters of the selection not tried, where known.
     left: Option<usize>,
     failed: usize,
+    /// Letters of the selection dead-lettered after the redrive started, left for a next run.
+    newer: usize,
     seconds: f64,
 }
 
@@ -266,6 +277,7 @@ impl Summary {
             redriven,
             left,
             failed,
+            newer,
             seconds,
         } = *self;
         let verb = match signal {
@@ -274,8 +286,13 @@ impl Summary {
             None => "redrive",
         };
         let left = left.map_or_else(|| "the rest".to_owned(), |left| left.to_string());
+        let since = if newer > 0 {
+            format!(", {newer} dead-lettered since it started (left for the next run)")
+        } else {
+            String::new()
+        };
         stdout_line(&format!(
-            "{verb}: {redriven} redriven from {} to {}, {left} left, {failed} failed, in {seconds:.1}s",
+            "{verb}: {redriven} redriven from {} to {}, {left} left, {failed} failed{since}, in {seconds:.1}s",
             reader.destination(),
             reader.source()
         ))?;
@@ -324,6 +341,97 @@ async fn preview<R: DeadLetterReader>(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::transport::TransportError;
+    use crate::transport::reader::{Cursor, Page};
+
+    /// A dead-letter queue whose every redriven letter a failing worker dead-letters again at
+    /// once, as a new letter (ids are numbers, oldest first).
+    struct Refailing {
+        letters: Vec<StoredLetter>,
+        next_id: u64,
+        redriven: usize,
+    }
+
+    impl Refailing {
+        fn letter(id: u64, at: u64) -> StoredLetter {
+            StoredLetter {
+                id: id.to_string(),
+                dead_lettered_at_ms: Some(at),
+                reason: Some("poison".to_owned()),
+                delivery_count: None,
+                last_error: None,
+                body: b"{".to_vec(),
+                headers: Vec::new(),
+                attempts: None,
+                origin: String::new(),
+                original_id: None,
+                handle: id.to_string(),
+            }
+        }
+    }
+
+    impl DeadLetterReader for Refailing {
+        fn destination(&self) -> String {
+            "dlq".to_owned()
+        }
+        fn source(&self) -> String {
+            "source".to_owned()
+        }
+        fn caveats(&self) -> Vec<String> {
+            Vec::new()
+        }
+        async fn count(&mut self) -> Result<Option<u64>, TransportError> {
+            Ok(Some(self.letters.len() as u64))
+        }
+        async fn page(
+            &mut self,
+            after: Option<&Cursor>,
+            limit: usize,
+        ) -> Result<Page, TransportError> {
+            let after: u64 = after.map_or(0, |cursor| cursor.0.parse().unwrap_or(0));
+            let letters: Vec<StoredLetter> = self
+                .letters
+                .iter()
+                .filter(|letter| letter.id.parse::<u64>().is_ok_and(|id| id > after))
+                .take(limit)
+                .cloned()
+                .collect();
+            let next = letters.last().map(|letter| Cursor(letter.id.clone()));
+            Ok(Page { letters, next })
+        }
+        async fn redrive(&mut self, letter: &StoredLetter) -> Result<(), TransportError> {
+            self.letters.retain(|kept| kept.id != letter.id);
+            self.redriven += 1;
+            self.next_id += 1;
+            let again = Self::letter(self.next_id, crate::health::now_ms() + 1);
+            self.letters.push(again);
+            Ok(())
+        }
+        async fn remove(&mut self, letters: &[StoredLetter]) -> Result<(), TransportError> {
+            self.letters.retain(|kept| !letters.contains(kept));
+            Ok(())
+        }
+    }
+
+    #[tokio::test]
+    async fn a_pass_leaves_the_letters_dead_lettered_after_it_started() {
+        let at = crate::health::now_ms() - 1_000;
+        let mut reader = Refailing {
+            letters: (1..=3).map(|id| Refailing::letter(id, at)).collect(),
+            next_id: 3,
+            redriven: 0,
+        };
+        redrive(&mut reader, Selection::All, None, false)
+            .await
+            .expect("the pass ends");
+        assert_eq!(reader.redriven, 3, "each letter of the pass once");
+        let left: Vec<&str> = reader.letters.iter().map(|l| l.id.as_str()).collect();
+        assert_eq!(
+            left,
+            ["4", "5", "6"],
+            "the copies dead-lettered again are left"
+        );
+    }
 
     #[test]
     fn progress_says_the_rate_and_the_time_left() {
