@@ -35,7 +35,7 @@ fn text(value: &str) -> AMQPValue {
 
 /// Headers of the original a dead letter never copies: the delivery counters (RabbitMQ's and the
 /// worker's own), and RabbitMQ's own dead-lettering history.
-const COUNTER_HEADERS: [&str; 6] = [
+pub const COUNTER_HEADERS: [&str; 6] = [
     QUORUM_COUNT_HEADER,
     OWN_COUNT_HEADER,
     "x-death",
@@ -43,6 +43,32 @@ const COUNTER_HEADERS: [&str; 6] = [
     "x-first-death-queue",
     "x-first-death-reason",
 ];
+
+/// The `x-switchboard-*` fields a dead letter adds to the original's headers: the common
+/// context ([`DeadLetterContext::fields`]) and what only AMQP letters say.
+pub const LETTER_FIELDS: [&str; 12] = [
+    "reason",
+    "error",
+    "delivery-count",
+    "first-seen",
+    "attempts",
+    "last-seen",
+    "queue",
+    "consumer",
+    "original-exchange",
+    "original-routing-key",
+    "original-expiration",
+    "original-user-id",
+];
+
+/// Whether header `name` is one a dead letter added ([`LETTER_FIELDS`]) or a broker counter
+/// ([`COUNTER_HEADERS`]): not the original's.
+pub fn added_header(name: &str) -> bool {
+    COUNTER_HEADERS.contains(&name)
+        || LETTER_FIELDS
+            .iter()
+            .any(|field| CONVENTION.name(field) == name)
+}
 
 /// The properties of `letter`'s dead letter: the original's properties and headers, and the
 /// context as `x-switchboard-*` headers. Its `message-id` is the message's id within the
@@ -256,6 +282,16 @@ mod tests {
             get("x-switchboard-original-user-id"),
             Some(text("producer"))
         );
+        // What the reader takes off to give the original back: every field written, nothing else.
+        let added: Vec<&str> = headers
+            .inner()
+            .keys()
+            .map(|name| name.as_str())
+            .filter(|name| added_header(name))
+            .collect();
+        assert_eq!(added.len(), headers.inner().len() - 1, "{added:?}");
+        assert!(!added_header("tenant"));
+        assert!(!added_header(crate::transport::IDEMPOTENCY_KEY_HEADER));
     }
 
     #[test]
