@@ -965,6 +965,9 @@ dlq_suite!(redis_stream, StreamCase, binary: true);
 dlq_suite!(redis_list, ListCase, binary: true);
 dlq_suite!(sqs, SqsCase, binary: false);
 dlq_suite!(nats, NatsCase, binary: true);
+#[path = "dlq/amqp.rs"]
+mod amqp_case;
+dlq_suite!(amqp, amqp_case::AmqpCase, binary: true);
 
 /// Dead letters in the 200,000-letter tests.
 const MANY: usize = 200_000;

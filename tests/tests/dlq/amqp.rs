@@ -1,0 +1,215 @@
+//! RabbitMQ in the dead-letter contract suite: a quorum source queue, whose dead-letter queue
+//! `<queue>.dlq` the worker declares (quorum, like its source), read by `basic.get` and given
+//! back; and what only this reader has to prove: listings give every letter back, however
+//! often they run, and a redrive whose copy cannot be routed removes nothing.
+
+use std::collections::{BTreeSet, HashMap};
+use std::path::PathBuf;
+
+use anyhow::{Context as _, Result, ensure};
+use nix::sys::signal::Signal;
+use switchboard_tests::brokers::AmqpQuorumBroker;
+use switchboard_tests::brokers::rabbitmq::{QueueType, RabbitMq, header, queue_arguments};
+use switchboard_tests::wait::wait_for;
+use switchboard_tests::{Fixture, source_manifest};
+
+use super::{
+    Case, LONG, MAX_DELIVERIES, body_of, dlq, dlq_ok, list_json, manifest_settings, path_text,
+    poison_bodies,
+};
+
+/// A quorum queue `name` on a RabbitMQ node of its own; the worker declares `<name>.dlq`.
+pub(crate) struct AmqpCase {
+    fx: Fixture,
+    server: RabbitMq,
+    name: String,
+}
+
+impl AmqpCase {
+    fn dead_letter_queue(&self) -> String {
+        format!("{}.dlq", self.name)
+    }
+}
+
+impl Case for AmqpCase {
+    async fn start(name: &str) -> Result<Self> {
+        let mut fx = Fixture::start().await?;
+        let server = RabbitMq::start()?;
+        fx.extra_env.push(("AMQP_URL".to_owned(), server.url()));
+        server
+            .declare(name, queue_arguments(QueueType::Quorum, &[]))
+            .await?;
+        Ok(Self {
+            fx,
+            server,
+            name: name.to_owned(),
+        })
+    }
+
+    fn fx(&self) -> &Fixture {
+        &self.fx
+    }
+
+    fn manifest(&self, fixed: bool) -> Result<PathBuf> {
+        let (delivery, payload) = manifest_settings(fixed);
+        let source = format!("amqp: {{queue: {}}}", self.name);
+        self.fx.manifest(
+            &format!("{}.yaml", self.name),
+            &source_manifest(&self.name, &source, &delivery, payload),
+        )
+    }
+
+    /// Each message with a `message-id` of its own, as a producer would set.
+    async fn send(&self, bodies: &[Vec<u8>]) -> Result<()> {
+        let messages = bodies
+            .iter()
+            .map(|body| (body.clone(), AmqpQuorumBroker::properties()));
+        self.server.publish(&self.name, messages).await
+    }
+
+    /// Read `MAX_DELIVERIES` times (or more) by consumers that close their connection without
+    /// acknowledging: the quorum queue counts each in `x-delivery-count`.
+    async fn send_overdue(&self, bodies: &[Vec<u8>]) -> Result<()> {
+        self.send(bodies).await?;
+        let mut deliveries: HashMap<Vec<u8>, u32> = HashMap::new();
+        let deadline = std::time::Instant::now() + LONG;
+        while deliveries.len() < bodies.len()
+            || deliveries.values().any(|count| *count < MAX_DELIVERIES)
+        {
+            ensure!(
+                std::time::Instant::now() < deadline,
+                "deliveries: {deliveries:?}"
+            );
+            for (body, _) in self.server.peek(&self.name).await? {
+                *deliveries.entry(body).or_default() += 1;
+            }
+        }
+        Ok(())
+    }
+
+    /// Ready and held letters alike.
+    async fn dead_letters(&self) -> Result<u64> {
+        Ok(self
+            .server
+            .counted(&self.dead_letter_queue(), "messages")
+            .await?
+            .unwrap_or(0))
+    }
+
+    /// Until RabbitMQ has put back what a command that ended held.
+    async fn settle(&self) -> Result<()> {
+        let queue = self.dead_letter_queue();
+        wait_for(LONG, "no dead letter is held", || async {
+            let held = self
+                .server
+                .counted(&queue, "messages_unacknowledged")
+                .await?;
+            Ok(held.unwrap_or(0) == 0)
+        })
+        .await
+    }
+
+    fn queue(&self) -> &str {
+        &self.name
+    }
+}
+
+/// Listings of the same letters in the tests below.
+const LISTINGS: usize = 25;
+
+/// Every listing reads the letters and gives them back: after 25 listings of the quorum
+/// dead-letter queue the worker declared, every letter is there, unchanged, under the same id;
+/// each listing counted as one delivery (RabbitMQ 3.10 sets no delivery limit); a redrive whose
+/// copy cannot be routed (the source queue is gone) fails naming the setting and removes
+/// nothing; redriven into the queue again, the copies count their deliveries afresh (a copy
+/// carrying the dead-letter queue's count would be dead-lettered again at once) and make one
+/// todo each.
+#[tokio::test]
+async fn twenty_five_listings_lose_nothing_and_an_unroutable_redrive_removes_nothing() -> Result<()>
+{
+    let case = AmqpCase::start("listed").await?;
+    let strict = case.manifest(false)?;
+    let file = path_text(&strict)?.to_owned();
+    let sent = poison_bodies("listed")[..5].to_vec();
+    case.send(&sent).await?;
+    let mut worker = case.fx().worker(&strict, "strict")?;
+    wait_for(LONG, "five letters", || async {
+        Ok(case.dead_letters().await? == 5)
+    })
+    .await
+    .with_context(|| worker.log_tail())?;
+    worker.signal(Signal::SIGTERM)?;
+    worker.wait_exit(std::time::Duration::from_secs(30))?;
+    let queues = case
+        .server
+        .ctl(&[
+            "list_queues",
+            "--quiet",
+            "--no-table-headers",
+            "name",
+            "type",
+        ])
+        .await?;
+    ensure!(
+        queues.lines().any(|line| line == "listed.dlq\tquorum"),
+        "the worker declared a quorum dead-letter queue: {queues}"
+    );
+
+    let letters = |listed: &[serde_json::Value]| -> Result<BTreeSet<(String, Vec<u8>)>> {
+        listed
+            .iter()
+            .map(|letter| {
+                Ok((
+                    letter["id"].as_str().context("id")?.to_owned(),
+                    body_of(letter)?,
+                ))
+            })
+            .collect()
+    };
+    let first = letters(&list_json(&case, &file)?)?;
+    ensure!(first.len() == 5, "five letters: {first:?}");
+    for listing in 2..=LISTINGS {
+        let again = letters(&list_json(&case, &file)?)?;
+        ensure!(again == first, "listing {listing}: {again:?}");
+    }
+    case.settle().await?;
+    ensure!(case.dead_letters().await? == 5, "every letter is kept");
+    let counts: Vec<String> = case
+        .server
+        .peek(&case.dead_letter_queue())
+        .await?
+        .iter()
+        .map(|(_, properties)| header(properties, "x-delivery-count").unwrap_or_default())
+        .collect();
+    ensure!(
+        counts.len() == 5
+            && counts
+                .iter()
+                .all(|count| count.parse::<usize>().is_ok_and(|n| n >= LISTINGS)),
+        "each listing was a delivery of each letter: {counts:?}"
+    );
+
+    case.server.delete(&case.name).await?;
+    let unroutable = dlq(&case, &["redrive", "--file", &file, "--all"])?;
+    let stderr = String::from_utf8_lossy(&unroutable.stderr);
+    ensure!(
+        !unroutable.status.success() && stderr.contains("spec.source.amqp.queue"),
+        "{:?} {stderr}",
+        unroutable.status
+    );
+    case.settle().await?;
+    ensure!(case.dead_letters().await? == 5, "nothing was removed");
+
+    case.server
+        .declare(&case.name, queue_arguments(QueueType::Quorum, &[]))
+        .await?;
+    let _fixed = case.fx().worker(&case.manifest(true)?, "fixed")?;
+    let summary = String::from_utf8(dlq_ok(&case, &["redrive", "--file", &file, "--all"])?)?;
+    ensure!(summary.contains("5 redriven"), "{summary}");
+    wait_for(LONG, "a todo per letter", || async {
+        Ok(case.fx().todo_count(case.queue()).await? == 5)
+    })
+    .await?;
+    ensure!(case.dead_letters().await? == 0, "the destination is empty");
+    case.fx().assert_exactly_once(case.queue(), 5).await
+}
