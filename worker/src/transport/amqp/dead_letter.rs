@@ -162,7 +162,7 @@ pub fn recounted(original: &Original, next: u64) -> BasicProperties {
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use std::sync::Arc;
 
     use super::*;
@@ -171,7 +171,11 @@ mod tests {
     use crate::transport::{Attempts, Message};
 
     /// The message delivered as `original`, with its id within the source.
-    fn message(original: Original, external_id: &str, delivery_count: u64) -> Message<Receipt> {
+    pub(in crate::transport::amqp) fn message(
+        original: Original,
+        external_id: &str,
+        delivery_count: u64,
+    ) -> Message<Receipt> {
         Message {
             receipt: Receipt {
                 channel: 1,
@@ -189,7 +193,10 @@ mod tests {
         }
     }
 
-    fn letter<'a>(message: &'a Message<Receipt>, error: &str) -> DeadLetter<'a, Receipt> {
+    pub(in crate::transport::amqp) fn letter<'a>(
+        message: &'a Message<Receipt>,
+        error: &str,
+    ) -> DeadLetter<'a, Receipt> {
         DeadLetter {
             message,
             reason: PoisonReason::InvalidJson,
@@ -198,25 +205,29 @@ mod tests {
         }
     }
 
-    const CONTEXT: WriteContext<'static> = WriteContext {
+    pub(in crate::transport::amqp) const CONTEXT: WriteContext<'static> = WriteContext {
         queue: "orders",
         consumer: "worker-0",
         last_seen: "2026-12-01T00:00:00.000Z",
     };
 
-    #[test]
-    fn dead_letter_keeps_the_original_properties_and_adds_the_context() {
-        let mut user = FieldTable::default();
-        user.insert("tenant".into(), text("acme"));
-        let original = Original {
+    /// A message `m-1` (JSON) published to exchange `shop` with `headers`.
+    pub(in crate::transport::amqp) fn published(headers: FieldTable) -> Original {
+        Original {
             exchange: "shop".into(),
             routing_key: "orders.new".into(),
             properties: BasicProperties::default()
                 .with_message_id("m-1".into())
                 .with_content_type("application/json".into())
-                .with_headers(user),
-        };
-        let mut message = message(original, "m-1", 3);
+                .with_headers(headers),
+        }
+    }
+
+    #[test]
+    fn dead_letter_keeps_the_original_properties_and_adds_the_context() {
+        let mut user = FieldTable::default();
+        user.insert("tenant".into(), text("acme"));
+        let mut message = message(published(user), "m-1", 3);
         message.enqueued_at_ms = Some(0);
         let props = properties(&letter(&message, &"x".repeat(5000)), CONTEXT);
         assert_eq!(props.message_id().as_ref().map(|m| m.as_str()), Some("m-1"));

@@ -459,13 +459,9 @@ impl DeadLetterReader for AmqpReader {
 
 #[cfg(test)]
 mod tests {
-    use std::sync::Arc;
-
-    use super::super::dead_letter::{WriteContext, properties};
-    use super::super::delivery::Receipt;
+    use super::super::dead_letter::properties;
+    use super::super::dead_letter::tests::{CONTEXT, letter, message, published};
     use super::*;
-    use crate::payload::PoisonReason;
-    use crate::transport::{DeadLetter, Message};
 
     /// A letter the worker wrote for a message with a `message-id`, a user header, RabbitMQ's
     /// count and an earlier redrive's key.
@@ -477,41 +473,9 @@ mod tests {
             IDEMPOTENCY_KEY_HEADER.into(),
             AMQPValue::LongString("amqp:shop/orders:orders:m-0".into()),
         );
-        let original = Original {
-            exchange: "shop".into(),
-            routing_key: "orders.new".into(),
-            properties: BasicProperties::default()
-                .with_message_id("m-1".into())
-                .with_content_type("application/json".into())
-                .with_headers(headers),
-        };
-        let message = Message {
-            receipt: Receipt {
-                channel: 1,
-                tag: 1,
-                original: Arc::new(original),
-            },
-            external_id: "m-1".into(),
-            idempotency_key: "amqp:shop/orders:orders:m-1".into(),
-            body: b"{".to_vec(),
-            headers: Vec::new(),
-            delivery_count: 4,
-            enqueued_at_ms: None,
-            position: None,
-            undecodable: None,
-        };
-        let letter = DeadLetter {
-            message: &message,
-            reason: PoisonReason::InvalidJson,
-            error: "not JSON".into(),
-            attempts: Attempts::default(),
-        };
-        let context = WriteContext {
-            queue: "orders",
-            consumer: "worker-0",
-            last_seen: "2026-12-01T00:00:00.000Z",
-        };
-        (properties(&letter, context), message.body.clone())
+        let message = message(published(headers), "m-1", 4);
+        let written = properties(&letter(&message, "not JSON"), CONTEXT);
+        (written, message.body)
     }
 
     #[test]
@@ -525,10 +489,7 @@ mod tests {
         assert_eq!(letter.reason.as_deref(), Some("invalid_json"));
         assert_eq!(letter.delivery_count, Some(4));
         assert_eq!(letter.last_error.as_deref(), Some("not JSON"));
-        assert_eq!(
-            letter.dead_lettered_at_ms,
-            rfc3339_ms("2026-12-01T00:00:00.000Z")
-        );
+        assert_eq!(letter.dead_lettered_at_ms, rfc3339_ms(CONTEXT.last_seen));
         assert_eq!(letter.original_id.as_deref(), Some("m-1"));
         assert_eq!(letter.handle, "7");
         assert_eq!(letter.id.len(), 16);
