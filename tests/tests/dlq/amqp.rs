@@ -3,7 +3,7 @@
 //! back; and what only this reader has to prove: listings give every letter back, however
 //! often they run, and a redrive whose copy cannot be routed removes nothing.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::HashMap;
 use std::path::PathBuf;
 
 use anyhow::{Context as _, Result, ensure};
@@ -118,7 +118,8 @@ impl Case for AmqpCase {
 const LISTINGS: usize = 25;
 
 /// Every listing reads the letters and gives them back: after 25 listings of the quorum
-/// dead-letter queue the worker declared, every letter is there, unchanged, under the same id;
+/// dead-letter queue the worker declared, every letter is there, unchanged, under the same id,
+/// in the same order (and after a listing cut by `--limit`, in another order);
 /// each listing counted as one delivery (RabbitMQ 3.10 sets no delivery limit); a redrive whose
 /// copy cannot be routed (the source queue is gone) fails naming the setting and removes
 /// nothing; redriven into the queue again, the copies count their deliveries afresh (a copy
@@ -155,7 +156,7 @@ async fn twenty_five_listings_lose_nothing_and_an_unroutable_redrive_removes_not
         "the worker declared a quorum dead-letter queue: {queues}"
     );
 
-    let letters = |listed: &[serde_json::Value]| -> Result<BTreeSet<(String, Vec<u8>)>> {
+    let letters = |listed: &[serde_json::Value]| -> Result<Vec<(String, Vec<u8>)>> {
         listed
             .iter()
             .map(|letter| {
@@ -172,6 +173,29 @@ async fn twenty_five_listings_lose_nothing_and_an_unroutable_redrive_removes_not
         let again = letters(&list_json(&case, &file)?)?;
         ensure!(again == first, "listing {listing}: {again:?}");
     }
+    // A listing cut short gives back the letters it read behind the others (RabbitMQ 3.10's
+    // quorum queue): the order changes, the letters do not.
+    dlq_ok(
+        &case,
+        &["list", "--file", &file, "-o", "json", "--limit", "2"],
+    )?;
+    let mut after_cut = letters(&list_json(&case, &file)?)?;
+    after_cut.sort();
+    let mut sorted = first.clone();
+    sorted.sort();
+    ensure!(after_cut == sorted, "after a cut listing: {after_cut:?}");
+    // Letters named last to first: looking up the first starts the reading over after the
+    // last was found, and still finds it.
+    let (last, head) = (&first[4].0, &first[0].0);
+    let preview = String::from_utf8(dlq_ok(
+        &case,
+        &["redrive", "--file", &file, "--dry-run", last, head],
+    )?)?;
+    ensure!(
+        preview.contains(&format!("would redrive {last}"))
+            && preview.contains(&format!("would redrive {head}")),
+        "{preview}"
+    );
     case.settle().await?;
     ensure!(case.dead_letters().await? == 5, "every letter is kept");
     let counts: Vec<String> = case

@@ -8,7 +8,12 @@
 //! the next `basic.get` hands out the next letter; RabbitMQ puts every letter the reader holds
 //! back when the reader starts a listing over (`basic.nack requeue`, letter by letter), when its
 //! channel or connection closes, or when the command is killed. Nothing is removed but by
-//! `basic.ack`, after a redrive's copy is confirmed or for a purge.
+//! `basic.ack`, after a redrive's copy is confirmed or for a purge. Where a letter given back
+//! goes: a classic queue puts it back in its place; a quorum queue (3.10) hands a letter given
+//! back by `basic.nack` out after the ready ones, and one given back by a closed connection in
+//! its place once the queue has taken it back (a command starting at once may read the others
+//! first). A walk reads until the queue has nothing ready, so it reads every letter either way;
+//! only the order differs.
 //!
 //! - **Cost**: a page deep in the queue holds every letter before it unacknowledged until the
 //!   command ends: RabbitMQ keeps them as unacknowledged on the reader's channel (it counts them
@@ -388,7 +393,7 @@ impl DeadLetterReader for AmqpReader {
 
     fn caveats(&self) -> Vec<String> {
         vec![format!(
-            "redriven letters (oldest first) are new messages at the tail of queue {}, published through the default exchange (not their original exchange and routing key), without their original expiration",
+            "redriven letters (in the order the dead-letter queue hands them out: oldest first, but a quorum queue may hand out letters an earlier command gave back after the others) are new messages at the tail of queue {}, published through the default exchange (not their original exchange and routing key), without their original expiration",
             self.names.queue
         )]
     }
