@@ -9,13 +9,13 @@ use std::path::PathBuf;
 use anyhow::{Context as _, Result, ensure};
 use nix::sys::signal::Signal;
 use switchboard_tests::brokers::AmqpQuorumBroker;
-use switchboard_tests::brokers::rabbitmq::{QueueType, RabbitMq, header, queue_arguments};
+use switchboard_tests::brokers::rabbitmq::{QueueType, RabbitMq, header, queue_arguments, text};
 use switchboard_tests::wait::wait_for;
 use switchboard_tests::{Fixture, source_manifest};
 
 use super::{
-    Case, LONG, MAX_DELIVERIES, body_of, dlq, dlq_ok, list_json, manifest_settings, path_text,
-    poison_bodies,
+    Case, FLAT_KIB, LONG, MAX_DELIVERIES, RSS_CAP_KIB, body_of, dlq, dlq_command, dlq_ok,
+    list_json, list_ten, manifest_settings, measured, path_text, poison_bodies,
 };
 
 /// A quorum queue `name` on a RabbitMQ node of its own; the worker declares `<name>.dlq`.
@@ -236,4 +236,97 @@ async fn twenty_five_listings_lose_nothing_and_an_unroutable_redrive_removes_not
     .await?;
     ensure!(case.dead_letters().await? == 0, "the destination is empty");
     case.fx().assert_exactly_once(case.queue(), 5).await
+}
+
+/// Letters in the measured listing below (a `show` reads every letter before the one it
+/// shows, one `basic.get` each: 200,000 would take minutes).
+const MEASURED: usize = 20_000;
+
+/// The cost of get-and-give-back, measured: with 20,000 letters in the quorum dead-letter queue,
+/// `list --limit 10` reads 11 and `show` of the middle letter reads 10,001 (figures printed);
+/// neither holds more memory than over an empty queue but a page (the reader keeps a delivery
+/// tag per letter passed), and every letter is still there afterwards.
+#[tokio::test]
+async fn list_and_show_of_20k_letters_hold_no_more_than_a_page_and_keep_every_letter() -> Result<()>
+{
+    let case = AmqpCase::start("many").await?;
+    let manifest = case.manifest(false)?;
+    let file = path_text(&manifest)?.to_owned();
+    let queue = case.dead_letter_queue();
+    case.server
+        .declare(&queue, queue_arguments(QueueType::Quorum, &[]))
+        .await?;
+    let empty = list_ten(&case, &file)?;
+    ensure!(empty.output.status.success(), "{:?}", empty.output);
+    let mut headers = lapin::types::FieldTable::default();
+    for (name, value) in [
+        ("x-switchboard-reason", "invalid_json"),
+        ("x-switchboard-last-seen", "2026-12-01T00:00:00.000Z"),
+        ("kind", "bulk"),
+    ] {
+        headers.insert(name.into(), text(value));
+    }
+    let body = |n: usize| format!(r#"{{"letter":{n},"padding":"{}"}}"#, "x".repeat(64));
+    let letters = (0..MEASURED).map(|n| {
+        let properties = lapin::BasicProperties::default()
+            .with_message_id(format!("m-{n}").into())
+            .with_headers(headers.clone());
+        (body(n).into_bytes(), properties)
+    });
+    case.server.publish(&queue, letters).await?;
+
+    let list = list_ten(&case, &file)?;
+    let listed = String::from_utf8(list.output.stdout.clone())?;
+    ensure!(
+        list.output.status.success() && listed.lines().count() == 11,
+        "ten letters and a summary: {listed}"
+    );
+    let oldest = serde_json::from_str::<serde_json::Value>(
+        std::str::from_utf8(&dlq_ok(
+            &case,
+            &["list", "--file", &file, "-o", "json", "--limit", "1"],
+        )?)?
+        .lines()
+        .next()
+        .context("a letter")?,
+    )?;
+    ensure!(body_of(&oldest)? == body(0).as_bytes(), "the oldest first");
+    let id = letter_id(&format!("m-{}", MEASURED / 2), &body(MEASURED / 2));
+    let show = measured(dlq_command(
+        &case,
+        &["show", "--file", &file, &id, "-o", "raw"],
+    )?)?;
+    ensure!(
+        show.output.status.success() && show.output.stdout == body(MEASURED / 2).as_bytes(),
+        "{:?}",
+        show.output
+    );
+    for (command, run) in [("list --limit 10", &list), ("show ID", &show)] {
+        println!(
+            "{MEASURED} RabbitMQ dead letters: dlq {command}: {:.3} s, peak RSS {} KiB ({} KiB over an empty queue), anonymous {} KiB",
+            run.elapsed.as_secs_f64(),
+            run.peak_kib,
+            run.peak_kib.saturating_sub(empty.peak_kib),
+            run.anon_kib
+        );
+        ensure!(
+            run.peak_kib <= empty.peak_kib + FLAT_KIB && run.anon_kib <= RSS_CAP_KIB,
+            "dlq {command} held more than a page"
+        );
+    }
+    case.settle().await?;
+    ensure!(
+        case.dead_letters().await? == MEASURED as u64,
+        "every letter is kept"
+    );
+    Ok(())
+}
+
+/// A letter's id as the reader makes it: its `message-id`, its dead-lettering time (the one the
+/// test letters carry) and its body.
+fn letter_id(message_id: &str, body: &str) -> String {
+    use sha2::Digest as _;
+    let mut digest = sha2::Sha256::new();
+    digest.update(format!("{message_id}\n2026-12-01T00:00:00.000Z\n{body}"));
+    hex::encode(digest.finalize())[..16].to_owned()
 }
