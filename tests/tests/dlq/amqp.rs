@@ -14,8 +14,8 @@ use switchboard_tests::wait::wait_for;
 use switchboard_tests::{Fixture, source_manifest};
 
 use super::{
-    Case, FLAT_KIB, LONG, MAX_DELIVERIES, RSS_CAP_KIB, body_of, dlq, dlq_command, dlq_ok,
-    list_json, list_ten, manifest_settings, measured, path_text, poison_bodies,
+    Case, FLAT_KIB, LONG, MAX_DELIVERIES, RSS_CAP_KIB, body_of, dead_lettered_at, dlq, dlq_command,
+    dlq_ok, list_json, list_ten, manifest_settings, measured, now_ms, path_text, poison_bodies,
 };
 
 /// A quorum queue `name` on a RabbitMQ node of its own; the worker declares `<name>.dlq`.
@@ -329,4 +329,56 @@ fn letter_id(message_id: &str, body: &str) -> String {
     let mut digest = sha2::Sha256::new();
     digest.update(format!("{message_id}\n2026-12-01T00:00:00.000Z\n{body}"));
     hex::encode(digest.finalize())[..16].to_owned()
+}
+
+/// A message RabbitMQ dead-lettered itself into `<queue>.dlq` (a queue of the producer's whose
+/// `x-dead-letter-routing-key` names it; here its message expired) carries no `x-switchboard-*`
+/// context: it is listed with RabbitMQ's reason and its age is the time RabbitMQ moved it
+/// (`x-death`), and it is redriven like the worker's own letters.
+#[tokio::test]
+async fn a_letter_rabbitmq_moved_itself_is_listed_with_its_reason_and_age_and_redriven()
+-> Result<()> {
+    let case = AmqpCase::start("moved").await?;
+    let strict = case.manifest(false)?;
+    let file = path_text(&strict)?.to_owned();
+    let queue = case.dead_letter_queue();
+    case.server
+        .declare(&queue, queue_arguments(QueueType::Quorum, &[]))
+        .await?;
+    let expiring = [
+        ("x-message-ttl", lapin::types::AMQPValue::LongLongInt(1)),
+        ("x-dead-letter-exchange", text("")),
+        ("x-dead-letter-routing-key", text(&queue)),
+    ];
+    case.server
+        .declare("moved-ttl", queue_arguments(QueueType::Classic, &expiring))
+        .await?;
+    // `x-death` times are whole seconds.
+    let sent_at = now_ms() / 1000 * 1000;
+    let properties = AmqpQuorumBroker::properties();
+    case.server
+        .publish("moved-ttl", [(br#"{"moved": 1}"#.to_vec(), properties)])
+        .await?;
+    wait_for(LONG, "RabbitMQ moves the expired message", || async {
+        Ok(case.dead_letters().await? == 1)
+    })
+    .await?;
+    let listed = list_json(&case, &file)?;
+    let [letter] = listed.as_slice() else {
+        anyhow::bail!("one letter: {listed:?}");
+    };
+    let at = dead_lettered_at(letter).context("an age")?;
+    ensure!(
+        letter["reason"] == "expired" && (sent_at..=now_ms()).contains(&at),
+        "RabbitMQ's reason and time: {letter}"
+    );
+    let _fixed = case.fx().worker(&case.manifest(true)?, "fixed")?;
+    let summary = String::from_utf8(dlq_ok(&case, &["redrive", "--file", &file, "--all"])?)?;
+    ensure!(summary.contains("1 redriven"), "{summary}");
+    wait_for(LONG, "its todo", || async {
+        Ok(case.fx().todo_count(case.queue()).await? == 1)
+    })
+    .await?;
+    ensure!(case.dead_letters().await? == 0, "the destination is empty");
+    Ok(())
 }

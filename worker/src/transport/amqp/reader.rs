@@ -321,6 +321,7 @@ fn stored_letter(
     let field = |name: &str| header_text(table, &Convention::Switchboard.name(name));
     let message_id = external_id(properties, &body);
     let last_seen = field("last-seen");
+    let moved = moved_by_rabbitmq(table);
     let original = Original {
         exchange: field("original-exchange").unwrap_or_default(),
         routing_key: field("original-routing-key").unwrap_or_default(),
@@ -339,8 +340,11 @@ fn stored_letter(
     digest.update(&body);
     StoredLetter {
         id: hex::encode(digest.finalize())[..16].to_owned(),
-        dead_lettered_at_ms: last_seen.as_deref().and_then(rfc3339_ms),
-        reason: field("reason"),
+        dead_lettered_at_ms: last_seen
+            .as_deref()
+            .and_then(rfc3339_ms)
+            .or_else(|| moved.as_ref().and_then(|(_, at)| *at)),
+        reason: field("reason").or_else(|| moved.map(|(reason, _)| reason)),
         delivery_count: field("delivery-count").and_then(|count| count.parse().ok()),
         last_error: field("error"),
         headers: headers(&original),
@@ -353,6 +357,23 @@ fn stored_letter(
         handle: tag.to_string(),
         body,
     }
+}
+
+/// Why and when RabbitMQ itself last dead-lettered the message (the newest `x-death` entry,
+/// set when a queue's own dead-lettering moved it here): its `reason` (`rejected`, `expired`,
+/// `maxlen`, `delivery_limit`) and `time` (Unix ms).
+fn moved_by_rabbitmq(table: Option<&FieldTable>) -> Option<(String, Option<u64>)> {
+    let AMQPValue::FieldArray(deaths) = table?.inner().get("x-death")? else {
+        return None;
+    };
+    let AMQPValue::FieldTable(newest) = deaths.as_slice().first()? else {
+        return None;
+    };
+    let at = match newest.inner().get("time") {
+        Some(AMQPValue::Timestamp(seconds)) => seconds.checked_mul(1000),
+        _ => None,
+    };
+    Some((header_text(Some(newest), "reason")?, at))
 }
 
 fn rfc3339_ms(text: &str) -> Option<u64> {
@@ -516,6 +537,24 @@ mod tests {
             stored_letter("orders.dlq", 9, &letter_properties, body).id,
             letter.id
         );
+    }
+
+    #[test]
+    fn a_message_rabbitmq_dead_lettered_itself_has_its_reason_and_time() {
+        let mut death = FieldTable::default();
+        death.insert("reason".into(), AMQPValue::LongString("expired".into()));
+        death.insert("time".into(), AMQPValue::Timestamp(1_764_000_000));
+        death.insert("queue".into(), AMQPValue::LongString("orders".into()));
+        let mut headers = FieldTable::default();
+        headers.insert(
+            "x-death".into(),
+            AMQPValue::FieldArray(vec![AMQPValue::FieldTable(death)].into()),
+        );
+        let properties = BasicProperties::default().with_headers(headers);
+        let letter = stored_letter("orders.dlq", 1, &properties, b"{}".to_vec());
+        assert_eq!(letter.reason.as_deref(), Some("expired"));
+        assert_eq!(letter.dead_lettered_at_ms, Some(1_764_000_000_000));
+        assert!(letter.headers.iter().all(|(name, _)| name != "x-death"));
     }
 
     #[test]
