@@ -55,7 +55,7 @@ use super::arguments::integer;
 use super::classify::{self, Addressed, Names};
 use super::connection::{call, check_url, connect, declare_passive, open_channel};
 use super::dead_letter::added_header;
-use super::delivery::{Original, external_id, headers};
+use super::delivery::{Original, QUORUM_COUNT_HEADER, external_id, headers};
 use super::{CALL_TIMEOUT, dead_letter_route};
 use crate::transport::dead_letter::Convention;
 use crate::transport::reader::{Cursor, DeadLetterReader, Page, StoredLetter, redrive_key};
@@ -79,7 +79,13 @@ pub struct AmqpReader {
     passed: Vec<u64>,
     /// The properties of the letters handed out and not handed back, by delivery tag.
     out: HashMap<u64, BasicProperties>,
+    /// Whether a letter read [`WORN_READS`] times or more was noted.
+    noted_reads: bool,
 }
+
+/// How often a letter may be given back before a command says so: half of RabbitMQ 4.0–4.2's
+/// default delivery limit of quorum queues (20), which counts every return.
+const WORN_READS: u64 = 10;
 
 impl std::fmt::Debug for AmqpReader {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -129,6 +135,7 @@ impl AmqpReader {
             queue,
             passed: Vec::new(),
             out: HashMap::new(),
+            noted_reads: false,
         })
     }
 
@@ -176,9 +183,25 @@ impl AmqpReader {
                 &delivery.properties,
                 delivery.data,
             );
+            self.note_reads(&letter.id, &delivery.properties);
             self.out.insert(delivery.delivery_tag, delivery.properties);
             letter
         }))
+    }
+
+    /// Says once per command, on standard error, when a letter has been given back
+    /// [`WORN_READS`] times or more (its `x-delivery-count` in a quorum queue).
+    fn note_reads(&mut self, id: &str, properties: &BasicProperties) {
+        let reads = header_text(properties.headers().as_ref(), QUORUM_COUNT_HEADER)
+            .and_then(|count| count.parse::<u64>().ok())
+            .unwrap_or(0);
+        if reads >= WORN_READS && !self.noted_reads {
+            self.noted_reads = true;
+            eprintln!(
+                "note: dead letter {id} has been read and given back {reads} times (x-delivery-count of queue {}); RabbitMQ 4.0 to 4.2 drop a letter of a quorum queue at its delivery limit (20 by default) unless it is disabled (delivery-limit -1): see docs/brokers/rabbitmq.md",
+                self.queue
+            );
+        }
     }
 
     /// Removes the letter held under `tag`.
