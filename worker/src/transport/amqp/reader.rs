@@ -52,11 +52,11 @@ use sha2::{Digest, Sha256};
 use switchboard_api::{AmqpSource, QueueAdapter};
 
 use super::arguments::integer;
-use super::classify::{self, Addressed, Names};
-use super::connection::{call, check_url, connect, declare_passive, open_channel};
+use super::classify::{Addressed, Names};
+use super::connection::{call, check_url, connect, declare_passive, open_channel, queue_exists};
 use super::dead_letter::added_header;
+use super::dead_letter_route;
 use super::delivery::{Original, QUORUM_COUNT_HEADER, external_id, headers};
-use super::{CALL_TIMEOUT, dead_letter_route};
 use crate::transport::dead_letter::Convention;
 use crate::transport::reader::{Cursor, DeadLetterReader, Page, StoredLetter, redrive_key};
 use crate::transport::{Attempts, IDEMPOTENCY_KEY_HEADER, TransportError};
@@ -122,7 +122,8 @@ impl AmqpReader {
             ));
         }
         let connection = connect(&names, url, "switchboard-worker-dlq").await?;
-        let reading = match queue_exists(&names, &connection, &queue).await? {
+        let reading = match queue_exists(&names, &connection, &queue, Addressed::DeadLetter).await?
+        {
             true => Some(open_channel(&names, &connection).await?),
             false => None,
         };
@@ -279,35 +280,6 @@ impl AmqpReader {
                 "the redrive channel is not in confirm mode",
             )),
         }
-    }
-}
-
-/// Whether `queue` exists (a passive declare on a channel of its own, which a missing queue
-/// closes): a missing queue (404) is no error, anything else is.
-async fn queue_exists(
-    names: &Names,
-    connection: &Connection,
-    queue: &str,
-) -> Result<bool, TransportError> {
-    let channel = open_channel(names, connection).await?;
-    let options = lapin::options::QueueDeclareOptions {
-        passive: true,
-        ..lapin::options::QueueDeclareOptions::default()
-    };
-    let declared = tokio::time::timeout(
-        CALL_TIMEOUT,
-        channel.queue_declare(queue.into(), options, FieldTable::default()),
-    )
-    .await
-    .map_err(|elapsed| TransportError::transient("RabbitMQ queue declare timed out", elapsed))?;
-    match declared {
-        Ok(_) => Ok(true),
-        Err(err) if classify::reply_code(&err) == Some(404) => Ok(false),
-        Err(err) => Err(names.error(
-            "dead-letter queue declare (passive)",
-            Addressed::DeadLetter,
-            err,
-        )),
     }
 }
 
