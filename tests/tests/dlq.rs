@@ -973,6 +973,9 @@ mod gateway_case;
 // Pub/sub has no redelivery (no `max_deliveries` letters): its own tests, the suite's purge.
 #[path = "dlq/pubsub.rs"]
 mod pubsub_case;
+#[path = "dlq/amqp.rs"]
+mod amqp_case;
+dlq_suite!(amqp, amqp_case::AmqpCase, binary: true);
 
 /// Dead letters in the 200,000-letter tests.
 const MANY: usize = 200_000;
@@ -1422,23 +1425,26 @@ async fn a_copy_carrying_its_original_key_makes_no_second_todo() -> Result<()> {
     Ok(())
 }
 
-/// `dlq <args>` for a manifest whose broker `dlq` has no reader for (RabbitMQ): only
-/// `DATABASE_URL`.
+/// `dlq <args>` with `DATABASE_URL` and the fixture's extra environment, without `REDIS_URL`.
 fn dlq_database_only(fx: &Fixture, args: &[&str]) -> Result<Output> {
     Ok(Command::new(worker_binary()?)
         .arg("dlq")
         .args(args)
         .env("DATABASE_URL", &fx.env.database_url)
+        .envs(fx.extra_env.iter().map(|(key, value)| (key, value)))
         .env_remove("REDIS_URL")
         .stdin(Stdio::null())
         .output()?)
 }
 
 /// Dead letters the broker refused, kept in PostgreSQL's table, are listed, shown and purged
-/// by `dlq` for a broker it has no reader for, marked as kept in the database.
+/// by `dlq` next to the broker's (here RabbitMQ, whose dead-letter queue was never declared: it
+/// holds none), marked as kept in the database.
 #[tokio::test]
 async fn letters_kept_in_postgresql_are_listed_shown_and_purged_for_every_broker() -> Result<()> {
-    let fx = Fixture::start().await?;
+    let mut fx = Fixture::start().await?;
+    let rabbitmq = switchboard_tests::brokers::rabbitmq::RabbitMq::start()?;
+    fx.extra_env.push(("AMQP_URL".to_owned(), rabbitmq.url()));
     let manifest = fx.manifest(
         "kept.yaml",
         &source_manifest("kept", "amqp: {queue: kept}", "", ""),

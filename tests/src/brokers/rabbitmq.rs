@@ -362,26 +362,35 @@ impl RabbitMq {
     /// them (`rabbitmqctl list_queues`; the passive declare only counts ready messages). For a
     /// quorum queue the count is at most one tick (100 ms here) old.
     pub async fn messages(&self, name: &str) -> Result<u64> {
+        self.counted(name, "messages")
+            .await?
+            .with_context(|| format!("queue {name} not listed by rabbitmqctl"))
+    }
+
+    /// The `rabbitmqctl list_queues` column `column` (`messages`, `messages_unacknowledged`, …)
+    /// of queue `name`; `None` when the node has no such queue.
+    pub async fn counted(&self, name: &str, column: &str) -> Result<Option<u64>> {
         let listing = self
             .ctl(&[
                 "list_queues",
                 "--quiet",
                 "--no-table-headers",
                 "name",
-                "messages",
+                column,
             ])
             .await?;
         for line in listing.lines() {
             let mut columns = line.split('\t');
             if columns.next() == Some(name) {
-                let count = columns.next().context("no messages column")?;
+                let count = columns.next().context("no count column")?;
                 return count
                     .trim()
                     .parse()
-                    .with_context(|| format!("messages of {name}: {count:?}"));
+                    .map(Some)
+                    .with_context(|| format!("{column} of {name}: {count:?}"));
             }
         }
-        bail!("queue {name} not listed by rabbitmqctl:\n{listing}")
+        Ok(None)
     }
 
     /// Every message of queue `name` (body, headers), read with `basic.get` on a channel that

@@ -1,8 +1,9 @@
 //! RabbitMQ (AMQP 0-9-1), a quorum or classic queue.
 
-use switchboard_api::AmqpSource;
+use switchboard_api::{AmqpSource, QueueAdapter};
 
-use super::{Context, Loop, Plugin};
+use super::{Context, Letters, Loop, Plugin};
+use crate::transport::amqp::reader::AmqpReader;
 use crate::transport::amqp::{Amqp, AmqpSettings};
 use crate::transport::retention::Retention;
 use crate::{WorkerError, env};
@@ -26,5 +27,14 @@ impl Plugin for AmqpSource {
         };
         let transport = Amqp::new(settings, env("AMQP_URL")?, run.registry())?;
         run.drive(transport, self).await
+    }
+
+    async fn read_letters<D: Letters>(
+        &self,
+        adapter: &QueueAdapter,
+        letters: D,
+    ) -> Result<(), WorkerError> {
+        let reader = AmqpReader::new(adapter, self, &env("AMQP_URL")?).await?;
+        letters.read(reader).await
     }
 }

@@ -6,7 +6,7 @@ use lapin::types::FieldTable;
 use lapin::{Channel, Connection, ConnectionProperties};
 
 use super::CALL_TIMEOUT;
-use super::classify::{Addressed, Names, URL_SETTING};
+use super::classify::{self, Addressed, Names, URL_SETTING};
 use crate::transport::TransportError;
 
 /// Runs a broker call under [`CALL_TIMEOUT`].
@@ -58,6 +58,36 @@ pub async fn declare_passive(
     .await?;
     let _ = channel.close(200, "probed".into()).await;
     Ok(declared)
+}
+
+/// Whether `queue` exists (a passive declare on a channel of its own, which a missing queue
+/// closes): a missing queue (404) is no error, anything else is.
+pub async fn queue_exists(
+    names: &Names,
+    connection: &Connection,
+    queue: &str,
+    addressed: Addressed,
+) -> Result<bool, TransportError> {
+    const WHAT: &str = "queue declare (passive)";
+    let channel = open_channel(names, connection).await?;
+    let options = QueueDeclareOptions {
+        passive: true,
+        ..QueueDeclareOptions::default()
+    };
+    let declared = call(names, WHAT, addressed, async {
+        Ok(channel
+            .queue_declare(queue.into(), options, FieldTable::default())
+            .await)
+    })
+    .await?;
+    match declared {
+        Ok(_) => {
+            let _ = channel.close(200, "probed".into()).await;
+            Ok(true)
+        }
+        Err(err) if classify::reply_code(&err) == Some(404) => Ok(false),
+        Err(err) => Err(names.error(WHAT, addressed, err)),
+    }
 }
 
 /// Opens a connection to `url` named `name`.

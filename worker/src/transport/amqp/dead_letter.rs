@@ -35,7 +35,7 @@ fn text(value: &str) -> AMQPValue {
 
 /// Headers of the original a dead letter never copies: the delivery counters (RabbitMQ's and the
 /// worker's own), and RabbitMQ's own dead-lettering history.
-const COUNTER_HEADERS: [&str; 6] = [
+pub const COUNTER_HEADERS: [&str; 6] = [
     QUORUM_COUNT_HEADER,
     OWN_COUNT_HEADER,
     "x-death",
@@ -43,6 +43,32 @@ const COUNTER_HEADERS: [&str; 6] = [
     "x-first-death-queue",
     "x-first-death-reason",
 ];
+
+/// The `x-switchboard-*` fields a dead letter adds to the original's headers: the common
+/// context ([`DeadLetterContext::fields`]) and what only AMQP letters say.
+pub const LETTER_FIELDS: [&str; 12] = [
+    "reason",
+    "error",
+    "delivery-count",
+    "first-seen",
+    "attempts",
+    "last-seen",
+    "queue",
+    "consumer",
+    "original-exchange",
+    "original-routing-key",
+    "original-expiration",
+    "original-user-id",
+];
+
+/// Whether header `name` is one a dead letter added ([`LETTER_FIELDS`]) or a broker counter
+/// ([`COUNTER_HEADERS`]): not the original's.
+pub fn added_header(name: &str) -> bool {
+    COUNTER_HEADERS.contains(&name)
+        || LETTER_FIELDS
+            .iter()
+            .any(|field| CONVENTION.name(field) == name)
+}
 
 /// The properties of `letter`'s dead letter: the original's properties and headers, and the
 /// context as `x-switchboard-*` headers. Its `message-id` is the message's id within the
@@ -136,7 +162,7 @@ pub fn recounted(original: &Original, next: u64) -> BasicProperties {
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use std::sync::Arc;
 
     use super::*;
@@ -145,7 +171,11 @@ mod tests {
     use crate::transport::{Attempts, Message};
 
     /// The message delivered as `original`, with its id within the source.
-    fn message(original: Original, external_id: &str, delivery_count: u64) -> Message<Receipt> {
+    pub(in crate::transport::amqp) fn message(
+        original: Original,
+        external_id: &str,
+        delivery_count: u64,
+    ) -> Message<Receipt> {
         Message {
             receipt: Receipt {
                 channel: 1,
@@ -163,7 +193,10 @@ mod tests {
         }
     }
 
-    fn letter<'a>(message: &'a Message<Receipt>, error: &str) -> DeadLetter<'a, Receipt> {
+    pub(in crate::transport::amqp) fn letter<'a>(
+        message: &'a Message<Receipt>,
+        error: &str,
+    ) -> DeadLetter<'a, Receipt> {
         DeadLetter {
             message,
             reason: PoisonReason::InvalidJson,
@@ -172,25 +205,29 @@ mod tests {
         }
     }
 
-    const CONTEXT: WriteContext<'static> = WriteContext {
+    pub(in crate::transport::amqp) const CONTEXT: WriteContext<'static> = WriteContext {
         queue: "orders",
         consumer: "worker-0",
         last_seen: "2026-12-01T00:00:00.000Z",
     };
 
-    #[test]
-    fn dead_letter_keeps_the_original_properties_and_adds_the_context() {
-        let mut user = FieldTable::default();
-        user.insert("tenant".into(), text("acme"));
-        let original = Original {
+    /// A message `m-1` (JSON) published to exchange `shop` with `headers`.
+    pub(in crate::transport::amqp) fn published(headers: FieldTable) -> Original {
+        Original {
             exchange: "shop".into(),
             routing_key: "orders.new".into(),
             properties: BasicProperties::default()
                 .with_message_id("m-1".into())
                 .with_content_type("application/json".into())
-                .with_headers(user),
-        };
-        let mut message = message(original, "m-1", 3);
+                .with_headers(headers),
+        }
+    }
+
+    #[test]
+    fn dead_letter_keeps_the_original_properties_and_adds_the_context() {
+        let mut user = FieldTable::default();
+        user.insert("tenant".into(), text("acme"));
+        let mut message = message(published(user), "m-1", 3);
         message.enqueued_at_ms = Some(0);
         let props = properties(&letter(&message, &"x".repeat(5000)), CONTEXT);
         assert_eq!(props.message_id().as_ref().map(|m| m.as_str()), Some("m-1"));
@@ -256,6 +293,16 @@ mod tests {
             get("x-switchboard-original-user-id"),
             Some(text("producer"))
         );
+        // What the reader takes off to give the original back: every field written, nothing else.
+        let added: Vec<&str> = headers
+            .inner()
+            .keys()
+            .map(|name| name.as_str())
+            .filter(|name| added_header(name))
+            .collect();
+        assert_eq!(added.len(), headers.inner().len() - 1, "{added:?}");
+        assert!(!added_header("tenant"));
+        assert!(!added_header(crate::transport::IDEMPOTENCY_KEY_HEADER));
     }
 
     #[test]

@@ -57,6 +57,7 @@ mod delivery_limit;
 mod metrics;
 mod probe;
 mod publisher;
+pub mod reader;
 mod recount;
 mod session;
 
@@ -154,26 +155,11 @@ impl Amqp {
         registry: &mut Registry,
     ) -> Result<Self, TransportError> {
         connection::check_url(&url)?;
-        let queue = settings.spec.queue.clone();
-        let dead_letter_exchange = settings.dead_letter_exchange.clone().unwrap_or_default();
-        let dead_letter_routing_key =
-            settings
-                .dead_letter_routing_key
-                .clone()
-                .unwrap_or_else(|| match dead_letter_exchange.as_str() {
-                    "" => format!("{queue}.dlq"),
-                    _ => queue.clone(),
-                });
-        let names = Names {
-            queue,
-            dead_letter: match dead_letter_exchange.as_str() {
-                "" => format!("queue {dead_letter_routing_key:?}"),
-                exchange => {
-                    format!("exchange {exchange:?} (routing key {dead_letter_routing_key:?})")
-                }
-            },
-            dead_letter_setting: "spec.delivery.deadLetter.exchange",
-        };
+        let (dead_letter_exchange, dead_letter_routing_key, names) = dead_letter_route(
+            &settings.spec.queue,
+            settings.dead_letter_exchange.as_deref(),
+            settings.dead_letter_routing_key.as_deref(),
+        );
         let metrics = AmqpMetrics::register(registry, &settings.adapter);
         let publisher = Publisher::new(
             url.clone(),
@@ -198,6 +184,33 @@ impl Amqp {
             buffer: Vec::new(),
         })
     }
+}
+
+/// Where the dead letters of `queue` go: the exchange (`""`: the default exchange, to the queue
+/// named by the routing key), the routing key (default: `<queue>.dlq`, or the queue's name with
+/// an exchange), and the names errors use.
+fn dead_letter_route(
+    queue: &str,
+    exchange: Option<&str>,
+    routing_key: Option<&str>,
+) -> (String, String, Names) {
+    let exchange = exchange.unwrap_or_default().to_owned();
+    let routing_key = routing_key.map_or_else(
+        || match exchange.as_str() {
+            "" => format!("{queue}.dlq"),
+            _ => queue.to_owned(),
+        },
+        str::to_owned,
+    );
+    let names = Names {
+        queue: queue.to_owned(),
+        dead_letter: match exchange.as_str() {
+            "" => format!("queue {routing_key:?}"),
+            exchange => format!("exchange {exchange:?} (routing key {routing_key:?})"),
+        },
+        dead_letter_setting: "spec.delivery.deadLetter.exchange",
+    };
+    (exchange, routing_key, names)
 }
 
 impl Transport for Amqp {
