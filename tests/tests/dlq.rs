@@ -971,8 +971,11 @@ mod sqs_case;
 #[path = "dlq/gateway.rs"]
 mod gateway_case;
 // Pub/sub has no redelivery (no `max_deliveries` letters): its own tests, the suite's purge.
+#[path = "dlq/kafka.rs"]
+mod kafka_case;
 #[path = "dlq/pubsub.rs"]
 mod pubsub_case;
+dlq_suite!(kafka, kafka_case::KafkaCase, binary: true);
 
 /// Dead letters in the 200,000-letter tests.
 const MANY: usize = 200_000;

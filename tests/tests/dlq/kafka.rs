@@ -1,0 +1,182 @@
+//! Kafka dead letters: the contract suite's case (a real Kafka node, `<topic>.dlq` of two
+//! partitions), and what only Kafka's reader does: a letter removed out of partition order is
+//! marked removed, and goes with its prefix once the letters before it are gone.
+
+use std::path::PathBuf;
+
+use anyhow::{Context, Result, ensure};
+use switchboard_tests::brokers::kafka::KafkaServer;
+use switchboard_tests::todos_lock::{TodosLock, wait_blocked_on_lock};
+use switchboard_tests::wait::wait_for;
+use switchboard_tests::{Fixture, source_manifest};
+
+use super::{
+    Case, LONG, MAX_DELIVERIES, dlq_ok, list_json, manifest_settings, path_text, poison_bodies,
+};
+
+/// Partitions of the source topic and of its dead-letter topic.
+const PARTITIONS: i32 = 2;
+
+/// A topic `{name}` and its dead-letter topic `{name}.dlq` on a Kafka node of its own.
+pub(crate) struct KafkaCase {
+    fx: Fixture,
+    server: KafkaServer,
+    name: String,
+}
+
+impl KafkaCase {
+    fn dead_letter_topic(&self) -> String {
+        format!("{}.dlq", self.name)
+    }
+}
+
+impl Case for KafkaCase {
+    async fn start(name: &str) -> Result<Self> {
+        let fx = Fixture::start().await?;
+        let server = KafkaServer::start()?;
+        server.create_topic(name, PARTITIONS).await?;
+        server
+            .create_topic(&format!("{name}.dlq"), PARTITIONS)
+            .await?;
+        Ok(Self {
+            fx,
+            server,
+            name: name.to_owned(),
+        })
+    }
+
+    fn fx(&self) -> &Fixture {
+        &self.fx
+    }
+
+    fn manifest(&self, fixed: bool) -> Result<PathBuf> {
+        let (delivery, payload) = manifest_settings(fixed);
+        let source = format!(
+            "kafka: {{bootstrapServers: \"{}\", topics: [{}], sessionTimeoutSeconds: 6}}",
+            self.server.bootstrap(),
+            self.name
+        );
+        self.fx.manifest(
+            &format!("{}.yaml", self.name),
+            &source_manifest(&self.name, &source, &delivery, payload),
+        )
+    }
+
+    async fn send(&self, bodies: &[Vec<u8>]) -> Result<()> {
+        self.server.produce(&self.name, bodies.to_vec()).await
+    }
+
+    /// Kafka has no delivery count: the worker keeps its own. Each of `MAX_DELIVERIES` workers
+    /// receives the records and dies storing them (behind a lock on the todos table), so the
+    /// next worker receives each for the fourth time.
+    async fn send_overdue(&self, bodies: &[Vec<u8>]) -> Result<()> {
+        self.send(bodies).await?;
+        let strict = self.manifest(false)?;
+        let lock = TodosLock::take(&self.fx.env.database_url).await?;
+        for delivery in 0..MAX_DELIVERIES {
+            let consumer = format!("dying-{delivery}");
+            let worker = self.fx.worker(&strict, &consumer)?;
+            wait_blocked_on_lock(&self.fx, &worker).await?;
+            worker.kill()?;
+            sqlx::query(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = $1",
+            )
+            .bind(switchboard_worker::database_application_name(&consumer))
+            .execute(self.fx.pool())
+            .await?;
+            self.fx.wait_disconnected(&consumer).await?;
+        }
+        lock.release().await
+    }
+
+    /// Records in the dead-letter topic less the removal markers (each marks one of them).
+    async fn dead_letters(&self) -> Result<u64> {
+        let topic = self.dead_letter_topic();
+        let records = self.server.read_all(&topic).await?.len();
+        let markers = self
+            .server
+            .read_all(&format!("{topic}.removed"))
+            .await?
+            .len();
+        Ok((records - markers) as u64)
+    }
+
+    fn queue(&self) -> &str {
+        &self.name
+    }
+}
+
+/// A letter purged out of partition order is marked removed, not listed, not shown, not
+/// counted; once the letters before it are purged too, Kafka deletes the whole prefix and the
+/// marker goes with it.
+#[tokio::test]
+async fn a_letter_removed_out_of_order_is_marked_then_deleted_with_its_prefix() -> Result<()> {
+    let case = KafkaCase::start("marked").await?;
+    let strict = case.manifest(false)?;
+    let file = path_text(&strict)?.to_owned();
+    let _worker = case.fx().worker(&strict, "strict")?;
+    case.send(&poison_bodies("marked")[..6]).await?;
+    wait_for(LONG, "six letters", || async {
+        Ok(case.dead_letters().await? == 6)
+    })
+    .await?;
+    let letters = list_json(&case, &file)?;
+    ensure!(letters.len() == 6, "{letters:?}");
+    let ids: Vec<&str> = letters
+        .iter()
+        .map(|letter| letter["id"].as_str().context("id"))
+        .collect::<Result<_>>()?;
+    // The first letter of a partition that holds two, and the next one there.
+    let partition = |id: &str| {
+        id.split_once(':')
+            .map(|(partition, _)| partition.to_owned())
+    };
+    let (first, later) = ids
+        .iter()
+        .enumerate()
+        .find_map(|(index, id)| {
+            let later = ids[index + 1..]
+                .iter()
+                .find(|other| partition(other) == partition(id))?;
+            Some((*id, *later))
+        })
+        .context("two letters in one partition")?;
+    let purged = String::from_utf8(dlq_ok(&case, &["purge", "--file", &file, later, "--yes"])?)?;
+    ensure!(purged.contains("1 dead letters deleted"), "{purged}");
+    let markers = case
+        .server
+        .read_all(&format!("{}.removed", case.dead_letter_topic()))
+        .await?;
+    ensure!(markers.len() == 1, "one marker: {markers:?}");
+    let left = list_json(&case, &file)?;
+    ensure!(
+        left.len() == 5 && left.iter().all(|letter| letter["id"] != *later),
+        "{later} is not listed: {left:?}"
+    );
+    let shown = super::dlq(&case, &["show", "--file", &file, later])?;
+    ensure!(shown.status.code() == Some(1), "{later} is not shown");
+    let summary = String::from_utf8(dlq_ok(
+        &case,
+        &["list", "--file", &file, "-o", "json", "--limit", "1"],
+    )?)?;
+    ensure!(
+        summary.contains("\"total\":5"),
+        "the count leaves it out: {summary}"
+    );
+    let first = String::from_utf8(dlq_ok(&case, &["purge", "--file", &file, first, "--yes"])?)?;
+    ensure!(first.contains("1 dead letters deleted"), "{first}");
+    ensure!(
+        case.dead_letters().await? == 4,
+        "both gone from the partition"
+    );
+    let markers = case
+        .server
+        .read_all(&format!("{}.removed", case.dead_letter_topic()))
+        .await?;
+    ensure!(
+        markers.is_empty(),
+        "the marker went with its letter: {markers:?}"
+    );
+    ensure!(list_json(&case, &file)?.len() == 4, "four listed");
+    Ok(())
+}
