@@ -5,7 +5,7 @@
 use std::path::PathBuf;
 
 use anyhow::{Context, Result, ensure};
-use switchboard_tests::brokers::kafka::KafkaServer;
+use switchboard_tests::brokers::kafka::{KafkaServer, Record};
 use switchboard_tests::todos_lock::{TodosLock, wait_blocked_on_lock};
 use switchboard_tests::wait::wait_for;
 use switchboard_tests::{Fixture, source_manifest};
@@ -179,4 +179,67 @@ async fn a_letter_removed_out_of_order_is_marked_then_deleted_with_its_prefix() 
     );
     ensure!(list_json(&case, &file)?.len() == 4, "four listed");
     Ok(())
+}
+
+/// Acceptance 2 for Kafka: with 200,000 letters in the dead-letter topic, `list --limit 10`
+/// and `show PARTITION:OFFSET` hold no more than over an empty topic but a page, and at most
+/// [`super::RSS_CAP_KIB`] of memory of their own (figures printed).
+#[tokio::test]
+async fn list_and_show_of_200k_kafka_letters_stay_flat_and_under_40_mib() -> Result<()> {
+    let case = KafkaCase::start("many").await?;
+    let manifest = case.manifest(false)?;
+    let file = path_text(&manifest)?.to_owned();
+    let empty = super::list_ten(&case, &file)?;
+    ensure!(empty.output.status.success(), "{:?}", empty.output);
+    let body = |n: usize| format!(r#"{{"letter":{n},"padding":"{}"}}"#, "x".repeat(64));
+    let letter = |n: usize| Record {
+        key: None,
+        value: Some(body(n).into_bytes()),
+        headers: [
+            ("x-dlq-reason", "invalid_json".to_owned()),
+            ("x-dlq-error", "not JSON under format: json".to_owned()),
+            ("x-dlq-delivery-count", "1".to_owned()),
+            ("x-dlq-attempts", r#"{"total":1,"recent":[]}"#.to_owned()),
+            ("x-dlq-original-topic", "many".to_owned()),
+            ("x-dlq-original-partition", "0".to_owned()),
+            ("x-dlq-original-offset", n.to_string()),
+            ("kind", "bulk".to_owned()),
+        ]
+        .into_iter()
+        .map(|(name, value)| (name.to_owned(), Some(value.into_bytes())))
+        .collect(),
+    };
+    // One partition, so that the offset of letter n is n.
+    let topic = case.dead_letter_topic();
+    case.server.delete_topics(&[topic.as_str()]).await?;
+    wait_for(LONG, "the dead-letter topic is gone", || async {
+        Ok(case.server.create_topic(&topic, 1).await.is_ok())
+    })
+    .await?;
+    for chunk in (0..super::MANY).collect::<Vec<_>>().chunks(20_000) {
+        let records = chunk.iter().map(|n| letter(*n)).collect();
+        case.server.produce_records(&topic, records).await?;
+    }
+    let list = super::list_ten(&case, &file)?;
+    let listed = super::ten_and_cut(&list)?;
+    ensure!(listed[0]["id"] == "0:0", "the oldest first: {}", listed[0]);
+    let middle = format!("0:{}", super::MANY / 2);
+    let show = super::measured(super::dlq_command(
+        &case,
+        &["show", "--file", &file, &middle, "-o", "raw"],
+    )?)?;
+    ensure!(show.output.status.success(), "{:?}", show.output);
+    ensure!(
+        show.output.stdout == body(super::MANY / 2).as_bytes(),
+        "the letter shown: {}",
+        String::from_utf8_lossy(&show.output.stdout)
+    );
+    for (command, run) in [("list --limit 10", &list), ("show ID", &show)] {
+        ensure!(
+            run.elapsed <= std::time::Duration::from_secs(1),
+            "dlq {command} took {:?}",
+            run.elapsed
+        );
+    }
+    super::flat_with_size("Kafka", &empty, &list, &show)
 }

@@ -100,7 +100,12 @@ impl KafkaReader {
             .set("enable.auto.commit", "false")
             .set("enable.auto.offset.store", "false")
             .set("enable.partition.eof", "false")
-            .set("auto.offset.reset", "earliest");
+            .set("auto.offset.reset", "earliest")
+            // librdkafka fetches up to 64 MiB ahead per partition by default; a page is at
+            // most 100 letters.
+            .set("queued.min.messages", "200")
+            .set("queued.max.messages.kbytes", "2048")
+            .set("fetch.max.bytes", "2097152");
         let consumer: StreamConsumer<LogContext> = config
             .create_with_context(LogContext::current())
             .map_err(create("consumer"))?;
