@@ -1,6 +1,7 @@
 //! Kafka dead letters: the contract suite's case (a real Kafka node, `<topic>.dlq` of two
 //! partitions), and what only Kafka's reader does: a letter removed out of partition order is
-//! marked removed, and goes with its prefix once the letters before it are gone.
+//! marked removed, and goes with its prefix once the letters before it are gone; list and show
+//! over 200,000 letters; a letter redriven twice keeps its binary key and headers and arrives.
 
 use std::path::PathBuf;
 
@@ -242,4 +243,70 @@ async fn list_and_show_of_200k_kafka_letters_stay_flat_and_under_40_mib() -> Res
         );
     }
     super::flat_with_size("Kafka", &empty, &list, &show)
+}
+
+/// A letter redriven while the worker still refuses it is dead-lettered again (its copy on the
+/// source carries the original's key, binary key and headers byte-identical, and the
+/// idempotency key); redriven again after the fix, it arrives as one todo.
+#[tokio::test]
+async fn a_letter_redriven_twice_keeps_its_key_and_headers_and_arrives() -> Result<()> {
+    let case = KafkaCase::start("twice").await?;
+    let strict = case.manifest(false)?;
+    let file = path_text(&strict)?.to_owned();
+    let key = b"k\0ey".to_vec();
+    let original = Record {
+        key: Some(key.clone()),
+        value: Some(b"not json".to_vec()),
+        headers: vec![
+            ("kind".to_owned(), Some(b"order".to_vec())),
+            ("raw".to_owned(), Some(vec![0x01, 0x02, 0x7f])),
+        ],
+    };
+    case.server
+        .produce_records("twice", vec![original.clone()])
+        .await?;
+    let worker = case.fx().worker(&strict, "strict")?;
+    wait_for(LONG, "the letter", || async {
+        Ok(case.dead_letters().await? == 1)
+    })
+    .await?;
+    let first = list_json(&case, &file)?[0]["id"].clone();
+    let summary = String::from_utf8(dlq_ok(&case, &["redrive", "--file", &file, "--all"])?)?;
+    ensure!(summary.contains("1 redriven"), "{summary}");
+    wait_for(LONG, "the copy dead-lettered again", || async {
+        let letters = list_json(&case, &file)?;
+        Ok(letters.len() == 1 && letters[0]["id"] != first)
+    })
+    .await?;
+    let key_header = switchboard_worker::transport::IDEMPOTENCY_KEY_HEADER;
+    let copies: Vec<Record> = case
+        .server
+        .read_all("twice")
+        .await?
+        .into_iter()
+        .filter(|record| record.header(key_header).is_some())
+        .collect();
+    ensure!(copies.len() == 1, "one copy: {copies:?}");
+    let copy = &copies[0];
+    ensure!(
+        copy.key == original.key && copy.value == original.value,
+        "{copy:?}"
+    );
+    ensure!(
+        original
+            .headers
+            .iter()
+            .all(|header| copy.headers.contains(header)),
+        "the original headers: {copy:?}"
+    );
+    drop(worker);
+    let _fixed = case.fx().worker(&case.manifest(true)?, "fixed")?;
+    let summary = String::from_utf8(dlq_ok(&case, &["redrive", "--file", &file, "--all"])?)?;
+    ensure!(summary.contains("1 redriven"), "{summary}");
+    wait_for(LONG, "one todo", || async {
+        Ok(case.fx().todo_count("twice").await? == 1)
+    })
+    .await?;
+    ensure!(case.dead_letters().await? == 0, "the topic holds no letter");
+    case.fx().assert_exactly_once("twice", 1).await
 }
