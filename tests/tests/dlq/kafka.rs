@@ -310,3 +310,41 @@ async fn a_letter_redriven_twice_keeps_its_key_and_headers_and_arrives() -> Resu
     ensure!(case.dead_letters().await? == 0, "the topic holds no letter");
     case.fx().assert_exactly_once("twice", 1).await
 }
+
+/// A dead-letter topic that does not exist fails the command in one line naming the setting,
+/// and so does an adapter of two topics that names no dead-letter topic.
+#[tokio::test]
+async fn a_missing_or_ambiguous_dead_letter_topic_fails_naming_the_setting() -> Result<()> {
+    let case = KafkaCase::start("missing").await?;
+    case.server
+        .delete_topics(&[case.dead_letter_topic().as_str()])
+        .await?;
+    let manifest = case.manifest(false)?;
+    let file = path_text(&manifest)?.to_owned();
+    let fails_naming_the_setting = |file: &str, what: &str| -> Result<()> {
+        let output = super::dlq(&case, &["list", "--file", file])?;
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        ensure!(
+            output.status.code() == Some(1)
+                && stderr.contains("spec.delivery.deadLetter.topic")
+                && stderr.contains(what),
+            "{:?} {stderr}",
+            output.status
+        );
+        Ok(())
+    };
+    wait_for(LONG, "the dead-letter topic is gone", || async {
+        Ok(fails_naming_the_setting(&file, "does not exist").is_ok())
+    })
+    .await?;
+    let source = format!(
+        "kafka: {{bootstrapServers: \"{}\", topics: [missing, other]}}",
+        case.server.bootstrap()
+    );
+    let (delivery, payload) = manifest_settings(false);
+    let two = case.fx().manifest(
+        "two.yaml",
+        &source_manifest("two", &source, &delivery, payload),
+    )?;
+    fails_naming_the_setting(path_text(&two)?, "one dead-letter topic")
+}
