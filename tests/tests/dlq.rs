@@ -965,17 +965,21 @@ dlq_suite!(redis_stream, StreamCase, binary: true);
 dlq_suite!(redis_list, ListCase, binary: true);
 dlq_suite!(sqs, SqsCase, binary: false);
 dlq_suite!(nats, NatsCase, binary: true);
+dlq_suite!(amqp, amqp_case::AmqpCase, binary: true);
+dlq_suite!(kafka, kafka_case::KafkaCase, binary: true);
+
 #[path = "dlq/sqs.rs"]
 mod sqs_case;
+#[path = "dlq/amqp.rs"]
+mod amqp_case;
+#[path = "dlq/kafka.rs"]
+mod kafka_case;
 // The gateway's API cannot read its dead-letter queue: no suite, the command says what to do.
 #[path = "dlq/gateway.rs"]
 mod gateway_case;
 // Pub/sub has no redelivery (no `max_deliveries` letters): its own tests, the suite's purge.
 #[path = "dlq/pubsub.rs"]
 mod pubsub_case;
-#[path = "dlq/amqp.rs"]
-mod amqp_case;
-dlq_suite!(amqp, amqp_case::AmqpCase, binary: true);
 
 /// Dead letters in the 200,000-letter tests.
 const MANY: usize = 200_000;

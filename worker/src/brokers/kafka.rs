@@ -1,9 +1,10 @@
 //! Apache Kafka topics, read by a consumer group.
 
-use switchboard_api::KafkaSource;
+use switchboard_api::{KafkaSource, QueueAdapter};
 
-use super::{Context, Loop, Plugin};
+use super::{Context, Letters, Loop, Plugin};
 use crate::WorkerError;
+use crate::transport::kafka::reader::KafkaReader;
 use crate::transport::kafka::{Kafka, KafkaSettings};
 use crate::transport::retention::Retention;
 
@@ -22,5 +23,13 @@ impl Plugin for KafkaSource {
         };
         let transport = Kafka::new(settings, context.store, run.registry())?;
         run.drive(transport, self).await
+    }
+
+    async fn read_letters<D: Letters>(
+        &self,
+        adapter: &QueueAdapter,
+        letters: D,
+    ) -> Result<(), WorkerError> {
+        letters.read(KafkaReader::new(adapter, self).await?).await
     }
 }

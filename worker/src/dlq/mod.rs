@@ -36,7 +36,7 @@ pub enum DlqError {
     #[error("no dead letter with id {0} in {1}")]
     NotFound(String, String),
     #[error(
-        "`switchboard-worker dlq` does not read the dead letters of {0} at the broker yet (Redis streams and lists, SQS and NATS JetStream, it does); set DATABASE_URL to read those kept in PostgreSQL"
+        "`switchboard-worker dlq` does not read the dead letters of {0} at the broker yet (Redis streams, lists and pub/sub, SQS, NATS JetStream, RabbitMQ and Kafka, it does); set DATABASE_URL to read those kept in PostgreSQL"
     )]
     Unsupported(&'static str),
     #[error(
@@ -123,8 +123,9 @@ pub enum DlqCommand {
     },
     /// Show one dead letter: its context, headers, every attempt and the body.
     ///
-    /// Redis streams, NATS and letters kept in PostgreSQL (`db-N`) look the letter up by its
-    /// id. SQS and Redis lists cannot: they read the queue page by page until they find it
+    /// Redis streams, NATS, Kafka (`PARTITION:OFFSET`) and letters kept in PostgreSQL (`db-N`)
+    /// look the letter up by its id. SQS, Redis lists and RabbitMQ cannot: they read the queue
+    /// page by page until they find it
     /// (the time grows with the letters before it, the memory does not).
     Show {
         #[command(flatten)]

@@ -56,6 +56,7 @@
 //!   is committed (past transaction markers and aborted records, which are never delivered), so
 //!   the group's lag counts only records still to be read.
 //! - **Queue health**: see [`probe`].
+//! - **`dlq`**: see [`reader`].
 
 mod client;
 mod commit;
@@ -63,6 +64,7 @@ mod dead_letter;
 mod incarnation;
 mod offsets;
 mod probe;
+pub mod reader;
 mod receive;
 mod retention;
 mod subscribe;
