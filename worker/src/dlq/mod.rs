@@ -125,8 +125,8 @@ pub enum DlqCommand {
     ///
     /// Redis streams, NATS, Kafka (`PARTITION:OFFSET`) and letters kept in PostgreSQL (`db-N`)
     /// look the letter up by its id. SQS, Redis lists and RabbitMQ cannot: they read the queue
-    /// page by page until they find it
-    /// (the time grows with the letters before it, the memory does not).
+    /// page by page until they find it (the time grows with the letters before it, the memory
+    /// does not).
     Show {
         #[command(flatten)]
         target: Target,

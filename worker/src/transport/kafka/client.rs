@@ -24,9 +24,14 @@ pub const SASL_USERNAME_ENV: &str = "KAFKA_SASL_USERNAME";
 pub const SASL_PASSWORD_ENV: &str = "KAFKA_SASL_PASSWORD";
 pub const TLS_CA_ENV: &str = "KAFKA_TLS_CA_PEM";
 /// How far librdkafka fetches ahead of the pipeline: records per partition
-/// (`queued.min.messages`) and KiB in all (`queued.max.messages.kbytes`).
-const PREFETCH_RECORDS: u32 = 10_000;
-const PREFETCH_KIB: u32 = 8 * 1024;
+/// (`queued.min.messages`), KiB in all (`queued.max.messages.kbytes`) and bytes per partition
+/// and fetch (`max.partition.fetch.bytes`, 1 MiB by default; a larger record still comes, alone).
+/// A fetched record keeps its whole fetch response alive in librdkafka's threads' heaps: at
+/// 10,000 / 8 MiB / 1 MiB the worker's peak RSS was 75 MiB in `make bench`, at these 64, with
+/// the same msg/s (docs/PERFORMANCE.md).
+const PREFETCH_RECORDS: u32 = 2_000;
+const PREFETCH_KIB: u32 = 2 * 1024;
+const FETCH_PARTITION_BYTES: u32 = 256 * 1024;
 
 /// What every client of the adapter shares: brokers, TLS, SASL.
 pub fn base_config(spec: &KafkaSource, client_id: &str) -> Result<ClientConfig, TransportError> {
@@ -86,11 +91,12 @@ pub fn consumer_config(
             (session_ms / 3).min(3000).to_string(),
         )
         .set("enable.partition.eof", "false")
-        // librdkafka prefetches up to 100,000 records or 64 MiB per partition by default;
-        // a fraction of a second of what one worker stores is plenty, and keeps the pod
-        // within its memory limit.
+        // librdkafka prefetches up to 100,000 records or 64 MiB by default; a fraction of
+        // a second of what one worker stores is plenty, and keeps the pod within its memory
+        // limit.
         .set("queued.min.messages", PREFETCH_RECORDS.to_string())
         .set("queued.max.messages.kbytes", PREFETCH_KIB.to_string())
+        .set("max.partition.fetch.bytes", FETCH_PARTITION_BYTES.to_string())
         // A partition whose prefetch is full is fetched again after this (default 1 s,
         // which starves a worker that drains its prefetch in a fraction of that).
         .set("fetch.queue.backoff.ms", "10");
