@@ -235,28 +235,7 @@ impl Case for SqsCase {
 
     async fn send_overdue(&self, bodies: &[Vec<u8>]) -> Result<()> {
         self.send(bodies).await?;
-        // Received MAX_DELIVERIES times (or more) by a consumer that never deletes them.
-        let client = self.mq.client();
-        let mut receipts: std::collections::HashMap<String, u32> = Default::default();
-        while receipts.len() < bodies.len()
-            || receipts.values().any(|count| *count < MAX_DELIVERIES)
-        {
-            let output = client
-                .receive_message()
-                .queue_url(&self.queue_url)
-                .max_number_of_messages(10)
-                .visibility_timeout(0)
-                .wait_time_seconds(1)
-                .send()
-                .await
-                .map_err(|err| sqs_error("ReceiveMessage", err))?;
-            for message in output.messages.unwrap_or_default() {
-                *receipts
-                    .entry(message.message_id.unwrap_or_default())
-                    .or_default() += 1;
-            }
-        }
-        Ok(())
+        deliver_repeatedly(&self.mq.client(), &self.queue_url, bodies.len()).await
     }
 
     async fn dead_letters(&self) -> Result<u64> {
@@ -274,6 +253,33 @@ impl Case for SqsCase {
     fn queue(&self) -> &str {
         &self.name
     }
+}
+
+/// Has the `messages` messages of the SQS queue `queue_url` received `MAX_DELIVERIES` times (or
+/// more) by a consumer that never deletes them.
+async fn deliver_repeatedly(
+    client: &aws_sdk_sqs::Client,
+    queue_url: &str,
+    messages: usize,
+) -> Result<()> {
+    let mut receipts: std::collections::HashMap<String, u32> = Default::default();
+    while receipts.len() < messages || receipts.values().any(|count| *count < MAX_DELIVERIES) {
+        let output = client
+            .receive_message()
+            .queue_url(queue_url)
+            .max_number_of_messages(10)
+            .visibility_timeout(0)
+            .wait_time_seconds(1)
+            .send()
+            .await
+            .map_err(|err| sqs_error("ReceiveMessage", err))?;
+        for message in output.messages.unwrap_or_default() {
+            *receipts
+                .entry(message.message_id.unwrap_or_default())
+                .or_default() += 1;
+        }
+    }
+    Ok(())
 }
 
 /// A NATS JetStream stream read by the durable consumer `switchboard`; the worker writes its
@@ -965,11 +971,11 @@ dlq_suite!(redis_stream, StreamCase, binary: true);
 dlq_suite!(redis_list, ListCase, binary: true);
 dlq_suite!(sqs, SqsCase, binary: false);
 dlq_suite!(nats, NatsCase, binary: true);
-#[path = "dlq/sqs.rs"]
-mod sqs_case;
-// The gateway's API cannot read its dead-letter queue: no suite, the command says what to do.
 #[path = "dlq/gateway.rs"]
 mod gateway_case;
+#[path = "dlq/sqs.rs"]
+mod sqs_case;
+dlq_suite!(gateway, gateway_case::GatewayCase, binary: true);
 // Pub/sub has no redelivery (no `max_deliveries` letters): its own tests, the suite's purge.
 #[path = "dlq/pubsub.rs"]
 mod pubsub_case;
