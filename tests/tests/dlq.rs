@@ -1584,6 +1584,20 @@ async fn sqs_letter_with_ten_attributes_is_redriven_with_all_of_them_and_its_key
                 .collect(),
         )
         .await?;
+    let key = format!("sqs:test/tenattrs:{id}");
+    ten_attributes_redriven(&case, &file, &key, &attributes).await
+}
+
+/// Dead-letters the one message of `case` (poison), redrives it under the fixed manifest and
+/// checks its todo: the original's `key` and every one of `attributes`, the packed attribute
+/// opened, no letter left.
+async fn ten_attributes_redriven<C: Case>(
+    case: &C,
+    file: &str,
+    key: &str,
+    attributes: &[(String, Vec<u8>)],
+) -> Result<()> {
+    let strict = case.manifest(false)?;
     let worker = case.fx().worker(&strict, "strict")?;
     wait_for(LONG, "the letter", || async {
         Ok(case.dead_letters().await? == 1)
@@ -1592,25 +1606,22 @@ async fn sqs_letter_with_ten_attributes_is_redriven_with_all_of_them_and_its_key
     .with_context(|| worker.log_tail())?;
     drop(worker);
     let _fixed = case.fx().worker(&case.manifest(true)?, "fixed")?;
-    let summary = String::from_utf8(dlq_ok(&case, &["redrive", "--file", &file, "--all"])?)?;
+    let summary = String::from_utf8(dlq_ok(case, &["redrive", "--file", file, "--all"])?)?;
     ensure!(summary.contains("1 redriven"), "{summary}");
     wait_for(LONG, "the todo", || async {
         Ok(case.fx().todo_count(case.queue()).await? == 1)
     })
     .await?;
-    let (key, headers): (String, String) = sqlx::query_as(
+    let (stored, headers): (String, String) = sqlx::query_as(
         "SELECT t.idempotency_key, e.headers::text FROM todos t JOIN events e ON e.id = t.event_id \
          WHERE t.queue = $1",
     )
     .bind(case.queue())
     .fetch_one(case.fx().pool())
     .await?;
-    ensure!(
-        key == format!("sqs:test/tenattrs:{id}"),
-        "the original's key: {key}"
-    );
+    ensure!(stored == key, "the original's key: {stored}");
     let headers: serde_json::Value = serde_json::from_str(&headers)?;
-    for (name, value) in &attributes {
+    for (name, value) in attributes {
         ensure!(
             headers[name].as_str() == Some(std::str::from_utf8(value)?),
             "{name} kept: {headers}"

@@ -11,12 +11,14 @@ use std::time::Duration;
 use anyhow::{Result, ensure};
 use axum::http::StatusCode;
 use switchboard_tests::brokers::BrokerFixture;
-use switchboard_tests::brokers::gateway::GatewayBroker;
+use switchboard_tests::brokers::gateway::{GatewayBroker, encode_body};
 use switchboard_tests::wait::wait_for;
 use switchboard_tests::worker::worker_binary;
 use switchboard_tests::{Fixture, source_manifest};
 
-use super::{Case, LONG, deliver_repeatedly, dlq, manifest_settings, path_text};
+use super::{
+    Case, LONG, deliver_repeatedly, dlq, manifest_settings, path_text, ten_attributes_redriven,
+};
 
 /// An SQS queue and its dead-letter queue `{name}-dlq` behind the test gateway.
 pub(crate) struct GatewayCase {
@@ -232,4 +234,33 @@ async fn gateway_dlq_refused_the_queue_names_the_setting_and_a_hung_gateway_meet
         "a hung receive ends at its deadline, not {took:?}: {stderr}"
     );
     Ok(())
+}
+
+/// A gateway letter whose original had SQS's maximum of 10 attributes is redriven through the
+/// gateway (the key packed with the last attribute, unpacked by the gateway transport): stored
+/// with all ten and its original key.
+#[tokio::test]
+async fn gateway_letter_with_ten_attributes_is_redriven_with_all_of_them_and_its_key() -> Result<()>
+{
+    let case = GatewayCase::start("tenattrs").await?;
+    let manifest = case.manifest(false)?;
+    let file = path_text(&manifest)?.to_owned();
+    let attributes: Vec<(String, Vec<u8>)> = (0..10)
+        .map(|n| (format!("attr{n}"), format!("value {n}").into_bytes()))
+        .collect();
+    let id = case
+        .broker
+        .sqs
+        .server
+        .send_with_attributes(
+            &case.broker.sqs.url(&case.name),
+            encode_body(b"not json, ten attributes").into_bytes(),
+            attributes
+                .iter()
+                .map(|(name, value)| (name.as_str(), "String", value.clone()))
+                .collect(),
+        )
+        .await?;
+    let key = format!("gateway:test/tenattrs:{id}");
+    ten_attributes_redriven(&case, &file, &key, &attributes).await
 }
