@@ -19,7 +19,8 @@
 //! PostgreSQL (read when `DATABASE_URL` is set). Redrive sends the body and the original message
 //! attributes to the source queue with [`IDEMPOTENCY_KEY_HEADER`] = `sqs:{adapter}:{original
 //! MessageId}`, waits for SQS to accept it, then deletes the letter; to a FIFO source with a
-//! `MessageDeduplicationId` made from that key and the letter's own id ([`deduplication_id`]).
+//! `MessageDeduplicationId` made from that key and the letter's own id (`deduplication_id`,
+//! `letter_queue.rs`).
 //!
 //! When a letter was dead-lettered: for a letter the worker wrote, `x-dlq-last-seen` (the time
 //! it wrote it), else its `SentTimestamp` (the same write). For a letter SQS moved, unknown:
