@@ -193,12 +193,13 @@ async fn gateway_dlq_without_a_dead_letter_queue_says_what_to_set_and_lists_the_
     Ok(())
 }
 
-/// A gateway that refuses the token the dead-letter queue (403) or whose calls hang: `dlq
-/// list` exits 1 at once naming `spec.source.gateway.deadLetter.queue`, or within its call's
+/// A gateway that refuses the token the dead-letter queue (403), refuses the token itself
+/// (401, a new one too) or whose calls hang: `dlq list` exits 1 at once naming
+/// `spec.source.gateway.deadLetter.queue` or `spec.source.gateway.auth`, or within its call's
 /// deadline.
 #[tokio::test]
-async fn gateway_dlq_refused_the_queue_names_the_setting_and_a_hung_gateway_meets_the_deadline()
--> Result<()> {
+async fn gateway_dlq_refused_names_the_setting_and_a_hung_gateway_meets_the_deadline() -> Result<()>
+{
     let case = GatewayCase::start("refusing").await?;
     let manifest = case.manifest(true)?;
     let file = path_text(&manifest)?;
@@ -216,6 +217,16 @@ async fn gateway_dlq_refused_the_queue_names_the_setting_and_a_hung_gateway_meet
     ensure!(
         stderr.contains("spec.source.gateway.deadLetter.queue") && stderr.contains("403"),
         "{stderr}"
+    );
+
+    hooks.fail_for(StatusCode::UNAUTHORIZED, Duration::from_secs(300));
+    let unauthorized = dlq(&case, &["list", "--file", file])?;
+    hooks.stop_failing();
+    let stderr = String::from_utf8_lossy(&unauthorized.stderr);
+    ensure!(
+        unauthorized.status.code() == Some(1) && stderr.contains("spec.source.gateway.auth"),
+        "{:?}: {stderr}",
+        unauthorized.status
     );
 
     hooks.hang_receives(true);
