@@ -1,7 +1,8 @@
 //! The operator on a real API server with a gateway adapter whose gateway has a private CA
 //! (`spec.source.gateway.tls.caSecretRef`): the Deployment mounts only that key, read-only, and
 //! names the file in `GATEWAY_CA_FILE`; the worker run from it the way a kubelet would stores
-//! messages through the HTTPS test gateway with tokens from a real Hydra.
+//! messages through the HTTPS test gateway with tokens from a real Hydra. The API server takes
+//! `spec.source.gateway.deadLetter.queue`, and refuses it naming the queue itself (CEL).
 
 use std::time::Duration;
 
@@ -31,10 +32,27 @@ async fn gateway_adapter_pod_mounts_its_ca_read_only_and_stores_messages_over_tl
         .put_secret(namespace, "gateway-ca", "ca.pem", &ca.ca_pem)
         .await?;
     let operator = env.start_operator("operator-a", &[])?;
+    // The API server refuses a dead-letter queue that is the queue itself (CEL).
+    let itself = env
+        .apply_adapter(&orders_adapter(&format!(
+            "\x20   gateway:\n\
+             \x20     url: \"{url}\"\n\
+             \x20     queue: orders\n\
+             \x20     deadLetter: {{queue: orders}}\n\
+             \x20     auth: {{tokenSecretRef: {{name: gateway-client, key: secret}}}}\n",
+            url = broker.gateway.url(),
+        )))
+        .await;
+    ensure!(
+        itself.as_ref().is_err_and(|err| format!("{err:#}")
+            .contains("spec.source.gateway.deadLetter.queue must name the dead-letter queue")),
+        "the queue accepted as its own dead-letter queue: {itself:?}"
+    );
     env.apply_adapter(&orders_adapter(&format!(
         "\x20   gateway:\n\
          \x20     url: \"{url}\"\n\
          \x20     queue: orders\n\
+         \x20     deadLetter: {{queue: orders-dlq}}\n\
          \x20     waitTimeSeconds: 1\n\
          \x20     auth: {{oauth2: {{tokenUrl: \"{token_url}\", clientId: \"{client}\", \
          clientSecretRef: {{name: gateway-client, key: secret}}, audience: \"{AUDIENCE}\", \

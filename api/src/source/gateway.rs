@@ -23,7 +23,8 @@ pub const CA_FILE: &str = "ca.crt";
 /// How the worker reads from the gateway.
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
 #[x_kube(
-    validation = Rule::new("self.queue == oldSelf.queue").message("spec.source.gateway.queue is immutable (message ids of another queue would be taken for redeliveries); create a new QueueAdapter instead")
+    validation = Rule::new("self.queue == oldSelf.queue").message("spec.source.gateway.queue is immutable (message ids of another queue would be taken for redeliveries); create a new QueueAdapter instead"),
+    validation = Rule::new("!has(self.deadLetter) || self.deadLetter.queue != self.queue").message("spec.source.gateway.deadLetter.queue must name the dead-letter queue, not spec.source.gateway.queue")
 )]
 #[serde(rename_all = "camelCase")]
 pub struct GatewaySource {
@@ -57,6 +58,20 @@ pub struct GatewaySource {
     #[serde(default = "default_wait_time_seconds")]
     #[schemars(range(min = 1, max = 20))]
     pub wait_time_seconds: u32,
+    /// The gateway's dead-letter queue, for `switchboard-worker dlq`: set, the command lists,
+    /// shows, redrives and purges the letters through the gateway; unset, it cannot read them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dead_letter: Option<GatewayDeadLetter>,
+}
+
+/// Where the gateway keeps this queue's dead letters (`POST /dlq` writes them there).
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+pub struct GatewayDeadLetter {
+    /// The dead-letter queue's name as the gateway serves it (`orders-dlq`): the command
+    /// receives, deletes and changes the visibility of its letters with the gateway's calls
+    /// for any queue, `queue=<this name>`.
+    #[schemars(length(min = 1, max = 80))]
+    pub queue: String,
 }
 
 /// TLS to the gateway and the token endpoint, always verified: the CA given here is trusted in
@@ -219,6 +234,19 @@ impl Broker for GatewaySource {
         if self.queue.is_empty() || self.queue.len() > 80 {
             error("spec.source.gateway.queue", "must be 1 to 80 characters");
         }
+        if let Some(dead_letter) = &self.dead_letter {
+            if dead_letter.queue.is_empty() || dead_letter.queue.len() > 80 {
+                error(
+                    "spec.source.gateway.deadLetter.queue",
+                    "must be 1 to 80 characters",
+                );
+            } else if dead_letter.queue == self.queue {
+                error(
+                    "spec.source.gateway.deadLetter.queue",
+                    "must name the dead-letter queue, not spec.source.gateway.queue",
+                );
+            }
+        }
         if self.service.is_empty() {
             error("spec.source.gateway.service", "must not be empty");
         }
@@ -330,5 +358,20 @@ mod tests {
         ] {
             assert_eq!(errors(&source(tls)), ["spec.source.gateway.tls"], "{tls}");
         }
+    }
+
+    #[test]
+    fn the_dead_letter_queue_is_optional_and_not_the_queue_itself() {
+        let named = source(", deadLetter: {queue: orders-dlq}");
+        assert!(errors(&named).is_empty());
+        assert_eq!(
+            named.dead_letter.map(|d| d.queue).as_deref(),
+            Some("orders-dlq")
+        );
+        assert!(source("").dead_letter.is_none());
+        assert_eq!(
+            errors(&source(", deadLetter: {queue: orders}")),
+            ["spec.source.gateway.deadLetter.queue"]
+        );
     }
 }

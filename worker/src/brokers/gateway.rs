@@ -4,7 +4,8 @@ use switchboard_api::{GatewaySource, QueueAdapter};
 
 use super::{Context, Letters, Loop, Plugin};
 use crate::WorkerError;
-use crate::transport::gateway::{self, GatewaySettings, GatewayTransport};
+use crate::transport::gateway::{self, GatewayLetters, GatewaySettings, GatewayTransport};
+use crate::transport::sqs::reader::QueueReader;
 
 impl Plugin for GatewaySource {
     fn title(&self) -> &'static str {
@@ -21,15 +22,21 @@ impl Plugin for GatewaySource {
         run.drive(transport, self).await
     }
 
-    /// The gateway has no reader (see [`gateway::DEAD_LETTERS_UNREADABLE`]): the command says
-    /// why and what to do, then reads the letters kept in PostgreSQL, if `DATABASE_URL` is set.
+    /// The dead-letter queue `spec.source.gateway.deadLetter.queue` names, through the gateway;
+    /// without it the command says what to set, then reads the letters kept in PostgreSQL, if
+    /// `DATABASE_URL` is set.
     async fn read_letters<D: Letters>(
         &self,
-        _adapter: &QueueAdapter,
+        adapter: &QueueAdapter,
         letters: D,
     ) -> Result<(), WorkerError> {
-        eprintln!("note: {}", gateway::DEAD_LETTERS_UNREADABLE);
-        letters.unread(self.title()).await
+        match GatewayLetters::new(self, &adapter.adapter_name())? {
+            Some(queue) => letters.read(QueueReader::over(queue).await?).await,
+            None => {
+                eprintln!("note: {}", gateway::DEAD_LETTER_QUEUE_UNSET);
+                letters.unread(self.title()).await
+            }
+        }
     }
 
     async fn send(

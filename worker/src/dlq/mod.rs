@@ -36,7 +36,7 @@ pub enum DlqError {
     #[error("no dead letter with id {0} in {1}")]
     NotFound(String, String),
     #[error(
-        "`switchboard-worker dlq` does not read the dead letters of {0} at the broker yet (Redis streams, lists and pub/sub, SQS, NATS JetStream, RabbitMQ and Kafka, it does); set DATABASE_URL to read those kept in PostgreSQL"
+        "`switchboard-worker dlq` does not read the dead letters of {0} at the broker yet (Redis streams, lists and pub/sub, SQS, NATS JetStream, RabbitMQ, Kafka, and the gateway with `spec.source.gateway.deadLetter.queue`, it does); set DATABASE_URL to read those kept in PostgreSQL"
     )]
     Unsupported(&'static str),
     #[error(

@@ -69,6 +69,8 @@ pub struct Gateway {
     http: HttpClient,
     base: String,
     queue: String,
+    /// The setting that names `queue`, for errors.
+    queue_setting: &'static str,
     service: String,
     project: Option<String>,
     audience: Option<String>,
@@ -101,6 +103,7 @@ impl Gateway {
             http,
             base: spec.url.trim_end_matches('/').to_owned(),
             queue: spec.queue.clone(),
+            queue_setting: "spec.source.gateway.queue",
             service: spec.service.clone(),
             project: spec.project.clone(),
             audience: oauth2.and_then(|o| o.audience.clone()),
@@ -109,6 +112,19 @@ impl Gateway {
             breaker,
             counters,
             absence: QueueAbsence::default(),
+        }
+    }
+
+    /// The same gateway (its client, tokens and circuit breaker) for the queue `queue`, named
+    /// by the setting `setting`, without the spec's project (its messages are not the
+    /// project's own: dead letters carry the original attributes in `x-dlq-attributes`).
+    pub fn for_queue(&self, queue: &str, setting: &'static str) -> Self {
+        Self {
+            queue: queue.to_owned(),
+            queue_setting: setting,
+            project: None,
+            absence: QueueAbsence::default(),
+            ..self.clone()
         }
     }
 
@@ -255,7 +271,7 @@ impl Gateway {
                 refused,
             ),
             404 if refused.code.contains("Queue") || refused.code.is_empty() => self.absence.error(
-                "spec.source.gateway.queue",
+                self.queue_setting,
                 &format!("gateway {}", call.name),
                 &queue.to_string(),
                 &format!("does not exist behind {} (404)", self.base),

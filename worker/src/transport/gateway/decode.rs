@@ -66,7 +66,9 @@ pub fn convert(source: &str, raw: &Value) -> Option<GatewayDelivery> {
             body_id(&body_hash(&body))
         }
     };
-    let headers = attributes(raw.get("attributes"), &mut problems);
+    let mut headers = attributes(raw.get("attributes"), &mut problems);
+    // A redriven copy of a letter at SQS's attribute limit (see `copy_attributes`).
+    crate::transport::sqs::reader::unpack_redriven(&mut headers);
     let mut count = |name: &str| match raw.get(name) {
         None | Some(Value::Null) => None,
         Some(value) => {

@@ -28,8 +28,10 @@
 //! - **Dead letters**: `POST /dlq` with the body unchanged (base64) and the SQS transport's
 //!   `x-dlq-*` context as attributes; the original is deleted by the acknowledgement that
 //!   follows, as for every broker. A letter the gateway refuses for what it carries (400, 413,
-//!   422) is reported refused: the pipeline keeps it in PostgreSQL. The gateway's API has no
-//!   call that reads its dead-letter queue back ([`DEAD_LETTERS_UNREADABLE`]).
+//!   422) is reported refused: the pipeline keeps it in PostgreSQL. `switchboard-worker dlq`
+//!   reads the dead-letter queue with the same calls, by the name
+//!   `spec.source.gateway.deadLetter.queue` gives (`reader.rs`); without it, it cannot
+//!   ([`DEAD_LETTER_QUEUE_UNSET`]).
 //! - **Queue health**: `GET /stats` (available, in flight, dead letters) and the age of the
 //!   oldest message this worker holds.
 //!
@@ -42,6 +44,7 @@ mod dead_letter;
 mod decode;
 mod http;
 mod probe;
+mod reader;
 mod send;
 mod token;
 
@@ -58,6 +61,7 @@ pub use self::connect::connect;
 use self::decode::{Receive, convert};
 pub use self::probe::GatewayProbe;
 use self::probe::stats;
+pub use self::reader::GatewayLetters;
 pub use self::send::send_message;
 use super::sqs::Receipt;
 use super::sqs::delete_plan::BATCH_LIMIT;
@@ -72,17 +76,15 @@ const MAINTENANCE_INTERVAL: Duration = Duration::from_secs(5);
 /// Calls of one acknowledgement, lease extension or dead-letter write in flight at once.
 const CONCURRENT_CALLS: usize = 16;
 
-/// Why `switchboard-worker dlq` cannot read the gateway's dead letters, and what to do instead.
-/// The gateway's documented calls are send, receive, delete, change visibility, send to DLQ,
-/// stats, purge and health: its dead-letter queue can be written and counted, not read.
-pub const DEAD_LETTERS_UNREADABLE: &str = "the gateway's API has no call that reads its \
-    dead-letter queue: `POST /dlq` writes letters and `GET /stats` counts them \
-    (`deadLetterMessages`, the switchboard_dead_letter_messages gauge), but no call lists, reads, \
-    moves or deletes them. Read them in the SQS dead-letter queue behind the gateway with SQS's \
-    own tools (ask the gateway's operators): each letter carries its reason, error, attempts and \
-    original message id as `x-dlq-*` attributes, its body as the gateway stored it. \
-    `switchboard-worker dlq` reads only the letters the gateway refused, kept in PostgreSQL \
-    (DATABASE_URL set)";
+/// Why `switchboard-worker dlq` cannot read the gateway's dead letters without
+/// `spec.source.gateway.deadLetter.queue`, and what to do.
+pub const DEAD_LETTER_QUEUE_UNSET: &str = "spec.source.gateway.deadLetter.queue is not set: \
+    `switchboard-worker dlq` reads the gateway's dead-letter queue through the gateway by the \
+    name the gateway serves it under (`POST /dlq` writes the letters there; `GET /stats` counts \
+    them as `deadLetterMessages`, the switchboard_dead_letter_messages gauge). Set it (for \
+    example `orders-dlq`; ask the gateway's operators) to list, show, redrive and purge them. \
+    Until then `switchboard-worker dlq` reads only the letters the gateway refused, kept in \
+    PostgreSQL (DATABASE_URL set)";
 
 /// A message delivered through the gateway: an SQS message, its receipt handle without group.
 pub type GatewayDelivery = Message<Receipt>;

@@ -16,7 +16,7 @@ pub struct Stats {
     #[serde(default)]
     pub available_messages: Option<u64>,
     #[serde(default)]
-    in_flight_messages: Option<u64>,
+    pub in_flight_messages: Option<u64>,
     #[serde(default)]
     dead_letter_messages: Option<u64>,
 }

@@ -1,5 +1,5 @@
 //! `switchboard-worker send` for gateway sources: one message sent to the adapter's queue
-//! through the gateway (the seed's `send_chunk`).
+//! through the gateway (the seed's `send_chunk`); `dlq redrive` sends its copies with it.
 
 use base64::Engine as _;
 use base64::engine::general_purpose::STANDARD;
@@ -8,7 +8,7 @@ use serde::Deserialize;
 use serde_json::json;
 use switchboard_api::GatewaySource;
 
-use super::calls::{CALL_TIMEOUT, Call};
+use super::calls::{CALL_TIMEOUT, Call, Gateway as Calls};
 use super::connect::connect;
 use crate::transport::TransportError;
 
@@ -28,12 +28,22 @@ pub async fn send_message(
     attributes: &[(String, String)],
 ) -> Result<String, TransportError> {
     let calls = connect(spec, adapter, &mut Registry::default())?;
+    send(&calls, body, attributes.iter().cloned()).await
+}
+
+/// Sends `body` with `attributes` and the project of `calls`, if any, to the queue of `calls`;
+/// returns its messageId once the gateway took it.
+pub(super) async fn send(
+    calls: &Calls,
+    body: &[u8],
+    attributes: impl IntoIterator<Item = (String, String)>,
+) -> Result<String, TransportError> {
     let mut values = serde_json::Map::new();
     if let Some(project) = calls.project() {
         values.insert("project".into(), project.into());
     }
     for (name, value) in attributes {
-        values.insert(name.clone(), value.clone().into());
+        values.insert(name, value.into());
     }
     let request = json!({
         "messageBody": STANDARD.encode(body),

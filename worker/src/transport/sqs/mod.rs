@@ -53,6 +53,7 @@ mod delete;
 pub(crate) mod delete_plan;
 pub(crate) mod gather;
 pub(crate) mod in_flight;
+mod letter_queue;
 mod metrics;
 mod poll;
 mod probe;

@@ -1,4 +1,6 @@
-//! The SQS dead-letter reader (`switchboard-worker dlq`).
+//! The reader of an SQS dead-letter queue (`switchboard-worker dlq`), reached through the AWS
+//! API ([`Sqs`], `letter_queue.rs`) or through the gateway in front of SQS
+//! (`gateway/reader.rs`): both implement [`LetterQueue`], the calls the reader makes.
 //!
 //! SQS has no way to look at a queue without receiving from it: the reader receives letters
 //! one `ReceiveMessage` (10 letters) per page with a short visibility timeout ([`HOLD`]), and
@@ -17,7 +19,8 @@
 //! PostgreSQL (read when `DATABASE_URL` is set). Redrive sends the body and the original message
 //! attributes to the source queue with [`IDEMPOTENCY_KEY_HEADER`] = `sqs:{adapter}:{original
 //! MessageId}`, waits for SQS to accept it, then deletes the letter; to a FIFO source with a
-//! `MessageDeduplicationId` made from that key and the letter's own id ([`deduplication_id`]).
+//! `MessageDeduplicationId` made from that key and the letter's own id (`deduplication_id`,
+//! `letter_queue.rs`).
 //!
 //! When a letter was dead-lettered: for a letter the worker wrote, `x-dlq-last-seen` (the time
 //! it wrote it), else its `SentTimestamp` (the same write). For a letter SQS moved, unknown:
@@ -30,28 +33,25 @@
 use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
 
-use aws_sdk_sqs::primitives::Blob;
-use aws_sdk_sqs::types::{
-    Message as SqsMessage, MessageAttributeValue, MessageSystemAttributeName, QueueAttributeName,
-};
-use sha2::{Digest, Sha256};
+use aws_sdk_sqs::types::MessageSystemAttributeName;
 use switchboard_api::QueueAdapter;
 use switchboard_store::Store;
 
 use super::Sqs;
-use super::classify::Addressed;
 use crate::transport::identity::idempotency_key;
 use crate::transport::reader::{
     Cursor, DeadLetterReader, Page, StoredLetter, headers_from_json, redrive_key,
 };
-use crate::transport::{Attempt, Attempts, IDEMPOTENCY_KEY_HEADER, Transport, TransportError};
+use crate::transport::{Attempt, Attempts, IDEMPOTENCY_KEY_HEADER, TransportError};
 
 /// How long a letter read by a command stays hidden from other readers (seconds).
 const HOLD: i32 = 20;
 /// A letter read longer ago than this is hidden afresh before it is deleted.
 const REFRESH_AFTER: Duration = Duration::from_secs(10);
 /// SQS's limit on message attributes per message.
-pub(super) const MAX_ATTRIBUTES: usize = 10;
+pub(crate) const MAX_ATTRIBUTES: usize = 10;
+/// SQS's limit on the messages of one receive.
+const RECEIVE_LIMIT: usize = 10;
 /// The reason shown for a letter SQS moved itself.
 pub const REDRIVE_POLICY_REASON: &str = "redrive_policy";
 
@@ -61,10 +61,53 @@ fn is_system_attribute(name: &str) -> bool {
     MessageSystemAttributeName::values().contains(&name)
 }
 
-/// The dead-letter queue of an SQS adapter.
+/// One message received from a dead-letter queue, whoever served it.
 #[derive(Debug)]
-pub struct SqsReader {
-    sqs: Sqs,
+pub struct Received {
+    pub id: String,
+    pub handle: String,
+    /// The body as it was sent to the source.
+    pub body: Vec<u8>,
+    /// Its message attributes, by name.
+    pub attributes: Vec<(String, Vec<u8>)>,
+    /// When it was sent to the dead-letter queue (Unix ms): SQS's `SentTimestamp`.
+    pub sent_ms: Option<u64>,
+}
+
+/// The calls a reader of an SQS dead-letter queue makes, to SQS or to a gateway in front of it.
+#[allow(async_fn_in_trait)]
+pub trait LetterQueue {
+    /// The dead-letter queue, for people.
+    fn destination(&self) -> String;
+    /// The source queue, for people.
+    fn source(&self) -> String;
+    /// The scope of the source's idempotency keys (`sqs:{adapter}`).
+    fn key_scope(&self) -> &str;
+    /// Where a letter the worker wrote came from, for people, from its `x-dlq-origin`.
+    fn origin(&self, written: &str) -> String;
+    fn caveats(&self) -> Vec<String>;
+    async fn count(&self) -> Result<Option<u64>, TransportError>;
+    /// One receive of at most `max` (≤ 10) letters, hidden for `hold` seconds.
+    async fn receive(&self, max: usize, hold: i32) -> Result<Vec<Received>, TransportError>;
+    async fn visibility(&self, handle: &str, seconds: i32) -> Result<(), TransportError>;
+    async fn delete(&self, handle: &str) -> Result<(), TransportError>;
+    /// Sends a copy of `letter` with `attributes` (its key among them) to the source queue and
+    /// returns once the queue accepted it.
+    async fn send(
+        &self,
+        letter: &StoredLetter,
+        attributes: Vec<(String, Vec<u8>)>,
+        key: &str,
+    ) -> Result<(), TransportError>;
+}
+
+/// The dead-letter queue of an SQS adapter.
+pub type SqsReader = QueueReader<Sqs>;
+
+/// An SQS dead-letter queue, read through `Q`.
+#[derive(Debug)]
+pub struct QueueReader<Q> {
+    queue: Q,
     /// Where the attempts of letters SQS moved itself are recorded, if `DATABASE_URL` is set.
     store: Option<Store>,
     /// When each letter this command holds was received, by receipt handle.
@@ -73,8 +116,11 @@ pub struct SqsReader {
     seen: HashSet<String>,
 }
 
-fn text(attributes: &HashMap<String, MessageAttributeValue>, name: &str) -> Option<String> {
-    attributes.get(name).and_then(|v| v.string_value.clone())
+fn text(attributes: &[(String, Vec<u8>)], name: &str) -> Option<String> {
+    attributes
+        .iter()
+        .find(|(key, _)| key == name)
+        .and_then(|(_, value)| String::from_utf8(value.clone()).ok())
 }
 
 fn rfc3339_to_ms(text: &str) -> Option<u64> {
@@ -86,6 +132,13 @@ impl SqsReader {
     /// Connects with the adapter's settings and checks the queues as the worker does.
     pub async fn new(adapter: &QueueAdapter) -> Result<Self, TransportError> {
         let sqs = Sqs::for_command(adapter, "switchboard-worker-dlq").await?;
+        Self::over(sqs).await
+    }
+}
+
+impl<Q: LetterQueue> QueueReader<Q> {
+    /// A reader of `queue`, with the store of `DATABASE_URL` if it is set.
+    pub(crate) async fn over(queue: Q) -> Result<Self, TransportError> {
         let store = match std::env::var("DATABASE_URL") {
             Ok(url) if !url.is_empty() => Some(
                 Store::connect(&url, 1, "switchboard-worker/dlq")
@@ -95,38 +148,26 @@ impl SqsReader {
             _ => None,
         };
         Ok(Self {
-            sqs,
+            queue,
             store,
             read_at: HashMap::new(),
             seen: HashSet::new(),
         })
     }
 
-    fn letter(&mut self, message: SqsMessage) -> Option<StoredLetter> {
-        let handle = message.receipt_handle?;
+    fn letter(&mut self, message: Received) -> StoredLetter {
+        let Received {
+            id,
+            handle,
+            body,
+            mut attributes,
+            sent_ms,
+        } = message;
         self.read_at.insert(handle.clone(), Instant::now());
-        let attributes = message.message_attributes.unwrap_or_default();
-        let system = message.attributes.unwrap_or_default();
-        let sent = system
-            .get(&MessageSystemAttributeName::SentTimestamp)
-            .and_then(|ms| ms.parse::<u64>().ok());
-        let id = message.message_id.unwrap_or_default();
-        let body = message.body.unwrap_or_default().into_bytes();
         let Some(reason) = text(&attributes, "x-dlq-reason") else {
             // Moved by SQS itself: the original message, its attributes its own.
-            let mut headers: Vec<(String, Vec<u8>)> = attributes
-                .into_iter()
-                .filter_map(|(name, value)| {
-                    let bytes = match (value.string_value, value.binary_value) {
-                        (Some(text), _) => text.into_bytes(),
-                        (None, Some(blob)) => blob.into_inner(),
-                        (None, None) => return None,
-                    };
-                    Some((name, bytes))
-                })
-                .collect();
-            headers.sort();
-            return Some(StoredLetter {
+            attributes.sort();
+            return StoredLetter {
                 original_id: Some(id.clone()),
                 id,
                 // Unknown: SQS records no time of the move (see the module).
@@ -138,18 +179,18 @@ impl SqsReader {
                         .to_owned(),
                 ),
                 body,
-                headers,
+                headers: attributes,
                 attempts: None,
-                origin: format!("SQS queue {} (RedrivePolicy)", self.source_url()),
+                origin: format!("{} (RedrivePolicy)", self.queue.source()),
                 handle,
-            });
+            };
         };
         let origin = text(&attributes, "x-dlq-origin").unwrap_or_default();
         let original_id = text(&attributes, "x-dlq-message-id");
-        Some(StoredLetter {
+        StoredLetter {
             dead_lettered_at_ms: text(&attributes, "x-dlq-last-seen")
                 .and_then(|at| rfc3339_to_ms(&at))
-                .or(sent),
+                .or(sent_ms),
             reason: Some(reason),
             delivery_count: text(&attributes, "x-dlq-delivery-count")
                 .and_then(|count| count.parse().ok()),
@@ -161,13 +202,14 @@ impl SqsReader {
             attempts: text(&attributes, "x-dlq-attempts")
                 .and_then(|json| serde_json::from_str::<Attempts>(&json).ok()),
             origin: format!(
-                "SQS queue {origin}, message {}",
+                "{}, message {}",
+                self.queue.origin(&origin),
                 original_id.as_deref().unwrap_or("?")
             ),
             original_id,
             id,
             handle,
-        })
+        }
     }
 
     /// The attempts the worker recorded of letters SQS moved itself (they carry none).
@@ -175,7 +217,7 @@ impl SqsReader {
         let Some(store) = &self.store else {
             return Ok(());
         };
-        let source = self.sqs.source();
+        let source = self.queue.key_scope();
         let keys: Vec<String> = letters
             .iter()
             .filter(|letter| letter.attempts.is_none())
@@ -206,14 +248,6 @@ impl SqsReader {
         Ok(())
     }
 
-    fn source_url(&self) -> &str {
-        self.sqs.queues.as_ref().map_or("?", |q| q.url.as_str())
-    }
-
-    fn dead_letter_url(&self) -> Result<String, TransportError> {
-        Ok(self.sqs.queues()?.dead_letter_url.clone())
-    }
-
     /// Hides `letter` for another [`HOLD`] if it was read long ago, so its receipt handle is
     /// still the valid one when it is deleted.
     async fn refresh(&mut self, letter: &StoredLetter) -> Result<(), TransportError> {
@@ -224,42 +258,14 @@ impl SqsReader {
         if fresh {
             return Ok(());
         }
-        self.visibility(letter, HOLD).await?;
+        self.queue.visibility(&letter.handle, HOLD).await?;
         self.read_at.insert(letter.handle.clone(), Instant::now());
-        Ok(())
-    }
-
-    async fn visibility(&self, letter: &StoredLetter, seconds: i32) -> Result<(), TransportError> {
-        self.sqs
-            .client
-            .change_message_visibility()
-            .queue_url(self.dead_letter_url()?)
-            .receipt_handle(&letter.handle)
-            .visibility_timeout(seconds)
-            .send()
-            .await
-            .map_err(|err| {
-                self.sqs
-                    .errors
-                    .error("ChangeMessageVisibility", Addressed::DeadLetter, err)
-            })?;
         Ok(())
     }
 
     async fn delete(&mut self, letter: &StoredLetter) -> Result<(), TransportError> {
         self.refresh(letter).await?;
-        self.sqs
-            .client
-            .delete_message()
-            .queue_url(self.dead_letter_url()?)
-            .receipt_handle(&letter.handle)
-            .send()
-            .await
-            .map_err(|err| {
-                self.sqs
-                    .errors
-                    .error("DeleteMessage", Addressed::DeadLetter, err)
-            })?;
+        self.queue.delete(&letter.handle).await?;
         self.read_at.remove(&letter.handle);
         Ok(())
     }
@@ -298,7 +304,7 @@ fn copy_attributes(headers: &[(String, Vec<u8>)], key: &str) -> Vec<(String, Vec
 
 /// The headers of a received message with [`PACKED_ATTRIBUTE`] opened: the key and the
 /// attributes it holds in its place (see [`copy_attributes`]).
-pub(super) fn unpack_redriven(headers: &mut Vec<(String, Vec<u8>)>) {
+pub(crate) fn unpack_redriven(headers: &mut Vec<(String, Vec<u8>)>) {
     let Some(index) = headers
         .iter()
         .position(|(name, _)| name == PACKED_ATTRIBUTE)
@@ -310,124 +316,39 @@ pub(super) fn unpack_redriven(headers: &mut Vec<(String, Vec<u8>)>) {
     headers.sort_by(|a, b| a.0.cmp(&b.0));
 }
 
-/// The `MessageDeduplicationId` of a redriven copy of the dead letter `letter_id` sent to a
-/// FIFO source with the key `key`: new for SQS each time the letter is dead-lettered again (a
-/// letter dead-lettered again is a new message with a new id, so its next redrive is not
-/// dropped as a duplicate of the last one within SQS's five-minute deduplication interval),
-/// the same when the same dead letter is redriven again after a crash between its send and its
-/// delete (SQS drops that second copy within the interval; after it, the copy carries the same
-/// idempotency key and makes no second todo).
-fn deduplication_id(key: &str, letter_id: &str) -> String {
-    let mut digest = Sha256::new();
-    digest.update(key.as_bytes());
-    digest.update(b"\n");
-    digest.update(letter_id.as_bytes());
-    hex::encode(digest.finalize())
-}
-
-/// A message attribute: `String` when `value` is UTF-8, `Binary` otherwise.
-pub(super) fn attribute(value: &[u8]) -> Result<MessageAttributeValue, TransportError> {
-    let built = match std::str::from_utf8(value) {
-        Ok(text) => MessageAttributeValue::builder()
-            .data_type("String")
-            .string_value(text)
-            .build(),
-        Err(_) => MessageAttributeValue::builder()
-            .data_type("Binary")
-            .binary_value(Blob::new(value))
-            .build(),
-    };
-    built
-        .map_err(|err| TransportError::protocol(format!("cannot build a message attribute: {err}")))
-}
-
-impl DeadLetterReader for SqsReader {
+impl<Q: LetterQueue> DeadLetterReader for QueueReader<Q> {
     fn destination(&self) -> String {
-        format!(
-            "SQS queue {}",
-            self.sqs
-                .queues
-                .as_ref()
-                .map_or("?", |q| q.dead_letter_url.as_str())
-        )
+        self.queue.destination()
     }
 
     fn source(&self) -> String {
-        format!("SQS queue {}", self.source_url())
+        self.queue.source()
     }
 
     fn caveats(&self) -> Vec<String> {
-        let fifo = self.sqs.queues.as_ref().is_some_and(|q| q.fifo);
-        vec![if fifo {
-            "the source is a FIFO queue: redriven letters (oldest first) join their MessageGroupId \
-             behind what was sent since they dead-lettered"
-                .to_owned()
-        } else {
-            "a standard SQS queue keeps no order: redriven letters are delivered like new messages"
-                .to_owned()
-        }]
+        self.queue.caveats()
     }
 
     async fn count(&mut self) -> Result<Option<u64>, TransportError> {
-        let output = self
-            .sqs
-            .client
-            .get_queue_attributes()
-            .queue_url(self.dead_letter_url()?)
-            .attribute_names(QueueAttributeName::ApproximateNumberOfMessages)
-            .attribute_names(QueueAttributeName::ApproximateNumberOfMessagesNotVisible)
-            .send()
-            .await
-            .map_err(|err| {
-                self.sqs
-                    .errors
-                    .error("GetQueueAttributes", Addressed::DeadLetter, err)
-            })?;
-        let attributes = output.attributes.unwrap_or_default();
-        let number = |name| attributes.get(&name).and_then(|v| v.parse::<u64>().ok());
-        Ok(
-            number(QueueAttributeName::ApproximateNumberOfMessages).map(|visible| {
-                visible
-                    + number(QueueAttributeName::ApproximateNumberOfMessagesNotVisible).unwrap_or(0)
-            }),
-        )
+        self.queue.count().await
     }
 
-    /// One `ReceiveMessage` (at most 10 letters, hidden for [`HOLD`]). A listing is one pass
-    /// over the queue: it ends on an empty receive or when a letter it already read comes
-    /// back (handed back at once); `after: None` starts a new pass.
+    /// One receive (at most 10 letters, hidden for [`HOLD`]). A listing is one pass over the
+    /// queue: it ends on an empty receive or when a letter it already read comes back (handed
+    /// back at once); `after: None` starts a new pass.
     async fn page(&mut self, after: Option<&Cursor>, limit: usize) -> Result<Page, TransportError> {
         if after.is_none() {
             self.seen.clear();
         }
-        let url = self.dead_letter_url()?;
-        let output = self
-            .sqs
-            .client
-            .receive_message()
-            .queue_url(&url)
-            .max_number_of_messages(i32::try_from(limit.clamp(1, 10)).unwrap_or(10))
-            .visibility_timeout(HOLD)
-            .wait_time_seconds(0)
-            .message_system_attribute_names(MessageSystemAttributeName::All)
-            .message_attribute_names("All")
-            .send()
-            .await
-            .map_err(|err| {
-                self.sqs
-                    .errors
-                    .error("ReceiveMessage", Addressed::DeadLetter, err)
-            })?;
-        let messages = output.messages.unwrap_or_default();
+        let messages = self
+            .queue
+            .receive(limit.clamp(1, RECEIVE_LIMIT), HOLD)
+            .await?;
         let mut next = (!messages.is_empty()).then(|| Cursor(String::new()));
         let (mut letters, mut again) = (Vec::new(), Vec::new());
         for message in messages {
-            let first = self
-                .seen
-                .insert(message.message_id.clone().unwrap_or_default());
-            let Some(letter) = self.letter(message) else {
-                continue;
-            };
+            let first = self.seen.insert(message.id.clone());
+            let letter = self.letter(message);
             if first {
                 letters.push(letter);
             } else {
@@ -443,34 +364,11 @@ impl DeadLetterReader for SqsReader {
 
     async fn redrive(&mut self, letter: &StoredLetter) -> Result<(), TransportError> {
         self.refresh(letter).await?;
-        let queues = self.sqs.queues()?.clone();
         let original = letter.original_id.as_deref().unwrap_or(&letter.id);
-        let key = redrive_key(&letter.headers, self.sqs.source(), original);
-        let mut send = self
-            .sqs
-            .client
-            .send_message()
-            .queue_url(&queues.url)
-            .message_body(String::from_utf8_lossy(&letter.body));
-        for (name, value) in copy_attributes(&letter.headers, &key) {
-            send = send.message_attributes(name, attribute(&value)?);
-        }
-        if queues.fifo {
-            let group = letter
-                .headers
-                .iter()
-                .find(|(name, _)| name == "MessageGroupId")
-                .map_or_else(
-                    || "redriven".to_owned(),
-                    |(_, group)| String::from_utf8_lossy(group).into_owned(),
-                );
-            send = send
-                .message_group_id(group)
-                .message_deduplication_id(deduplication_id(&key, &letter.id));
-        }
-        send.send()
-            .await
-            .map_err(|err| self.sqs.errors.error("SendMessage", Addressed::Source, err))?;
+        let key = redrive_key(&letter.headers, self.queue.key_scope(), original);
+        self.queue
+            .send(letter, copy_attributes(&letter.headers, &key), &key)
+            .await?;
         self.delete(letter).await
     }
 
@@ -484,7 +382,7 @@ impl DeadLetterReader for SqsReader {
     async fn release(&mut self, letters: &[StoredLetter]) -> Result<(), TransportError> {
         for letter in letters {
             // Best effort: a letter not handed back reappears when its visibility expires.
-            if let Err(err) = self.visibility(letter, 0).await {
+            if let Err(err) = self.queue.visibility(&letter.handle, 0).await {
                 tracing::debug!(error = %err, "could not hand a dead letter back");
             }
             self.read_at.remove(&letter.handle);
@@ -496,20 +394,6 @@ impl DeadLetterReader for SqsReader {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn each_dead_lettering_of_a_letter_redrives_as_a_new_fifo_message() {
-        let key = "sqs:shop/orders.fifo:m-1";
-        let first = deduplication_id(key, "dlq-1");
-        assert_eq!(first, deduplication_id(key, "dlq-1"), "a rerun: the same");
-        assert_ne!(
-            first,
-            deduplication_id(key, "dlq-2"),
-            "dead-lettered again: new"
-        );
-        assert_ne!(first, deduplication_id("sqs:shop/orders.fifo:m-2", "dlq-1"));
-        assert!(first.len() <= 128, "SQS's limit");
-    }
 
     #[test]
     fn a_copy_of_a_letter_at_the_attribute_limit_packs_its_key_and_unpacks_as_the_original() {

@@ -3,7 +3,8 @@
 
 use super::Sqs;
 use super::classify::Addressed;
-use super::reader::{MAX_ATTRIBUTES, attribute};
+use super::letter_queue::attribute;
+use super::reader::MAX_ATTRIBUTES;
 use crate::transport::TransportError;
 
 /// The message group of a message sent to a FIFO queue without a `MessageGroupId` attribute.
