@@ -975,14 +975,14 @@ dlq_suite!(amqp, amqp_case::AmqpCase, binary: true);
 dlq_suite!(kafka, kafka_case::KafkaCase, binary: true);
 dlq_suite!(gateway, gateway_case::GatewayCase, binary: true);
 
-#[path = "dlq/sqs.rs"]
-mod sqs_case;
 #[path = "dlq/amqp.rs"]
 mod amqp_case;
-#[path = "dlq/kafka.rs"]
-mod kafka_case;
 #[path = "dlq/gateway.rs"]
 mod gateway_case;
+#[path = "dlq/kafka.rs"]
+mod kafka_case;
+#[path = "dlq/sqs.rs"]
+mod sqs_case;
 // Pub/sub has no redelivery (no `max_deliveries` letters): its own tests, the suite's purge.
 #[path = "dlq/pubsub.rs"]
 mod pubsub_case;
