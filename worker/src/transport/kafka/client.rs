@@ -96,7 +96,10 @@ pub fn consumer_config(
         // limit.
         .set("queued.min.messages", PREFETCH_RECORDS.to_string())
         .set("queued.max.messages.kbytes", PREFETCH_KIB.to_string())
-        .set("max.partition.fetch.bytes", FETCH_PARTITION_BYTES.to_string())
+        .set(
+            "max.partition.fetch.bytes",
+            FETCH_PARTITION_BYTES.to_string(),
+        )
         // A partition whose prefetch is full is fetched again after this (default 1 s,
         // which starves a worker that drains its prefetch in a fraction of that).
         .set("fetch.queue.backoff.ms", "10");
