@@ -1134,6 +1134,93 @@ async fn list_and_show_of_200k_stream_letters_stay_flat_and_under_40_mib() -> Re
     flat_with_size("Redis stream", &empty, &list, &show)
 }
 
+/// Letters of the long redrive test.
+const LONG_REDRIVE: usize = 50_000;
+
+/// Acceptance 3: a redrive of 50,000 letters without a terminal prints a progress line at
+/// least every 5 s (the longest gap is printed); SIGTERM mid-way prints the summary, exits 143,
+/// and its counts are the broker's (the source holds the letters moved, the destination the rest).
+#[tokio::test]
+async fn redrive_of_50k_letters_off_a_terminal_prints_progress_every_5_s_and_sigterm_counts_match()
+-> Result<()> {
+    let case = StreamCase::start("long").await?;
+    let manifest = case.manifest(false)?;
+    let file = path_text(&manifest)?.to_owned();
+    let mut conn = case.fx().redis.connection()?;
+    xadd_dead_letters(&mut conn, "long.dlq", LONG_REDRIVE)?;
+    let started = std::time::Instant::now();
+    // Paced (25 s for the whole queue) so that a fast machine is still mid-way at the third line.
+    let mut redrive = dlq_command(
+        &case,
+        &["redrive", "--file", &file, "--all", "--rate", "2000"],
+    )?
+    .stdout(Stdio::piped())
+    .stderr(Stdio::piped())
+    .spawn()?;
+    let lines = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let collector = {
+        let (pipe, lines) = (redrive.stderr.take().context("stderr")?, lines.clone());
+        std::thread::spawn(move || {
+            for line in std::io::BufRead::lines(std::io::BufReader::new(pipe)).map_while(Result::ok)
+            {
+                if line.starts_with("redrive: ") {
+                    let mut kept = lines
+                        .lock()
+                        .unwrap_or_else(std::sync::PoisonError::into_inner);
+                    kept.push(started.elapsed());
+                }
+            }
+        })
+    };
+    let progress_lines = || {
+        lines
+            .lock()
+            .map(|kept: std::sync::MutexGuard<'_, Vec<Duration>>| kept.len())
+            .unwrap_or(0)
+    };
+    wait_for(LONG, "three progress lines", || async {
+        Ok(progress_lines() >= 3)
+    })
+    .await?;
+    let pid = nix::unistd::Pid::from_raw(i32::try_from(redrive.id())?);
+    nix::sys::signal::kill(pid, Signal::SIGTERM)?;
+    let status = redrive.wait()?;
+    collector
+        .join()
+        .map_err(|_| anyhow::anyhow!("the stderr reader panicked"))?;
+    let mut stdout = String::new();
+    std::io::Read::read_to_string(&mut redrive.stdout.take().context("stdout")?, &mut stdout)?;
+    ensure!(status.code() == Some(143), "{status:?}: {stdout}");
+    let times = lines.lock().map_err(|_| anyhow::anyhow!("lines"))?.clone();
+    let gaps: Vec<Duration> = std::iter::once(times[0])
+        .chain(times.windows(2).map(|pair| pair[1] - pair[0]))
+        .collect();
+    let longest = gaps.iter().max().copied().unwrap_or_default();
+    println!("progress lines at {times:?}; longest gap {longest:?}; {stdout}");
+    ensure!(longest <= Duration::from_secs(5), "a gap of {longest:?}");
+    let number_before = |word: &str| -> Result<u64> {
+        let before = stdout
+            .split(&format!(" {word}"))
+            .next()
+            .context("no summary")?;
+        Ok(before.rsplit([' ', ',']).next().unwrap_or("").parse()?)
+    };
+    let (moved, left) = (number_before("redriven")?, number_before("left")?);
+    let xlen = |conn: &mut redis::Connection, key: &str| -> Result<u64> {
+        Ok(redis::cmd("XLEN").arg(key).query(conn)?)
+    };
+    ensure!(
+        moved + left == LONG_REDRIVE as u64
+            && xlen(&mut conn, "long")? == moved
+            && xlen(&mut conn, "long.dlq")? == left
+            && left > 0,
+        "{stdout}: source {}, destination {}",
+        xlen(&mut conn, "long")?,
+        xlen(&mut conn, "long.dlq")?
+    );
+    Ok(())
+}
+
 /// What a `dlq` command may hold beyond what it holds over an empty dead-letter queue: a page.
 const FLAT_KIB: u64 = 4 * 1024;
 

@@ -15,8 +15,9 @@ use super::{
 };
 
 /// How often progress is printed as a plain line when standard error is not a terminal
-/// (`kubectl exec` without `-t`, CI).
-const PLAIN_EVERY: Duration = Duration::from_secs(5);
+/// (`kubectl exec` without `-t`, CI): a line is due after this, and printed after the letter in
+/// hand, so lines come at least every 5 s.
+const PLAIN_EVERY: Duration = Duration::from_secs(4);
 /// How often the bar is redrawn on a terminal.
 const BAR_EVERY: Duration = Duration::from_millis(100);
 
