@@ -214,16 +214,12 @@ impl Case for SqsCase {
     }
 
     fn manifest(&self, fixed: bool) -> Result<PathBuf> {
-        let (delivery, payload) = manifest_settings(fixed);
         let source = format!(
             "sqs: {{queueUrl: \"{}\", endpoint: \"{}\", waitTimeSeconds: 1}}",
             self.queue_url,
             self.mq.endpoint()
         );
-        self.fx.manifest(
-            &format!("{}.yaml", self.name),
-            &source_manifest(&self.name, &source, &delivery, payload),
-        )
+        case_manifest(&self.fx, &self.name, &source, fixed)
     }
 
     async fn send(&self, bodies: &[Vec<u8>]) -> Result<()> {
@@ -319,15 +315,11 @@ impl Case for NatsCase {
     }
 
     fn manifest(&self, fixed: bool) -> Result<PathBuf> {
-        let (delivery, payload) = manifest_settings(fixed);
         let source = format!(
             "nats: {{stream: {}, consumer: {NATS_CONSUMER}, ackWaitSeconds: 2}}",
             self.stream()
         );
-        self.fx.manifest(
-            &format!("{}.yaml", self.name),
-            &source_manifest(&self.name, &source, &delivery, payload),
-        )
+        case_manifest(&self.fx, &self.name, &source, fixed)
     }
 
     async fn send(&self, bodies: &[Vec<u8>]) -> Result<()> {
@@ -413,6 +405,15 @@ fn manifest_settings(fixed: bool) -> (String, &'static str) {
 }
 
 /// `switchboard-worker dlq <args>` with the fixture's environment, standard input not a terminal.
+/// The manifest of adapter `name` reading `source` (`fixed` as in [`Case::manifest`]).
+fn case_manifest(fx: &Fixture, name: &str, source: &str, fixed: bool) -> Result<PathBuf> {
+    let (delivery, payload) = manifest_settings(fixed);
+    fx.manifest(
+        &format!("{name}.yaml"),
+        &source_manifest(name, source, &delivery, payload),
+    )
+}
+
 fn dlq_command<C: Case>(case: &C, args: &[&str]) -> Result<Command> {
     let fx = case.fx();
     let mut cmd = Command::new(worker_binary()?);

@@ -8,14 +8,14 @@ use std::path::PathBuf;
 
 use anyhow::{Context as _, Result, ensure};
 use nix::sys::signal::Signal;
+use switchboard_tests::Fixture;
 use switchboard_tests::brokers::AmqpQuorumBroker;
 use switchboard_tests::brokers::rabbitmq::{QueueType, RabbitMq, header, queue_arguments, text};
 use switchboard_tests::wait::wait_for;
-use switchboard_tests::{Fixture, source_manifest};
 
 use super::{
-    Case, FLAT_KIB, LONG, MAX_DELIVERIES, RSS_CAP_KIB, body_of, dead_lettered_at, dlq, dlq_command,
-    dlq_ok, list_json, list_ten, manifest_settings, measured, now_ms, path_text, poison_bodies,
+    Case, FLAT_KIB, LONG, MAX_DELIVERIES, RSS_CAP_KIB, body_of, case_manifest, dead_lettered_at,
+    dlq, dlq_command, dlq_ok, list_json, list_ten, measured, now_ms, path_text, poison_bodies,
 };
 
 /// A quorum queue `name` on a RabbitMQ node of its own; the worker declares `<name>.dlq`.
@@ -51,12 +51,8 @@ impl Case for AmqpCase {
     }
 
     fn manifest(&self, fixed: bool) -> Result<PathBuf> {
-        let (delivery, payload) = manifest_settings(fixed);
         let source = format!("amqp: {{queue: {}}}", self.name);
-        self.fx.manifest(
-            &format!("{}.yaml", self.name),
-            &source_manifest(&self.name, &source, &delivery, payload),
-        )
+        case_manifest(&self.fx, &self.name, &source, fixed)
     }
 
     /// Each message with a `message-id` of its own, as a producer would set.

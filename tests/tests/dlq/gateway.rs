@@ -17,7 +17,7 @@ use switchboard_tests::worker::worker_binary;
 use switchboard_tests::{Fixture, source_manifest};
 
 use super::{
-    Case, LONG, deliver_repeatedly, dlq, manifest_settings, path_text, ten_attributes_redriven,
+    Case, LONG, case_manifest, deliver_repeatedly, dlq, path_text, ten_attributes_redriven,
 };
 
 /// An SQS queue and its dead-letter queue `{name}-dlq` behind the test gateway.
@@ -56,15 +56,11 @@ impl Case for GatewayCase {
     }
 
     fn manifest(&self, fixed: bool) -> Result<PathBuf> {
-        let (delivery, payload) = manifest_settings(fixed);
         let source = self.source(&format!(
             "visibilityTimeoutSeconds: 2, deadLetter: {{queue: {}-dlq}}",
             self.name
         ));
-        self.fx.manifest(
-            &format!("{}.yaml", self.name),
-            &source_manifest(&self.name, &source, &delivery, payload),
-        )
+        case_manifest(&self.fx, &self.name, &source, fixed)
     }
 
     async fn send(&self, bodies: &[Vec<u8>]) -> Result<()> {

@@ -12,7 +12,8 @@ use switchboard_tests::wait::wait_for;
 use switchboard_tests::{Fixture, source_manifest};
 
 use super::{
-    Case, LONG, MAX_DELIVERIES, dlq_ok, list_json, manifest_settings, path_text, poison_bodies,
+    Case, LONG, MAX_DELIVERIES, case_manifest, dlq_ok, list_json, manifest_settings, path_text,
+    poison_bodies,
 };
 
 /// Partitions of the source topic and of its dead-letter topic.
@@ -51,16 +52,12 @@ impl Case for KafkaCase {
     }
 
     fn manifest(&self, fixed: bool) -> Result<PathBuf> {
-        let (delivery, payload) = manifest_settings(fixed);
         let source = format!(
             "kafka: {{bootstrapServers: \"{}\", topics: [{}], sessionTimeoutSeconds: 6}}",
             self.server.bootstrap(),
             self.name
         );
-        self.fx.manifest(
-            &format!("{}.yaml", self.name),
-            &source_manifest(&self.name, &source, &delivery, payload),
-        )
+        case_manifest(&self.fx, &self.name, &source, fixed)
     }
 
     async fn send(&self, bodies: &[Vec<u8>]) -> Result<()> {
