@@ -234,18 +234,8 @@ impl Broker for GatewaySource {
         if self.queue.is_empty() || self.queue.len() > 80 {
             error("spec.source.gateway.queue", "must be 1 to 80 characters");
         }
-        if let Some(dead_letter) = &self.dead_letter {
-            if dead_letter.queue.is_empty() || dead_letter.queue.len() > 80 {
-                error(
-                    "spec.source.gateway.deadLetter.queue",
-                    "must be 1 to 80 characters",
-                );
-            } else if dead_letter.queue == self.queue {
-                error(
-                    "spec.source.gateway.deadLetter.queue",
-                    "must name the dead-letter queue, not spec.source.gateway.queue",
-                );
-            }
+        if let Some(message) = self.dead_letter_queue_error() {
+            error("spec.source.gateway.deadLetter.queue", message);
         }
         if self.service.is_empty() {
             error("spec.source.gateway.service", "must not be empty");
@@ -299,6 +289,20 @@ impl Broker for GatewaySource {
                 field,
                 "is not for source gateway; the gateway's dead-letter operation decides where dead letters go",
             );
+        }
+    }
+}
+
+impl GatewaySource {
+    /// What is wrong with `deadLetter.queue`, if it is set and wrong.
+    fn dead_letter_queue_error(&self) -> Option<&'static str> {
+        let queue = &self.dead_letter.as_ref()?.queue;
+        if queue.is_empty() || queue.len() > 80 {
+            Some("must be 1 to 80 characters")
+        } else if *queue == self.queue {
+            Some("must name the dead-letter queue, not spec.source.gateway.queue")
+        } else {
+            None
         }
     }
 }
