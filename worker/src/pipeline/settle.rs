@@ -16,7 +16,8 @@ use super::store::StoreTask;
 use super::{Pipeline, PipelineError, Stopped, spans};
 use crate::payload::{Poison, PoisonReason};
 use crate::transport::{
-    Attempt, Attempts, DeadLetter, ErrorKind, HELD, IN_FLIGHT, Message, Transport, TransportError,
+    Attempt, Attempts, DeadLetter, ErrorKind, HELD, IDEMPOTENCY_KEY_HEADER, IN_FLIGHT, Message,
+    Transport, TransportError,
 };
 
 /// A received batch whose events are being stored.
@@ -229,7 +230,10 @@ impl<T: Transport> Pipeline<T> {
 
     /// `poison` without the messages this worker dead-lettered lately (native ids only): a copy
     /// received again, its lease run out while its batch waited its turn under a slow broker,
-    /// is acknowledged as the duplicate it is, never dead-lettered twice.
+    /// is acknowledged as the duplicate it is, never dead-lettered twice. A redriven copy (it
+    /// carries [`IDEMPOTENCY_KEY_HEADER`]) is a new delivery someone asked for, even where it
+    /// keeps its original's native id (RabbitMQ's `message-id`): if it still fails it is
+    /// dead-lettered again, at worst twice, never acknowledged away.
     fn not_dead_lettered_yet<'m>(
         &self,
         poison: Vec<(&'m Message<T::Receipt>, &'m Poison)>,
@@ -237,9 +241,13 @@ impl<T: Transport> Pipeline<T> {
         if self.context.dedup != Dedup::NativeId {
             return poison;
         }
-        let (again, poison): (Vec<_>, Vec<_>) = poison
-            .into_iter()
-            .partition(|(message, _)| self.recent_letters.contains(&message.idempotency_key));
+        let (again, poison): (Vec<_>, Vec<_>) = poison.into_iter().partition(|(message, _)| {
+            self.recent_letters.contains(&message.idempotency_key)
+                && !message
+                    .headers
+                    .iter()
+                    .any(|(name, _)| name == IDEMPOTENCY_KEY_HEADER)
+        });
         if !again.is_empty() {
             self.metrics.duplicates.inc_by(again.len() as u64);
             tracing::debug!(
@@ -805,6 +813,34 @@ mod tests {
             ]
         );
         assert_eq!(pipeline.metrics.duplicates.get(), 1);
+    }
+
+    #[tokio::test]
+    async fn a_redriven_copy_keeping_its_native_id_is_dead_lettered_again_not_dropped() {
+        let (mut pipeline, log) = pipeline(Fake::default()).await;
+        pipeline
+            .finish(batch(&["p"], &[0], stored(0)), &mut VecDeque::new())
+            .await
+            .expect("settled");
+        // `dlq redrive` put it back with its key; the worker still fails it.
+        let mut copy = batch(&["p"], &[0], stored(0));
+        copy.batch[0]
+            .headers
+            .push((IDEMPOTENCY_KEY_HEADER.to_owned(), b"p".to_vec()));
+        pipeline
+            .finish(copy, &mut VecDeque::new())
+            .await
+            .expect("settled");
+        assert_eq!(
+            calls(&log),
+            [
+                call(Call::DeadLetters, &["p"]),
+                call(Call::Ack, &["p"]),
+                call(Call::DeadLetters, &["p"]),
+                call(Call::Ack, &["p"])
+            ]
+        );
+        assert_eq!(pipeline.metrics.duplicates.get(), 0);
     }
 
     #[tokio::test]
