@@ -746,6 +746,54 @@ async fn redrive_stopped_by_sigterm_reports_and_exits_143<C: Case>(name: &str) -
     slow.rerun_moves_the_rest(left).await
 }
 
+/// Acceptance 1: a letter redriven while the worker still fails it is dead-lettered again (a new
+/// letter, carrying its key); redriven again after the fix, it arrives: one todo, nothing left.
+async fn redriven_twice_arrives_once<C: Case>(name: &str) -> Result<()> {
+    let case = C::start(name).await?;
+    let strict = case.manifest(false)?;
+    let file = path_text(&strict)?.to_owned();
+    let body = poison_bodies("twice").remove(0);
+    case.send(std::slice::from_ref(&body)).await?;
+    let mut worker = case.fx().worker(&strict, "strict")?;
+    wait_for(LONG, "the letter", || async {
+        Ok(case.dead_letters().await? == 1)
+    })
+    .await
+    .with_context(|| worker.log_tail())?;
+    let first = list_json(&case, &file)?;
+    ensure!(first.len() == 1, "one letter: {first:?}");
+    let first_id = first[0]["id"].clone();
+    let redriven = |summary: Vec<u8>| -> Result<()> {
+        let summary = String::from_utf8(summary)?;
+        ensure!(summary.contains(" 1 redriven "), "{summary}");
+        Ok(())
+    };
+    redriven(dlq_ok(&case, &["redrive", "--file", &file, "--all"])?)?;
+    wait_for(LONG, "the copy dead-lettered again", || async {
+        let letters = list_json(&case, &file)?;
+        Ok(letters.len() == 1 && letters[0]["id"] != first_id)
+    })
+    .await
+    .with_context(|| worker.log_tail())?;
+    worker.signal(Signal::SIGTERM)?;
+    let status = worker.wait_exit(Duration::from_secs(30))?;
+    ensure!(status.success(), "the worker stops cleanly: {status:?}");
+    ensure!(
+        case.fx().todo_count(case.queue()).await? == 0,
+        "nothing dead-lettered is stored"
+    );
+
+    let fixed = case.manifest(true)?;
+    let _worker = case.fx().worker(&fixed, "fixed")?;
+    redriven(dlq_ok(&case, &["redrive", "--file", &file, "--all"])?)?;
+    wait_for(LONG, "the todo", || async {
+        Ok(case.fx().todo_count(case.queue()).await? == 1)
+    })
+    .await?;
+    ensure!(case.dead_letters().await? == 0, "the destination is empty");
+    case.fx().assert_exactly_once(case.queue(), 1).await
+}
+
 /// Acceptance 3: purge --older-than removes only older letters; without --yes and without a
 /// terminal it refuses, saying why, and deletes nothing.
 async fn purge_removes_only_older_letters_and_refuses_unconfirmed<C: Case>(
@@ -958,6 +1006,12 @@ macro_rules! dlq_suite {
             async fn purge_removes_only_older_letters_and_refuses_without_yes_or_terminal()
             -> Result<()> {
                 purge_removes_only_older_letters_and_refuses_unconfirmed::<$case>("purge").await
+            }
+
+            #[tokio::test]
+            async fn letter_dead_lettered_again_after_a_redrive_arrives_once_redriven_again()
+            -> Result<()> {
+                redriven_twice_arrives_once::<$case>("twice").await
             }
 
             #[tokio::test]
