@@ -394,8 +394,22 @@ impl RabbitMq {
     }
 
     /// Every message of queue `name` (body, headers), read with `basic.get` on a channel that
-    /// is then closed without acknowledging: the messages stay in the queue.
+    /// is then closed without acknowledging: the messages stay in the queue. A quorum queue
+    /// whose Raft members are busy (after the node was killed, on a loaded machine) may answer
+    /// a get with `INTERNAL_ERROR … timeout`: it is asked again until it answers, for a minute.
     pub async fn peek(&self, name: &str) -> Result<Vec<(Vec<u8>, BasicProperties)>> {
+        let deadline = std::time::Instant::now() + Duration::from_secs(60);
+        loop {
+            match self.peek_once(name).await {
+                Err(err)
+                    if format!("{err:#}").contains("timeout")
+                        && std::time::Instant::now() < deadline => {}
+                done => return done,
+            }
+        }
+    }
+
+    async fn peek_once(&self, name: &str) -> Result<Vec<(Vec<u8>, BasicProperties)>> {
         let connection = Connection::connect(&self.url(), ConnectionProperties::default()).await?;
         let channel = connection.create_channel().await?;
         let mut messages = Vec::new();

@@ -74,6 +74,16 @@ impl Case for KafkaCase {
         for delivery in 0..MAX_DELIVERIES {
             let consumer = format!("dying-{delivery}");
             let worker = self.fx.worker(&strict, &consumer)?;
+            // Every record in hand (its partitions may come in two fetches), then blocked.
+            let received = format!(
+                r#"switchboard_messages_received_total{{adapter="test/{}"}}"#,
+                self.name
+            );
+            wait_for(LONG, "every overdue record received", || async {
+                Ok(worker.metric(&received).unwrap_or(0.0) >= bodies.len() as f64)
+            })
+            .await
+            .with_context(|| worker.log_tail())?;
             wait_blocked_on_lock(&self.fx, &worker).await?;
             worker.kill()?;
             sqlx::query(
