@@ -1281,8 +1281,8 @@ const FLAT_KIB: u64 = 4 * 1024;
 
 /// Prints the figures of `list --limit 10` over an empty dead-letter queue of `broker`, then of
 /// `list --limit 10` and `show ID` over [`MANY`] letters; fails unless the latter two hold no
-/// more than [`FLAT_KIB`] beyond the first (memory flat with the queue's size) and hold no more
-/// anonymous memory than [`RSS_CAP_KIB`].
+/// more anonymous memory than [`FLAT_KIB`] beyond the first (memory flat with the queue's size)
+/// and no more than [`RSS_CAP_KIB`].
 fn flat_with_size(broker: &str, empty: &Measured, list: &Measured, show: &Measured) -> Result<()> {
     println!(
         "an empty {broker} dead-letter queue: dlq list --limit 10: {:.3} s, peak RSS {} KiB, anonymous {} KiB",
@@ -1297,11 +1297,13 @@ fn flat_with_size(broker: &str, empty: &Measured, list: &Measured, show: &Measur
             run.peak_kib,
             run.anon_kib
         );
+        // Its own memory: the peak RSS also counts the pages of code a non-empty listing runs
+        // and an empty one does not (4.1 MiB more, once, for Kafka under CI's load).
         ensure!(
-            empty.peak_kib > 0 && run.peak_kib <= empty.peak_kib + FLAT_KIB,
-            "dlq {command} peaked at {} KiB, {} KiB over an empty {broker} queue",
-            run.peak_kib,
-            run.peak_kib.saturating_sub(empty.peak_kib)
+            empty.anon_kib > 0 && run.anon_kib <= empty.anon_kib + FLAT_KIB,
+            "dlq {command} held {} KiB of anonymous memory, {} KiB over an empty {broker} queue",
+            run.anon_kib,
+            run.anon_kib.saturating_sub(empty.anon_kib)
         );
         ensure!(
             run.anon_kib <= RSS_CAP_KIB,

@@ -853,6 +853,10 @@ async fn two_workers_share_one_group_without_duplicate_todos() -> Result<()> {
     let manifest = fx.stream_adapter("pair", "batchSize: 50", "")?;
     let a = fx.worker(&manifest, "a")?;
     let b = fx.worker(&manifest, "b")?;
+    // Both reading before anything is produced: under load one worker could start late enough
+    // for the other to have taken everything.
+    a.wait_ready(LONG).await?;
+    b.wait_ready(LONG).await?;
     for chunk in 0..20 {
         fx.produce("pair", bodies(chunk * 500..(chunk + 1) * 500))?;
     }

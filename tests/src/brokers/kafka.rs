@@ -423,6 +423,28 @@ impl KafkaServer {
             .sum())
     }
 
+    /// The records `topic` holds: its partitions' high − low watermarks summed, nothing read
+    /// (0 for a topic without partitions).
+    pub async fn depth(&self, topic: &str) -> Result<u64> {
+        let consumer = self.consumer("switchboard-tests-reader")?;
+        let topic = topic.to_owned();
+        tokio::task::spawn_blocking(move || {
+            let metadata = consumer.fetch_metadata(Some(&topic), REQUEST_TIMEOUT)?;
+            let mut depth = 0;
+            for partition in metadata
+                .topics()
+                .iter()
+                .flat_map(|topic| topic.partitions())
+            {
+                let (low, high) =
+                    consumer.fetch_watermarks(&topic, partition.id(), REQUEST_TIMEOUT)?;
+                depth += high - low;
+            }
+            Ok(u64::try_from(depth)?)
+        })
+        .await?
+    }
+
     /// Every record of `topic`, read from the beginning (no group, nothing committed).
     pub async fn read_all(&self, topic: &str) -> Result<Vec<Record>> {
         let consumer = self.consumer("switchboard-tests-reader")?;
