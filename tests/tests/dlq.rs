@@ -484,6 +484,21 @@ fn path_text(path: &std::path::Path) -> Result<&str> {
     path.to_str().context("temporary paths are UTF-8")
 }
 
+/// Stops the strict `worker` (SIGTERM, a clean exit) and checks it stored nothing.
+async fn stopped_having_stored_nothing<C: Case>(
+    case: &C,
+    mut worker: switchboard_tests::worker::WorkerProcess,
+) -> Result<()> {
+    worker.signal(Signal::SIGTERM)?;
+    let status = worker.wait_exit(Duration::from_secs(30))?;
+    ensure!(status.success(), "the worker stops cleanly: {status:?}");
+    ensure!(
+        case.fx().todo_count(case.queue()).await? == 0,
+        "nothing dead-lettered is stored"
+    );
+    Ok(())
+}
+
 /// Dead-letters `POISON` poison and `OVERDUE` overdue messages with the strict manifest; returns
 /// the manifest path and every body sent.
 async fn dead_letter_fifteen<C: Case>(case: &C, tag: &str) -> Result<(PathBuf, Vec<Vec<u8>>)> {
@@ -492,19 +507,13 @@ async fn dead_letter_fifteen<C: Case>(case: &C, tag: &str) -> Result<(PathBuf, V
     case.send_overdue(&overdue).await?;
     let poison = poison_bodies(tag);
     case.send(&poison).await?;
-    let mut worker = case.fx().worker(&strict, "strict")?;
+    let worker = case.fx().worker(&strict, "strict")?;
     wait_for(LONG, "every message is dead-lettered", || async {
         Ok(case.dead_letters().await? == (POISON + OVERDUE) as u64)
     })
     .await
     .with_context(|| worker.log_tail())?;
-    worker.signal(Signal::SIGTERM)?;
-    let status = worker.wait_exit(Duration::from_secs(30))?;
-    ensure!(status.success(), "the worker stops cleanly: {status:?}");
-    ensure!(
-        case.fx().todo_count(case.queue()).await? == 0,
-        "nothing dead-lettered is stored"
-    );
+    stopped_having_stored_nothing(case, worker).await?;
     Ok((strict, overdue.into_iter().chain(poison).collect()))
 }
 
@@ -754,7 +763,7 @@ async fn redriven_twice_arrives_once<C: Case>(name: &str) -> Result<()> {
     let file = path_text(&strict)?.to_owned();
     let body = poison_bodies("twice").remove(0);
     case.send(std::slice::from_ref(&body)).await?;
-    let mut worker = case.fx().worker(&strict, "strict")?;
+    let worker = case.fx().worker(&strict, "strict")?;
     wait_for(LONG, "the letter", || async {
         Ok(case.dead_letters().await? == 1)
     })
@@ -775,13 +784,7 @@ async fn redriven_twice_arrives_once<C: Case>(name: &str) -> Result<()> {
     })
     .await
     .with_context(|| worker.log_tail())?;
-    worker.signal(Signal::SIGTERM)?;
-    let status = worker.wait_exit(Duration::from_secs(30))?;
-    ensure!(status.success(), "the worker stops cleanly: {status:?}");
-    ensure!(
-        case.fx().todo_count(case.queue()).await? == 0,
-        "nothing dead-lettered is stored"
-    );
+    stopped_having_stored_nothing(&case, worker).await?;
 
     let fixed = case.manifest(true)?;
     let _worker = case.fx().worker(&fixed, "fixed")?;

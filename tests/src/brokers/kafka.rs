@@ -429,17 +429,10 @@ impl KafkaServer {
         let consumer = self.consumer("switchboard-tests-reader")?;
         let topic = topic.to_owned();
         tokio::task::spawn_blocking(move || {
-            let metadata = consumer.fetch_metadata(Some(&topic), REQUEST_TIMEOUT)?;
-            let mut depth = 0;
-            for partition in metadata
-                .topics()
-                .iter()
-                .flat_map(|topic| topic.partitions())
-            {
-                let (low, high) =
-                    consumer.fetch_watermarks(&topic, partition.id(), REQUEST_TIMEOUT)?;
-                depth += high - low;
-            }
+            let depth: i64 = partition_depths(&consumer, &topic)?
+                .into_iter()
+                .map(|(_, depth)| depth)
+                .sum();
             Ok(u64::try_from(depth)?)
         })
         .await?
@@ -450,18 +443,11 @@ impl KafkaServer {
         let consumer = self.consumer("switchboard-tests-reader")?;
         let topic = topic.to_owned();
         tokio::task::spawn_blocking(move || {
-            let metadata = consumer.fetch_metadata(Some(&topic), REQUEST_TIMEOUT)?;
             let mut list = TopicPartitionList::new();
             let mut expected = 0;
-            for partition in metadata
-                .topics()
-                .iter()
-                .flat_map(|topic| topic.partitions())
-            {
-                let (low, high) =
-                    consumer.fetch_watermarks(&topic, partition.id(), REQUEST_TIMEOUT)?;
-                expected += high - low;
-                list.add_partition_offset(&topic, partition.id(), Offset::Beginning)?;
+            for (partition, depth) in partition_depths(&consumer, &topic)? {
+                expected += depth;
+                list.add_partition_offset(&topic, partition, Offset::Beginning)?;
             }
             consumer.assign(&list)?;
             let mut records = Vec::new();
@@ -758,6 +744,20 @@ impl BrokerFixture for KafkaBroker {
 
 /// A record with `body`, a binary key holding NUL bytes (an `IntegerSerializer` 300) and a
 /// header value that is not UTF-8.
+/// Each partition of `topic` with the records it holds (high − low watermark).
+fn partition_depths(consumer: &BaseConsumer, topic: &str) -> Result<Vec<(i32, i64)>> {
+    let metadata = consumer.fetch_metadata(Some(topic), REQUEST_TIMEOUT)?;
+    metadata
+        .topics()
+        .iter()
+        .flat_map(|topic| topic.partitions())
+        .map(|partition| {
+            let (low, high) = consumer.fetch_watermarks(topic, partition.id(), REQUEST_TIMEOUT)?;
+            Ok((partition.id(), high - low))
+        })
+        .collect()
+}
+
 pub fn undecodable_record(body: Vec<u8>) -> Record {
     Record {
         key: Some(300_i32.to_be_bytes().to_vec()),
