@@ -283,7 +283,11 @@ async fn max_deliveries_dead_letters<B: BrokerFixture>() -> Result<()> {
     const MAX: u32 = 2;
     let contract = Contract::<B>::start("maxdel").await?;
     let manifest = contract.manifest(&format!("batchSize: 10, maxDeliveries: {MAX}"), "")?;
-    contract.produce(bodies(0..3)).await?;
+    // Every dying worker must hold all three: its store blocks, so it receives no more after.
+    contract
+        .broker
+        .produce_together(&contract.fx, contract.name, bodies(0..3))
+        .await?;
     let mut lock = sqlx::PgConnection::connect(&contract.fx.postgres.url()).await?;
     use sqlx::Connection as _;
     sqlx::query("BEGIN").execute(&mut lock).await?;

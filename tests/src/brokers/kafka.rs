@@ -679,6 +679,25 @@ impl BrokerFixture for KafkaBroker {
         self.server.produce(name, bodies).await
     }
 
+    /// One key for all: one partition, fetched at once. (Spread over three partitions, the
+    /// worker may receive one partition's record first and, its store blocked, no other.)
+    async fn produce_together(
+        &self,
+        _fx: &Fixture,
+        name: &str,
+        bodies: Vec<Vec<u8>>,
+    ) -> Result<()> {
+        let records = bodies
+            .into_iter()
+            .map(|value| Record {
+                key: Some(b"together".to_vec()),
+                value: Some(value),
+                headers: Vec::new(),
+            })
+            .collect();
+        self.server.produce_records(name, records).await
+    }
+
     async fn unacknowledged(&self, _fx: &Fixture, name: &str) -> Result<u64> {
         self.server.lag(name, &kafka_group(name)).await
     }

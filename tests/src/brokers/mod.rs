@@ -41,6 +41,13 @@ pub trait BrokerFixture: Sized {
     /// Adds one message per body.
     async fn produce(&self, fx: &Fixture, name: &str, bodies: Vec<Vec<u8>>) -> Result<()>;
 
+    /// Adds one message per body where one receive finds them all, for a test whose worker
+    /// must hold every message at once: a broker that spreads messages over places fetched
+    /// apart (Kafka's partitions) puts them in one.
+    async fn produce_together(&self, fx: &Fixture, name: &str, bodies: Vec<Vec<u8>>) -> Result<()> {
+        self.produce(fx, name, bodies).await
+    }
+
     /// Messages of `name` not acknowledged yet: waiting, or delivered and un-acknowledged.
     async fn unacknowledged(&self, fx: &Fixture, name: &str) -> Result<u64>;
 
