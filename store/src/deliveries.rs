@@ -137,7 +137,7 @@ impl Store {
 
     /// Forgets the delivery counts and attempts of settled messages.
     pub async fn forget_deliveries(&self, source: &str, keys: &[&str]) -> Result<(), StoreError> {
-        self.bounded(async |conn| {
+        self.in_background(async |conn| {
             sqlx::query("DELETE FROM deliveries WHERE source = $1 AND key = ANY($2::text[])")
                 .bind(source)
                 .bind(keys)
@@ -156,7 +156,7 @@ impl Store {
         age: std::time::Duration,
     ) -> Result<u64, StoreError> {
         let seconds = age.as_secs_f64();
-        self.bounded(async |conn| {
+        self.in_background(async |conn| {
             sqlx::query(
                 "DELETE FROM deliveries WHERE source = $1 \
                  AND updated_at < now() - make_interval(secs => $2)",
@@ -180,7 +180,7 @@ impl Store {
         let partitions: Vec<&str> = marks.iter().map(|(partition, _)| *partition).collect();
         let values: Vec<i64> = marks.iter().map(|(_, mark)| *mark).collect();
         let rows = self
-            .bounded(async |conn| {
+            .in_background(async |conn| {
                 sqlx::query(RAISE_MARKS_SQL)
                     .bind(source)
                     .bind(&partitions)
@@ -204,7 +204,7 @@ impl Store {
         keys: &[&str],
     ) -> Result<Vec<u64>, StoreError> {
         let rows = self
-            .bounded(async |conn| {
+            .in_background(async |conn| {
                 sqlx::query(COUNT_SQL)
                     .bind(source)
                     .bind(keys)

@@ -218,9 +218,16 @@ pub const DEFAULT_OPERATION_TIMEOUT: Duration = Duration::from_secs(30);
 /// Connection pool and queries.
 #[derive(Debug, Clone)]
 pub struct Store {
+    /// Batches (and everything, unless [`Store::with_background_connection`] split them).
     pool: PgPool,
+    /// The worker's background work: probes, reports, delivery marks, pruning.
+    background: PgPool,
     operation_timeout: Duration,
 }
+
+/// How long a batch connection of a worker's store may sit unused before it is closed (see
+/// [`Store::with_background_connection`]).
+pub const BATCH_CONNECTION_IDLE: Duration = Duration::from_secs(30);
 
 // `first_of_id`: a batch may hold one id twice (a producer's retry under an envelope id, an SQS
 // standard queue's duplicate delivery): its first message is stored, the others are duplicates.
@@ -327,15 +334,36 @@ impl Store {
             });
         }
         let options: PgConnectOptions = url.parse().map_err(StoreError::InvalidUrl)?;
-        let pool = PgPoolOptions::new()
-            .max_connections(max_connections)
-            .min_connections(0)
-            .acquire_timeout(Duration::from_secs(5))
-            .connect_lazy_with(options.application_name(application_name));
+        let pool = lazy_pool(
+            PgPoolOptions::new().max_connections(max_connections),
+            options.application_name(application_name),
+        );
         Ok(Self {
+            background: pool.clone(),
             pool,
             operation_timeout: DEFAULT_OPERATION_TIMEOUT,
         })
+    }
+
+    /// Gives the background work (probes, reports, delivery marks, pruning) one connection of
+    /// its own, out of the pool's `max_connections`, and closes a batch connection once it sat
+    /// unused for [`BATCH_CONNECTION_IDLE`]: an idle worker holds one connection, a busy one as
+    /// many as before. (One pool hands its idle connections out in turn, so every connection a
+    /// burst opened stays in use by the probes and none is ever idle long enough to close.)
+    #[must_use]
+    pub fn with_background_connection(self) -> Self {
+        let options = (*self.pool.connect_options()).clone();
+        let batches = self.pool.options().get_max_connections().saturating_sub(1);
+        Self {
+            pool: lazy_pool(
+                PgPoolOptions::new()
+                    .max_connections(batches.max(1))
+                    .idle_timeout(BATCH_CONNECTION_IDLE),
+                options.clone(),
+            ),
+            background: lazy_pool(PgPoolOptions::new().max_connections(1), options),
+            operation_timeout: self.operation_timeout,
+        }
     }
 
     /// Bounds each of [`Store::ingest_batch`], [`Store::ping`], [`Store::position`] and
@@ -354,7 +382,8 @@ impl Store {
             "statement_timeout",
             format!("{}ms", server_side.as_millis()),
         )]);
-        self.pool.set_connect_options(options);
+        self.pool.set_connect_options(options.clone());
+        self.background.set_connect_options(options);
         self.operation_timeout = timeout;
         self
     }
@@ -366,7 +395,23 @@ impl Store {
         &self,
         op: impl AsyncFnOnce(&mut PgConnection) -> Result<T, sqlx::Error>,
     ) -> Result<T, StoreError> {
-        let mut conn = self.acquire().await?;
+        self.bounded_on(&self.pool, op).await
+    }
+
+    /// [`Store::bounded`] on the background work's connection.
+    async fn in_background<T>(
+        &self,
+        op: impl AsyncFnOnce(&mut PgConnection) -> Result<T, sqlx::Error>,
+    ) -> Result<T, StoreError> {
+        self.bounded_on(&self.background, op).await
+    }
+
+    async fn bounded_on<T>(
+        &self,
+        pool: &PgPool,
+        op: impl AsyncFnOnce(&mut PgConnection) -> Result<T, sqlx::Error>,
+    ) -> Result<T, StoreError> {
+        let mut conn = self.acquire(pool).await?;
         match tokio::time::timeout(self.operation_timeout, op(&mut conn)).await {
             Ok(result) => result.map_err(StoreError::classify),
             Err(_elapsed) => {
@@ -384,8 +429,8 @@ impl Store {
 
     /// A connection of the pool. When the pool only says it timed out (it retries refused
     /// connections until then), one direct attempt finds out why.
-    async fn acquire(&self) -> Result<PoolConnection<Postgres>, StoreError> {
-        match self.pool.acquire().await {
+    async fn acquire(&self, pool: &PgPool) -> Result<PoolConnection<Postgres>, StoreError> {
+        match pool.acquire().await {
             Ok(conn) => Ok(conn),
             Err(sqlx::Error::PoolTimedOut) => Err(self.why_no_connection().await),
             Err(err) => Err(StoreError::classify(err)),
@@ -421,13 +466,13 @@ impl Store {
     /// A database it cannot reach is said as `run` says it (`DATABASE_URL`'s host and port),
     /// not as the pool's time-out.
     pub async fn migrate(&self) -> Result<(), StoreError> {
-        let mut conn = self.acquire().await?;
+        let mut conn = self.acquire(&self.pool).await?;
         MIGRATOR.run(&mut *conn).await.map_err(StoreError::Migrate)
     }
 
     /// Fails with [`StoreError::NotMigrated`] unless every migration has been applied.
     pub async fn ensure_migrated(&self) -> Result<(), StoreError> {
-        let mut conn = self.acquire().await?;
+        let mut conn = self.acquire(&self.background).await?;
         let applied: Vec<i64> =
             match sqlx::query_scalar("SELECT version FROM _sqlx_migrations WHERE success")
                 .fetch_all(&mut *conn)
@@ -456,7 +501,7 @@ impl Store {
 
     /// Cheap liveness probe of the database.
     pub async fn ping(&self) -> Result<(), StoreError> {
-        self.bounded(async |conn| sqlx::query("SELECT 1").execute(conn).await.map(drop))
+        self.in_background(async |conn| sqlx::query("SELECT 1").execute(conn).await.map(drop))
             .await
     }
 
@@ -557,6 +602,13 @@ impl Store {
     pub fn pool(&self) -> &PgPool {
         &self.pool
     }
+}
+
+/// A pool that connects on first use and keeps no connection open for its own sake.
+fn lazy_pool(pool: PgPoolOptions, options: PgConnectOptions) -> PgPool {
+    pool.min_connections(0)
+        .acquire_timeout(Duration::from_secs(5))
+        .connect_lazy_with(options)
 }
 
 #[cfg(test)]

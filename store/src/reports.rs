@@ -82,7 +82,7 @@ impl Store {
     /// Writes this worker's report (its `reported_at` is the database's `now()`).
     pub async fn report_worker(&self, report: &WorkerReport) -> Result<(), StoreError> {
         let oldest_ms = report.oldest_since.map(unix_ms);
-        self.bounded(async |conn| {
+        self.in_background(async |conn| {
             sqlx::query(UPSERT_SQL)
                 .bind(&report.adapter)
                 .bind(&report.worker)

@@ -1000,3 +1000,33 @@ async fn dead_letter_key_of_the_wrong_type_keeps_the_letter_in_postgresql_naming
     );
     fx.assert_exactly_once("wrongdlq", 5).await
 }
+
+/// Issue 32: an idle worker holds one PostgreSQL connection. A burst stores batches on
+/// connections of their own beside the probes' one; once the stream is drained they close
+/// after `BATCH_CONNECTION_IDLE` (the probes and reports keep to their own connection, so no
+/// batch connection is kept alive by them), and the next batch opens one again.
+#[tokio::test]
+async fn idle_worker_holds_one_database_connection_after_a_burst() -> Result<()> {
+    let fx = Fixture::start().await?;
+    let manifest = fx.stream_adapter("idle", "batchSize: 100", "")?;
+    fx.produce("idle", bodies(0..2_000))?;
+    let worker = fx.worker(&manifest, "w1")?;
+    wait_stored(&fx, "idle", "idle", "switchboard", 2_000).await?;
+    let busy = fx.connections_of("w1").await?;
+    ensure!(
+        busy >= 2,
+        "batches are stored on connections besides the probes' one: {busy}"
+    );
+    let closed = switchboard_store::BATCH_CONNECTION_IDLE * 3;
+    wait_for(
+        closed,
+        "the idle worker's batch connections close",
+        || async { Ok(fx.connections_of("w1").await? == 1) },
+    )
+    .await
+    .with_context(|| worker.log_tail())?;
+    fx.produce("idle", bodies(2_000..2_100))?;
+    wait_stored(&fx, "idle", "idle", "switchboard", 2_100).await?;
+    fx.assert_exactly_once("idle", 2_100).await?;
+    Ok(())
+}

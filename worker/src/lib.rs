@@ -391,14 +391,16 @@ async fn run_adapter(
     );
 
     let consumer = consumer_name(options.consumer)?;
-    // One connection per batch being stored and one for the rest (Kafka's delivery marks,
-    // raised while batches are stored; the health reports).
+    // One connection per batch being stored, closed once idle, and one for the rest (Kafka's
+    // delivery marks, raised while batches are stored; probes and reports): an idle worker
+    // holds one.
     let store = Store::connect(
         &env("DATABASE_URL")?,
         transport::IN_FLIGHT as u32 + 1,
         &database_application_name(&consumer),
     )
     .await?
+    .with_background_connection()
     .with_operation_timeout(options.database_timeout);
     let health = Arc::new(Health::new());
     let stop_server = CancellationToken::new();
