@@ -1037,6 +1037,8 @@ dlq_suite!(gateway, gateway_case::GatewayCase, binary: true);
 mod amqp_case;
 #[path = "dlq/gateway.rs"]
 mod gateway_case;
+#[path = "dlq/headers.rs"]
+mod headers_case;
 #[path = "dlq/kafka.rs"]
 mod kafka_case;
 #[path = "dlq/sqs.rs"]

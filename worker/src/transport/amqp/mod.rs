@@ -54,6 +54,7 @@ mod dead_letter;
 mod declare;
 mod delivery;
 mod delivery_limit;
+mod frame;
 mod metrics;
 mod probe;
 mod publisher;

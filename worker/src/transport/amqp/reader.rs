@@ -57,6 +57,7 @@ use super::connection::{call, check_url, connect, declare_passive, open_channel,
 use super::dead_letter::added_header;
 use super::dead_letter_route;
 use super::delivery::{Original, QUORUM_COUNT_HEADER, external_id, headers};
+use super::frame::fits_one_frame;
 use crate::transport::dead_letter::Convention;
 use crate::transport::reader::{Cursor, DeadLetterReader, Page, StoredLetter, redrive_key};
 use crate::transport::{Attempts, IDEMPOTENCY_KEY_HEADER, TransportError};
@@ -454,8 +455,10 @@ impl DeadLetterReader for AmqpReader {
         })?;
         let original = letter.original_id.as_deref().unwrap_or(&letter.id);
         let key = redrive_key(&letter.headers, &self.key_scope, original);
-        self.publish_copy(&letter.body, copy_properties(&properties, &key))
-            .await?;
+        let copy = copy_properties(&properties, &key);
+        let frame_max = self.connection.configuration().frame_max();
+        fits_one_frame(&copy, frame_max, "the redriven copy stays a dead letter")?;
+        self.publish_copy(&letter.body, copy).await?;
         self.acknowledge(tag).await
     }
 

@@ -141,7 +141,7 @@ fn produced<T, M>(
 /// message format refuses. Everything else (brokers down, timeouts, leadership moving, a
 /// different record of the same batch refused) may succeed later; a topic that does not exist
 /// or is denied is a setting to fix.
-fn refused_for_good(err: &KafkaError) -> bool {
+pub(super) fn refused_for_good(err: &KafkaError) -> bool {
     use RDKafkaErrorCode as Code;
     matches!(
         err.rdkafka_error_code(),

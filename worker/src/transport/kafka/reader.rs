@@ -37,6 +37,7 @@ use switchboard_api::{KafkaSource, QueueAdapter};
 
 use self::markers::Markers;
 use super::client::{LogContext, Setting, base_config, classify, producer_config};
+use super::dead_letter::refused_for_good;
 use crate::transport::dead_letter::Convention;
 use crate::transport::reader::{Cursor, DeadLetterReader, Page, StoredLetter, redrive_key};
 use crate::transport::{Attempts, IDEMPOTENCY_KEY_HEADER, TransportError};
@@ -444,7 +445,16 @@ impl DeadLetterReader for KafkaReader {
         self.producer
             .send(record, PRODUCE_TIMEOUT)
             .await
-            .map_err(|(err, _)| classify(err, &context, Setting::Topics))?;
+            .map_err(|(err, _)| {
+                if refused_for_good(&err) {
+                    // Sent again it is refused again: the letter stays, the command goes on.
+                    TransportError::protocol(format!(
+                        "{context}, it stays a dead letter: Kafka refuses it for good (a copy larger with its headers than the topic's max.message.bytes or the producer's message.max.bytes, 1000000, is refused so): {err}"
+                    ))
+                } else {
+                    classify(err, &context, Setting::Topics)
+                }
+            })?;
         self.remove(std::slice::from_ref(letter)).await
     }
 
