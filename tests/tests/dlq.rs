@@ -1039,6 +1039,8 @@ mod amqp_case;
 mod gateway_case;
 #[path = "dlq/kafka.rs"]
 mod kafka_case;
+#[path = "dlq/kept.rs"]
+mod kept_case;
 #[path = "dlq/sqs.rs"]
 mod sqs_case;
 // Pub/sub has no redelivery (no `max_deliveries` letters): its own tests, the suite's purge.

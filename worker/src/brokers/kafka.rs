@@ -1,10 +1,14 @@
 //! Apache Kafka topics, read by a consumer group.
 
+use rdkafka::message::{Header, OwnedHeaders};
+use rdkafka::producer::{FutureProducer, FutureRecord};
 use switchboard_api::{KafkaSource, QueueAdapter};
 
 use super::{Context, Letters, Loop, Plugin};
 use crate::WorkerError;
-use crate::transport::kafka::reader::KafkaReader;
+use crate::transport::TransportError;
+use crate::transport::kafka::client::{LogContext, Setting, classify, producer_config};
+use crate::transport::kafka::reader::{KafkaReader, PRODUCE_TIMEOUT};
 use crate::transport::kafka::{Kafka, KafkaSettings};
 use crate::transport::retention::Retention;
 
@@ -32,4 +36,66 @@ impl Plugin for KafkaSource {
     ) -> Result<(), WorkerError> {
         letters.read(KafkaReader::new(adapter, self).await?).await
     }
+
+    /// Produces one record with `acks=all`, as the dead-letter reader's redrive does, to the
+    /// adapter's topic (its one topic, else the `kafka.topic` header's), the `kafka.key` header
+    /// (the record key the worker read) as its key and the other headers as record headers;
+    /// returns `partition:offset`.
+    async fn send(
+        &self,
+        _adapter: &QueueAdapter,
+        body: &[u8],
+        headers: &[(String, Vec<u8>)],
+    ) -> Result<String, WorkerError> {
+        let topic = topic(self, headers)?;
+        let mut record_headers = OwnedHeaders::new_with_capacity(headers.len());
+        for (name, value) in headers
+            .iter()
+            .filter(|(name, _)| name != KEY_HEADER && name != TOPIC_HEADER)
+        {
+            record_headers = record_headers.insert(Header {
+                key: name,
+                value: Some(value),
+            });
+        }
+        let mut record = FutureRecord::<[u8], [u8]>::to(&topic)
+            .headers(record_headers)
+            .payload(body);
+        if let Some((_, key)) = headers.iter().find(|(name, _)| name == KEY_HEADER) {
+            record = record.key(key.as_slice());
+        }
+        let producer: FutureProducer<LogContext> =
+            producer_config(self, "switchboard-worker-send", PRODUCE_TIMEOUT)?
+                .create_with_context(LogContext::current())
+                .map_err(|err| classify(err, "could not create the producer", Setting::Topics))?;
+        let context = format!("could not produce the message to topic {topic:?}");
+        let delivered = producer
+            .send(record, PRODUCE_TIMEOUT)
+            .await
+            .map_err(|(err, _)| classify(err, &context, Setting::Topics))?;
+        Ok(format!("{}:{}", delivered.partition, delivered.offset))
+    }
+}
+
+/// The header holding a message's record key, as the transport names it.
+const KEY_HEADER: &str = "kafka.key";
+/// The header naming the topic to send to, for an adapter of several.
+const TOPIC_HEADER: &str = "kafka.topic";
+
+/// The topic a message goes to: the `kafka.topic` header's, else the adapter's one topic.
+fn topic(kafka: &KafkaSource, headers: &[(String, Vec<u8>)]) -> Result<String, TransportError> {
+    let named = headers
+        .iter()
+        .find(|(name, _)| name == TOPIC_HEADER)
+        .and_then(|(_, topic)| String::from_utf8(topic.clone()).ok());
+    let only = match kafka.topics.as_deref() {
+        Some([topic]) => Some(topic.clone()),
+        _ => None,
+    };
+    named.or(only).ok_or_else(|| {
+        TransportError::protocol(format!(
+            "spec.source.kafka reads several topics or a pattern: say which to send to with \
+             --attr {TOPIC_HEADER}=TOPIC"
+        ))
+    })
 }
