@@ -3,7 +3,8 @@
 //! `refuse_dead_letters` makes it), the worker keeps it in the `dead_letters` table, `dlq list`
 //! shows it, and `dlq redrive --all` with a fixed worker running sends it back to the source
 //! with its key: exactly one todo with its body, no row left. A redrive killed between the send
-//! and the row's delete, then run again, still makes one todo.
+//! and the row's delete, then run again, still makes one todo. The plugins' send, which the
+//! redrive uses, is `switchboard-worker send` too: tried here for the brokers it gained.
 
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
@@ -15,6 +16,7 @@ use switchboard_tests::brokers::{
     AmqpClassicBroker, BrokerFixture, GatewayBroker, KafkaBroker, NatsBroker, RedisListBroker,
     RedisStreamBroker, SqsBroker,
 };
+use switchboard_tests::send::send;
 use switchboard_tests::wait::wait_for;
 use switchboard_tests::worker::{WorkerProcess, worker_binary};
 use switchboard_tests::{Fixture, source_manifest};
@@ -295,4 +297,71 @@ async fn gateway_kept_letter_is_redriven() -> Result<()> {
 #[tokio::test]
 async fn redis_stream_kept_redrive_killed_between_send_and_delete_makes_one_todo() -> Result<()> {
     redrive_killed_between_send_and_delete_makes_one_todo::<RedisStreamBroker>("keptkill").await
+}
+
+/// `switchboard-worker send --attr level=L0 [--attr extra]` to a source of broker `B`: one todo
+/// with the body, and the attributes among its event's headers where the broker has headers
+/// (not a Redis list).
+async fn sent_message_is_stored<B: BrokerFixture>(
+    name: &'static str,
+    extra: Option<&str>,
+    headers: bool,
+) -> Result<()> {
+    let mut fx = Fixture::start().await?;
+    let (broker, env) = B::start(&fx).await?;
+    fx.extra_env = env;
+    let source = broker.create(&fx, name).await?;
+    let manifest = fx.manifest(
+        &format!("{name}.yaml"),
+        &source_manifest(name, &source, broker.delivery(), ""),
+    )?;
+    let worker = fx.worker(&manifest, "w1")?;
+    let env = [("REDIS_URL".to_owned(), fx.env.redis_url.clone())];
+    fx.extra_env.extend(env);
+    let attributes: Vec<&str> = std::iter::once("level=L0").chain(extra).collect();
+    send(&fx, &manifest, &attributes, br#"{"content":"hello"}"#)?;
+    wait_for(LONG, "1 todo, nothing un-acknowledged", || async {
+        Ok(fx.todo_count(name).await? >= 1 && broker.unacknowledged(&fx, name).await? == 0)
+    })
+    .await
+    .map_err(|err| err.context(worker.log_tail()))?;
+    fx.assert_stored_exactly(name, &[br#"{"content":"hello"}"#.to_vec()])
+        .await?;
+    let carried: serde_json::Value = sqlx::query_scalar(
+        "SELECT e.headers FROM todos t JOIN events e ON e.id = t.event_id WHERE t.queue = $1",
+    )
+    .bind(name)
+    .fetch_one(fx.pool())
+    .await?;
+    let text = carried.to_string();
+    ensure!(
+        text.contains("L0") == headers && text.contains("chunk_id") == headers,
+        "the attributes among the event's headers: {headers}: {text}"
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn send_to_a_redis_stream_ends_in_one_todo() -> Result<()> {
+    sent_message_is_stored::<RedisStreamBroker>("sentstream", None, true).await
+}
+
+#[tokio::test]
+async fn send_to_a_redis_list_ends_in_one_todo() -> Result<()> {
+    sent_message_is_stored::<RedisListBroker>("sentlist", None, false).await
+}
+
+#[tokio::test]
+async fn send_to_nats_ends_in_one_todo() -> Result<()> {
+    sent_message_is_stored::<NatsBroker>("sentnats", Some("Nats-Subject=sentnats.x"), true).await
+}
+
+#[tokio::test]
+async fn send_to_rabbitmq_ends_in_one_todo() -> Result<()> {
+    sent_message_is_stored::<AmqpClassicBroker>("sent-amqp", None, true).await
+}
+
+#[tokio::test]
+async fn send_to_kafka_ends_in_one_todo() -> Result<()> {
+    sent_message_is_stored::<KafkaBroker>("sent-kafka", None, true).await
 }
