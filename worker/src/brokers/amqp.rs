@@ -5,8 +5,8 @@ use lapin::types::{AMQPValue, FieldTable};
 use switchboard_api::{AmqpSource, QueueAdapter};
 
 use super::{Context, Letters, Loop, Plugin};
-use crate::transport::amqp::reader::AmqpReader;
 use crate::transport::amqp::dead_letter::PERSISTENT;
+use crate::transport::amqp::reader::AmqpReader;
 use crate::transport::amqp::{Amqp, AmqpSettings};
 use crate::transport::identity::{body_hash, body_id};
 use crate::transport::retention::Retention;

@@ -84,10 +84,7 @@ const TOPIC_HEADER: &str = "kafka.topic";
 
 /// The topic a message goes to: the `kafka.topic` header's, else the adapter's one topic.
 fn topic(kafka: &KafkaSource, headers: &[(String, Vec<u8>)]) -> Result<String, TransportError> {
-    let named = headers
-        .iter()
-        .find(|(name, _)| name == TOPIC_HEADER)
-        .and_then(|(_, topic)| String::from_utf8(topic.clone()).ok());
+    let named = super::header_text(headers, TOPIC_HEADER);
     let only = match kafka.topics.as_deref() {
         Some([topic]) => Some(topic.clone()),
         _ => None,

@@ -69,6 +69,15 @@ pub(crate) trait Plugin: Broker {
     }
 }
 
+/// The value of header `name` among `headers`, if it is there and UTF-8 (where a message
+/// names what the spec does not: a subject, a channel, a topic).
+fn header_text(headers: &[(String, Vec<u8>)], name: &str) -> Option<String> {
+    headers
+        .iter()
+        .find(|(header, _)| header == name)
+        .and_then(|(_, value)| String::from_utf8(value.clone()).ok())
+}
+
 /// The run loop, as a plugin sees it: it drives the transport the plugin built.
 pub(crate) trait Loop {
     /// Where the transport registers its own metrics.

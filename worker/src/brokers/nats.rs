@@ -55,7 +55,10 @@ impl Plugin for NatsSource {
     ) -> Result<String, WorkerError> {
         let subject = subject(self, headers)?;
         let mut map = HeaderMap::new();
-        for (name, value) in headers.iter().filter(|(name, _)| !name.starts_with("Nats-")) {
+        for (name, value) in headers
+            .iter()
+            .filter(|(name, _)| !name.starts_with("Nats-"))
+        {
             map.append(name.as_str(), String::from_utf8_lossy(value).into_owned());
         }
         let client = connector("switchboard-worker-send".to_owned())?
@@ -83,10 +86,7 @@ impl Plugin for NatsSource {
 /// The subject a message goes to: its `Nats-Subject` header, else `filterSubject` when it has
 /// no wildcard.
 fn subject(nats: &NatsSource, headers: &[(String, Vec<u8>)]) -> Result<String, TransportError> {
-    let named = headers
-        .iter()
-        .find(|(name, _)| name == "Nats-Subject")
-        .and_then(|(_, subject)| String::from_utf8(subject.clone()).ok());
+    let named = super::header_text(headers, "Nats-Subject");
     let filter = nats
         .filter_subject
         .clone()

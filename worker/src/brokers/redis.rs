@@ -163,14 +163,10 @@ fn publish_channel(
     if !redis.pattern {
         return Ok(channel);
     }
-        headers
-            .iter()
-            .find(|(name, _)| name == "channel")
-            .and_then(|(_, value)| String::from_utf8(value.clone()).ok())
-            .ok_or_else(|| {
-                TransportError::protocol(format!(
-                    "spec.source.redis.channel {channel} is a pattern: say which channel to \
+    super::header_text(headers, "channel").ok_or_else(|| {
+        TransportError::protocol(format!(
+            "spec.source.redis.channel {channel} is a pattern: say which channel to \
                      publish on with a `channel` attribute (--attr channel=NAME)"
-                ))
-            })
+        ))
+    })
 }
