@@ -308,3 +308,38 @@ impl DeadLetterReader for NoBrokerReader {
         match *self {}
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn row(id: i64, key: &str) -> KeptLetterRow {
+        KeptLetterRow {
+            id,
+            idempotency_key: key.to_owned(),
+            external_id: "1-0".to_owned(),
+            body: b"{".to_vec(),
+            headers: "{}".to_owned(),
+            reason: "invalid_json".to_owned(),
+            error: "not JSON".to_owned(),
+            delivery_count: 1,
+            attempts: "{}".to_owned(),
+            refused_because: "WRONGTYPE".to_owned(),
+            dead_lettered_at_ms: 0,
+        }
+    }
+
+    #[test]
+    fn a_kept_letter_carries_its_row_and_its_original_key_whole() {
+        let kept = letter(row(42, "nats:shop/orders:ORDERS:1:7"));
+        assert!(is_kept(&kept));
+        assert_eq!(kept.id, "db-42");
+        let (id, key) = kept_parts(&kept).expect("a kept letter");
+        assert_eq!((id, key), (42, "nats:shop/orders:ORDERS:1:7"));
+        let broker = StoredLetter {
+            handle: "1764-0".to_owned(),
+            ..kept
+        };
+        assert!(!is_kept(&broker) && kept_parts(&broker).is_err());
+    }
+}
