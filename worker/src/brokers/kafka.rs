@@ -1,5 +1,7 @@
 //! Apache Kafka topics, read by a consumer group.
 
+use std::sync::{Mutex, PoisonError};
+
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use switchboard_api::{KafkaSource, QueueAdapter};
@@ -64,10 +66,7 @@ impl Plugin for KafkaSource {
         if let Some((_, key)) = headers.iter().find(|(name, _)| name == KEY_HEADER) {
             record = record.key(key.as_slice());
         }
-        let producer: FutureProducer<LogContext> =
-            producer_config(self, "switchboard-worker-send", PRODUCE_TIMEOUT)?
-                .create_with_context(LogContext::current())
-                .map_err(|err| classify(err, "could not create the producer", Setting::Topics))?;
+        let producer = producer(self)?;
         let context = format!("could not produce the message to topic {topic:?}");
         let delivered = producer
             .send(record, PRODUCE_TIMEOUT)
@@ -75,6 +74,27 @@ impl Plugin for KafkaSource {
             .map_err(|(err, _)| classify(err, &context, Setting::Topics))?;
         Ok(format!("{}:{}", delivered.partition, delivered.offset))
     }
+}
+
+/// The producer of this process's sends, made once per spec: an idempotent producer's
+/// connections and producer id cost about 0.6 s, which a redrive of many kept letters would
+/// otherwise pay per letter.
+static PRODUCER: Mutex<Option<(KafkaSource, FutureProducer<LogContext>)>> = Mutex::new(None);
+
+/// The producer for `kafka`, made on first use.
+fn producer(kafka: &KafkaSource) -> Result<FutureProducer<LogContext>, TransportError> {
+    let mut slot = PRODUCER.lock().unwrap_or_else(PoisonError::into_inner);
+    if let Some((spec, producer)) = slot.as_ref()
+        && spec == kafka
+    {
+        return Ok(producer.clone());
+    }
+    let producer: FutureProducer<LogContext> =
+        producer_config(kafka, "switchboard-worker-send", PRODUCE_TIMEOUT)?
+            .create_with_context(LogContext::current())
+            .map_err(|err| classify(err, "could not create the producer", Setting::Topics))?;
+    *slot = Some((kafka.clone(), producer.clone()));
+    Ok(producer)
 }
 
 /// The header holding a message's record key, as the transport names it.
