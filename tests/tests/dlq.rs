@@ -1041,6 +1041,8 @@ mod gateway_case;
 mod headers_case;
 #[path = "dlq/kafka.rs"]
 mod kafka_case;
+#[path = "dlq/kept.rs"]
+mod kept_case;
 #[path = "dlq/sqs.rs"]
 mod sqs_case;
 // Pub/sub has no redelivery (no `max_deliveries` letters): its own tests, the suite's purge.

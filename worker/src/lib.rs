@@ -96,8 +96,6 @@ pub enum WorkerError {
     Signals(#[source] std::io::Error),
     #[error(transparent)]
     Dlq(#[from] dlq::DlqError),
-    #[error("`send` supports gateway and SQS sources (spec.source.gateway, spec.source.sqs) only")]
-    SendUnsupported,
     #[error("cannot read the message body from standard input")]
     Stdin(#[source] std::io::Error),
 }

@@ -1,6 +1,7 @@
 //! `switchboard-worker send --file MANIFEST [--attr k=v] < body`: one message into the adapter's
-//! source (the gateway seed's `send_chunk`), for tests, demos and redrive. Gateway and SQS
-//! sources: every message carries a fresh `chunk_id` attribute besides the `--attr` ones.
+//! source (the gateway seed's `send_chunk`), for tests, demos and redrive, for every broker.
+//! Every message carries a fresh `chunk_id` attribute besides the `--attr` ones (as a stream
+//! field, an attribute or a header; a Redis list or pub/sub message is its body alone).
 
 use std::path::PathBuf;
 
@@ -32,29 +33,31 @@ fn chunk_id() -> String {
 /// Sends `body` to the source of the adapter in `options.file`; returns the message id.
 pub async fn send(options: SendOptions, body: Vec<u8>) -> Result<String, WorkerError> {
     let adapter = super::read_adapter(&options.file)?;
-    let mut attributes = vec![("chunk_id".to_owned(), chunk_id())];
-    attributes.extend(options.attributes);
+    let attributes: Vec<(String, Vec<u8>)> = std::iter::once(("chunk_id".to_owned(), chunk_id()))
+        .chain(options.attributes)
+        .map(|(name, value)| (name, value.into_bytes()))
+        .collect();
     let message = Message {
         adapter: &adapter,
         body: &body,
-        attributes: &attributes,
+        headers: &attributes,
     };
     brokers::with_plugin(&adapter.spec.source, message)
         .await
-        .unwrap_or(Err(WorkerError::SendUnsupported))
+        .unwrap_or(Err(WorkerError::NoSource))
 }
 
 /// One message for the plugin of the adapter's broker to send.
 struct Message<'a> {
     adapter: &'a QueueAdapter,
     body: &'a [u8],
-    attributes: &'a [(String, String)],
+    headers: &'a [(String, Vec<u8>)],
 }
 
 impl Use for Message<'_> {
     type Output = Result<String, WorkerError>;
 
     async fn with<P: Plugin>(self, plugin: &P) -> Self::Output {
-        plugin.send(self.adapter, self.body, self.attributes).await
+        plugin.send(self.adapter, self.body, self.headers).await
     }
 }

@@ -1,10 +1,14 @@
 //! RabbitMQ (AMQP 0-9-1), a quorum or classic queue.
 
+use lapin::BasicProperties;
+use lapin::types::{AMQPValue, FieldTable};
 use switchboard_api::{AmqpSource, QueueAdapter};
 
 use super::{Context, Letters, Loop, Plugin};
+use crate::transport::amqp::dead_letter::PERSISTENT;
 use crate::transport::amqp::reader::AmqpReader;
 use crate::transport::amqp::{Amqp, AmqpSettings};
+use crate::transport::identity::{body_hash, body_id};
 use crate::transport::retention::Retention;
 use crate::{WorkerError, env};
 
@@ -36,5 +40,30 @@ impl Plugin for AmqpSource {
     ) -> Result<(), WorkerError> {
         let reader = AmqpReader::new(adapter, self, &env("AMQP_URL")?).await?;
         letters.read(reader).await
+    }
+
+    /// Publishes to the source queue as the dead-letter reader's redrive does (through the
+    /// default exchange, mandatory, persistent, each header a long string) and waits for the
+    /// confirm; returns the id the worker gives it (the body's hash: it carries no
+    /// `message-id`).
+    async fn send(
+        &self,
+        adapter: &QueueAdapter,
+        body: &[u8],
+        headers: &[(String, Vec<u8>)],
+    ) -> Result<String, WorkerError> {
+        let mut table = FieldTable::default();
+        for (name, value) in headers {
+            table.insert(
+                name.as_str().into(),
+                AMQPValue::LongString(value.clone().into()),
+            );
+        }
+        let properties = BasicProperties::default()
+            .with_delivery_mode(PERSISTENT)
+            .with_headers(table);
+        let mut reader = AmqpReader::new(adapter, self, &env("AMQP_URL")?).await?;
+        reader.publish_copy(body, properties).await?;
+        Ok(body_id(&body_hash(body)))
     }
 }

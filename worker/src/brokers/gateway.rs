@@ -43,8 +43,9 @@ impl Plugin for GatewaySource {
         &self,
         adapter: &QueueAdapter,
         body: &[u8],
-        attributes: &[(String, String)],
+        headers: &[(String, Vec<u8>)],
     ) -> Result<String, WorkerError> {
-        Ok(gateway::send_message(self, &adapter.adapter_name(), body, attributes).await?)
+        let attributes = super::sqs::text_headers(headers);
+        Ok(gateway::send_message(self, &adapter.adapter_name(), body, &attributes).await?)
     }
 }

@@ -1,6 +1,7 @@
 //! The worker's registry of brokers: the one match that turns a broker's spec into its running
 //! pieces. Each broker's file here implements [`Plugin`] for its spec: the transport the run
-//! loop drives, the reader `switchboard-worker dlq` uses, and `switchboard-worker send`. The
+//! loop drives, the reader `switchboard-worker dlq` uses, and `switchboard-worker send` (which
+//! `dlq redrive` also puts the letters kept in PostgreSQL back with). The
 //! commands above (the run loop in `lib.rs`, `dlq`, `send`) are generic: each hands a [`Use`] to
 //! [`with_plugin`] and never names a broker.
 //!
@@ -15,8 +16,8 @@ use switchboard_api::{Broker, BrokerSpec, DeadLetter, QueueAdapter, Source};
 use switchboard_store::Store;
 
 use crate::WorkerError;
-use crate::transport::Transport;
-use crate::transport::reader::DeadLetterReader;
+use crate::transport::reader::{DeadLetterReader, StoredLetter};
+use crate::transport::{IDEMPOTENCY_KEY_HEADER, Transport};
 
 /// What a broker's spec turns into in the worker.
 pub(crate) trait Plugin: Broker {
@@ -37,15 +38,44 @@ pub(crate) trait Plugin: Broker {
         letters.unread(self.title()).await
     }
 
-    /// Sends one message to the source (`switchboard-worker send`); returns its id.
+    /// Sends one message to the source: `body` with `headers` (stream fields, attributes,
+    /// headers, as the broker has them), and returns its id once the broker confirmed it
+    /// (`switchboard-worker send`).
     async fn send(
         &self,
-        _adapter: &QueueAdapter,
-        _body: &[u8],
-        _attributes: &[(String, String)],
-    ) -> Result<String, WorkerError> {
-        Err(WorkerError::SendUnsupported)
+        adapter: &QueueAdapter,
+        body: &[u8],
+        headers: &[(String, Vec<u8>)],
+    ) -> Result<String, WorkerError>;
+
+    /// Puts `letter`, a dead letter kept in PostgreSQL, back on the source with the idempotency
+    /// key `key` (`dlq redrive`), and returns once the broker confirmed it: by default
+    /// [`Plugin::send`] of its body and headers, `key` in [`IDEMPOTENCY_KEY_HEADER`] (an older
+    /// key among them dropped).
+    async fn resend(
+        &self,
+        adapter: &QueueAdapter,
+        letter: &StoredLetter,
+        key: &str,
+    ) -> Result<(), WorkerError> {
+        let mut headers: Vec<(String, Vec<u8>)> = letter
+            .headers
+            .iter()
+            .filter(|(name, _)| name != IDEMPOTENCY_KEY_HEADER)
+            .cloned()
+            .collect();
+        headers.push((IDEMPOTENCY_KEY_HEADER.to_owned(), key.as_bytes().to_vec()));
+        self.send(adapter, &letter.body, &headers).await.map(drop)
     }
+}
+
+/// The value of header `name` among `headers`, if it is there and UTF-8 (where a message
+/// names what the spec does not: a subject, a channel, a topic).
+fn header_text(headers: &[(String, Vec<u8>)], name: &str) -> Option<String> {
+    headers
+        .iter()
+        .find(|(header, _)| header == name)
+        .and_then(|(_, value)| String::from_utf8(value.clone()).ok())
 }
 
 /// The run loop, as a plugin sees it: it drives the transport the plugin built.

@@ -1,10 +1,13 @@
 //! NATS JetStream, read by a durable pull consumer.
 
+use async_nats::HeaderMap;
+use async_nats::jetstream;
 use switchboard_api::{NatsSource, QueueAdapter};
 
 use super::{Context, Letters, Loop, Plugin};
+use crate::transport::TransportError;
 use crate::transport::nats::reader::NatsReader;
-use crate::transport::nats::{Auth, Connector, Nats, NatsSettings};
+use crate::transport::nats::{Auth, Connector, Nats, NatsSettings, SEND_TIMEOUT};
 use crate::transport::retention::Retention;
 use crate::{WorkerError, env};
 
@@ -39,6 +42,61 @@ impl Plugin for NatsSource {
             .read(NatsReader::new(adapter, self, connector).await?)
             .await
     }
+
+    /// Publishes to the message's subject (its `Nats-Subject` header, which every message the
+    /// worker read carries, else `filterSubject` when it names one subject) with the other
+    /// headers (not the server's `Nats-*`: the stream's duplicate window would drop a copy) and
+    /// waits for the stream's PubAck; returns the stream sequence.
+    async fn send(
+        &self,
+        _adapter: &QueueAdapter,
+        body: &[u8],
+        headers: &[(String, Vec<u8>)],
+    ) -> Result<String, WorkerError> {
+        let subject = subject(self, headers)?;
+        let mut map = HeaderMap::new();
+        for (name, value) in headers
+            .iter()
+            .filter(|(name, _)| !name.starts_with("Nats-"))
+        {
+            map.append(name.as_str(), String::from_utf8_lossy(value).into_owned());
+        }
+        let client = connector("switchboard-worker-send".to_owned())?
+            .connect(None)
+            .await?;
+        let js = jetstream::new(client);
+        let publish = async {
+            let ack = js
+                .publish_with_headers(subject, map, body.to_vec().into())
+                .await
+                .map_err(|err| TransportError::transient("cannot publish the message", err))?;
+            ack.await.map_err(|err| {
+                TransportError::transient("the source stream did not confirm the message", err)
+            })
+        };
+        let ack = tokio::time::timeout(SEND_TIMEOUT * 2, publish)
+            .await
+            .map_err(|elapsed| {
+                TransportError::transient("no PubAck for the message in time", elapsed)
+            })??;
+        Ok(ack.sequence.to_string())
+    }
+}
+
+/// The subject a message goes to: its `Nats-Subject` header, else `filterSubject` when it has
+/// no wildcard.
+fn subject(nats: &NatsSource, headers: &[(String, Vec<u8>)]) -> Result<String, TransportError> {
+    let named = super::header_text(headers, "Nats-Subject");
+    let filter = nats
+        .filter_subject
+        .clone()
+        .filter(|subject| !subject.contains(['*', '>']));
+    named.or(filter).ok_or_else(|| {
+        TransportError::protocol(
+            "no subject to publish on: give one with --attr Nats-Subject=SUBJECT (or set \
+             spec.source.nats.filterSubject to a subject without wildcards)",
+        )
+    })
 }
 
 /// The connection settings from the environment (`NATS_URL`, the credentials), the client named

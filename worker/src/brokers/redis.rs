@@ -3,10 +3,13 @@
 use switchboard_api::{QueueAdapter, RedisMode, RedisSource};
 
 use super::{Context, Letters, Loop, Plugin};
+use crate::transport::TransportError;
+use crate::transport::identity::{body_hash, body_id};
 use crate::transport::redis::list::{ListSettings, RedisList};
 use crate::transport::redis::pubsub::{PubSubSettings, RedisPubSub};
 use crate::transport::redis::reader::{ListReader, PubSubReader, StreamReader};
 use crate::transport::redis::stream::{RedisStream, StreamSettings};
+use crate::transport::redis::{CONTROL_TIMEOUT, Connection, NamedKey, open, text};
 use crate::{WorkerError, env};
 
 impl Plugin for RedisSource {
@@ -99,4 +102,71 @@ impl Plugin for RedisSource {
             }
         }
     }
+
+    /// A stream entry (`XADD`: the body in `bodyField`, each header a field beside it; returns
+    /// its entry id); a list record (`LPUSH`, as producers push: the body alone, whose hash is
+    /// its id and its key); a pub/sub message (`PUBLISH` of the body alone to the channel, or
+    /// to the `channel` header's under a pattern). A channel keeps nothing: a message no
+    /// subscriber received is an error, as `dlq redrive` of pub/sub letters has it.
+    async fn send(
+        &self,
+        _adapter: &QueueAdapter,
+        body: &[u8],
+        headers: &[(String, Vec<u8>)],
+    ) -> Result<String, WorkerError> {
+        let mut conn = Connection::new(open(&env("REDIS_URL")?)?, CONTROL_TIMEOUT);
+        let body_id = || body_id(&body_hash(body));
+        match self.mode {
+            RedisMode::Stream => {
+                let stream = self.stream.clone().unwrap_or_default();
+                let mut add = redis::cmd("XADD");
+                add.arg(&stream).arg("*").arg(&self.body_field).arg(body);
+                for (name, value) in headers.iter().filter(|(name, _)| *name != self.body_field) {
+                    add.arg(name).arg(value);
+                }
+                let named = NamedKey::new(&stream, "spec.source.redis.stream", "stream");
+                let reply = conn.naming(vec![named]).query("XADD", &add).await?;
+                Ok(text(&reply).unwrap_or_default())
+            }
+            RedisMode::List => {
+                let list = self.list.clone().unwrap_or_default();
+                let mut push = redis::cmd("LPUSH");
+                push.arg(&list).arg(body);
+                let named = NamedKey::new(&list, "spec.source.redis.list", "list");
+                conn.naming(vec![named]).query("LPUSH", &push).await?;
+                Ok(body_id())
+            }
+            RedisMode::Pubsub => {
+                let channel = publish_channel(self, headers)?;
+                let mut publish = redis::cmd("PUBLISH");
+                publish.arg(&channel).arg(body);
+                match conn.query("PUBLISH", &publish).await? {
+                    redis::Value::Int(receivers) if receivers > 0 => Ok(body_id()),
+                    _ => Err(TransportError::protocol(format!(
+                        "no subscriber on channel {channel} received the message (a channel \
+                         keeps nothing): start the worker and send it again once it is subscribed"
+                    ))
+                    .into()),
+                }
+            }
+        }
+    }
+}
+
+/// The channel a pub/sub message goes to: the adapter's, or under a pattern the `channel`
+/// header's (every pub/sub letter carries the channel it came from).
+fn publish_channel(
+    redis: &RedisSource,
+    headers: &[(String, Vec<u8>)],
+) -> Result<String, TransportError> {
+    let channel = redis.channel.clone().unwrap_or_default();
+    if !redis.pattern {
+        return Ok(channel);
+    }
+    super::header_text(headers, "channel").ok_or_else(|| {
+        TransportError::protocol(format!(
+            "spec.source.redis.channel {channel} is a pattern: say which channel to \
+                     publish on with a `channel` attribute (--attr channel=NAME)"
+        ))
+    })
 }

@@ -1,12 +1,23 @@
 //! Dead letters kept in PostgreSQL's `dead_letters` table (the broker's dead-letter destination
-//! refused them for good), listed, shown and purged with the broker's own, for every broker.
+//! refused them for good), listed, shown, redriven and purged with the broker's own, for every
+//! broker.
+//!
+//! A kept letter is redriven store-then-ack like the broker's: its body and headers are sent to
+//! the source by the broker's plugin ([`Plugin::resend`](crate::brokers::Plugin::resend)) with
+//! the idempotency key of its original in
+//! [`IDEMPOTENCY_KEY_HEADER`](crate::transport::IDEMPOTENCY_KEY_HEADER), and its row is deleted
+//! only once the broker confirmed the copy. A redrive killed in between leaves the row: run
+//! again, it sends a second copy with the same key, which the worker stores as the same todo.
 
+use switchboard_api::QueueAdapter;
 use switchboard_store::{KeptLetterRow, Store, StoreError};
 
+use crate::WorkerError;
+use crate::brokers::{self, Plugin, Use};
 use crate::transport::TransportError;
 use crate::transport::reader::{Cursor, DeadLetterReader, Page, StoredLetter, headers_from_json};
 
-/// What a kept letter's handle starts with (broker handles never do).
+/// What a kept letter's handle starts with (broker handles never do): `postgresql:{id}:{key}`.
 const KEPT: &str = "postgresql:";
 /// What a kept letter's id starts with.
 const KEPT_ID: &str = "db-";
@@ -21,19 +32,84 @@ pub struct WithKept<R> {
     pub kept: Option<KeptLetters>,
 }
 
-/// The `dead_letters` rows of one source (`{kind}:{adapter}`).
+/// The `dead_letters` rows of one source (`{kind}:{adapter}`), and its adapter, whose source
+/// they are redriven to.
 pub struct KeptLetters {
     store: Store,
     source: String,
+    adapter: QueueAdapter,
 }
 
 impl KeptLetters {
-    pub async fn connect(url: &str, source: String) -> Result<Self, TransportError> {
+    pub async fn connect(
+        url: &str,
+        source: String,
+        adapter: &QueueAdapter,
+    ) -> Result<Self, TransportError> {
         let store = Store::connect(url, 1, "switchboard-dlq")
             .await
             .map_err(database)?;
-        Ok(Self { store, source })
+        Ok(Self {
+            store,
+            source,
+            adapter: adapter.clone(),
+        })
     }
+
+    /// Sends `letter` to the source, waits for the broker's confirmation, then deletes its row.
+    async fn redrive(&self, letter: &StoredLetter) -> Result<(), TransportError> {
+        let (id, key) = kept_parts(letter)?;
+        let resend = Resend {
+            adapter: &self.adapter,
+            letter,
+            key,
+        };
+        brokers::with_plugin(&self.adapter.spec.source, resend)
+            .await
+            .unwrap_or(Err(WorkerError::NoSource))
+            .map_err(sending)?;
+        self.store
+            .delete_kept_dead_letters(&self.source, &[id])
+            .await
+            .map_err(database)?;
+        Ok(())
+    }
+}
+
+/// A kept letter to put back on the source by its broker's plugin.
+struct Resend<'a> {
+    adapter: &'a QueueAdapter,
+    letter: &'a StoredLetter,
+    key: &'a str,
+}
+
+impl Use for Resend<'_> {
+    type Output = Result<(), WorkerError>;
+
+    async fn with<P: Plugin>(self, plugin: &P) -> Self::Output {
+        plugin.resend(self.adapter, self.letter, self.key).await
+    }
+}
+
+/// A failed send as the redrive reports it.
+fn sending(err: WorkerError) -> TransportError {
+    match err {
+        WorkerError::Transport(err) => err,
+        WorkerError::MissingEnv(name) => {
+            TransportError::fatal(name, "is not set: the letter cannot be sent back", None)
+        }
+        other => TransportError::fatal("spec.source", other.to_string(), None),
+    }
+}
+
+/// The row id and the idempotency key in a kept letter's handle.
+fn kept_parts(letter: &StoredLetter) -> Result<(i64, &str), TransportError> {
+    letter
+        .handle
+        .strip_prefix(KEPT)
+        .and_then(|rest| rest.split_once(':'))
+        .and_then(|(id, key)| Some((id.parse().ok()?, key)))
+        .ok_or_else(|| TransportError::protocol(format!("{} is not a kept letter", letter.id)))
 }
 
 fn database(err: StoreError) -> TransportError {
@@ -55,7 +131,7 @@ fn letter(row: KeptLetterRow) -> StoredLetter {
             row.refused_because
         ),
         original_id: Some(row.external_id),
-        handle: format!("{KEPT}{}", row.id),
+        handle: format!("{KEPT}{}:{}", row.id, row.idempotency_key),
     }
 }
 
@@ -163,12 +239,12 @@ impl<R: DeadLetterReader> DeadLetterReader for WithKept<R> {
     }
 
     async fn redrive(&mut self, letter: &StoredLetter) -> Result<(), TransportError> {
-        match &mut self.broker {
-            Some(broker) if !is_kept(letter) => broker.redrive(letter).await,
-            _ => Err(TransportError::protocol(format!(
-                "{} is kept in PostgreSQL's dead_letters table: `dlq redrive` does not put those \
-                 back; `dlq show {} -o raw` prints its body",
-                letter.id, letter.id
+        match (&mut self.broker, &self.kept) {
+            (_, Some(kept)) if is_kept(letter) => kept.redrive(letter).await,
+            (Some(broker), _) => broker.redrive(letter).await,
+            (None, _) => Err(TransportError::protocol(format!(
+                "{} is not a letter this command read",
+                letter.id
             ))),
         }
     }
@@ -186,7 +262,7 @@ impl<R: DeadLetterReader> DeadLetterReader for WithKept<R> {
         {
             let ids: Vec<i64> = kept
                 .iter()
-                .filter_map(|letter| letter.handle.strip_prefix(KEPT)?.parse().ok())
+                .filter_map(|letter| kept_parts(letter).ok().map(|(id, _)| id))
                 .collect();
             store
                 .store
@@ -230,5 +306,40 @@ impl DeadLetterReader for NoBrokerReader {
     }
     async fn remove(&mut self, _letters: &[StoredLetter]) -> Result<(), TransportError> {
         match *self {}
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn row(id: i64, key: &str) -> KeptLetterRow {
+        KeptLetterRow {
+            id,
+            idempotency_key: key.to_owned(),
+            external_id: "1-0".to_owned(),
+            body: b"{".to_vec(),
+            headers: "{}".to_owned(),
+            reason: "invalid_json".to_owned(),
+            error: "not JSON".to_owned(),
+            delivery_count: 1,
+            attempts: "{}".to_owned(),
+            refused_because: "WRONGTYPE".to_owned(),
+            dead_lettered_at_ms: 0,
+        }
+    }
+
+    #[test]
+    fn a_kept_letter_carries_its_row_and_its_original_key_whole() {
+        let kept = letter(row(42, "nats:shop/orders:ORDERS:1:7"));
+        assert!(is_kept(&kept));
+        assert_eq!(kept.id, "db-42");
+        let (id, key) = kept_parts(&kept).expect("a kept letter");
+        assert_eq!((id, key), (42, "nats:shop/orders:ORDERS:1:7"));
+        let broker = StoredLetter {
+            handle: "1764-0".to_owned(),
+            ..kept
+        };
+        assert!(!is_kept(&broker) && kept_parts(&broker).is_err());
     }
 }

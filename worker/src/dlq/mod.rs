@@ -198,7 +198,7 @@ pub async fn run(command: DlqCommand) -> Result<(), WorkerError> {
     let name = format!("{}:{}", broker.kind(), adapter.adapter_name());
     let kept = match std::env::var("DATABASE_URL") {
         Ok(url) => Some(
-            KeptLetters::connect(&url, name)
+            KeptLetters::connect(&url, name, &adapter)
                 .await
                 .map_err(DlqError::from)?,
         ),

@@ -50,7 +50,7 @@ mod arguments;
 mod classify;
 mod connection;
 mod consume;
-mod dead_letter;
+pub(crate) mod dead_letter;
 mod declare;
 mod delivery;
 mod delivery_limit;

@@ -241,7 +241,7 @@ impl AmqpReader {
 
     /// Publishes `body` with `properties` to the source queue (mandatory) and waits for the
     /// confirm.
-    async fn publish_copy(
+    pub(crate) async fn publish_copy(
         &mut self,
         body: &[u8],
         properties: BasicProperties,

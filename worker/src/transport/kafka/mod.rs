@@ -58,7 +58,7 @@
 //! - **Queue health**: see [`probe`].
 //! - **`dlq`**: see [`reader`].
 
-mod client;
+pub(crate) mod client;
 mod commit;
 mod dead_letter;
 mod incarnation;

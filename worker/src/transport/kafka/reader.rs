@@ -46,7 +46,7 @@ use crate::transport::{Attempts, IDEMPOTENCY_KEY_HEADER, TransportError};
 /// next record.
 pub(super) const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long a produced copy or marker may wait for the brokers' acknowledgement.
-pub(super) const PRODUCE_TIMEOUT: Duration = Duration::from_secs(30);
+pub(crate) const PRODUCE_TIMEOUT: Duration = Duration::from_secs(30);
 const CLIENT_ID: &str = "switchboard-worker-dlq";
 
 /// The dead-letter topic of a Kafka adapter.

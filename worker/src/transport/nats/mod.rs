@@ -85,7 +85,7 @@ use crate::transport::{Acked, DeadLetter, Message, Transport, TransportError};
 /// A wait for the next message of a fetch: the fetch's expiry and a request's time.
 pub const NEXT_DEADLINE: Duration = Duration::from_secs(6);
 /// How long a publish (a dead letter, a batch of acknowledgements) may wait to be sent.
-const SEND_TIMEOUT: Duration = Duration::from_secs(5);
+pub(crate) const SEND_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// How long a blocking fetch waits for its first message.
 pub const FETCH_EXPIRY: Duration = Duration::from_secs(1);

@@ -282,7 +282,7 @@ pub(super) const PACKED_ATTRIBUTE: &str = "x-switchboard-redriven";
 /// attribute then travels with the key in [`PACKED_ATTRIBUTE`], which the transport unpacks
 /// when it receives the copy ([`unpack_redriven`]), so the copy is stored with every original
 /// attribute and its original key.
-fn copy_attributes(headers: &[(String, Vec<u8>)], key: &str) -> Vec<(String, Vec<u8>)> {
+pub(crate) fn copy_attributes(headers: &[(String, Vec<u8>)], key: &str) -> Vec<(String, Vec<u8>)> {
     let mut attributes: Vec<(String, Vec<u8>)> = headers
         .iter()
         .filter(|(name, _)| !is_system_attribute(name) && name != IDEMPOTENCY_KEY_HEADER)
