@@ -2,7 +2,8 @@
 //! broker call runs under.
 
 use lapin::options::QueueDeclareOptions;
-use lapin::types::FieldTable;
+use lapin::types::{FieldTable, FrameSize};
+use lapin::uri::AMQPUri;
 use lapin::{Channel, Connection, ConnectionProperties};
 
 use super::CALL_TIMEOUT;
@@ -90,26 +91,50 @@ pub async fn queue_exists(
     }
 }
 
+/// The smallest frame AMQP allows (RabbitMQ's `frame_max` floor), for a connection that only
+/// declares queues: lapin buffers 32 frames each way, zeroed, which is 8 MiB per connection at
+/// RabbitMQ's default `frame_max` of 128 KiB and 256 KiB at this one.
+const SMALL_FRAME: FrameSize = 4096;
+
 /// Opens a connection to `url` named `name`.
 pub async fn connect(names: &Names, url: &str, name: &str) -> Result<Connection, TransportError> {
+    open(names, url, name, None).await
+}
+
+/// [`connect`] with frames of at most [`SMALL_FRAME`] bytes, for the probe's passive declares.
+pub async fn connect_small(
+    names: &Names,
+    url: &str,
+    name: &str,
+) -> Result<Connection, TransportError> {
+    open(names, url, name, Some(SMALL_FRAME)).await
+}
+
+async fn open(
+    names: &Names,
+    url: &str,
+    name: &str,
+    frame_max: Option<FrameSize>,
+) -> Result<Connection, TransportError> {
+    let mut uri: AMQPUri = url.parse().map_err(|_| invalid_url())?;
+    if let Some(most) = frame_max {
+        uri.query.frame_max = Some(uri.query.frame_max.map_or(most, |set| set.min(most)));
+    }
     let properties = ConnectionProperties::default().with_connection_name(name.into());
     call(
         names,
         "connect",
         Addressed::Connection,
-        Connection::connect(url, properties),
+        Connection::connect_uri(uri, properties),
     )
     .await
 }
 
+fn invalid_url() -> TransportError {
+    TransportError::fatal(URL_SETTING, "is not a valid amqp:// or amqps:// URL", None)
+}
+
 /// Checks the URL's form without echoing it (it may hold a password).
 pub fn check_url(url: &str) -> Result<(), TransportError> {
-    match url.parse::<lapin::uri::AMQPUri>() {
-        Ok(_) => Ok(()),
-        Err(_) => Err(TransportError::fatal(
-            URL_SETTING,
-            "is not a valid amqp:// or amqps:// URL",
-            None,
-        )),
-    }
+    url.parse::<AMQPUri>().map(drop).map_err(|_| invalid_url())
 }

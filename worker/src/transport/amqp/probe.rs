@@ -12,7 +12,7 @@ use prometheus_client::metrics::gauge::Gauge;
 
 use super::Amqp;
 use super::classify::Names;
-use super::connection::{connect, declare_passive};
+use super::connection::{connect_small, declare_passive};
 use crate::health::now_ms;
 use crate::transport::{QueueHealth, QueueProbe, TransportError};
 
@@ -86,7 +86,7 @@ impl AmqpProbe {
             .as_ref()
             .is_none_or(|c| !c.status().connected())
         {
-            self.connection = Some(connect(&self.names, &self.url, &self.name).await?);
+            self.connection = Some(connect_small(&self.names, &self.url, &self.name).await?);
         }
         self.declare_passive(&self.names.queue).await
     }
