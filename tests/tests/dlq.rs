@@ -1041,6 +1041,8 @@ mod gateway_case;
 mod kafka_case;
 #[path = "dlq/sqs.rs"]
 mod sqs_case;
+#[path = "dlq/window.rs"]
+mod window_case;
 // Pub/sub has no redelivery (no `max_deliveries` letters): its own tests, the suite's purge.
 #[path = "dlq/pubsub.rs"]
 mod pubsub_case;

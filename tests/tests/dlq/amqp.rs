@@ -21,7 +21,7 @@ use super::{
 /// A quorum queue `name` on a RabbitMQ node of its own; the worker declares `<name>.dlq`.
 pub(crate) struct AmqpCase {
     fx: Fixture,
-    server: RabbitMq,
+    pub(crate) server: RabbitMq,
     name: String,
 }
 

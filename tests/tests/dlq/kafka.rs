@@ -22,7 +22,7 @@ const PARTITIONS: i32 = 2;
 /// A topic `{name}` and its dead-letter topic `{name}.dlq` on a Kafka node of its own.
 pub(crate) struct KafkaCase {
     fx: Fixture,
-    server: KafkaServer,
+    pub(crate) server: KafkaServer,
     name: String,
 }
 
