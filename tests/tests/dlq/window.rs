@@ -165,17 +165,24 @@ async fn killed_where_held<C: Window>(
             .stderr(Stdio::piped())
             .spawn()?,
     );
-    let held = wait_for(LONG, "the redrive held at the removal", || async {
-        let ended = redrive.borrow_mut().try_wait()?;
-        ensure!(ended.is_none(), "the redrive ended before the proxy held");
-        Ok(proxy.held())
-    })
+    let waited = wait_for(
+        LONG,
+        "the redrive held at the removal, or ended",
+        || async { Ok(proxy.held() || redrive.borrow_mut().try_wait()?.is_some()) },
+    )
     .await;
     let mut redrive = redrive.into_inner();
     let killed = redrive.kill();
     let output = redrive.wait_with_output()?;
     killed?;
-    held.with_context(|| String::from_utf8_lossy(&output.stderr).into_owned())
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    waited.with_context(|| stderr.clone().into_owned())?;
+    ensure!(
+        proxy.held(),
+        "the redrive ended ({:?}) before the proxy held: {stderr}",
+        output.status
+    );
+    Ok(())
 }
 
 /// Runs the redrive again (the proxy gone): it redrives `left` letters, fails none; then one
