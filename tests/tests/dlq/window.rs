@@ -20,6 +20,7 @@
 //! - Gateway: `POST /` of the copy to the source queue, answered 200, then `DELETE /` of the
 //!   letter's receipt in the dead-letter queue: held.
 
+use std::path::Path;
 use std::process::Stdio;
 
 use anyhow::{Context, Result, ensure};
@@ -135,16 +136,15 @@ impl Window for GatewayCase {
     }
 }
 
-/// Starts `redrive --all` of `case`'s fixed manifest, reaching the broker through `proxy`
-/// (its manifest and environment rewritten, nothing else), waits until the proxy holds, and
-/// SIGKILLs it there.
-async fn killed_where_held<C: Window>(
-    case: &C,
-    upstream: &str,
-    proxy: &CuttingProxy,
-) -> Result<()> {
+/// Starts `redrive --all` of the `fixed` manifest, reaching the broker through a holding
+/// proxy (its manifest and environment rewritten, nothing else), waits until the proxy holds,
+/// and SIGKILLs it there; then the proxy goes.
+async fn killed_where_held<C: Window>(case: &C, fixed: &Path) -> Result<()> {
+    let upstream = case.upstream()?;
+    let proxy = CuttingProxy::holding(&upstream, C::removal()).await?;
+    let upstream = upstream.as_str();
     let through = proxy.address();
-    let fixed = std::fs::read_to_string(case.manifest(true)?)?;
+    let fixed = std::fs::read_to_string(fixed)?;
     let manifest = case.fx().manifest(
         &format!("{}-proxied.yaml", case.queue()),
         &fixed.replace(upstream, &through),
@@ -187,16 +187,15 @@ async fn killed_where_held<C: Window>(
 
 /// Runs the redrive again (the proxy gone): it redrives `left` letters, fails none; then one
 /// todo per letter, with distinct keys, and no letter left.
-async fn run_again_leaves_one_todo_each<C: Case>(case: &C, left: u64) -> Result<()> {
+async fn run_again_leaves_one_todo_each<C: Case>(case: &C, fixed: &Path, left: u64) -> Result<()> {
     case.settle().await?;
     ensure!(
         case.dead_letters().await? == left,
         "{left} letters left after the kill"
     );
-    let file = case.manifest(true)?;
     let summary = String::from_utf8(dlq_ok(
         case,
-        &["redrive", "--file", path_text(&file)?, "--all"],
+        &["redrive", "--file", path_text(fixed)?, "--all"],
     )?)?;
     ensure!(
         summary.starts_with(&format!("redrive: {left} redriven "))
@@ -219,11 +218,10 @@ async fn run_again_leaves_one_todo_each<C: Case>(case: &C, left: u64) -> Result<
 async fn killed_between_copy_and_removal<C: Window>(name: &str) -> Result<()> {
     let case = C::start(name).await?;
     dead_letter_fifteen(&case, name).await?;
-    let fixed = case.fx().worker(&case.manifest(true)?, "fixed")?;
-    let upstream = case.upstream()?;
-    let proxy = CuttingProxy::holding(&upstream, C::removal()).await?;
-    killed_where_held(&case, &upstream, &proxy).await?;
-    drop(proxy);
+    // Written once: a worker reading the file while it is written again finds it empty.
+    let manifest = case.manifest(true)?;
+    let fixed = case.fx().worker(&manifest, "fixed")?;
+    killed_where_held(&case, &manifest).await?;
     wait_for(
         LONG,
         "the copy confirmed before the kill is stored",
@@ -231,7 +229,7 @@ async fn killed_between_copy_and_removal<C: Window>(name: &str) -> Result<()> {
     )
     .await
     .with_context(|| fixed.log_tail())?;
-    run_again_leaves_one_todo_each(&case, LETTERS).await
+    run_again_leaves_one_todo_each(&case, &manifest, LETTERS).await
 }
 
 /// Where copy and removal are one transaction: a redrive killed with the second letter's
@@ -243,23 +241,21 @@ async fn killed_around_one_transaction<C: Window>(
 ) -> Result<()> {
     let case = C::start(name).await?;
     dead_letter_fifteen(&case, name).await?;
-    let upstream = case.upstream()?;
-    let proxy = CuttingProxy::holding(&upstream, C::removal()).await?;
-    killed_where_held(&case, &upstream, &proxy).await?;
-    drop(proxy);
+    let manifest = case.manifest(true)?;
+    killed_where_held(&case, &manifest).await?;
     ensure!(
         copies(&case)? == 1 && case.dead_letters().await? == LETTERS - 1,
         "the first letter moved whole, the second not at all: {} copies, {} letters",
         copies(&case)?,
         case.dead_letters().await?
     );
-    let fixed = case.fx().worker(&case.manifest(true)?, "fixed")?;
+    let fixed = case.fx().worker(&manifest, "fixed")?;
     wait_for(LONG, "the first letter's copy is stored", || async {
         Ok(case.fx().todo_count(case.queue()).await? == 1)
     })
     .await
     .with_context(|| fixed.log_tail())?;
-    run_again_leaves_one_todo_each(&case, LETTERS - 1).await
+    run_again_leaves_one_todo_each(&case, &manifest, LETTERS - 1).await
 }
 
 #[tokio::test]
