@@ -3,6 +3,11 @@
 //! (a receive, an acknowledgement, a dead-letter publish) and must reconnect without losing or
 //! duplicating anything.
 //!
+//! A holding proxy ([`CuttingProxy::holding`]) also watches what clients send: from the given
+//! occurrence of a request on (a [`Hold`]), nothing a client sends reaches the server any more,
+//! on any connection, while the server's answers still reach the clients. A test kills its
+//! client there, knowing exactly which requests the server saw.
+//!
 //! A server that tells its clients where to connect next (Kafka's advertised listeners) must
 //! know the proxy's port before it starts: its fixture declares a [`route`] for its address,
 //! and the proxy started for that address listens on the route's port and forwards where the
@@ -10,11 +15,11 @@
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
 use anyhow::{Context, Result};
-use tokio::io::AsyncWriteExt as _;
+use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
@@ -44,6 +49,34 @@ pub fn route(address: &str, port: u16, forward_to: &str) {
         );
 }
 
+/// A request a client sends, as the proxy recognises it in the bytes of a connection.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Request {
+    /// These bytes, wherever they are (a RESP command, a NATS subject, an AMQP method's class
+    /// and method ids, an HTTP request line).
+    Bytes(Vec<u8>),
+    /// A Kafka request with this API key (`DeleteRecords` is 21): requests are read as Kafka
+    /// frames them, each a size and then the header, whose first field is the key.
+    Kafka(i16),
+}
+
+/// Where a holding proxy starts holding: at the `occurrence`th `request` (counted from 1
+/// over every connection), which the server never receives, nor anything sent after it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Hold {
+    pub request: Request,
+    pub occurrence: usize,
+}
+
+/// A [`Hold`] and how far the connections got.
+#[derive(Debug)]
+struct Holding {
+    hold: Hold,
+    /// The requests seen so far.
+    seen: AtomicUsize,
+    held: AtomicBool,
+}
+
 /// Forwards every connection to `upstream`; [`CuttingProxy::cut`] resets them all.
 #[derive(Debug)]
 pub struct CuttingProxy {
@@ -52,6 +85,7 @@ pub struct CuttingProxy {
     connections: Arc<AtomicU64>,
     /// Connections that were open when a cut reset them.
     severed: Arc<AtomicU64>,
+    holding: Option<Arc<Holding>>,
     accept: JoinHandle<()>,
 }
 
@@ -59,6 +93,20 @@ impl CuttingProxy {
     /// Listens on a random loopback port and forwards to `upstream` (`host:port`), or as the
     /// [`route`] declared for `upstream` says.
     pub async fn start(upstream: &str) -> Result<Self> {
+        Self::listen(upstream, None).await
+    }
+
+    /// [`CuttingProxy::start`], holding what clients send from `hold` on.
+    pub async fn holding(upstream: &str, hold: Hold) -> Result<Self> {
+        let holding = Holding {
+            hold,
+            seen: AtomicUsize::new(0),
+            held: AtomicBool::new(false),
+        };
+        Self::listen(upstream, Some(Arc::new(holding))).await
+    }
+
+    async fn listen(upstream: &str, holding: Option<Arc<Holding>>) -> Result<Self> {
         let route = ROUTES
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
@@ -79,11 +127,17 @@ impl CuttingProxy {
             let generation = generation.clone();
             let connections = connections.clone();
             let severed = severed.clone();
+            let holding = holding.clone();
             async move {
                 while let Ok((client, _)) = listener.accept().await {
                     connections.fetch_add(1, Ordering::Relaxed);
                     let cut = generation.subscribe();
-                    tokio::spawn(forward(client, upstream.clone(), cut, severed.clone()));
+                    let ends = Ends {
+                        upstream: upstream.clone(),
+                        severed: severed.clone(),
+                        holding: holding.clone(),
+                    };
+                    tokio::spawn(forward(client, ends, cut));
                 }
             }
         });
@@ -92,8 +146,16 @@ impl CuttingProxy {
             generation,
             connections,
             severed,
+            holding,
             accept,
         })
+    }
+
+    /// Whether a holding proxy holds now (its [`Hold`]'s request was sent).
+    pub fn held(&self) -> bool {
+        self.holding
+            .as_ref()
+            .is_some_and(|holding| holding.held.load(Ordering::SeqCst))
     }
 
     /// `127.0.0.1:PORT`, where clients connect.
@@ -131,29 +193,166 @@ impl Drop for CuttingProxy {
     }
 }
 
-/// Copies both ways until either side closes or the proxy cuts; a cut resets the client's
-/// socket (SO_LINGER 0) so it sees a connection reset, not a clean close.
-async fn forward(
-    mut client: TcpStream,
+/// Where a connection goes, and what the proxy counts and holds.
+struct Ends {
     upstream: String,
-    mut cut: watch::Receiver<u64>,
     severed: Arc<AtomicU64>,
-) {
-    let Ok(mut server) = TcpStream::connect(&upstream)
+    holding: Option<Arc<Holding>>,
+}
+
+/// Copies both ways until either side closes or the proxy cuts; a cut resets the client's
+/// socket (SO_LINGER 0) so it sees a connection reset, not a clean close. A holding proxy
+/// stops forwarding what the client sends once it holds.
+async fn forward(mut client: TcpStream, ends: Ends, mut cut: watch::Receiver<u64>) {
+    let Ok(mut server) = TcpStream::connect(&ends.upstream)
         .await
-        .with_context(|| format!("connecting to {upstream}"))
+        .with_context(|| format!("connecting to {}", ends.upstream))
     else {
         return;
     };
     tokio::select! {
-        _ = tokio::io::copy_bidirectional(&mut client, &mut server) => {
+        _ = relay(&mut client, &mut server, ends.holding.as_deref()) => {
             let _ = client.shutdown().await;
         }
         _ = cut.changed() => {
-            severed.fetch_add(1, Ordering::Relaxed);
+            ends.severed.fetch_add(1, Ordering::Relaxed);
             for socket in [&client, &server] {
                 let _ = socket2::SockRef::from(socket).set_linger(Some(std::time::Duration::ZERO));
             }
         }
+    }
+}
+
+/// Until either side closes: both ways, or the server's way and the client's watched.
+async fn relay(client: &mut TcpStream, server: &mut TcpStream, holding: Option<&Holding>) {
+    let Some(holding) = holding else {
+        let _ = tokio::io::copy_bidirectional(client, server).await;
+        return;
+    };
+    let (mut from_client, mut to_client) = client.split();
+    let (mut from_server, mut to_server) = server.split();
+    tokio::select! {
+        _ = tokio::io::copy(&mut from_server, &mut to_client) => {}
+        _ = watch_requests(&mut from_client, &mut to_server, holding) => {}
+    }
+}
+
+/// Forwards what the client sends until the hold's request, then reads and drops the rest
+/// until the client closes.
+async fn watch_requests(
+    from_client: &mut (impl tokio::io::AsyncRead + Unpin),
+    to_server: &mut (impl tokio::io::AsyncWrite + Unpin),
+    holding: &Holding,
+) {
+    let mut sent = Scanner::default();
+    let mut chunk = vec![0; 64 * 1024];
+    while let Ok(read) = from_client.read(&mut chunk).await {
+        if read == 0 {
+            return;
+        }
+        if holding.held.load(Ordering::SeqCst) {
+            continue;
+        }
+        let forwarded = sent.bytes.len();
+        sent.bytes.extend_from_slice(&chunk[..read]);
+        let mut until = sent.bytes.len();
+        while let Some(at) = sent.next(&holding.hold.request) {
+            if holding.seen.fetch_add(1, Ordering::SeqCst) + 1 >= holding.hold.occurrence {
+                until = at.max(forwarded);
+                break;
+            }
+        }
+        if until < sent.bytes.len() {
+            holding.held.store(true, Ordering::SeqCst);
+        }
+        if to_server
+            .write_all(&sent.bytes[forwarded..until])
+            .await
+            .is_err()
+        {
+            return;
+        }
+    }
+}
+
+/// What a client sent on one connection, and how far it was searched.
+#[derive(Default)]
+struct Scanner {
+    bytes: Vec<u8>,
+    /// Where the search goes on: past the last match, or the next Kafka request.
+    from: usize,
+}
+
+impl Scanner {
+    /// Where the next `request` starts, if it was sent.
+    fn next(&mut self, request: &Request) -> Option<usize> {
+        match request {
+            Request::Bytes(pattern) => {
+                let found = self.bytes[self.from..]
+                    .windows(pattern.len())
+                    .position(|window| window == pattern.as_slice())
+                    .map(|at| self.from + at);
+                self.from = match found {
+                    Some(at) => at + pattern.len(),
+                    None => self
+                        .bytes
+                        .len()
+                        .saturating_sub(pattern.len() - 1)
+                        .max(self.from),
+                };
+                found
+            }
+            Request::Kafka(key) => {
+                while let Some(header) = self.bytes.get(self.from..self.from + 6) {
+                    let at = self.from;
+                    let size = u32::from_be_bytes([header[0], header[1], header[2], header[3]]);
+                    self.from = at + 4 + size as usize;
+                    if i16::from_be_bytes([header[4], header[5]]) == *key {
+                        return Some(at);
+                    }
+                }
+                None
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bytes_split_between_two_reads_are_found_once_where_they_start() {
+        let exec = Request::Bytes(b"$4\r\nEXEC\r\n".to_vec());
+        let mut sent = Scanner::default();
+        sent.bytes.extend_from_slice(b"*1\r\n$4\r\nEX");
+        assert_eq!(sent.next(&exec), None);
+        sent.bytes.extend_from_slice(b"EC\r\n*1\r\n$5\r\nMULTI\r\n");
+        assert_eq!(sent.next(&exec), Some(4));
+        assert_eq!(sent.next(&exec), None);
+    }
+
+    /// A Kafka request: its size, then API key, version, correlation id and `rest`.
+    fn kafka_request(key: i16, rest: &[u8]) -> Vec<u8> {
+        let mut request = (8 + rest.len() as u32).to_be_bytes().to_vec();
+        request.extend_from_slice(&key.to_be_bytes());
+        request.extend_from_slice(&[0, 1, 0, 0, 0, 21]);
+        request.extend_from_slice(rest);
+        request
+    }
+
+    #[test]
+    fn a_kafka_request_is_found_by_its_key_not_by_its_bytes_elsewhere() {
+        let delete_records = Request::Kafka(21);
+        let mut sent = Scanner::default();
+        // A produce whose correlation id and records hold the key's bytes.
+        let produce = kafka_request(0, &[0, 21, 0, 21]);
+        sent.bytes.extend_from_slice(&produce);
+        let deletion = kafka_request(21, b"dlq");
+        sent.bytes.extend_from_slice(&deletion[..5]);
+        assert_eq!(sent.next(&delete_records), None);
+        sent.bytes.extend_from_slice(&deletion[5..]);
+        assert_eq!(sent.next(&delete_records), Some(produce.len()));
+        assert_eq!(sent.next(&delete_records), None);
     }
 }

@@ -1045,6 +1045,8 @@ mod kafka_case;
 mod kept_case;
 #[path = "dlq/sqs.rs"]
 mod sqs_case;
+#[path = "dlq/window.rs"]
+mod window_case;
 // Pub/sub has no redelivery (no `max_deliveries` letters): its own tests, the suite's purge.
 #[path = "dlq/pubsub.rs"]
 mod pubsub_case;

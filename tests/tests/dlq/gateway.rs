@@ -23,7 +23,7 @@ use super::{
 /// An SQS queue and its dead-letter queue `{name}-dlq` behind the test gateway.
 pub(crate) struct GatewayCase {
     fx: Fixture,
-    broker: GatewayBroker,
+    pub(crate) broker: GatewayBroker,
     name: String,
 }
 
