@@ -76,7 +76,11 @@ impl Fixture {
     /// Writes a manifest file and returns its path.
     pub fn manifest(&self, file: &str, yaml: &str) -> Result<PathBuf> {
         let path = self.dir.path().join(file);
-        std::fs::write(&path, yaml)?;
+        // Written aside and renamed into place: a worker starting while a test rewrites its
+        // manifest reads the old one or the new one, never an empty file.
+        let aside = self.dir.path().join(format!(".{file}.writing"));
+        std::fs::write(&aside, yaml)?;
+        std::fs::rename(&aside, &path)?;
         Ok(path)
     }
 
