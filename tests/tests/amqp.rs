@@ -687,15 +687,25 @@ async fn quorum_delivery_limit_below_max_deliveries_is_refused() -> Result<()> {
     Ok(())
 }
 
-/// A classic queue kept full to its `x-max-length` with `x-overflow: reject-publish` (a producer
-/// tops it up in bursts) after a worker crash: the redelivered messages cannot be published
-/// again with their count. Storing does not wait on that publish: every message is stored, in
-/// one session.
+/// A classic queue full to its `x-max-length` with `x-overflow: reject-publish` after a worker
+/// crash: the redelivered messages cannot be published again with their count. Storing does not
+/// wait on that publish: every message is stored, in one session.
+///
+/// The queue is kept full without a race: RabbitMQ counts only ready messages against the
+/// length, so once the crash requeued what the crashed worker held, a policy lowers the length
+/// to what stays ready after the next worker took its prefetch (the redelivered messages, at
+/// the head). Its recount publishes then meet a full queue whatever the timing. (A producer
+/// refilling the queue in bursts raced them: CI saw every recount accepted.)
 #[tokio::test]
 async fn full_classic_queue_after_a_crash_still_stores() -> Result<()> {
-    use std::sync::Arc;
-    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+    use lapin::options::BasicPublishOptions;
     const TOTAL: usize = 170;
+    const BATCH: usize = 10;
+    let prefetch = BATCH * (switchboard_worker::transport::HELD + 1);
+    ensure!(
+        prefetch < TOTAL,
+        "the next worker must leave messages ready"
+    );
     let mut fx = Fixture::start().await?;
     let server = start(&mut fx).await?;
     let name = "full";
@@ -706,68 +716,56 @@ async fn full_classic_queue_after_a_crash_still_stores() -> Result<()> {
     server
         .declare(name, queue_arguments(QueueType::Classic, &limits))
         .await?;
+    let message = |id: &str| (format!(r#"{{"id":"{id}"}}"#).into_bytes(), with_id(id));
     server
-        .publish(
-            name,
-            (0..TOTAL).map(|i| {
-                (
-                    format!(r#"{{"n":{i}}}"#).into_bytes(),
-                    with_id(&format!("n-{i}")),
-                )
-            }),
-        )
+        .publish(name, (0..TOTAL).map(|i| message(&format!("n-{i}"))))
         .await?;
-    let manifest = json_manifest(&fx, name, "batchSize: 50")?;
+    let manifest = json_manifest(&fx, name, &format!("batchSize: {BATCH}"))?;
     fx.crash_after_first_commit(&manifest, "crashing").await?;
-    // The producer keeps the queue full: whatever the worker takes out is refilled at once
-    // (RabbitMQ counts only ready messages against x-max-length).
-    let (stop, filled) = (
-        Arc::new(AtomicBool::new(false)),
-        Arc::new(AtomicU64::new(0)),
-    );
+    let ready = TOTAL - prefetch;
+    server
+        .ctl(&[
+            "set_policy",
+            "--apply-to",
+            "queues",
+            "full-cap",
+            "^full$",
+            &format!(r#"{{"max-length":{ready}}}"#),
+        ])
+        .await?;
+    // The queue applies a policy on its own time: probes are published until one is refused
+    // (each one accepted before is one more message to store).
     let (connection, channel) = server.channel().await?;
-    let producer = tokio::spawn({
-        let (stop, filled) = (stop.clone(), filled.clone());
-        async move {
-            let mut next = 0u64;
-            while !stop.load(Ordering::Relaxed) {
-                let mut confirms = Vec::new();
-                for _ in 0..TOTAL {
-                    next += 1;
-                    confirms.push(
-                        channel
-                            .basic_publish(
-                                "".into(),
-                                name.into(),
-                                lapin::options::BasicPublishOptions::default(),
-                                format!(r#"{{"filler":{next}}}"#).as_bytes(),
-                                with_id(&format!("filler-{next}")).with_delivery_mode(2),
-                            )
-                            .await?,
-                    );
-                }
-                for confirm in confirms {
-                    if confirm.await?.is_ack() {
-                        filled.fetch_add(1, Ordering::Relaxed);
-                    }
-                }
-            }
-            anyhow::Ok(())
+    let accepted = std::cell::Cell::new(0);
+    wait_for(LONG, "the queue refuses a publish", || async {
+        let id = format!("probe-{}", accepted.get());
+        let (body, properties) = message(&id);
+        let confirm = channel
+            .basic_publish(
+                "".into(),
+                name.into(),
+                BasicPublishOptions::default(),
+                &body,
+                properties.with_delivery_mode(2),
+            )
+            .await?
+            .await?;
+        if confirm.is_ack() {
+            accepted.set(accepted.get() + 1);
         }
-    });
+        Ok(!confirm.is_ack())
+    })
+    .await?;
+    let _ = connection.close(200, "capped".into()).await;
     let worker = fx.worker(&manifest, "survivor")?;
-    let refused = wait_for(
+    wait_for(
         LONG,
         "redeliveries stored without their recount",
         || async { Ok(counter(&worker, "amqp_redeliveries_not_recounted", name)? > 0.0) },
     )
     .await
-    .with_context(|| worker.log_tail());
-    stop.store(true, Ordering::Relaxed);
-    producer.await??;
-    let _ = connection.close(200, "done".into()).await;
-    refused?;
-    let expected = TOTAL as i64 + i64::try_from(filled.load(Ordering::Relaxed))?;
+    .with_context(|| worker.log_tail())?;
+    let expected = i64::try_from(TOTAL + accepted.get())?;
     wait_for(LONG, "every message stored and acknowledged", || async {
         Ok(fx.todo_count(name).await? == expected && server.messages(name).await? == 0)
     })
