@@ -313,6 +313,21 @@ impl KafkaServer {
         .await
     }
 
+    /// Produces one record per body, all with `key`: one partition, so one fetch returns them
+    /// together (spread over several, a worker whose store blocks may receive one partition's
+    /// records and, receiving ahead only what is already buffered, never the others).
+    pub async fn produce_keyed(&self, topic: &str, key: &[u8], bodies: Vec<Vec<u8>>) -> Result<()> {
+        let records = bodies
+            .into_iter()
+            .map(|value| Record {
+                key: Some(key.to_vec()),
+                value: Some(value),
+                headers: Vec::new(),
+            })
+            .collect();
+        self.produce_records(topic, records).await
+    }
+
     /// Produces `records` as they are (key, value, headers), waiting for every acknowledgement.
     pub async fn produce_records(&self, topic: &str, records: Vec<Record>) -> Result<()> {
         let producer: FutureProducer = self
@@ -679,23 +694,14 @@ impl BrokerFixture for KafkaBroker {
         self.server.produce(name, bodies).await
     }
 
-    /// One key for all: one partition, fetched at once. (Spread over three partitions, the
-    /// worker may receive one partition's record first and, its store blocked, no other.)
+    /// One key for all: one partition, fetched at once ([`KafkaServer::produce_keyed`]).
     async fn produce_together(
         &self,
         _fx: &Fixture,
         name: &str,
         bodies: Vec<Vec<u8>>,
     ) -> Result<()> {
-        let records = bodies
-            .into_iter()
-            .map(|value| Record {
-                key: Some(b"together".to_vec()),
-                value: Some(value),
-                headers: Vec::new(),
-            })
-            .collect();
-        self.server.produce_records(name, records).await
+        self.server.produce_keyed(name, b"together", bodies).await
     }
 
     async fn unacknowledged(&self, _fx: &Fixture, name: &str) -> Result<u64> {

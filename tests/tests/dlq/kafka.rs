@@ -68,13 +68,16 @@ impl Case for KafkaCase {
     /// receives the records and dies storing them (behind a lock on the todos table), so the
     /// next worker receives each for the fourth time.
     async fn send_overdue(&self, bodies: &[Vec<u8>]) -> Result<()> {
-        self.send(bodies).await?;
+        // One partition: each dying worker must hold every record, and its store blocks.
+        self.server
+            .produce_keyed(&self.name, b"overdue", bodies.to_vec())
+            .await?;
         let strict = self.manifest(false)?;
         let lock = TodosLock::take(&self.fx.env.database_url).await?;
         for delivery in 0..MAX_DELIVERIES {
             let consumer = format!("dying-{delivery}");
             let worker = self.fx.worker(&strict, &consumer)?;
-            // Every record in hand (its partitions may come in two fetches), then blocked.
+            // Every record in hand, then blocked.
             let received = format!(
                 r#"switchboard_messages_received_total{{adapter="test/{}"}}"#,
                 self.name
