@@ -1,13 +1,12 @@
 //! NATS JetStream, read by a durable pull consumer.
 
-use async_nats::HeaderMap;
 use async_nats::jetstream;
 use switchboard_api::{NatsSource, QueueAdapter};
 
 use super::{Context, Letters, Loop, Plugin};
 use crate::transport::TransportError;
-use crate::transport::nats::reader::NatsReader;
-use crate::transport::nats::{Auth, Connector, Nats, NatsSettings, SEND_TIMEOUT};
+use crate::transport::nats::reader::{NatsReader, header_map, publish_confirmed};
+use crate::transport::nats::{Auth, Connector, Nats, NatsSettings};
 use crate::transport::retention::Retention;
 use crate::{WorkerError, env};
 
@@ -54,31 +53,11 @@ impl Plugin for NatsSource {
         headers: &[(String, Vec<u8>)],
     ) -> Result<String, WorkerError> {
         let subject = subject(self, headers)?;
-        let mut map = HeaderMap::new();
-        for (name, value) in headers
-            .iter()
-            .filter(|(name, _)| !name.starts_with("Nats-"))
-        {
-            map.append(name.as_str(), String::from_utf8_lossy(value).into_owned());
-        }
+        let map = header_map(headers, |name| !name.starts_with("Nats-"));
         let client = connector("switchboard-worker-send".to_owned())?
             .connect(None)
             .await?;
-        let js = jetstream::new(client);
-        let publish = async {
-            let ack = js
-                .publish_with_headers(subject, map, body.to_vec().into())
-                .await
-                .map_err(|err| TransportError::transient("cannot publish the message", err))?;
-            ack.await.map_err(|err| {
-                TransportError::transient("the source stream did not confirm the message", err)
-            })
-        };
-        let ack = tokio::time::timeout(SEND_TIMEOUT * 2, publish)
-            .await
-            .map_err(|elapsed| {
-                TransportError::transient("no PubAck for the message in time", elapsed)
-            })??;
+        let ack = publish_confirmed(&jetstream::new(client), subject, map, body).await?;
         Ok(ack.sequence.to_string())
     }
 }

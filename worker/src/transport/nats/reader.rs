@@ -252,33 +252,9 @@ impl DeadLetterReader for NatsReader {
         }
         let original = letter.original_id.as_deref().unwrap_or(&letter.id);
         let key = redrive_key(&letter.headers, &self.source, original);
-        let mut headers = HeaderMap::new();
-        for (name, value) in &letter.headers {
-            if name != IDEMPOTENCY_KEY_HEADER {
-                headers.append(name.as_str(), String::from_utf8_lossy(value).into_owned());
-            }
-        }
+        let mut headers = header_map(&letter.headers, |name| name != IDEMPOTENCY_KEY_HEADER);
         headers.insert(IDEMPOTENCY_KEY_HEADER, key.as_str());
-        let publish = async {
-            let ack = self
-                .js
-                .publish_with_headers(subject.to_owned(), headers, letter.body.clone().into())
-                .await
-                .map_err(|err| {
-                    TransportError::transient("cannot publish the redriven letter", err)
-                })?;
-            ack.await.map_err(|err| {
-                TransportError::transient(
-                    "the source stream did not confirm the redriven letter",
-                    err,
-                )
-            })
-        };
-        tokio::time::timeout(SEND_TIMEOUT * 2, publish)
-            .await
-            .map_err(|elapsed| {
-                TransportError::transient("no PubAck for the redriven letter in time", elapsed)
-            })??;
+        publish_confirmed(&self.js, subject.to_owned(), headers, &letter.body).await?;
         self.delete(sequence).await
     }
 
@@ -305,4 +281,35 @@ impl NatsReader {
             )),
         }
     }
+}
+
+/// `headers` as NATS headers (values as text), those `keep` accepts.
+pub(crate) fn header_map(headers: &[(String, Vec<u8>)], keep: impl Fn(&str) -> bool) -> HeaderMap {
+    let mut map = HeaderMap::new();
+    for (name, value) in headers.iter().filter(|(name, _)| keep(name)) {
+        map.append(name.as_str(), String::from_utf8_lossy(value).into_owned());
+    }
+    map
+}
+
+/// Publishes `body` with `headers` to `subject` and waits for the stream's PubAck, within twice
+/// [`SEND_TIMEOUT`] (the redrive's copy, `switchboard-worker send`).
+pub(crate) async fn publish_confirmed(
+    js: &jetstream::Context,
+    subject: String,
+    headers: HeaderMap,
+    body: &[u8],
+) -> Result<jetstream::publish::PublishAck, TransportError> {
+    let publish = async {
+        let ack = js
+            .publish_with_headers(subject, headers, body.to_vec().into())
+            .await
+            .map_err(|err| TransportError::transient("cannot publish the copy", err))?;
+        ack.await.map_err(|err| {
+            TransportError::transient("the source stream did not confirm the copy", err)
+        })
+    };
+    tokio::time::timeout(SEND_TIMEOUT * 2, publish)
+        .await
+        .map_err(|elapsed| TransportError::transient("no PubAck for the copy in time", elapsed))?
 }
