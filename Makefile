@@ -3,7 +3,7 @@ SHELL := /bin/bash
 export CARGO_TARGET_DIR ?= $(HOME)/.cache/switchboard/target
 CARGO ?= cargo
 
-.PHONY: rust-side servers-side demo demo-k8s demo-cluster control-plane cluster-bins image test deps build lint bench helm prometheus sqs-server nats-server kafka-server hydra otelcol kind-up kind-demo kind-down
+.PHONY: rust-side servers-side demo demo-k8s demo-cluster control-plane cluster-bins image test deps build lint bench helm prometheus sqs-server nats-server kafka-server hydra otelcol keda-operator kind-up kind-demo kind-down
 
 ## make demo: the whole pipeline locally (ephemeral PostgreSQL + Redis, 20,000 messages, a kill -9 mid-way),
 ## then the Kubernetes path (make demo-k8s)
@@ -39,7 +39,7 @@ rust-side:
 	$(CARGO) test --workspace --no-run
 
 servers-side:
-	$(MAKE) --no-print-directory -j1 helm prometheus control-plane cluster-bins sqs-server nats-server kafka-server hydra otelcol
+	$(MAKE) --no-print-directory -j1 helm prometheus control-plane cluster-bins sqs-server nats-server kafka-server hydra otelcol keda-operator
 
 deps:
 	scripts/install-deps.sh
@@ -96,6 +96,11 @@ kafka-server:
 ## docs/brokers.md
 hydra:
 	scripts/hydra.sh >/dev/null
+
+## make keda-operator: KEDA's operator (scale to zero and back) for the autoscaling test, built once
+## from the Go module proxy (the KEDA module the CRDs come from) into ~/.cache/switchboard/keda-<version>
+keda-operator:
+	scripts/keda-operator.sh >/dev/null
 
 ## make otelcol: a minimal OpenTelemetry Collector (OTLP receiver, file exporter writing OTLP JSON)
 ## for the trace tests, built once from the Go module proxy into ~/.cache/switchboard/otelcol-<version>

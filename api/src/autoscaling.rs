@@ -27,6 +27,18 @@ pub struct Autoscaling {
     /// Messages waiting above which a worker scaled to zero is started.
     #[serde(default)]
     pub activation_backlog: u32,
+    /// Seconds between KEDA's reads of the backlog (the ScaledObject's `pollingInterval`; unset,
+    /// KEDA's default of 30). A worker scaled to zero starts at most this long after messages
+    /// arrive.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 3600))]
+    pub polling_interval_seconds: Option<u32>,
+    /// Seconds KEDA waits, once nothing is waiting or held, before it scales the worker to zero
+    /// (the ScaledObject's `cooldownPeriod`; unset, KEDA's default of 300). Only with
+    /// `minReplicas: 0`; scaling down between one and more pods follows the HPA's own window.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(max = 86400))]
+    pub cooldown_seconds: Option<u32>,
     /// A KEDA TriggerAuthentication in the adapter's namespace giving KEDA its own connection to
     /// the broker. Required for Redis (KEDA takes the address and password as separate
     /// parameters, not the URL the worker uses) and RabbitMQ (`host`: the management API's URL,

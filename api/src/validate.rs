@@ -57,6 +57,24 @@ impl QueueAdapterSpec {
                 "must be at least 1".into(),
             );
         }
+        if let Some(seconds) = autoscaling
+            .polling_interval_seconds
+            .filter(|seconds| !(1..=3600).contains(seconds))
+        {
+            fail(
+                "spec.workload.autoscaling.pollingIntervalSeconds",
+                format!("must be 1 to 3600, got {seconds}"),
+            );
+        }
+        if let Some(seconds) = autoscaling
+            .cooldown_seconds
+            .filter(|seconds| *seconds > 86400)
+        {
+            fail(
+                "spec.workload.autoscaling.cooldownSeconds",
+                format!("must be at most 86400, got {seconds}"),
+            );
+        }
     }
 
     fn validate_autoscaling(

@@ -83,6 +83,12 @@ pub fn autoscaling_objects(
         "maxReplicaCount": autoscaling.max_replicas,
         "triggers": triggers,
     });
+    if let Some(seconds) = autoscaling.polling_interval_seconds {
+        scaled_object["spec"]["pollingInterval"] = json!(seconds);
+    }
+    if let Some(seconds) = autoscaling.cooldown_seconds {
+        scaled_object["spec"]["cooldownPeriod"] = json!(seconds);
+    }
     let trigger_authentication = trigger_authentication.map(|spec| {
         let mut object = object("TriggerAuthentication");
         object["spec"] = spec;
@@ -146,6 +152,39 @@ mod tests {
                     ],
                 },
             })
+        );
+    }
+
+    /// KEDA's own defaults (30 s, 300 s) stand unless the adapter sets its polling interval and
+    /// cooldown.
+    #[test]
+    fn polling_interval_and_cooldown_are_written_only_when_set() {
+        let metadata = ObjectMeta {
+            name: Some("orders-worker".to_owned()),
+            ..ObjectMeta::default()
+        };
+        let spec = |autoscaling: &str| {
+            let adapter = adapter(autoscaling);
+            let broker = adapter.spec.source.broker().expect("one broker");
+            autoscaling_objects(&adapter, broker, &metadata)
+                .expect("autoscaled")
+                .scaled_object["spec"]
+                .clone()
+        };
+        let set = spec(
+            "{minReplicas: 0, maxReplicas: 2, pollingIntervalSeconds: 2, cooldownSeconds: 0, triggerAuthenticationRef: k}",
+        );
+        assert_eq!(
+            (
+                set["pollingInterval"].clone(),
+                set["cooldownPeriod"].clone()
+            ),
+            (json!(2), json!(0))
+        );
+        let unset = spec("{maxReplicas: 2, triggerAuthenticationRef: k}");
+        assert_eq!(
+            (unset.get("pollingInterval"), unset.get("cooldownPeriod")),
+            (None, None)
         );
     }
 }

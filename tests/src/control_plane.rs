@@ -5,6 +5,7 @@
 //! [`OperatorEnv`] creates, the Role from `leader-election-rules.yaml`). Also the operator binary
 //! as a child process, and a kubelet stand-in that runs a rendered pod template locally.
 
+pub mod keda;
 pub mod pod;
 
 use std::net::SocketAddr;
@@ -375,8 +376,9 @@ impl ControlPlane {
         self.install_crd_file(&workspace_path(CRD_FILE)).await
     }
 
-    /// Creates KEDA's ScaledObject and TriggerAuthentication CRDs (its own files, from
-    /// `scripts/keda-crds.sh`) and waits until they are Established.
+    /// Creates KEDA's CRDs (its own files, from `scripts/keda-crds.sh`: ScaledObject,
+    /// TriggerAuthentication and the ones KEDA's operator watches besides) and waits until they
+    /// are Established.
     pub async fn install_keda_crds(&self) -> Result<()> {
         let script = workspace_path("scripts/keda-crds.sh");
         let output = Command::new(&script).output()?;
@@ -387,11 +389,20 @@ impl ControlPlane {
             String::from_utf8_lossy(&output.stderr)
         );
         let dir = PathBuf::from(String::from_utf8(output.stdout)?.trim());
-        for file in [
-            "keda.sh_scaledobjects.yaml",
-            "keda.sh_triggerauthentications.yaml",
-        ] {
-            self.install_crd_file(&dir.join(file)).await?;
+        let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)?
+            .map(|entry| Ok(entry?.path()))
+            .collect::<Result<_>>()?;
+        files.retain(|path| path.extension().is_some_and(|e| e == "yaml"));
+        files.sort();
+        ensure!(
+            files
+                .iter()
+                .any(|f| f.ends_with("keda.sh_scaledobjects.yaml")),
+            "no ScaledObject CRD in {}",
+            dir.display()
+        );
+        for file in files {
+            self.install_crd_file(&file).await?;
         }
         Ok(())
     }

@@ -232,6 +232,20 @@ fn invalid_manifests() -> Vec<(String, &'static str)> {
             "spec.workload.replicas",
         ),
         (
+            edit(
+                "replicas: 2",
+                "autoscaling: {maxReplicas: 2, triggerAuthenticationRef: k, pollingIntervalSeconds: 0}",
+            ),
+            "spec.workload.autoscaling.pollingIntervalSeconds",
+        ),
+        (
+            edit(
+                "replicas: 2",
+                "autoscaling: {maxReplicas: 2, triggerAuthenticationRef: k, cooldownSeconds: 86401}",
+            ),
+            "spec.workload.autoscaling.cooldownSeconds",
+        ),
+        (
             edit("target: {queue: orders}", "target: {queue: ''}"),
             "spec.target.queue",
         ),

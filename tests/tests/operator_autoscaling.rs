@@ -1,7 +1,10 @@
 //! `spec.workload.autoscaling` on a real kube-apiserver with KEDA's own CRDs installed: the
 //! ScaledObject (and the SQS TriggerAuthentication) the operator writes pass KEDA's schema with
 //! every field kept, the Deployment's `replicas` is left to it, and turning autoscaling off
-//! removes them and gives `replicas` back.
+//! removes them and gives `replicas` back. With KEDA's own operator running: scale to zero and
+//! back on a Redis stream's backlog.
+
+use std::time::{Duration, SystemTime};
 
 use anyhow::{Context, Result, ensure};
 use k8s_openapi::api::apps::v1::Deployment;
@@ -9,9 +12,12 @@ use kube::Api;
 use kube::api::{ApiResource, DynamicObject, GroupVersionKind, Patch, PatchParams};
 use serde_json::json;
 use switchboard_operator::operator_owns_replicas;
+use switchboard_tests::control_plane::keda::KedaOperator;
+use switchboard_tests::control_plane::pod::LocalPod;
 use switchboard_tests::control_plane::{
     OPERATOR_TIMEOUT, OperatorEnv, adapter_manifest, condition, wait_object,
 };
+use switchboard_tests::todos_lock::TodosLock;
 use switchboard_tests::wait::wait_for;
 
 const QUEUE_URL: &str = "https://sqs.eu-west-1.amazonaws.com/123456789012/orders";
@@ -400,5 +406,139 @@ async fn enabling_autoscaling_never_lowers_the_replicas_below_the_running_count_
         "enabling autoscaling with KEDA changed 3 running replicas to {:?}",
         replicas(&deployment)
     );
+    Ok(())
+}
+
+/// The last time KEDA saw a trigger of ScaledObject `name` active (`status.lastActiveTime`).
+async fn last_active(
+    scaled_objects: &Api<DynamicObject>,
+    name: &str,
+) -> Result<Option<SystemTime>> {
+    let object = scaled_objects.get(name).await?;
+    object.data["status"]["lastActiveTime"]
+        .as_str()
+        .map(|text| Ok(humantime::parse_rfc3339(text)?))
+        .transpose()
+}
+
+/// Scale to zero with KEDA's own operator on a Redis stream adapter: an idle worker is scaled
+/// to zero, a backlog wakes it, a batch it holds (its store blocked) keeps it awake past the
+/// cooldown, and once the batch is stored and acknowledged it is scaled to zero again; every
+/// message is one todo.
+#[tokio::test]
+async fn keda_scales_an_idle_redis_stream_worker_to_zero_wakes_it_on_backlog_and_keeps_it_while_it_holds_a_batch()
+-> Result<()> {
+    const COOLDOWN: u64 = 3;
+    let env = OperatorEnv::start().await?;
+    env.plane.install_keda_crds().await?;
+    let keda_operator = KedaOperator::start(&env.plane, env.fixture.dir.path()).await?;
+    redis::cmd("XGROUP")
+        .arg(&["CREATE", "orders", "switchboard", "0", "MKSTREAM"][..])
+        .query::<()>(&mut env.fixture.redis.connection()?)?;
+    env.plane
+        .put_secret(
+            &env.namespace,
+            "redis-keda",
+            "address",
+            &env.fixture.redis.address(),
+        )
+        .await?;
+    keda(&env, "TriggerAuthentication")
+        .patch(
+            "redis-keda",
+            &PatchParams::apply("test").force(),
+            &Patch::Apply(json!({
+                "apiVersion": "keda.sh/v1alpha1", "kind": "TriggerAuthentication",
+                "metadata": {"name": "redis-keda"},
+                "spec": {"secretTargetRef": [
+                    {"parameter": "address", "name": "redis-keda", "key": "address"},
+                ]},
+            })),
+        )
+        .await?;
+    let operator = env.start_operator("operator-a", &[])?;
+    env.apply_adapter(&autoscaled_adapter(
+        "orders",
+        "{redis: {mode: stream, stream: orders, urlSecretRef: {name: redis, key: url}}}",
+        &format!(
+            "{{minReplicas: 0, maxReplicas: 3, targetBacklogPerReplica: 10, \
+             pollingIntervalSeconds: 1, cooldownSeconds: {COOLDOWN}, triggerAuthenticationRef: redis-keda}}"
+        ),
+    ))
+    .await?;
+    let logs = || format!("{}\n{}", keda_operator.log_tail(), operator.log_tail());
+
+    // Nothing waits: KEDA scales the worker to zero.
+    env.wait_deployment("orders-worker", "KEDA scales the idle worker to 0", |d| {
+        replicas(d) == Some(0)
+    })
+    .await
+    .with_context(logs)?;
+
+    // A backlog wakes it; the kubelet stand-in runs its pod, whose store is held by a lock.
+    let lock = TodosLock::take(&env.fixture.postgres.url()).await?;
+    let bodies: Vec<Vec<u8>> = (0..5)
+        .map(|i| format!(r#"{{"order":{i}}}"#).into_bytes())
+        .collect();
+    env.fixture.produce("orders", bodies.clone())?;
+    let deployment = env
+        .wait_deployment(
+            "orders-worker",
+            "KEDA wakes the worker on the backlog",
+            |d| replicas(d) == Some(1),
+        )
+        .await
+        .with_context(logs)?;
+    let mut pod = LocalPod::start(
+        &env.admin,
+        &deployment,
+        "orders-worker-1",
+        env.fixture.dir.path(),
+    )
+    .await?;
+    wait_for(
+        OPERATOR_TIMEOUT,
+        "the worker holds all 5 entries",
+        || async {
+            Ok(env.fixture.pending("orders", "switchboard")? == 5
+                && env.fixture.group_lag("orders")? == 0)
+        },
+    )
+    .await
+    .with_context(|| pod.log_tail())?;
+
+    // Held, not waiting: KEDA keeps seeing the trigger active past the cooldown.
+    let held_since = SystemTime::now();
+    let scaled_objects = keda(&env, "ScaledObject");
+    wait_for(
+        OPERATOR_TIMEOUT,
+        "KEDA saw the held batch a cooldown later",
+        || async {
+            Ok(last_active(&scaled_objects, "orders-worker")
+                .await?
+                .is_some_and(|at| at > held_since + Duration::from_secs(COOLDOWN + 1)))
+        },
+    )
+    .await
+    .with_context(logs)?;
+    let deployment = env.deployments().get("orders-worker").await?;
+    ensure!(
+        replicas(&deployment) == Some(1),
+        "KEDA scaled the worker away while it held a batch: {:?}",
+        replicas(&deployment)
+    );
+
+    // Stored and acknowledged: nothing waits or is held, so KEDA scales to zero again.
+    lock.release().await?;
+    env.wait_deployment(
+        "orders-worker",
+        "KEDA scales the drained worker to 0",
+        |d| replicas(d) == Some(0),
+    )
+    .await
+    .with_context(logs)?;
+    ensure!(env.fixture.pending("orders", "switchboard")? == 0);
+    pod.kill();
+    env.fixture.assert_stored_exactly("orders", &bodies).await?;
     Ok(())
 }
