@@ -53,6 +53,11 @@ pub struct Autoscaling {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(min = 1, max = 253))]
     pub nats_monitoring_endpoint: Option<String>,
+    /// The NATS account the stream is in, as nats-server's monitoring endpoint names it (KEDA's
+    /// `account`). Default `$G`, the account of a server without accounts configured.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 253))]
+    pub nats_account: Option<String>,
 }
 
 fn default_min_replicas() -> i32 {

@@ -12,6 +12,7 @@ use kube::Api;
 use kube::api::{ApiResource, DynamicObject, GroupVersionKind, Patch, PatchParams};
 use serde_json::json;
 use switchboard_operator::operator_owns_replicas;
+use switchboard_tests::brokers::nats::NatsServer;
 use switchboard_tests::control_plane::keda::KedaOperator;
 use switchboard_tests::control_plane::pod::LocalPod;
 use switchboard_tests::control_plane::{
@@ -262,6 +263,7 @@ async fn nats_rabbitmq_and_kafka_adapters_get_their_brokers_trigger_counting_hel
                 "type": "nats-jetstream",
                 "metadata": {
                     "natsServerMonitoringEndpoint": "nats.shop:8222",
+                    "account": "$G",
                     "stream": "EVENTS",
                     "consumer": "workers",
                     "lagThreshold": "200",
@@ -421,66 +423,71 @@ async fn last_active(
         .transpose()
 }
 
-/// Scale to zero with KEDA's own operator on a Redis stream adapter: an idle worker is scaled
-/// to zero, a backlog wakes it, a batch it holds (its store blocked) keeps it awake past the
-/// cooldown, and once the batch is stored and acknowledged it is scaled to zero again; every
-/// message is one todo.
-#[tokio::test]
-async fn keda_scales_an_idle_redis_stream_worker_to_zero_wakes_it_on_backlog_and_keeps_it_while_it_holds_a_batch()
--> Result<()> {
+/// A broker of the scale-to-zero tests: its adapter's `spec.source`, what its autoscaling adds
+/// (a TriggerAuthentication, a monitoring endpoint), how to produce and how many messages wait
+/// (received by no worker).
+trait ZeroCase {
+    fn source(&self) -> String;
+    fn autoscaling(&self) -> String;
+    async fn produce(&self, bodies: Vec<Vec<u8>>) -> Result<()>;
+    async fn waiting(&self) -> Result<u64>;
+}
+
+/// Connections of PostgreSQL waiting for a lock (a worker storing behind [`TodosLock`]).
+async fn lock_waiters(env: &OperatorEnv) -> Result<i64> {
+    Ok(
+        sqlx::query_scalar("SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'")
+            .fetch_one(env.fixture.pool())
+            .await?,
+    )
+}
+
+/// KEDA's own operator and ours on `env`, an adapter `orders` of `case` with `minReplicas: 0`,
+/// a 1 s polling interval and a 3 s cooldown, and a kubelet stand-in started and killed by the
+/// test as the replicas say: the idle worker (which made its group or consumer) is scaled to
+/// zero; five messages wake it; while its pod holds them (its store behind a lock) KEDA keeps
+/// seeing the trigger active past the cooldown and leaves it at one; once they are stored and
+/// acknowledged it is scaled to zero again; every message is one todo.
+async fn scales_to_zero_and_back(env: &OperatorEnv, case: &impl ZeroCase) -> Result<()> {
     const COOLDOWN: u64 = 3;
-    let env = OperatorEnv::start().await?;
-    env.plane.install_keda_crds().await?;
     let keda_operator = KedaOperator::start(&env.plane, env.fixture.dir.path()).await?;
-    redis::cmd("XGROUP")
-        .arg(&["CREATE", "orders", "switchboard", "0", "MKSTREAM"][..])
-        .query::<()>(&mut env.fixture.redis.connection()?)?;
-    env.plane
-        .put_secret(
-            &env.namespace,
-            "redis-keda",
-            "address",
-            &env.fixture.redis.address(),
-        )
-        .await?;
-    keda(&env, "TriggerAuthentication")
-        .patch(
-            "redis-keda",
-            &PatchParams::apply("test").force(),
-            &Patch::Apply(json!({
-                "apiVersion": "keda.sh/v1alpha1", "kind": "TriggerAuthentication",
-                "metadata": {"name": "redis-keda"},
-                "spec": {"secretTargetRef": [
-                    {"parameter": "address", "name": "redis-keda", "key": "address"},
-                ]},
-            })),
-        )
-        .await?;
     let operator = env.start_operator("operator-a", &[])?;
     env.apply_adapter(&autoscaled_adapter(
         "orders",
-        "{redis: {mode: stream, stream: orders, urlSecretRef: {name: redis, key: url}}}",
+        &case.source(),
         &format!(
             "{{minReplicas: 0, maxReplicas: 3, targetBacklogPerReplica: 10, \
-             pollingIntervalSeconds: 1, cooldownSeconds: {COOLDOWN}, triggerAuthenticationRef: redis-keda}}"
+             pollingIntervalSeconds: 1, cooldownSeconds: {COOLDOWN}, {}}}",
+            case.autoscaling()
         ),
     ))
     .await?;
     let logs = || format!("{}\n{}", keda_operator.log_tail(), operator.log_tail());
+    let dir = env.fixture.dir.path();
 
-    // Nothing waits: KEDA scales the worker to zero.
+    // The first pod makes the group or consumer; nothing waits, so KEDA scales it to zero.
+    let deployment = env
+        .wait_deployment("orders-worker", "the worker Deployment exists", |_| true)
+        .await?;
+    let mut pod = LocalPod::start(&env.admin, &deployment, "orders-worker-1", dir).await?;
+    wait_for(OPERATOR_TIMEOUT, "the first pod is ready", || async {
+        Ok(pod.probe(pod.container.readiness_probe.as_ref()).await? == 200)
+    })
+    .await
+    .with_context(|| pod.log_tail())?;
     env.wait_deployment("orders-worker", "KEDA scales the idle worker to 0", |d| {
         replicas(d) == Some(0)
     })
     .await
     .with_context(logs)?;
+    pod.kill();
 
-    // A backlog wakes it; the kubelet stand-in runs its pod, whose store is held by a lock.
+    // A backlog wakes it; its pod receives the messages and holds them, its store locked out.
     let lock = TodosLock::take(&env.fixture.postgres.url()).await?;
     let bodies: Vec<Vec<u8>> = (0..5)
         .map(|i| format!(r#"{{"order":{i}}}"#).into_bytes())
         .collect();
-    env.fixture.produce("orders", bodies.clone())?;
+    case.produce(bodies.clone()).await?;
     let deployment = env
         .wait_deployment(
             "orders-worker",
@@ -489,27 +496,18 @@ async fn keda_scales_an_idle_redis_stream_worker_to_zero_wakes_it_on_backlog_and
         )
         .await
         .with_context(logs)?;
-    let mut pod = LocalPod::start(
-        &env.admin,
-        &deployment,
-        "orders-worker-1",
-        env.fixture.dir.path(),
-    )
-    .await?;
+    let mut pod = LocalPod::start(&env.admin, &deployment, "orders-worker-2", dir).await?;
     wait_for(
         OPERATOR_TIMEOUT,
-        "the worker holds all 5 entries",
-        || async {
-            Ok(env.fixture.pending("orders", "switchboard")? == 5
-                && env.fixture.group_lag("orders")? == 0)
-        },
+        "the worker holds every message, its store waiting",
+        || async { Ok(case.waiting().await? == 0 && lock_waiters(env).await? > 0) },
     )
     .await
     .with_context(|| pod.log_tail())?;
 
     // Held, not waiting: KEDA keeps seeing the trigger active past the cooldown.
     let held_since = SystemTime::now();
-    let scaled_objects = keda(&env, "ScaledObject");
+    let scaled_objects = keda(env, "ScaledObject");
     wait_for(
         OPERATOR_TIMEOUT,
         "KEDA saw the held batch a cooldown later",
@@ -536,9 +534,107 @@ async fn keda_scales_an_idle_redis_stream_worker_to_zero_wakes_it_on_backlog_and
         |d| replicas(d) == Some(0),
     )
     .await
-    .with_context(logs)?;
-    ensure!(env.fixture.pending("orders", "switchboard")? == 0);
+    .with_context(|| format!("{}\n{}", pod.log_tail(), logs()))?;
     pod.kill();
-    env.fixture.assert_stored_exactly("orders", &bodies).await?;
-    Ok(())
+    env.fixture.assert_stored_exactly("orders", &bodies).await
+}
+
+/// Stream `orders` of the fixture's Redis; KEDA connects through TriggerAuthentication
+/// `redis-keda` (the address from a Secret).
+struct RedisZero<'a>(&'a OperatorEnv);
+
+impl RedisZero<'_> {
+    async fn start(env: &OperatorEnv) -> Result<RedisZero<'_>> {
+        let address = env.fixture.redis.address();
+        env.plane
+            .put_secret(&env.namespace, "redis-keda", "address", &address)
+            .await?;
+        keda(env, "TriggerAuthentication")
+            .patch(
+                "redis-keda",
+                &PatchParams::apply("test").force(),
+                &Patch::Apply(json!({
+                    "apiVersion": "keda.sh/v1alpha1", "kind": "TriggerAuthentication",
+                    "metadata": {"name": "redis-keda"},
+                    "spec": {"secretTargetRef": [
+                        {"parameter": "address", "name": "redis-keda", "key": "address"},
+                    ]},
+                })),
+            )
+            .await?;
+        Ok(RedisZero(env))
+    }
+}
+
+impl ZeroCase for RedisZero<'_> {
+    fn source(&self) -> String {
+        "{redis: {mode: stream, stream: orders, urlSecretRef: {name: redis, key: url}}}".into()
+    }
+
+    fn autoscaling(&self) -> String {
+        "triggerAuthenticationRef: redis-keda".into()
+    }
+
+    async fn produce(&self, bodies: Vec<Vec<u8>>) -> Result<()> {
+        self.0.fixture.produce("orders", bodies).map(drop)
+    }
+
+    async fn waiting(&self) -> Result<u64> {
+        Ok(u64::try_from(self.0.fixture.group_lag("orders")?)?)
+    }
+}
+
+/// Stream `ORDERS` (subjects `orders.>`) of a nats-server of its own, consumer `workers`; KEDA
+/// reads the consumer from the server's monitoring endpoint.
+struct NatsZero(NatsServer);
+
+impl ZeroCase for NatsZero {
+    fn source(&self) -> String {
+        "{nats: {stream: ORDERS, consumer: workers, urlSecretRef: {name: nats, key: url}}}".into()
+    }
+
+    fn autoscaling(&self) -> String {
+        format!(
+            "natsMonitoringEndpoint: \"{}\"",
+            self.0
+                .monitoring_address()
+                .expect("nats-server's monitoring port")
+        )
+    }
+
+    async fn produce(&self, bodies: Vec<Vec<u8>>) -> Result<()> {
+        self.0.publish("orders.new", bodies).await
+    }
+
+    async fn waiting(&self) -> Result<u64> {
+        let info = self.0.consumer_info("ORDERS", "workers").await?;
+        Ok(info.context("consumer workers exists")?.num_pending)
+    }
+}
+
+/// Scale to zero with KEDA's own operator on a Redis stream's lag and pending entries.
+#[tokio::test]
+async fn keda_scales_an_idle_redis_stream_worker_to_zero_wakes_it_on_backlog_and_keeps_it_while_it_holds_a_batch()
+-> Result<()> {
+    let env = OperatorEnv::start().await?;
+    env.plane.install_keda_crds().await?;
+    let case = RedisZero::start(&env).await?;
+    scales_to_zero_and_back(&env, &case).await
+}
+
+/// Scale to zero with KEDA's own operator on a NATS consumer's pending and unacknowledged
+/// messages, read from nats-server's monitoring endpoint.
+#[tokio::test]
+async fn keda_scales_an_idle_nats_worker_to_zero_wakes_it_on_backlog_and_keeps_it_while_it_holds_a_batch()
+-> Result<()> {
+    let env = OperatorEnv::start().await?;
+    env.plane.install_keda_crds().await?;
+    let server = NatsServer::start().await?;
+    server
+        .create_stream("ORDERS", &["orders.>".to_owned()])
+        .await?;
+    env.plane
+        .put_secret(&env.namespace, "nats", "url", &server.url())
+        .await?;
+    scales_to_zero_and_back(&env, &NatsZero(server)).await
 }

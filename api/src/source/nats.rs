@@ -140,6 +140,7 @@ impl Broker for NatsSource {
             "type": "nats-jetstream",
             "metadata": {
                 "natsServerMonitoringEndpoint": autoscaling.nats_monitoring_endpoint.clone().unwrap_or_default(),
+                "account": autoscaling.nats_account.as_deref().unwrap_or("$G"),
                 "stream": self.stream,
                 "consumer": self.consumer,
                 "lagThreshold": autoscaling.target_backlog_per_replica.to_string(),

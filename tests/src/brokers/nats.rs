@@ -73,6 +73,19 @@ impl NatsServer {
         self.child.as_ref().map(Child::id)
     }
 
+    /// `127.0.0.1:PORT` of the server's HTTP monitoring endpoint (`/jsz`, which KEDA reads), from
+    /// the ports file of the running process (the port changes across restarts).
+    pub fn monitoring_address(&self) -> Result<String> {
+        let pid = self.pid().context("nats-server is not running")?;
+        let ports =
+            std::fs::read_to_string(self.dir.path().join(format!("nats-server_{pid}.ports")))?;
+        let ports: serde_json::Value = serde_json::from_str(&ports)?;
+        let url = ports["monitoring"][0]
+            .as_str()
+            .with_context(|| format!("no monitoring port in {ports}"))?;
+        Ok(url.trim_start_matches("http://").to_owned())
+    }
+
     pub fn client(&self) -> async_nats::Client {
         self.client.clone()
     }
