@@ -10,9 +10,13 @@ use anyhow::{Context, Result, ensure};
 use k8s_openapi::api::apps::v1::Deployment;
 use kube::Api;
 use kube::api::{ApiResource, DynamicObject, GroupVersionKind, Patch, PatchParams};
+use lapin::BasicProperties;
 use serde_json::json;
 use switchboard_operator::operator_owns_replicas;
+use switchboard_tests::brokers::kafka::KafkaServer;
 use switchboard_tests::brokers::nats::NatsServer;
+use switchboard_tests::brokers::rabbitmq::{QueueType, RabbitMq, queue_arguments};
+use switchboard_tests::brokers::sqs::ElasticMq;
 use switchboard_tests::control_plane::keda::KedaOperator;
 use switchboard_tests::control_plane::pod::LocalPod;
 use switchboard_tests::control_plane::{
@@ -428,7 +432,7 @@ async fn last_active(
 /// (received by no worker).
 trait ZeroCase {
     fn source(&self) -> String;
-    fn autoscaling(&self) -> String;
+    fn autoscaling(&self) -> Option<String>;
     async fn produce(&self, bodies: Vec<Vec<u8>>) -> Result<()>;
     async fn waiting(&self) -> Result<u64>;
 }
@@ -444,34 +448,46 @@ async fn lock_waiters(env: &OperatorEnv) -> Result<i64> {
 
 /// KEDA's own operator and ours on `env`, an adapter `orders` of `case` with `minReplicas: 0`,
 /// a 1 s polling interval and a 3 s cooldown, and a kubelet stand-in started and killed by the
-/// test as the replicas say: the idle worker (which made its group or consumer) is scaled to
-/// zero; five messages wake it; while its pod holds them (its store behind a lock) KEDA keeps
-/// seeing the trigger active past the cooldown and leaves it at one; once they are stored and
-/// acknowledged it is scaled to zero again; every message is one todo.
+/// test as the replicas say: the first pod makes the group or consumer and stores a first
+/// message, then nothing waits and KEDA scales it to zero; five messages wake it; while its pod
+/// holds them (its store behind a lock) KEDA keeps seeing the trigger active past the cooldown
+/// and leaves it at one; once they are stored and acknowledged it is scaled to zero again;
+/// every message is one todo.
 async fn scales_to_zero_and_back(env: &OperatorEnv, case: &impl ZeroCase) -> Result<()> {
     const COOLDOWN: u64 = 3;
     let keda_operator = KedaOperator::start(&env.plane, env.fixture.dir.path()).await?;
     let operator = env.start_operator("operator-a", &[])?;
+    let extra = case
+        .autoscaling()
+        .map(|extra| format!(", {extra}"))
+        .unwrap_or_default();
     env.apply_adapter(&autoscaled_adapter(
         "orders",
         &case.source(),
         &format!(
             "{{minReplicas: 0, maxReplicas: 3, targetBacklogPerReplica: 10, \
-             pollingIntervalSeconds: 1, cooldownSeconds: {COOLDOWN}, {}}}",
-            case.autoscaling()
+             pollingIntervalSeconds: 1, cooldownSeconds: {COOLDOWN}{extra}}}"
         ),
     ))
     .await?;
     let logs = || format!("{}\n{}", keda_operator.log_tail(), operator.log_tail());
     let dir = env.fixture.dir.path();
 
-    // The first pod makes the group or consumer; nothing waits, so KEDA scales it to zero.
+    // The first pod (a new Deployment has one) makes the group or consumer and stores a first
+    // message (a Kafka group that never committed counts a lag of one); then nothing waits.
     let deployment = env
         .wait_deployment("orders-worker", "the worker Deployment exists", |_| true)
         .await?;
     let mut pod = LocalPod::start(&env.admin, &deployment, "orders-worker-1", dir).await?;
     wait_for(OPERATOR_TIMEOUT, "the first pod is ready", || async {
         Ok(pod.probe(pod.container.readiness_probe.as_ref()).await? == 200)
+    })
+    .await
+    .with_context(|| pod.log_tail())?;
+    let mut bodies = vec![br#"{"order":"first"}"#.to_vec()];
+    case.produce(bodies.clone()).await?;
+    wait_for(OPERATOR_TIMEOUT, "the first message is stored", || async {
+        Ok(env.fixture.todo_count("orders").await? == 1)
     })
     .await
     .with_context(|| pod.log_tail())?;
@@ -484,10 +500,11 @@ async fn scales_to_zero_and_back(env: &OperatorEnv, case: &impl ZeroCase) -> Res
 
     // A backlog wakes it; its pod receives the messages and holds them, its store locked out.
     let lock = TodosLock::take(&env.fixture.postgres.url()).await?;
-    let bodies: Vec<Vec<u8>> = (0..5)
+    let backlog: Vec<Vec<u8>> = (0..5)
         .map(|i| format!(r#"{{"order":{i}}}"#).into_bytes())
         .collect();
-    case.produce(bodies.clone()).await?;
+    case.produce(backlog.clone()).await?;
+    bodies.extend(backlog);
     let deployment = env
         .wait_deployment(
             "orders-worker",
@@ -571,8 +588,8 @@ impl ZeroCase for RedisZero<'_> {
         "{redis: {mode: stream, stream: orders, urlSecretRef: {name: redis, key: url}}}".into()
     }
 
-    fn autoscaling(&self) -> String {
-        "triggerAuthenticationRef: redis-keda".into()
+    fn autoscaling(&self) -> Option<String> {
+        Some("triggerAuthenticationRef: redis-keda".into())
     }
 
     async fn produce(&self, bodies: Vec<Vec<u8>>) -> Result<()> {
@@ -593,13 +610,13 @@ impl ZeroCase for NatsZero {
         "{nats: {stream: ORDERS, consumer: workers, urlSecretRef: {name: nats, key: url}}}".into()
     }
 
-    fn autoscaling(&self) -> String {
-        format!(
+    fn autoscaling(&self) -> Option<String> {
+        Some(format!(
             "natsMonitoringEndpoint: \"{}\"",
             self.0
                 .monitoring_address()
                 .expect("nats-server's monitoring port")
-        )
+        ))
     }
 
     async fn produce(&self, bodies: Vec<Vec<u8>>) -> Result<()> {
@@ -609,6 +626,95 @@ impl ZeroCase for NatsZero {
     async fn waiting(&self) -> Result<u64> {
         let info = self.0.consumer_info("ORDERS", "workers").await?;
         Ok(info.context("consumer workers exists")?.num_pending)
+    }
+}
+
+/// Queue `orders` of an ElasticMQ server of its own; KEDA connects with the
+/// TriggerAuthentication the operator writes from the source's credential Secrets.
+struct SqsZero {
+    mq: ElasticMq,
+    queue: String,
+}
+
+impl ZeroCase for SqsZero {
+    fn source(&self) -> String {
+        format!(
+            "{{sqs: {{queueUrl: \"{}\", endpoint: \"{}\", region: us-east-1, waitTimeSeconds: 1, \
+             accessKeyIdSecretRef: {{name: aws-id, key: id}}, \
+             secretAccessKeySecretRef: {{name: aws-secret, key: secret}}}}}}",
+            self.queue,
+            self.mq.endpoint()
+        )
+    }
+
+    fn autoscaling(&self) -> Option<String> {
+        None
+    }
+
+    async fn produce(&self, bodies: Vec<Vec<u8>>) -> Result<()> {
+        self.mq.send_bodies(&self.queue, bodies).await.map(drop)
+    }
+
+    async fn waiting(&self) -> Result<u64> {
+        Ok(self.mq.count(&self.queue).await?.visible)
+    }
+}
+
+/// Topic `orders` (one partition, read from the earliest offset) of a Kafka node of its own.
+struct KafkaZero(KafkaServer);
+
+impl ZeroCase for KafkaZero {
+    fn source(&self) -> String {
+        format!(
+            "{{kafka: {{bootstrapServers: \"{}\", topics: [orders], startFrom: earliest, \
+             sessionTimeoutSeconds: 6}}}}",
+            self.0.bootstrap()
+        )
+    }
+
+    fn autoscaling(&self) -> Option<String> {
+        None
+    }
+
+    async fn produce(&self, bodies: Vec<Vec<u8>>) -> Result<()> {
+        self.0.produce("orders", bodies).await
+    }
+
+    /// Kafka keeps no count of what a consumer fetched: what the worker holds and what waits
+    /// are one lag, which KEDA counts whole.
+    async fn waiting(&self) -> Result<u64> {
+        Ok(0)
+    }
+}
+
+/// Quorum queue `orders` of a RabbitMQ node with the management plugin; KEDA reads the queue's
+/// ready and unacknowledged counts from the management API (TriggerAuthentication
+/// `rabbitmq-management`, its `host` from a Secret).
+struct AmqpZero(RabbitMq);
+
+impl ZeroCase for AmqpZero {
+    fn source(&self) -> String {
+        "{amqp: {queue: orders, urlSecretRef: {name: rabbitmq, key: url}}}".into()
+    }
+
+    fn autoscaling(&self) -> Option<String> {
+        Some("triggerAuthenticationRef: rabbitmq-management".into())
+    }
+
+    async fn produce(&self, bodies: Vec<Vec<u8>>) -> Result<()> {
+        let messages = bodies.into_iter().enumerate().map(|(i, body)| {
+            let id = format!("{}-{i}", String::from_utf8_lossy(&body));
+            (body, BasicProperties::default().with_message_id(id.into()))
+        });
+        self.0.publish("orders", messages).await
+    }
+
+    async fn waiting(&self) -> Result<u64> {
+        Ok(self
+            .0
+            .counted("orders", "messages_ready")
+            .await?
+            .unwrap_or(0))
     }
 }
 
@@ -637,4 +743,66 @@ async fn keda_scales_an_idle_nats_worker_to_zero_wakes_it_on_backlog_and_keeps_i
         .put_secret(&env.namespace, "nats", "url", &server.url())
         .await?;
     scales_to_zero_and_back(&env, &NatsZero(server)).await
+}
+
+/// Scale to zero with KEDA's own operator on an SQS queue's visible and in-flight messages
+/// (ElasticMQ as the endpoint).
+#[tokio::test]
+async fn keda_scales_an_idle_sqs_worker_to_zero_wakes_it_on_backlog_and_keeps_it_while_it_holds_a_batch()
+-> Result<()> {
+    let env = OperatorEnv::start().await?;
+    env.plane.install_keda_crds().await?;
+    put_aws_secrets(&env).await?;
+    let mq = ElasticMq::start()?;
+    let queue = mq.create_queue("orders", &[]).await?;
+    mq.create_queue("orders-dlq", &[]).await?;
+    scales_to_zero_and_back(&env, &SqsZero { mq, queue }).await
+}
+
+/// Scale to zero with KEDA's own operator on a Kafka group's lag (offsets committed after the
+/// store, so held records count).
+#[tokio::test]
+async fn keda_scales_an_idle_kafka_worker_to_zero_wakes_it_on_backlog_and_keeps_it_while_it_holds_a_batch()
+-> Result<()> {
+    let env = OperatorEnv::start().await?;
+    env.plane.install_keda_crds().await?;
+    let server = KafkaServer::start()?;
+    server.create_topic("orders", 1).await?;
+    server.create_topic("orders.dlq", 1).await?;
+    scales_to_zero_and_back(&env, &KafkaZero(server)).await
+}
+
+/// Scale to zero with KEDA's own operator on a RabbitMQ quorum queue's ready and unacknowledged
+/// messages, read from the management API.
+#[tokio::test]
+async fn keda_scales_an_idle_rabbitmq_worker_to_zero_wakes_it_on_backlog_and_keeps_it_while_it_holds_a_batch()
+-> Result<()> {
+    let env = OperatorEnv::start().await?;
+    env.plane.install_keda_crds().await?;
+    let server = RabbitMq::start_managed()?;
+    server
+        .declare("orders", queue_arguments(QueueType::Quorum, &[]))
+        .await?;
+    let namespace = &env.namespace;
+    env.plane
+        .put_secret(namespace, "rabbitmq", "url", &server.url())
+        .await?;
+    let management = server.management_url().context("the management API")?;
+    env.plane
+        .put_secret(namespace, "rabbitmq-management", "host", &management)
+        .await?;
+    keda(&env, "TriggerAuthentication")
+        .patch(
+            "rabbitmq-management",
+            &PatchParams::apply("test").force(),
+            &Patch::Apply(json!({
+                "apiVersion": "keda.sh/v1alpha1", "kind": "TriggerAuthentication",
+                "metadata": {"name": "rabbitmq-management"},
+                "spec": {"secretTargetRef": [
+                    {"parameter": "host", "name": "rabbitmq-management", "key": "host"},
+                ]},
+            })),
+        )
+        .await?;
+    scales_to_zero_and_back(&env, &AmqpZero(server)).await
 }

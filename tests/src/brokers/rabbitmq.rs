@@ -78,12 +78,25 @@ pub struct RabbitMq {
     epmd_port: u16,
     epmd: Option<Child>,
     node: Option<Child>,
+    /// The management plugin's HTTP port, when started with it.
+    management_port: Option<u16>,
 }
 
 impl RabbitMq {
     /// Starts epmd and the node, waiting until the node accepts AMQP connections. Fails when
     /// `rabbitmq-server` is not installed.
     pub fn start() -> Result<Self> {
+        Self::start_with(false)
+    }
+
+    /// [`RabbitMq::start`] with the management plugin (its HTTP API, which KEDA's `rabbitmq`
+    /// trigger reads) on a loopback port of its own, its statistics collected every second;
+    /// waits until the API answers too.
+    pub fn start_managed() -> Result<Self> {
+        Self::start_with(true)
+    }
+
+    fn start_with(management: bool) -> Result<Self> {
         ensure!(
             Path::new(SERVER).exists(),
             "RabbitMQ is not installed ({SERVER} is missing): {INSTALL}"
@@ -91,18 +104,28 @@ impl RabbitMq {
         let dir = tempfile::Builder::new()
             .prefix("switchboard-rabbitmq-")
             .tempdir()?;
-        std::fs::write(dir.path().join("enabled_plugins"), "[].\n")?;
+        let plugins = if management {
+            "[rabbitmq_management].\n"
+        } else {
+            "[].\n"
+        };
+        std::fs::write(dir.path().join("enabled_plugins"), plugins)?;
         // Quorum queues publish their message counts (what `rabbitmqctl list_queues` reports)
         // on a tick, every 5 s by default: often enough for tests to wait on them.
         std::fs::write(
             dir.path().join("advanced.config"),
             "[{rabbit, [{quorum_tick_interval, 100}]}].\n",
         )?;
-        let [amqp_port, epmd_port, dist_port] = free_ports()?;
-        std::fs::write(
-            dir.path().join("rabbitmq.conf"),
-            format!("listeners.tcp.default = 127.0.0.1:{amqp_port}\n"),
-        )?;
+        let [amqp_port, epmd_port, dist_port, http_port] = free_ports()?;
+        let management_port = management.then_some(http_port);
+        let mut conf = format!("listeners.tcp.default = 127.0.0.1:{amqp_port}\n");
+        if let Some(port) = management_port {
+            conf.push_str(&format!(
+                "management.tcp.ip = 127.0.0.1\nmanagement.tcp.port = {port}\n\
+                 collect_statistics_interval = 1000\n"
+            ));
+        }
+        std::fs::write(dir.path().join("rabbitmq.conf"), conf)?;
         let epmd = Command::new("epmd")
             .args(["-port", &epmd_port.to_string(), "-address", "127.0.0.1"])
             .stdin(Stdio::null())
@@ -117,12 +140,25 @@ impl RabbitMq {
             epmd_port,
             epmd: Some(epmd),
             node: None,
+            management_port,
         };
         wait_until(Duration::from_secs(10), "epmd accepts connections", || {
             std::net::TcpStream::connect(("127.0.0.1", epmd_port)).is_ok()
         })?;
         server.start_node()?;
+        if let Some(port) = management_port {
+            wait_until(STARTUP_TIMEOUT, "RabbitMQ's management API answers", || {
+                std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
+            })?;
+        }
         Ok(server)
+    }
+
+    /// `http://guest:guest@127.0.0.1:PORT/` of the management API, when started with it
+    /// ([`RabbitMq::start_managed`]).
+    pub fn management_url(&self) -> Option<String> {
+        self.management_port
+            .map(|port| format!("http://guest:guest@127.0.0.1:{port}/"))
     }
 
     fn node_name(&self) -> String {
