@@ -106,6 +106,20 @@ fn spawn_logged(cmd: &mut Command, log: &Path) -> Result<Child> {
         .with_context(|| format!("starting {cmd:?}"))
 }
 
+/// Runs `openssl` with `args`; fails with its stderr.
+fn openssl<S: AsRef<std::ffi::OsStr>>(args: &[S]) -> Result<()> {
+    let output = Command::new("openssl")
+        .args(args)
+        .output()
+        .context("running openssl (install it with `apt-get install -y openssl`)")?;
+    ensure!(
+        output.status.success(),
+        "openssl failed: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    Ok(())
+}
+
 /// The last `lines` lines of a log file.
 pub fn log_tail(path: &Path, lines: usize) -> String {
     let text = std::fs::read_to_string(path).unwrap_or_default();
@@ -199,15 +213,7 @@ impl ControlPlane {
                 d.join("sa.pub").into_os_string(),
             ],
         ] {
-            let output = Command::new("openssl")
-                .args(&args)
-                .output()
-                .context("running openssl (install it with `apt-get install -y openssl`)")?;
-            ensure!(
-                output.status.success(),
-                "openssl failed: {}",
-                String::from_utf8_lossy(&output.stderr)
-            );
+            openssl(&args)?;
         }
         let [client_port, peer_port, secure_port] = free_ports()?;
         let started = Instant::now();

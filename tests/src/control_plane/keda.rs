@@ -4,13 +4,14 @@
 //! triggers and scales its Deployment between zero and one. No metrics API server runs (nothing
 //! here runs the HPA either), so only that part is tested with it.
 
+use std::ffi::OsString;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command};
 
 use anyhow::{Context, Result, ensure};
 
-use super::{ControlPlane, START_TIMEOUT, http_get, kill, log_tail, spawn_logged};
+use super::{ControlPlane, START_TIMEOUT, http_get, kill, log_tail, openssl, spawn_logged};
 use crate::servers::free_ports;
 use crate::wait::wait_for;
 
@@ -31,22 +32,26 @@ impl KedaOperator {
         // KEDA's metrics gRPC service wants a certificate even when nothing calls it.
         let certs = dir.join("keda-certs");
         std::fs::create_dir_all(&certs)?;
-        let output = Command::new("openssl")
-            .args([
-                "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-            ])
-            .args(["-subj", "/CN=keda-operator"])
-            .arg("-keyout")
-            .arg(certs.join("tls.key"))
-            .arg("-out")
-            .arg(certs.join("tls.crt"))
-            .output()
-            .context("running openssl (install it with `apt-get install -y openssl`)")?;
-        ensure!(
-            output.status.success(),
-            "openssl failed: {}",
-            String::from_utf8_lossy(&output.stderr)
-        );
+        let mut args = [
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=keda-operator",
+            "-keyout",
+        ]
+        .map(OsString::from)
+        .to_vec();
+        args.extend([
+            certs.join("tls.key").into(),
+            "-out".into(),
+            certs.join("tls.crt").into(),
+        ]);
+        openssl(&args)?;
         std::fs::copy(certs.join("tls.crt"), certs.join("ca.crt"))?;
         let [metrics, probe, service] = free_ports()?;
         let probe_addr: SocketAddr = format!("127.0.0.1:{probe}").parse()?;
