@@ -556,6 +556,33 @@ async fn scales_to_zero_and_back(env: &OperatorEnv, case: &impl ZeroCase) -> Res
     env.fixture.assert_stored_exactly("orders", &bodies).await
 }
 
+/// Secret `name` holding `value` under key `parameter`, and TriggerAuthentication `name` giving
+/// it to KEDA as that parameter.
+async fn secret_trigger_authentication(
+    env: &OperatorEnv,
+    name: &str,
+    parameter: &str,
+    value: &str,
+) -> Result<()> {
+    env.plane
+        .put_secret(&env.namespace, name, parameter, value)
+        .await?;
+    keda(env, "TriggerAuthentication")
+        .patch(
+            name,
+            &PatchParams::apply("test").force(),
+            &Patch::Apply(json!({
+                "apiVersion": "keda.sh/v1alpha1", "kind": "TriggerAuthentication",
+                "metadata": {"name": name},
+                "spec": {"secretTargetRef": [
+                    {"parameter": parameter, "name": name, "key": parameter},
+                ]},
+            })),
+        )
+        .await?;
+    Ok(())
+}
+
 /// Stream `orders` of the fixture's Redis; KEDA connects through TriggerAuthentication
 /// `redis-keda` (the address from a Secret).
 struct RedisZero<'a>(&'a OperatorEnv);
@@ -563,22 +590,7 @@ struct RedisZero<'a>(&'a OperatorEnv);
 impl RedisZero<'_> {
     async fn start(env: &OperatorEnv) -> Result<RedisZero<'_>> {
         let address = env.fixture.redis.address();
-        env.plane
-            .put_secret(&env.namespace, "redis-keda", "address", &address)
-            .await?;
-        keda(env, "TriggerAuthentication")
-            .patch(
-                "redis-keda",
-                &PatchParams::apply("test").force(),
-                &Patch::Apply(json!({
-                    "apiVersion": "keda.sh/v1alpha1", "kind": "TriggerAuthentication",
-                    "metadata": {"name": "redis-keda"},
-                    "spec": {"secretTargetRef": [
-                        {"parameter": "address", "name": "redis-keda", "key": "address"},
-                    ]},
-                })),
-            )
-            .await?;
+        secret_trigger_authentication(env, "redis-keda", "address", &address).await?;
         Ok(RedisZero(env))
     }
 }
@@ -788,21 +800,6 @@ async fn keda_scales_an_idle_rabbitmq_worker_to_zero_wakes_it_on_backlog_and_kee
         .put_secret(namespace, "rabbitmq", "url", &server.url())
         .await?;
     let management = server.management_url().context("the management API")?;
-    env.plane
-        .put_secret(namespace, "rabbitmq-management", "host", &management)
-        .await?;
-    keda(&env, "TriggerAuthentication")
-        .patch(
-            "rabbitmq-management",
-            &PatchParams::apply("test").force(),
-            &Patch::Apply(json!({
-                "apiVersion": "keda.sh/v1alpha1", "kind": "TriggerAuthentication",
-                "metadata": {"name": "rabbitmq-management"},
-                "spec": {"secretTargetRef": [
-                    {"parameter": "host", "name": "rabbitmq-management", "key": "host"},
-                ]},
-            })),
-        )
-        .await?;
+    secret_trigger_authentication(&env, "rabbitmq-management", "host", &management).await?;
     scales_to_zero_and_back(&env, &AmqpZero(server)).await
 }
