@@ -1,7 +1,8 @@
 //! All SQL of Switchboard's queue adapters: the migrator and the batched event+todo ingest.
 //!
-//! One batch is one statement (so one transaction): data-modifying CTEs insert the events,
-//! create their todos, and advance the source's checkpoint, atomically. Two deduplication rules:
+//! One batch is one statement (so one transaction): `switchboard_ingest` inserts the events,
+//! creates their todos, and advances the source's checkpoint, atomically. Events are kept for
+//! the dedup window in time partitions ([`Store::maintain_events`]). Two deduplication rules:
 //!
 //! - [`Dedup::NativeId`]: the broker's message id is the event's `external_id`; an event that
 //!   exists already is a redelivery — no second todo, whatever the first todo's status.
@@ -12,11 +13,13 @@
 mod adapters;
 mod dead_letters;
 mod deliveries;
+mod event_storage;
 mod pool;
 mod reports;
 pub use adapters::{Mirrored, QueueAdapterRow};
 pub use dead_letters::{KeptLetter, KeptLetterRow};
 pub use deliveries::{AttemptRecord, MAX_ATTEMPTS};
+pub use event_storage::{EventPartition, Maintained};
 pub use pool::BATCH_CONNECTION_IDLE;
 pub use reports::WorkerReport;
 
@@ -225,86 +228,10 @@ pub struct Store {
     operation_timeout: Duration,
 }
 
-// `first_of_id`: a batch may hold one id twice (a producer's retry under an envelope id, an SQS
-// standard queue's duplicate delivery): its first message is stored, the others are duplicates.
-const INGEST_SQL: &str = r#"
-WITH input AS (
-    SELECT *, ord = min(ord) OVER (PARTITION BY external_id) AS first_of_id
-    FROM unnest($3::text[], $4::text[], $5::text[], $6::text[], $7::text[], $8::text[])
-         WITH ORDINALITY AS t(external_id, idempotency_key, payload, headers, traceparent,
-                              tracestate, ord)
-), new_events AS (
-    INSERT INTO events (source, external_id, payload, headers)
-    SELECT $1, external_id, payload::jsonb, headers::jsonb FROM input WHERE first_of_id
-    ORDER BY ord
-    ON CONFLICT (source, external_id) DO NOTHING
-    RETURNING id, external_id, payload
-), new_todos AS (
-    INSERT INTO todos (queue, idempotency_key, event_id, payload, traceparent, tracestate)
-    SELECT $2, input.idempotency_key, new_events.id, new_events.payload, input.traceparent,
-           input.tracestate
-    FROM new_events JOIN input USING (external_id)
-    WHERE input.first_of_id
-    ORDER BY input.ord
-    ON CONFLICT (queue, idempotency_key) WHERE status IN ('pending', 'claimed') DO NOTHING
-    RETURNING event_id
-), checkpoint AS (
-    INSERT INTO source_positions (source, partition, position)
-    SELECT $1, p.partition, p.position::bigint[]
-    FROM unnest($9::text[], $10::text[]) AS p(partition, position)
-    WHERE EXISTS (SELECT 1 FROM new_events)
-    ON CONFLICT (source, partition) DO UPDATE
-        SET position = EXCLUDED.position, updated_at = now()
-        WHERE source_positions.position < EXCLUDED.position
-)
-SELECT input.ord,
-       input.first_of_id AND new_events.id IS NOT NULL AS new_event,
-       input.first_of_id AND new_todos.event_id IS NOT NULL AS new_todo
-FROM input
-LEFT JOIN new_events USING (external_id)
-LEFT JOIN new_todos ON new_todos.event_id = new_events.id
-ORDER BY input.ord
-"#;
-
-const INGEST_BY_BODY_SQL: &str = r#"
-WITH input AS (
-    SELECT *
-    FROM unnest($3::text[], $4::text[], $5::text[], $6::text[], $7::text[], $8::text[])
-         WITH ORDINALITY AS t(external_id, idempotency_key, payload, headers, traceparent,
-                              tracestate, ord)
-), fresh AS (
-    SELECT DISTINCT ON (input.idempotency_key)
-           input.ord, input.external_id, input.idempotency_key, input.payload, input.headers,
-           input.traceparent, input.tracestate, nextval('events_id_seq') AS event_id
-    FROM input
-    LEFT JOIN LATERAL (
-        SELECT 1 AS found FROM todos
-        WHERE todos.queue = $2 AND todos.idempotency_key = input.idempotency_key
-          AND todos.status IN ('pending', 'claimed')
-        LIMIT 1
-    ) live ON true
-    WHERE live.found IS NULL
-    ORDER BY input.idempotency_key, input.ord
-), new_events AS (
-    INSERT INTO events (id, source, external_id, payload, headers)
-    SELECT event_id, $1, external_id || '@' || event_id, payload::jsonb, headers::jsonb
-    FROM fresh ORDER BY ord
-    RETURNING id, payload
-), new_todos AS (
-    INSERT INTO todos (queue, idempotency_key, event_id, payload, traceparent, tracestate)
-    SELECT $2, fresh.idempotency_key, new_events.id, new_events.payload, fresh.traceparent,
-           fresh.tracestate
-    FROM new_events JOIN fresh ON fresh.event_id = new_events.id
-    ORDER BY fresh.ord
-    ON CONFLICT (queue, idempotency_key) WHERE status IN ('pending', 'claimed') DO NOTHING
-    RETURNING event_id
-)
-SELECT input.ord, fresh.event_id IS NOT NULL AS new_event, new_todos.event_id IS NOT NULL AS new_todo
-FROM input
-LEFT JOIN fresh USING (ord)
-LEFT JOIN new_todos ON new_todos.event_id = fresh.event_id
-ORDER BY input.ord
-"#;
+// The batch statement: `switchboard_ingest` (migrations/0009_partitioned_events.sql) checks the
+// dedup markers after taking its locks, which needs a statement of its own inside one call.
+const INGEST_SQL: &str = "SELECT ord, new_event, new_todo \
+     FROM switchboard_ingest($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)";
 
 impl Store {
     /// Applies pending migrations. Safe when several processes run it at once (advisory lock).
@@ -370,25 +297,18 @@ impl Store {
                 format!("{{{}}}", parts.join(","))
             })
             .collect();
-        let sql = match batch.dedup {
-            Dedup::NativeId => INGEST_SQL,
-            Dedup::BodyHash => INGEST_BY_BODY_SQL,
-        };
-        // The body-hash statement must be planned for its actual keys: a cached generic plan
-        // filters live todos by queue alone and slows down as the queue grows.
-        let mut query = sqlx::query(sql)
-            .persistent(batch.dedup == Dedup::NativeId)
+        let query = sqlx::query(INGEST_SQL)
             .bind(batch.source)
             .bind(batch.queue)
+            .bind(batch.dedup == Dedup::BodyHash)
             .bind(column(|e| &e.external_id))
             .bind(column(|e| &e.idempotency_key))
             .bind(column(|e| &e.payload))
             .bind(column(|e| &e.headers))
             .bind(optional(|e| e.traceparent.as_deref()))
-            .bind(optional(|e| e.tracestate.as_deref()));
-        if batch.dedup == Dedup::NativeId {
-            query = query.bind(partitions).bind(positions);
-        }
+            .bind(optional(|e| e.tracestate.as_deref()))
+            .bind(partitions)
+            .bind(positions);
         let rows = self
             .bounded(async |conn| query.fetch_all(conn).await)
             .await?;
@@ -414,6 +334,8 @@ impl Store {
         self.bounded(async |conn| {
             sqlx::query_scalar(
                 "SELECT EXISTS (SELECT 1 FROM events e \
+                 WHERE e.source = $1 AND e.external_id = input.wanted) \
+                 OR EXISTS (SELECT 1 FROM events_unpartitioned e \
                  WHERE e.source = $1 AND e.external_id = input.wanted) \
                  FROM unnest($2::text[]) WITH ORDINALITY AS input(wanted, ord) ORDER BY input.ord",
             )

@@ -45,7 +45,8 @@ impl Store {
             background: pool.clone(),
             pool,
             operation_timeout: DEFAULT_OPERATION_TIMEOUT,
-        })
+        }
+        .with_operation_timeout(DEFAULT_OPERATION_TIMEOUT))
     }
 
     /// Gives the background work (probes, reports, delivery marks, pruning) one connection of

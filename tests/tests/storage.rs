@@ -1,0 +1,732 @@
+//! Events in time partitions, on a real PostgreSQL: exactly one todo per message inside the dedup
+//! window — after the first delivery's partition rotated, and across partition boundaries with
+//! concurrent ingesters —, retention by dropping partitions while ingests run, ingestion that
+//! does not wait for maintenance, and the online migration of an unpartitioned `events` table.
+//! Partitions last a second or two here (the product's last a day): the same statements.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, ensure};
+use sqlx::PgPool;
+use switchboard_store::{Dedup, IngestBatch, NewEvent, Store, StoreError, Stored};
+use switchboard_tests::servers::Postgres;
+use switchboard_tests::wait::wait_for;
+
+/// A migrated database whose partitions hold `interval` each, and a store for the ingesters
+/// whose statements run under a timeout within `grace`.
+async fn partitioned(interval: Duration, grace: Duration) -> Result<(Postgres, Store)> {
+    let postgres = Postgres::start()?;
+    let store = ingester(&postgres, grace).await?;
+    store.migrate().await?;
+    store.set_event_partitioning(interval, grace).await?;
+    // The partition the migration created is a day long: start from short ones.
+    for name in sqlx::query_scalar::<_, String>("DELETE FROM event_partitions RETURNING name")
+        .fetch_all(store.pool())
+        .await?
+    {
+        sqlx::query(&format!("DROP TABLE \"{name}\""))
+            .execute(store.pool())
+            .await?;
+    }
+    Ok((postgres, store))
+}
+
+/// A store whose statements PostgreSQL cancels within `grace`.
+async fn ingester(postgres: &Postgres, grace: Duration) -> Result<Store> {
+    Ok(Store::connect(&postgres.url(), 2, "storage-test")
+        .await?
+        .with_operation_timeout(grace))
+}
+
+fn event(external_id: &str, key: &str, n: usize) -> NewEvent {
+    NewEvent {
+        external_id: external_id.to_owned(),
+        idempotency_key: key.to_owned(),
+        payload: format!("{{\"n\":{n}}}"),
+        headers: "{}".to_owned(),
+        traceparent: None,
+        tracestate: None,
+    }
+}
+
+/// One batch of `events` from `source` into `queue`, retried while the database says wait.
+async fn ingest(
+    store: &Store,
+    source: &str,
+    queue: &str,
+    dedup: Dedup,
+    events: &[NewEvent],
+) -> Result<Vec<Stored>> {
+    let batch = IngestBatch {
+        source,
+        queue,
+        dedup,
+        positions: &[],
+        events,
+    };
+    let started = Instant::now();
+    loop {
+        match store.ingest_batch(&batch).await {
+            Err(err) if err.is_retryable() && started.elapsed() < Duration::from_secs(60) => {}
+            done => return done.map_err(anyhow::Error::from),
+        }
+    }
+}
+
+/// Waits until the database's clock is in a partition later than the one holding `now()`.
+async fn next_partition(store: &Store) -> Result<()> {
+    let upper: f64 = sqlx::query_scalar(
+        "SELECT extract(epoch FROM upper)::float8 FROM event_partitions \
+         WHERE lower <= now() AND now() < upper",
+    )
+    .fetch_one(store.pool())
+    .await
+    .context("no partition holds now()")?;
+    wait_for(Duration::from_secs(30), "the partition rotates", || async {
+        let now: f64 = sqlx::query_scalar("SELECT extract(epoch FROM now())::float8")
+            .fetch_one(store.pool())
+            .await?;
+        Ok(now >= upper)
+    })
+    .await
+}
+
+/// Per source: how many events and todos each key has, over both event tables.
+async fn events_per_key(pool: &PgPool, source: &str) -> Result<BTreeMap<String, i64>> {
+    let rows: Vec<(String, i64)> = sqlx::query_as(
+        "SELECT external_id, count(*) FROM \
+         (SELECT external_id FROM events WHERE source = $1 \
+          UNION ALL SELECT external_id FROM events_unpartitioned WHERE source = $1) e \
+         GROUP BY external_id",
+    )
+    .bind(source)
+    .fetch_all(pool)
+    .await?;
+    Ok(rows.into_iter().collect())
+}
+
+async fn todos_per_key(pool: &PgPool, queue: &str) -> Result<BTreeMap<String, i64>> {
+    let rows: Vec<(String, i64)> = sqlx::query_as(
+        "SELECT idempotency_key, count(*) FROM todos WHERE queue = $1 GROUP BY idempotency_key",
+    )
+    .bind(queue)
+    .fetch_all(pool)
+    .await?;
+    Ok(rows.into_iter().collect())
+}
+
+/// The native id kinds every broker gives, by the shape of their ids: a Redis stream entry id
+/// (broker time in it), an SQS MessageId (random), a RabbitMQ message-id (producer's text, no
+/// broker time). Dedup does not read time out of any of them: all take one path.
+fn native_ids(kind: &str, n: usize) -> Vec<String> {
+    (0..n)
+        .map(|i| match kind {
+            "stream" => format!("1765000000{i:03}-{i}"),
+            "sqs" => format!(
+                "{:08x}-{:04x}-4{:03x}-8{:03x}-{:012x}",
+                fastrand::u32(..),
+                fastrand::u16(..),
+                fastrand::u16(..0xfff),
+                fastrand::u16(..0xfff),
+                fastrand::u64(..1 << 48)
+            ),
+            _ => format!("order-{i}-{}", fastrand::u32(..)),
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn a_native_id_redelivered_after_its_partition_rotated_creates_no_second_todo() -> Result<()>
+{
+    let (_postgres, store) = partitioned(Duration::from_secs(1), Duration::from_secs(1)).await?;
+    for kind in ["stream", "sqs", "amqp"] {
+        let source = format!("{kind}:test/rotated");
+        let queue = format!("rotated-{kind}");
+        let ids = native_ids(kind, 100);
+        let events: Vec<NewEvent> = ids
+            .iter()
+            .enumerate()
+            .map(|(n, id)| event(id, &format!("{source}:{id}"), n))
+            .collect();
+        let first = ingest(&store, &source, &queue, Dedup::NativeId, &events).await?;
+        ensure!(first.iter().all(|s| *s == Stored::New), "{kind}: {first:?}");
+        // Half of the todos are done: a native id stays a duplicate whatever its todo's status.
+        sqlx::query(
+            "UPDATE todos SET status = 'done' WHERE queue = $1 AND (payload->>'n')::int % 2 = 0",
+        )
+        .bind(&queue)
+        .execute(store.pool())
+        .await?;
+        for rotation in 1..=2 {
+            next_partition(&store).await?;
+            let again = ingest(&store, &source, &queue, Dedup::NativeId, &events).await?;
+            ensure!(
+                again.iter().all(|s| *s == Stored::Duplicate),
+                "{kind}, rotation {rotation}: a redelivery was stored again: {again:?}"
+            );
+        }
+        let todos = todos_per_key(store.pool(), &queue).await?;
+        let expected: BTreeSet<String> = ids.iter().map(|id| format!("{source}:{id}")).collect();
+        ensure!(
+            todos.keys().cloned().collect::<BTreeSet<_>>() == expected
+                && todos.values().all(|n| *n == 1),
+            "{kind}: every key once: {todos:?}"
+        );
+    }
+    ensure!(
+        store.event_partitions().await?.len() >= 3,
+        "the redeliveries came in later partitions"
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_body_hash_collapses_while_its_todo_is_live_across_partitions() -> Result<()> {
+    let (_postgres, store) = partitioned(Duration::from_secs(1), Duration::from_secs(1)).await?;
+    let (source, queue) = ("redis:test/list", "bodies");
+    let events: Vec<NewEvent> = (0..50)
+        .map(|n| {
+            let hash = format!("sha256:{n:064x}");
+            event(&hash, &format!("{source}:{hash}"), n)
+        })
+        .collect();
+    let first = ingest(&store, source, queue, Dedup::BodyHash, &events).await?;
+    ensure!(first.iter().all(|s| *s == Stored::New), "{first:?}");
+    next_partition(&store).await?;
+    let live = ingest(&store, source, queue, Dedup::BodyHash, &events).await?;
+    ensure!(
+        live.iter().all(|s| *s == Stored::Duplicate),
+        "live todos collapse their bodies in a later partition: {live:?}"
+    );
+    sqlx::query("UPDATE todos SET status = 'done' WHERE queue = $1")
+        .bind(queue)
+        .execute(store.pool())
+        .await?;
+    let after_done = ingest(&store, source, queue, Dedup::BodyHash, &events).await?;
+    ensure!(
+        after_done.iter().all(|s| *s == Stored::New),
+        "a body whose todo is done is a new todo (the documented trade-off): {after_done:?}"
+    );
+    Ok(())
+}
+
+/// Four ingesters deliver the same fresh batch at once, round after round, for five partition
+/// boundaries with the grace short enough that most rounds run outside it: every key ends with
+/// one event and one todo, and exactly one ingester was told it stored it.
+#[tokio::test]
+async fn concurrent_ingesters_across_partition_boundaries_store_each_message_once() -> Result<()> {
+    const INGESTERS: usize = 4;
+    let interval = Duration::from_millis(700);
+    let grace = Duration::from_millis(300);
+    let (postgres, store) = partitioned(interval, grace).await?;
+    let (source, queue) = ("sqs:test/concurrent", "concurrent");
+    let mut stores = Vec::new();
+    for _ in 0..INGESTERS {
+        stores.push(ingester(&postgres, grace).await?);
+    }
+    let barrier = Arc::new(tokio::sync::Barrier::new(INGESTERS));
+    let go_on = Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let started = Instant::now();
+    let mut tasks = Vec::new();
+    for (ingester, store) in stores.into_iter().enumerate() {
+        let (barrier, go_on) = (barrier.clone(), go_on.clone());
+        tasks.push(tokio::spawn(async move {
+            let mut stored = Vec::new();
+            let mut round = 0usize;
+            loop {
+                barrier.wait().await;
+                let mut events: Vec<NewEvent> = (0..40)
+                    .map(|n| {
+                        let id = format!("r{round}-m{n}");
+                        event(&id, &format!("{source}:{id}"), n)
+                    })
+                    .collect();
+                fastrand::shuffle(&mut events);
+                let outcomes = ingest(&store, source, queue, Dedup::NativeId, &events).await?;
+                for (e, outcome) in events.iter().zip(outcomes) {
+                    if outcome == Stored::New {
+                        stored.push(e.external_id.clone());
+                    }
+                }
+                // One decides for all whether another round starts.
+                if ingester == 0 {
+                    go_on.store(started.elapsed() < interval * 7, Ordering::SeqCst);
+                }
+                barrier.wait().await;
+                if !go_on.load(Ordering::SeqCst) {
+                    return anyhow::Ok((stored, round + 1));
+                }
+                round += 1;
+            }
+        }));
+    }
+    let mut told_stored = BTreeMap::<String, usize>::new();
+    let mut rounds = 0;
+    for task in tasks {
+        let (stored, ran) = task.await??;
+        rounds = ran;
+        for id in stored {
+            *told_stored.entry(id).or_default() += 1;
+        }
+    }
+    let events = events_per_key(store.pool(), source).await?;
+    let todos = todos_per_key(store.pool(), queue).await?;
+    ensure!(
+        events.len() == rounds * 40 && events.values().all(|n| *n == 1),
+        "one event per message over {rounds} rounds: {} messages, duplicates {:?}",
+        events.len(),
+        events.iter().filter(|(_, n)| **n > 1).collect::<Vec<_>>()
+    );
+    ensure!(
+        todos.len() == rounds * 40 && todos.values().all(|n| *n == 1),
+        "one todo per message"
+    );
+    ensure!(
+        told_stored.len() == rounds * 40 && told_stored.values().all(|n| *n == 1),
+        "exactly one ingester stored each message"
+    );
+    let spread: i64 =
+        sqlx::query_scalar("SELECT count(DISTINCT tableoid) FROM events WHERE source = $1")
+            .bind(source)
+            .fetch_one(store.pool())
+            .await?;
+    ensure!(
+        spread >= 5,
+        "the rounds crossed partition boundaries: {spread} partitions"
+    );
+    eprintln!("{rounds} rounds of {INGESTERS} ingesters over {spread} partitions");
+    Ok(())
+}
+
+/// The race the partition locks close, staged: the first delivery starts just before a
+/// partition boundary and is held mid-statement (its event written, not committed); the
+/// redelivery starts just after the boundary, in the next partition, where no unique index can
+/// see the first. It waits for the first to end and is a duplicate: one event, one todo.
+#[tokio::test]
+async fn a_redelivery_racing_its_first_delivery_across_a_boundary_is_a_duplicate() -> Result<()> {
+    let (postgres, store) =
+        partitioned(Duration::from_secs(2), Duration::from_millis(1500)).await?;
+    let (source, queue) = ("amqp:test/straddle", "straddle");
+    // Hold the first delivery at its checkpoint: a row lock on its source position.
+    let mut blocker = store.pool().begin().await?;
+    sqlx::query(
+        "INSERT INTO source_positions (source, partition, position) VALUES ($1, 'p', '{0}')",
+    )
+    .bind(source)
+    .execute(&mut *blocker)
+    .await?;
+    // The partition for now exists (the first ingest creates it).
+    ingest(
+        &store,
+        "warm:up",
+        "warm",
+        Dedup::NativeId,
+        &[event("w", "w", 0)],
+    )
+    .await?;
+    let upper: f64 = sqlx::query_scalar(
+        "SELECT extract(epoch FROM upper)::float8 FROM event_partitions \
+         WHERE lower <= now() AND now() < upper",
+    )
+    .fetch_one(store.pool())
+    .await?;
+    let first_store = ingester(&postgres, Duration::from_millis(1500)).await?;
+    let now = || async {
+        anyhow::Ok(
+            sqlx::query_scalar::<_, f64>("SELECT extract(epoch FROM now())::float8")
+                .fetch_one(store.pool())
+                .await?,
+        )
+    };
+    wait_for(
+        Duration::from_secs(10),
+        "0.4 s before the boundary",
+        || async { Ok(now().await? >= upper - 0.4) },
+    )
+    .await?;
+    let first = tokio::spawn(async move {
+        let events = [event("order-1", "amqp:test/straddle:order-1", 1)];
+        let positions = [switchboard_store::Position {
+            partition: "p".to_owned(),
+            value: vec![1],
+        }];
+        let batch = IngestBatch {
+            source,
+            queue,
+            dedup: Dedup::NativeId,
+            positions: &positions,
+            events: &events,
+        };
+        first_store.ingest_batch(&batch).await
+    });
+    wait_for(
+        Duration::from_secs(5),
+        "the first delivery waits on the checkpoint",
+        || async {
+            Ok(sqlx::query_scalar::<_, bool>(
+                "SELECT EXISTS (SELECT 1 FROM pg_stat_activity \
+             WHERE application_name = 'storage-test' AND wait_event_type = 'Lock' \
+               AND query LIKE '%switchboard_ingest%')",
+            )
+            .fetch_one(store.pool())
+            .await?)
+        },
+    )
+    .await?;
+    wait_for(Duration::from_secs(5), "the boundary", || async {
+        Ok(now().await? >= upper)
+    })
+    .await?;
+    let second_store = ingester(&postgres, Duration::from_millis(1500)).await?;
+    let second = tokio::spawn(async move {
+        let events = [event("order-1", "amqp:test/straddle:order-1", 1)];
+        ingest(&second_store, source, queue, Dedup::NativeId, &events).await
+    });
+    wait_for(
+        Duration::from_secs(5),
+        "the redelivery waits too",
+        || async {
+            Ok(sqlx::query_scalar::<_, bool>(
+                "SELECT count(*) = 2 FROM pg_stat_activity \
+             WHERE application_name = 'storage-test' AND wait_event_type = 'Lock'",
+            )
+            .fetch_one(store.pool())
+            .await?)
+        },
+    )
+    .await?;
+    blocker.rollback().await?;
+    ensure!(first.await?? == [Stored::New], "the first delivery stores");
+    let second = second.await??;
+    ensure!(second == [Stored::Duplicate], "the redelivery: {second:?}");
+    let events = events_per_key(store.pool(), source).await?;
+    ensure!(events.get("order-1") == Some(&1), "one event: {events:?}");
+    let partitions: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM event_partitions WHERE lower >= to_timestamp($1)")
+            .bind(upper)
+            .fetch_one(store.pool())
+            .await?;
+    ensure!(partitions >= 1, "the redelivery ran in the next partition");
+    Ok(())
+}
+
+/// Ingests run all along while maintenance creates and drops partitions for more than three
+/// windows: events older than the window are gone (dropped, not deleted), the partitions and
+/// the bytes on disk stay bounded, and not one ingest failed.
+#[tokio::test]
+async fn retention_drops_whole_partitions_and_bounds_the_disk_while_ingests_run() -> Result<()> {
+    let interval = Duration::from_millis(500);
+    let window = Duration::from_secs(2);
+    let (postgres, store) = partitioned(interval, Duration::from_secs(1)).await?;
+    let writer = ingester(&postgres, Duration::from_secs(1)).await?;
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let ingesting = tokio::spawn({
+        let stop = stop.clone();
+        async move {
+            let mut batches = 0usize;
+            while !stop.load(Ordering::SeqCst) {
+                let events: Vec<NewEvent> = (0..50)
+                    .map(|n| {
+                        let id = format!("b{batches}-m{n}");
+                        event(&id, &format!("kafka:test/kept:{id}"), n)
+                    })
+                    .collect();
+                let batch = IngestBatch {
+                    source: "kafka:test/kept",
+                    queue: "kept",
+                    dedup: Dedup::NativeId,
+                    positions: &[],
+                    events: &events,
+                };
+                writer.ingest_batch(&batch).await?;
+                batches += 1;
+            }
+            anyhow::Ok(batches)
+        }
+    });
+    let started = Instant::now();
+    let mut dropped = 0;
+    let mut largest = (0usize, 0i64);
+    let mut sizes = Vec::new();
+    while started.elapsed() < window * 4 {
+        let done = store.maintain_events(window, 2).await?;
+        dropped += done.dropped.len();
+        let (oldest, partitions, bytes): (Option<f64>, i64, i64) = sqlx::query_as(
+            "SELECT (SELECT extract(epoch FROM now() - min(received_at))::float8 FROM events), \
+                    count(*), coalesce(sum(pg_total_relation_size(name::regclass)), 0)::bigint \
+             FROM event_partitions",
+        )
+        .fetch_one(store.pool())
+        .await?;
+        // An event outlives the window by at most its partition's length (and one run).
+        let limit = (window + interval * 2).as_secs_f64();
+        ensure!(
+            oldest.unwrap_or(0.0) <= limit,
+            "the oldest event is {oldest:?} s old, past the window's {limit} s"
+        );
+        if started.elapsed() > window + interval {
+            largest = largest.max((partitions as usize, bytes));
+            sizes.push(bytes);
+        }
+    }
+    stop.store(true, Ordering::SeqCst);
+    let batches = ingesting.await??;
+    let most = (window.as_millis() / interval.as_millis()) as usize + 2 + 2;
+    ensure!(
+        largest.0 <= most,
+        "at most {most} partitions (window, ahead, the current and one being dropped): {largest:?}"
+    );
+    ensure!(
+        dropped >= 6,
+        "partitions were dropped over the rotations: {dropped}"
+    );
+    eprintln!(
+        "{batches} batches of 50 ingested meanwhile; {dropped} partitions dropped; \
+         bytes in events after the first window: {sizes:?}"
+    );
+    Ok(())
+}
+
+/// The partition for now is missing (maintenance never ran, or failed for longer than it
+/// creates ahead): the ingest creates it and stores.
+#[tokio::test]
+async fn ingestion_does_not_wait_for_maintenance() -> Result<()> {
+    let (_postgres, store) = partitioned(Duration::from_secs(3600), Duration::from_secs(1)).await?;
+    ensure!(store.event_partitions().await?.is_empty());
+    let events = [event("1-0", "redis:test/heal:1-0", 0)];
+    let stored = ingest(&store, "redis:test/heal", "heal", Dedup::NativeId, &events).await?;
+    ensure!(stored == [Stored::New], "{stored:?}");
+    ensure!(store.event_partitions().await?.len() == 1);
+    Ok(())
+}
+
+/// An ingest without a statement timeout within the grace (a pooler or role that resets it, a
+/// session in REPEATABLE READ) could break dedup at a partition boundary: it is refused,
+/// naming the setting, and the worker stops on it rather than retrying.
+#[tokio::test]
+async fn an_ingest_that_could_outlive_the_grace_is_refused_naming_the_setting() -> Result<()> {
+    let (postgres, store) = partitioned(Duration::from_secs(3600), Duration::from_secs(1)).await?;
+    let unbounded = Store::connect(&postgres.url(), 1, "unbounded")
+        .await?
+        .with_operation_timeout(Duration::from_secs(60));
+    let events = [event("1-0", "redis:test/slow:1-0", 0)];
+    let batch = IngestBatch {
+        source: "redis:test/slow",
+        queue: "slow",
+        dedup: Dedup::NativeId,
+        positions: &[],
+        events: &events,
+    };
+    let err = unbounded.ingest_batch(&batch).await.unwrap_err();
+    ensure!(
+        matches!(err, StoreError::Statement { .. }) && err.is_fatal(),
+        "{err:?}"
+    );
+    let chain = format!("{:#}", anyhow::Error::from(err));
+    ensure!(
+        chain.contains("statement_timeout") && chain.contains("event_storage.grace"),
+        "{chain}"
+    );
+    ensure!(
+        ingest(&store, "redis:test/slow", "slow", Dedup::NativeId, &events).await? == [Stored::New]
+    );
+    Ok(())
+}
+
+/// The batch statement of the release before partitioning, as its workers still run it during
+/// an upgrade.
+const PREVIOUS_RELEASE_INGEST: &str = r#"
+WITH input AS (
+    SELECT *, ord = min(ord) OVER (PARTITION BY external_id) AS first_of_id
+    FROM unnest($3::text[], $4::text[], $5::text[]) WITH ORDINALITY AS t(external_id, idempotency_key, payload, ord)
+), new_events AS (
+    INSERT INTO events (source, external_id, payload)
+    SELECT $1, external_id, payload::jsonb FROM input WHERE first_of_id
+    ORDER BY ord
+    ON CONFLICT (source, external_id) DO NOTHING
+    RETURNING id, external_id, payload
+)
+INSERT INTO todos (queue, idempotency_key, event_id, payload)
+SELECT $2, input.idempotency_key, new_events.id, new_events.payload
+FROM new_events JOIN input USING (external_id)
+WHERE input.first_of_id
+ON CONFLICT (queue, idempotency_key) WHERE status IN ('pending', 'claimed') DO NOTHING
+"#;
+
+/// A database of the previous release holding a million events (and their todos) is migrated
+/// while that release's worker ingests fresh messages and redeliveries of old ones: the old
+/// worker stops on the new layout (a fatal statement error, nothing acknowledged), the new
+/// one takes over its batch; every message has one event and one todo, the redeliveries of
+/// events from before the migration are duplicates. Then, once the window has passed the old
+/// table's rows, maintenance empties it.
+#[tokio::test]
+async fn a_million_unpartitioned_events_are_migrated_while_a_worker_ingests() -> Result<()> {
+    const OLD: usize = 1_000_000;
+    let postgres = Postgres::start()?;
+    let store = Store::connect(&postgres.url(), 4, "storage-test").await?;
+    let mut previous =
+        sqlx::migrate::Migrator::new(switchboard_tests::servers::workspace_path("migrations"))
+            .await?;
+    previous.migrations = previous
+        .migrations
+        .iter()
+        .filter(|m| m.version < 9)
+        .cloned()
+        .collect::<Vec<_>>()
+        .into();
+    previous.run(store.pool()).await?;
+    let (source, queue) = ("sqs:test/upgrade", "upgrade");
+    let filled = Instant::now();
+    sqlx::query(
+        "INSERT INTO events (source, external_id, payload, received_at) \
+         SELECT $1, md5(n::text), jsonb_build_object('n', n), now() - interval '1 day' \
+         FROM generate_series(1, $2) n",
+    )
+    .bind(source)
+    .bind(OLD as i64)
+    .execute(store.pool())
+    .await?;
+    sqlx::query(
+        "INSERT INTO todos (queue, idempotency_key, event_id, payload) \
+         SELECT $2, $1 || ':' || external_id, id, payload FROM events",
+    )
+    .bind(source)
+    .bind(queue)
+    .execute(store.pool())
+    .await?;
+    let filled = filled.elapsed();
+
+    let old_ids: Arc<Vec<String>> = Arc::new(
+        sqlx::query_scalar("SELECT external_id FROM events ORDER BY random() LIMIT 5000")
+            .fetch_all(store.pool())
+            .await?,
+    );
+    // A batch: 20 fresh messages and 20 redeliveries of old ones.
+    let batch = move |b: usize| -> Vec<NewEvent> {
+        (0..40)
+            .map(|i| {
+                let id = if i < 20 {
+                    format!("fresh-{b}-{i}")
+                } else {
+                    old_ids[fastrand::usize(..old_ids.len())].clone()
+                };
+                event(&id, &format!("{source}:{id}"), i)
+            })
+            .collect()
+    };
+    let produced = Arc::new(std::sync::Mutex::new(BTreeSet::<String>::new()));
+    let old_worker = tokio::spawn({
+        let store = store.clone();
+        let produced = produced.clone();
+        let batch = batch.clone();
+        async move {
+            let mut slowest = Duration::ZERO;
+            for b in 0.. {
+                let events = batch(b);
+                produced
+                    .lock()
+                    .unwrap()
+                    .extend(events.iter().map(|e| e.external_id.clone()));
+                let column = |f: fn(&NewEvent) -> &str| events.iter().map(f).collect::<Vec<_>>();
+                let started = Instant::now();
+                let done = sqlx::query(PREVIOUS_RELEASE_INGEST)
+                    .bind(source)
+                    .bind(queue)
+                    .bind(column(|e| &e.external_id))
+                    .bind(column(|e| &e.idempotency_key))
+                    .bind(column(|e| &e.payload))
+                    .execute(store.pool())
+                    .await;
+                slowest = slowest.max(started.elapsed());
+                if let Err(err) = done {
+                    return anyhow::Ok((b, events, err, slowest));
+                }
+            }
+            unreachable!()
+        }
+    });
+    wait_for(
+        Duration::from_secs(30),
+        "the old worker ingests",
+        || async { Ok(produced.lock().unwrap().len() >= 400) },
+    )
+    .await?;
+    let migrating = Instant::now();
+    store.migrate().await?;
+    let migration = migrating.elapsed();
+    let (stopped_at, unstored, err, slowest) = old_worker.await??;
+    let code = err
+        .as_database_error()
+        .and_then(|db| db.code())
+        .map(|c| c.into_owned());
+    ensure!(
+        code.as_deref() == Some("42P10"),
+        "the old worker stops on the new layout: {err}"
+    );
+    // The new release: the old worker's last batch was never acknowledged, so it comes again.
+    ensure!(
+        ingest(&store, source, queue, Dedup::NativeId, &unstored)
+            .await?
+            .len()
+            == 40
+    );
+    for b in stopped_at + 1..stopped_at + 50 {
+        let events = batch(b);
+        produced
+            .lock()
+            .unwrap()
+            .extend(events.iter().map(|e| e.external_id.clone()));
+        let stored = ingest(&store, source, queue, Dedup::NativeId, &events).await?;
+        ensure!(
+            stored[20..].iter().all(|s| *s == Stored::Duplicate),
+            "a redelivery of an event from before the migration is a duplicate: {stored:?}"
+        );
+    }
+    let events = events_per_key(store.pool(), source).await?;
+    let todos = todos_per_key(store.pool(), queue).await?;
+    let produced = produced.lock().unwrap().clone();
+    ensure!(
+        events.len() >= OLD && events.values().all(|n| *n == 1),
+        "one event per message"
+    );
+    ensure!(
+        produced
+            .iter()
+            .all(|id| events.contains_key(id) && todos.get(&format!("{source}:{id}")) == Some(&1)),
+        "every message produced has its event and one todo"
+    );
+    ensure!(
+        todos.len() == events.len() && todos.values().all(|n| *n == 1),
+        "one todo per event"
+    );
+    eprintln!(
+        "{OLD} events filled in {filled:?}; migrated in {migration:?} (the longest lock: the \
+         migration's transaction); the old worker's slowest batch meanwhile {slowest:?}"
+    );
+
+    // Past the window (a second here), the old table is emptied, the partitions stay.
+    wait_for(Duration::from_secs(10), "a second passes", || async {
+        Ok(sqlx::query_scalar::<_, bool>(
+            "SELECT unpartitioned_until <= now() - interval '1 second' FROM event_storage",
+        )
+        .fetch_one(store.pool())
+        .await?)
+    })
+    .await?;
+    let done = store.maintain_events(Duration::from_secs(1), 1).await?;
+    ensure!(done.emptied_unpartitioned, "{done:?}");
+    let left: i64 = sqlx::query_scalar("SELECT count(*) FROM events_unpartitioned")
+        .fetch_one(store.pool())
+        .await?;
+    let kept: i64 = sqlx::query_scalar("SELECT count(*) FROM events")
+        .fetch_one(store.pool())
+        .await?;
+    ensure!(
+        left == 0 && kept > 0,
+        "old table {left} rows, partitions {kept}"
+    );
+    Ok(())
+}
