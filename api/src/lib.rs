@@ -195,6 +195,18 @@ pub struct Delivery {
     #[serde(default = "default_alert_oldest_seconds")]
     #[schemars(range(min = 1, max = 604800))]
     pub alert_oldest_seconds: u32,
+    /// Days a message's dedup marker is kept: a redelivery within this many days of the first
+    /// delivery never creates a second todo; past it, it may. Must cover the broker's longest
+    /// redelivery (SQS keeps a message at most 14 days; Kafka topics and JetStream streams as
+    /// their retention says). Default: the operator's (Helm value `storage.dedupWindowDays`,
+    /// 30). The events table is shared: the longest window of all adapters is kept.
+    #[serde(
+        default,
+        rename = "dedupWindowDays",
+        skip_serializing_if = "Option::is_none"
+    )]
+    #[schemars(range(min = 1, max = 3650))]
+    pub dedup_window_days: Option<u32>,
 }
 
 impl Default for Delivery {
@@ -205,6 +217,7 @@ impl Default for Delivery {
             claim_idle_seconds: default_claim_idle_seconds(),
             dead_letter: DeadLetter::default(),
             alert_oldest_seconds: default_alert_oldest_seconds(),
+            dedup_window_days: None,
         }
     }
 }

@@ -40,6 +40,7 @@ use crate::mirror::{MigratedStore, remove_orphan_rows};
 use crate::pods::{CannotStart, worker_cannot_start};
 use crate::runtime::refresh_runtime_status;
 use crate::status::{Outcome, READY, deployment_workers, desired_status};
+use crate::storage::{EventRetention, maintain_event_partitions};
 
 /// Held on every QueueAdapter until its `adapters` row is deleted.
 pub const FINALIZER: &str = "switchboard.dev/adapters-row";
@@ -82,6 +83,7 @@ pub struct Context {
     recorder: Recorder,
     /// A successful reconcile runs again after this long even without a change (drift repair).
     resync: Duration,
+    events: EventRetention,
     failures: Mutex<HashMap<String, Failures>>,
 }
 
@@ -105,8 +107,16 @@ impl Context {
             settings,
             metrics,
             resync,
+            events: EventRetention::default(),
             failures: Mutex::default(),
         }
+    }
+
+    /// Keeps dedup markers as `events` says (default: [`EventRetention::default`]).
+    #[must_use]
+    pub fn with_event_retention(mut self, events: EventRetention) -> Self {
+        self.events = events;
+        self
     }
 
     async fn publish(&self, adapter: &QueueAdapter, type_: EventType, reason: &str, note: String) {
@@ -527,6 +537,12 @@ pub async fn run_controller(ctx: Arc<Context>, stop: CancellationToken) {
         ctx.resync,
         stop.clone(),
     ));
+    let events = tokio::spawn(maintain_event_partitions(
+        ctx.store.clone(),
+        ctx.events,
+        ctx.metrics.clone(),
+        stop.clone(),
+    ));
     controller
         .owns(Api::<Deployment>::all(client.clone()), managed.clone())
         .owns(Api::<ConfigMap>::all(client.clone()), managed.clone())
@@ -548,6 +564,7 @@ pub async fn run_controller(ctx: Arc<Context>, stop: CancellationToken) {
         .await;
     let _ = runtime.await;
     let _ = sweeper.await;
+    let _ = events.await;
 }
 
 #[cfg(test)]

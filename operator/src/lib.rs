@@ -21,6 +21,7 @@ mod pods;
 pub mod probes;
 pub mod runtime;
 pub mod status;
+pub mod storage;
 pub mod worker_traces;
 
 use std::net::SocketAddr;
@@ -42,6 +43,7 @@ use crate::lease::{LeaderElector, LeaseError, LeaseSettings};
 use crate::metrics::Metrics;
 use crate::mirror::MigratedStore;
 use crate::probes::OperatorProbes;
+use crate::storage::EventRetention;
 
 /// The worker image used when neither the flag nor the spec names one: this operator's version.
 pub const DEFAULT_WORKER_IMAGE: &str = concat!(
@@ -85,6 +87,8 @@ pub struct RunOptions {
     pub database_url: String,
     /// How often every adapter is reconciled again without a change, and orphan rows swept.
     pub resync: std::time::Duration,
+    /// How long dedup markers are kept; how often their partitions are maintained.
+    pub events: EventRetention,
 }
 
 /// First SIGTERM/SIGINT cancels `shutdown`.
@@ -128,14 +132,17 @@ pub async fn run(options: RunOptions) -> Result<(), OperatorError> {
         .await
         .map_err(OperatorError::Database)?;
     let client = Client::try_default().await.map_err(OperatorError::Client)?;
-    let ctx = Arc::new(Context::new(
-        client.clone(),
-        MigratedStore::new(store),
-        options.worker,
-        metrics.clone(),
-        &options.identity,
-        options.resync,
-    ));
+    let ctx = Arc::new(
+        Context::new(
+            client.clone(),
+            MigratedStore::new(store),
+            options.worker,
+            metrics.clone(),
+            &options.identity,
+            options.resync,
+        )
+        .with_event_retention(options.events),
+    );
     ready.store(true, Ordering::Relaxed);
 
     let result = match options.leader_election {

@@ -8,6 +8,7 @@ use switchboard_operator::build::WorkerSettings;
 use switchboard_operator::database_ca::DefaultCa;
 use switchboard_operator::lease::{LeaseSettings, unique_identity};
 use switchboard_operator::pod_template::PodDefaults;
+use switchboard_operator::storage::{DEFAULT_DEDUP_WINDOW_DAYS, EventRetention};
 use switchboard_operator::worker_traces::WorkerTraces;
 use switchboard_operator::{DEFAULT_WORKER_IMAGE, ErrorChain, RunOptions, crd_yaml, run};
 
@@ -120,6 +121,15 @@ struct RunArgs {
     #[arg(long, env = "SWITCHBOARD_RESYNC_INTERVAL", default_value = "5m",
           value_parser = humantime::parse_duration)]
     resync_interval: Duration,
+    /// Days a message's dedup marker is kept (an adapter's spec.delivery.dedupWindowDays may
+    /// ask for longer); older events are dropped with their partition.
+    #[arg(long, env = "SWITCHBOARD_DEDUP_WINDOW_DAYS", default_value_t = DEFAULT_DEDUP_WINDOW_DAYS,
+          value_parser = clap::value_parser!(u32).range(1..=3650))]
+    dedup_window_days: u32,
+    /// How often the events table's partitions are created ahead and dropped behind.
+    #[arg(long, env = "SWITCHBOARD_STORAGE_MAINTENANCE_INTERVAL", default_value = "1h",
+          value_parser = humantime::parse_duration)]
+    storage_maintenance_interval: Duration,
     /// Address of the /healthz, /readyz and /metrics server.
     #[arg(long, env = "SWITCHBOARD_METRICS_ADDR", default_value = "0.0.0.0:8080")]
     metrics_addr: SocketAddr,
@@ -168,6 +178,10 @@ impl RunArgs {
             metrics_addr: self.metrics_addr,
             database_url: self.database_url,
             resync: self.resync_interval,
+            events: EventRetention {
+                window_days: self.dedup_window_days,
+                every: self.storage_maintenance_interval,
+            },
         }
     }
 }

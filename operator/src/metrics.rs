@@ -121,6 +121,9 @@ pub struct Metrics {
     pub leader: Gauge,
     workers: Family<WorkersLabels, Gauge>,
     ready: Family<AdapterLabels, Gauge>,
+    event_partitions: Gauge,
+    events_maintained: Gauge,
+    events_maintenance_failures: Counter,
 }
 
 impl Metrics {
@@ -169,6 +172,24 @@ impl Metrics {
             "1 while the QueueAdapter's Ready condition is True, else 0",
             Family::default(),
         );
+        let event_partitions = register(
+            r,
+            "event_partitions",
+            "Partitions of the events table after the last maintenance run",
+            Gauge::default(),
+        );
+        let events_maintained = register(
+            r,
+            "events_maintained_timestamp_seconds",
+            "When the events partitions were last maintained (Unix time); 0 before the first run",
+            Gauge::default(),
+        );
+        let events_maintenance_failures = register(
+            r,
+            "events_maintenance_failures",
+            "Runs of the events partitions' maintenance that failed",
+            Counter::default(),
+        );
         Self {
             registry,
             reconciliations,
@@ -177,7 +198,26 @@ impl Metrics {
             leader,
             workers,
             ready,
+            event_partitions,
+            events_maintained,
+            events_maintenance_failures,
         }
+    }
+
+    /// Records a successful maintenance run of the events partitions.
+    pub fn events_maintained(&self, partitions: usize) {
+        self.event_partitions
+            .set(i64::try_from(partitions).unwrap_or(i64::MAX));
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |since| since.as_secs());
+        self.events_maintained
+            .set(i64::try_from(now).unwrap_or(i64::MAX));
+    }
+
+    /// Records a failed maintenance run of the events partitions.
+    pub fn events_maintenance_failed(&self) {
+        self.events_maintenance_failures.inc();
     }
 
     /// Records whether `adapter`'s Ready condition is True.

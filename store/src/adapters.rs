@@ -98,4 +98,16 @@ impl Store {
                 .map_err(StoreError::classify)?;
         Ok(result.rows_affected() > 0)
     }
+
+    /// The longest `delivery.dedupWindowDays` any queue adapter's row asks for, if any does.
+    pub async fn longest_dedup_window_days(&self) -> Result<Option<u32>, StoreError> {
+        let days: Option<i64> = sqlx::query_scalar(
+            "SELECT max((config #>> '{delivery,dedupWindowDays}')::bigint) FROM adapters \
+             WHERE family = 'queue'",
+        )
+        .fetch_one(&self.pool)
+        .await
+        .map_err(StoreError::classify)?;
+        Ok(days.and_then(|d| u32::try_from(d).ok()))
+    }
 }

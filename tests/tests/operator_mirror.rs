@@ -195,3 +195,83 @@ async fn a_re_created_adapter_gets_its_own_row_orphans_are_swept_and_hand_edits_
     wait_mirrored(&env, "a", "the row deleted by hand is back", restored).await?;
     Ok(())
 }
+
+/// The leader maintains the events partitions: the next days' exist, a partition whose events
+/// are all older than the longest dedup window (here an adapter's 36 days, above the operator's
+/// default 30) is dropped, one inside it is kept; the metrics say when and how many.
+#[tokio::test]
+async fn the_leader_keeps_event_partitions_for_the_longest_dedup_window() -> Result<()> {
+    let env = OperatorEnv::start().await?;
+    let pool = env.fixture.pool().clone();
+    let operator =
+        env.start_operator("operator-a", &["--storage-maintenance-interval", "300ms"])?;
+    env.apply_adapter(&adapter_manifest(
+        "orders",
+        "  delivery: {dedupWindowDays: 36}\n",
+    ))
+    .await?;
+    wait_for(OPERATOR_TIMEOUT, "the adapter's row", || async {
+        Ok(row(&env.fixture).await?.is_some())
+    })
+    .await?;
+    // Partitions of events that arrived 40 and 35 days ago (an installation running for weeks).
+    for days in [40, 35] {
+        sqlx::query("SELECT switchboard_add_event_partition(now() - make_interval(days => $1))")
+            .bind(days)
+            .execute(&pool)
+            .await?;
+    }
+    let exists = async |days: i32| -> Result<bool> {
+        Ok(sqlx::query_scalar(
+            "SELECT EXISTS (SELECT 1 FROM event_partitions \
+             WHERE lower <= now() - make_interval(days => $1) \
+               AND now() - make_interval(days => $1) < upper)",
+        )
+        .bind(days)
+        .fetch_one(&pool)
+        .await?)
+    };
+    wait_for(
+        OPERATOR_TIMEOUT,
+        "the 40-day-old partition is dropped",
+        || async { Ok(!exists(40).await?) },
+    )
+    .await
+    .with_context(|| operator.log_tail())?;
+    let maintained = operator
+        .metric_sum("switchboard_operator_events_maintained_timestamp_seconds")
+        .await?;
+    wait_for(OPERATOR_TIMEOUT, "two more maintenance runs", || async {
+        Ok(operator
+            .metric_sum("switchboard_operator_events_maintained_timestamp_seconds")
+            .await?
+            >= maintained + 1.0)
+    })
+    .await?;
+    ensure!(
+        exists(35).await?,
+        "inside the adapter's 36-day window: kept"
+    );
+    for days in 0..=3 {
+        ensure!(
+            exists(-days).await?,
+            "the partition {days} days ahead exists"
+        );
+    }
+    let partitions: i64 = sqlx::query_scalar("SELECT count(*) FROM event_partitions")
+        .fetch_one(&pool)
+        .await?;
+    ensure!(
+        operator
+            .metric_sum("switchboard_operator_event_partitions")
+            .await?
+            == partitions as f64
+    );
+    ensure!(
+        operator
+            .metric_sum("switchboard_operator_events_maintenance_failures_total")
+            .await?
+            == 0.0
+    );
+    Ok(())
+}
