@@ -179,10 +179,19 @@ async fn chaos_worker_and_broker_kills<B: BrokerFixture>() -> Result<()> {
     Ok(())
 }
 
-/// A crash after the commit and before the acknowledgement: the redelivery is a duplicate.
-async fn crash_between_commit_and_ack<B: BrokerFixture>() -> Result<()> {
+/// A crash after the commit and before the acknowledgement: the redelivery is a duplicate
+/// (`rotate`: arriving in a later partition of `events` than the first delivery).
+async fn crash_between_commit_and_ack<B: BrokerFixture>(rotate: bool) -> Result<()> {
     const TOTAL: usize = 300;
     let contract = Contract::<B>::start("crash").await?;
+    if rotate {
+        // Partitions of a second: the redeliveries arrive in later ones.
+        contract
+            .fx
+            .store
+            .set_event_partitioning(Duration::from_secs(1), Duration::from_secs(600))
+            .await?;
+    }
     let manifest = contract.manifest("batchSize: 50", "")?;
     contract.produce(bodies(0..TOTAL)).await?;
     contract
@@ -191,6 +200,23 @@ async fn crash_between_commit_and_ack<B: BrokerFixture>() -> Result<()> {
         .await?;
     let committed = contract.todos().await?;
     ensure!(committed > 0, "the crashed worker committed a batch");
+    if rotate {
+        let pool = contract.fx.pool();
+        wait_for(
+            LONG,
+            "the committed batch's partition has rotated",
+            || async {
+                Ok(sqlx::query_scalar::<_, bool>(
+                    "SELECT now() >= p.upper FROM event_partitions p \
+                 WHERE p.lower <= (SELECT max(received_at) FROM events) \
+                   AND (SELECT max(received_at) FROM events) < p.upper",
+                )
+                .fetch_one(pool)
+                .await?)
+            },
+        )
+        .await?;
+    }
     let worker = contract.fx.worker(&manifest, "survivor")?;
     contract.wait_settled(TOTAL as i64, &worker).await?;
     contract.assert_exactly_once(TOTAL as i64).await?;
@@ -204,7 +230,17 @@ async fn crash_between_commit_and_ack<B: BrokerFixture>() -> Result<()> {
             )
         },
     )
-    .await
+    .await?;
+    if rotate {
+        let partitions: i64 = sqlx::query_scalar("SELECT count(DISTINCT tableoid) FROM events")
+            .fetch_one(contract.fx.pool())
+            .await?;
+        ensure!(
+            partitions >= 2,
+            "the redeliveries came in a later partition: {partitions}"
+        );
+    }
+    Ok(())
 }
 
 /// Poison is dead-lettered at once, byte-identical, while the rest of its batch is stored.
@@ -928,7 +964,12 @@ macro_rules! contract_suite {
 
             #[tokio::test]
             async fn crash_between_commit_and_ack_leaves_exactly_one_todo_per_message() -> Result<()> {
-                crash_between_commit_and_ack::<$broker>().await
+                crash_between_commit_and_ack::<$broker>(false).await
+            }
+
+            #[tokio::test]
+            async fn redelivery_after_its_partition_rotated_is_a_duplicate() -> Result<()> {
+                crash_between_commit_and_ack::<$broker>(true).await
             }
 
             #[tokio::test]
