@@ -36,6 +36,7 @@ use table::{Stat, Table, print_efficiency, print_table, verdict};
 
 mod amqp;
 mod broker;
+mod growth;
 mod idle;
 mod kafka;
 mod measure;
@@ -92,6 +93,8 @@ struct Args {
     idle: idle::IdleArgs,
     #[command(flatten)]
     traced: traced::TraceArgs,
+    #[command(flatten)]
+    growth: growth::GrowthArgs,
 }
 
 /// How long any one phase may take before the bench gives up.
@@ -240,6 +243,34 @@ impl Bench {
         Ok(PhaseDatabase { name, url, store })
     }
 
+    /// A fresh database migrated only up to (not including) migration `version`: the layout of
+    /// an earlier release.
+    async fn fresh_database_before(
+        &mut self,
+        version: i64,
+        connections: u32,
+    ) -> Result<PhaseDatabase> {
+        self.databases_created += 1;
+        let name = format!("bench_{}", self.databases_created);
+        sqlx::query(&format!("CREATE DATABASE {name}"))
+            .execute(self.fx.pool())
+            .await?;
+        let url = self.fx.postgres.url_for(&name);
+        let store = Store::connect(&url, connections, "switchboard-bench").await?;
+        let mut earlier =
+            sqlx::migrate::Migrator::new(switchboard_tests::servers::workspace_path("migrations"))
+                .await?;
+        earlier.migrations = earlier
+            .migrations
+            .iter()
+            .filter(|m| m.version < version)
+            .cloned()
+            .collect::<Vec<_>>()
+            .into();
+        earlier.run(store.pool()).await?;
+        Ok(PhaseDatabase { name, url, store })
+    }
+
     async fn drop_database(&self, database: PhaseDatabase) -> Result<()> {
         database.store.pool().close().await;
         sqlx::query(&format!("DROP DATABASE {} WITH (FORCE)", database.name))
@@ -264,13 +295,26 @@ impl Bench {
         batch_size: usize,
         extra_env: &[(&str, &str)],
     ) -> Result<WorkerProcess> {
+        self.start_worker_with(database, mode, name, batch_size, "", extra_env)
+    }
+
+    /// [`Bench::start_worker`] with `payload` as the body of `spec.payload`.
+    fn start_worker_with(
+        &self,
+        database: &PhaseDatabase,
+        mode: Mode,
+        name: &str,
+        batch_size: usize,
+        payload: &str,
+        extra_env: &[(&str, &str)],
+    ) -> Result<WorkerProcess> {
         let manifest = self.fx.manifest(
             &format!("{name}.yaml"),
             &adapter_manifest(
                 name,
                 &mode.source(name),
                 &format!("batchSize: {batch_size}"),
-                "",
+                payload,
             ),
         )?;
         WorkerProcess::start_binary(
@@ -513,6 +557,11 @@ async fn run(args: Args) -> Result<()> {
     let mut bench = Bench::start(args).await?;
     let repeats = bench.args.repeats;
     let mut table = Table::default();
+    if bench.args.growth.growth_only {
+        bench.growth().await?;
+        println!("bench took {:.0} s", started.elapsed().as_secs_f64());
+        return Ok(());
+    }
     let mut latencies = Vec::new();
     for number in 1..=repeats {
         let round_started = Instant::now();
@@ -619,6 +668,7 @@ async fn run(args: Args) -> Result<()> {
     if collector.is_some() {
         traced::print_verdicts(&table)?;
     }
+    bench.growth().await?;
     let idle = bench.args.idle.clone();
     bench.idle_cost(&idle, &mut brokers).await?;
     println!();

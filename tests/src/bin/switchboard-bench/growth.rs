@@ -1,0 +1,443 @@
+//! The growth row: the worker's throughput into an events table that already holds
+//! `--growth-rows` events (half with random keys, half with monotonic ones, arrived over the
+//! dedup window's 30 daily partitions) against an empty one — with monotonic keys (Redis stream
+//! entry ids) and with random ones (CloudEvents ids, UUIDv4, as SQS MessageIds are). Beside it
+//! the previous release's layout (one table, one unique B-tree), which the worker no longer
+//! writes: the bench drives it with that release's batch statement, and the current layout
+//! with the current one, for the same ratio. One run of each: a fill takes minutes.
+
+use std::time::Instant;
+
+use anyhow::{Result, ensure};
+use switchboard_store::{Dedup, IngestBatch, NewEvent};
+
+use crate::measure::{CpuSpent, Measurement, status_kib};
+use crate::table::{Table, print_table, verdict};
+use crate::{Bench, Mode, PhaseDatabase, order_body, seconds_in_store, stop_worker, wait_acked};
+
+#[derive(Debug, Clone, clap::Args)]
+pub(crate) struct GrowthArgs {
+    /// Events already in the table for the growth row (0 skips it).
+    #[arg(long, default_value_t = 50_000_000)]
+    pub(crate) growth_rows: u64,
+    /// Run the growth row only.
+    #[arg(long)]
+    pub(crate) growth_only: bool,
+}
+
+/// The days the filled events arrived over (the default dedup window).
+const FILL_DAYS: i32 = 30;
+
+/// Events one fill statement inserts.
+const FILL_CHUNK: u64 = 1_000_000;
+
+/// The kinds of keys, each read by an adapter of its own.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Keys {
+    /// Redis stream entry ids: every insert at the right end of the index.
+    Monotonic,
+    /// CloudEvents ids (UUIDv4) on a Redis stream with `envelope: cloudevents`: every insert on
+    /// a random index page.
+    Random,
+}
+
+impl Keys {
+    const ALL: [Keys; 2] = [Keys::Monotonic, Keys::Random];
+
+    fn adapter(self) -> &'static str {
+        match self {
+            Keys::Monotonic => "growth-stream",
+            Keys::Random => "growth-random",
+        }
+    }
+
+    fn label(self) -> &'static str {
+        match self {
+            Keys::Monotonic => "stream ids",
+            Keys::Random => "random ids",
+        }
+    }
+
+    fn payload(self) -> &'static str {
+        match self {
+            Keys::Monotonic => "",
+            Keys::Random => "envelope: cloudevents",
+        }
+    }
+
+    fn source(self) -> String {
+        format!("redis:test/{}", self.adapter())
+    }
+
+    /// The external id the worker stores for message `i` (random: a fresh UUIDv4).
+    fn external_id(self, i: usize) -> String {
+        match self {
+            Keys::Monotonic => format!("1800000000000-{i}"),
+            Keys::Random => format!("ce:urn:bench:{}", uuid_v4()),
+        }
+    }
+
+    /// The body the producer sends for message `i` with key `external_id`.
+    fn body(self, i: usize, external_id: &str) -> Vec<u8> {
+        match self {
+            Keys::Monotonic => order_body(i),
+            Keys::Random => {
+                let id = external_id.trim_start_matches("ce:urn:bench:");
+                let data = String::from_utf8_lossy(&order_body(i)).into_owned();
+                format!(
+                    r#"{{"specversion":"1.0","id":"{id}","source":"urn:bench","type":"order.created","data":{data}}}"#
+                )
+                .into_bytes()
+            }
+        }
+    }
+
+    /// Fills `$2` events of source `$1` starting at number `$3`, arrived over the last
+    /// [`FILL_DAYS`] days (monotonic keys in arrival order, random keys at random times).
+    fn fill_sql(self) -> &'static str {
+        match self {
+            Keys::Monotonic => {
+                "INSERT INTO events (source, external_id, payload, received_at) \
+                 SELECT $1, (1700000000000 + n) || '-0', \
+                        jsonb_build_object('order', n, 'customer', 'customer-' || n % 997, \
+                                           'amount_cents', 100 + n % 10000, 'currency', 'EUR'), \
+                        now() - make_interval(days => $4) \
+                          + make_interval(days => $4) * (n::float8 / $5::float8) \
+                 FROM generate_series($3::bigint, $3::bigint + $2::bigint - 1) AS n"
+            }
+            Keys::Random => {
+                "INSERT INTO events (source, external_id, payload, received_at) \
+                 SELECT $1, 'ce:urn:bench:' || gen_random_uuid(), \
+                        jsonb_build_object('order', n, 'customer', 'customer-' || n % 997, \
+                                           'amount_cents', 100 + n % 10000, 'currency', 'EUR'), \
+                        now() - make_interval(days => $4) * random() \
+                 FROM generate_series($3::bigint, $3::bigint + $2::bigint - 1) AS n \
+                 WHERE $5::bigint > 0" // (the same parameters as the monotonic fill)
+            }
+        }
+    }
+}
+
+/// A random UUIDv4 in its text form.
+fn uuid_v4() -> String {
+    let hex = format!("{:016x}{:016x}", fastrand::u64(..), fastrand::u64(..));
+    format!(
+        "{}-{}-4{}-{}{}-{}",
+        &hex[0..8],
+        &hex[8..12],
+        &hex[13..16],
+        ["8", "9", "a", "b"][fastrand::usize(..4)],
+        &hex[17..20],
+        &hex[20..32]
+    )
+}
+
+/// The previous release's batch statement (before partitioning: one unique B-tree).
+const PREVIOUS_RELEASE_INGEST: &str = r#"
+WITH input AS (
+    SELECT * FROM unnest($3::text[], $4::text[], $5::text[])
+                  WITH ORDINALITY AS t(external_id, idempotency_key, payload, ord)
+), new_events AS (
+    INSERT INTO events (source, external_id, payload)
+    SELECT $1, external_id, payload::jsonb FROM input ORDER BY ord
+    ON CONFLICT (source, external_id) DO NOTHING
+    RETURNING id, external_id, payload
+)
+INSERT INTO todos (queue, idempotency_key, event_id, payload)
+SELECT $2, input.idempotency_key, new_events.id, new_events.payload
+FROM new_events JOIN input USING (external_id)
+ON CONFLICT (queue, idempotency_key) WHERE status IN ('pending', 'claimed') DO NOTHING
+"#;
+
+/// Which layout a database has.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Layout {
+    Partitioned,
+    Previous,
+}
+
+impl Bench {
+    /// The growth rows (a table of their own) and their verdict.
+    pub(crate) async fn growth(&mut self) -> Result<()> {
+        let rows = self.args.growth.growth_rows;
+        if rows == 0 {
+            println!("growth row: skipped (--growth-rows 0)");
+            return Ok(());
+        }
+        let mut table = Table::default();
+        for layout in [Layout::Partitioned, Layout::Previous] {
+            let empty = self.growth_database(layout, 0).await?;
+            let mut runs = self.growth_runs(layout, &empty, "empty").await?;
+            self.drop_database(empty).await?;
+            let full = self.growth_database(layout, rows).await?;
+            runs.extend(self.growth_runs(layout, &full, &existing(rows)).await?);
+            self.drop_database(full).await?;
+            for run in runs {
+                table.add(run);
+            }
+        }
+        println!();
+        print_table(&table);
+        println!();
+        println!(
+            "growth: {} existing events (half random, half monotonic keys)",
+            existing(rows)
+        );
+        for keys in Keys::ALL {
+            for (client, prefix) in [("worker", "growth worker"), ("raw", "growth raw")] {
+                let empty = table.row(&format!("{prefix} {} empty", keys.label()));
+                let full = table.row(&format!("{prefix} {} {}", keys.label(), existing(rows)));
+                if let (Ok(empty), Ok(full)) = (empty, full) {
+                    let ratio = full.ratio_to(empty);
+                    let target = client == "worker" && keys == Keys::Random;
+                    println!(
+                        "{prefix} {} {} / empty: {:>10}%{}",
+                        keys.label(),
+                        existing(rows),
+                        ratio.show(1, 100.0),
+                        if target {
+                            format!("  target >= 90%    {}", verdict(ratio.median >= 0.9))
+                        } else {
+                            String::new()
+                        }
+                    );
+                }
+            }
+            let empty = table.row(&format!("growth previous layout {} empty", keys.label()));
+            let full = table.row(&format!(
+                "growth previous layout {} {}",
+                keys.label(),
+                existing(rows)
+            ));
+            if let (Ok(empty), Ok(full)) = (empty, full) {
+                println!(
+                    "growth previous layout (raw) {} {} / empty: {:>10}%",
+                    keys.label(),
+                    existing(rows),
+                    full.ratio_to(empty).show(1, 100.0)
+                );
+            }
+        }
+        Ok(())
+    }
+
+    /// A fresh database of `layout` holding `rows` events, half of each key kind, under the
+    /// sources of the growth adapters; prints the fill's time and bytes per event.
+    async fn growth_database(&mut self, layout: Layout, rows: u64) -> Result<PhaseDatabase> {
+        let database = match layout {
+            Layout::Partitioned => self.fresh_database(4).await?,
+            Layout::Previous => self.fresh_database_before(9, 4).await?,
+        };
+        if rows == 0 {
+            return Ok(database);
+        }
+        let pool = database.store.pool();
+        if layout == Layout::Partitioned {
+            sqlx::query(
+                "SELECT switchboard_add_event_partition(now() - make_interval(days => d)) \
+                 FROM generate_series(0, $1) AS d",
+            )
+            .bind(FILL_DAYS)
+            .execute(pool)
+            .await?;
+        }
+        let started = Instant::now();
+        let mut fills = tokio::task::JoinSet::new();
+        for keys in Keys::ALL {
+            let (pool, half) = (pool.clone(), rows / 2);
+            fills.spawn(async move {
+                let mut first = 0;
+                while first < half {
+                    let chunk = FILL_CHUNK.min(half - first);
+                    sqlx::query(keys.fill_sql())
+                        .bind(keys.source())
+                        .bind(i64::try_from(chunk)?)
+                        .bind(i64::try_from(first)?)
+                        .bind(FILL_DAYS)
+                        .bind(i64::try_from(half)?)
+                        .execute(&pool)
+                        .await?;
+                    first += chunk;
+                }
+                anyhow::Ok(())
+            });
+        }
+        while let Some(filled) = fills.join_next().await {
+            filled??;
+        }
+        sqlx::query("VACUUM ANALYZE").execute(pool).await?;
+        sqlx::query("CHECKPOINT").execute(self.fx.pool()).await?;
+        let bytes: i64 = sqlx::query_scalar(match layout {
+            Layout::Partitioned => {
+                "SELECT sum(pg_total_relation_size(name::regclass))::bigint FROM event_partitions"
+            }
+            Layout::Previous => "SELECT pg_total_relation_size('events')",
+        })
+        .fetch_one(pool)
+        .await?;
+        println!(
+            "growth: filled {} events ({layout:?} layout) in {:.0} s: {:.0} bytes per event \
+             (heap, index, TOAST)",
+            existing(rows),
+            started.elapsed().as_secs_f64(),
+            bytes as f64 / rows as f64
+        );
+        Ok(database)
+    }
+
+    /// The growth runs on `database`: the worker per key kind (current layout), and the raw
+    /// loop with the layout's own statement for random and monotonic keys.
+    async fn growth_runs(
+        &mut self,
+        layout: Layout,
+        database: &PhaseDatabase,
+        state: &str,
+    ) -> Result<Vec<Measurement>> {
+        let mut runs = Vec::new();
+        for keys in Keys::ALL {
+            if layout == Layout::Partitioned {
+                runs.push(self.growth_worker(database, keys, state).await?);
+            }
+            runs.push(self.growth_raw(layout, database, keys, state).await?);
+        }
+        Ok(runs)
+    }
+
+    /// The worker draining `--entries` messages of `keys` into `database`.
+    async fn growth_worker(
+        &mut self,
+        database: &PhaseDatabase,
+        keys: Keys,
+        state: &str,
+    ) -> Result<Measurement> {
+        let entries = self.args.entries;
+        let name = format!("{}-{}", keys.adapter(), self.databases_created);
+        let bodies = (0..entries).map(|i| keys.body(i, &keys.external_id(i)));
+        Mode::Stream.preload(&self.fx, &name, bodies)?;
+        let before = self.cpu_snapshot();
+        let started = Instant::now();
+        let worker = self.start_worker_with(
+            database,
+            Mode::Stream,
+            &name,
+            self.args.batch_size,
+            keys.payload(),
+            &[],
+        )?;
+        wait_acked(&worker, &name, entries).await?;
+        let elapsed = started.elapsed();
+        let cpu = self.cpu_since(before, Some(worker.pid()));
+        let peak_rss_kib = status_kib(worker.pid(), "VmHWM");
+        let store_share = Some(seconds_in_store(&worker, &name)? / elapsed.as_secs_f64());
+        stop_worker(worker)?;
+        let (todos, distinct): (i64, i64) = sqlx::query_as(
+            "SELECT count(*), count(DISTINCT idempotency_key) FROM todos WHERE queue = $1",
+        )
+        .bind(&name)
+        .fetch_one(database.store.pool())
+        .await?;
+        let expected = i64::try_from(entries)?;
+        ensure!(
+            todos == expected && distinct == expected,
+            "{name}: {todos} todos, {distinct} keys, expected {expected}"
+        );
+        Mode::Stream.ensure_drained(&self.fx, &name)?;
+        Ok(Measurement {
+            name: format!("growth worker {} {state}", keys.label()),
+            messages: entries,
+            elapsed,
+            cpu,
+            peak_rss_kib,
+            store_share,
+        })
+    }
+
+    /// The bench writing `--entries` messages of `keys` in batches with the layout's own
+    /// statement, one connection: the same client for both layouts.
+    async fn growth_raw(
+        &mut self,
+        layout: Layout,
+        database: &PhaseDatabase,
+        keys: Keys,
+        state: &str,
+    ) -> Result<Measurement> {
+        let (entries, batch_size) = (self.args.entries, self.args.batch_size);
+        let source = format!("{}-raw", keys.source());
+        let queue = format!("raw-{}-{}", keys.adapter(), self.databases_created);
+        let events: Vec<NewEvent> = (0..entries)
+            .map(|i| {
+                let external_id = keys.external_id(i);
+                NewEvent {
+                    idempotency_key: format!("{source}:{external_id}"),
+                    external_id,
+                    payload: String::from_utf8_lossy(&order_body(i)).into_owned(),
+                    headers: "{}".to_owned(),
+                    traceparent: None,
+                    tracestate: None,
+                }
+            })
+            .collect();
+        let pool = database.store.pool();
+        let before = self.cpu_snapshot();
+        let started = Instant::now();
+        for batch in events.chunks(batch_size) {
+            match layout {
+                Layout::Partitioned => {
+                    database
+                        .store
+                        .ingest_batch(&IngestBatch {
+                            source: &source,
+                            queue: &queue,
+                            dedup: Dedup::NativeId,
+                            positions: &[],
+                            events: batch,
+                        })
+                        .await?;
+                }
+                Layout::Previous => {
+                    let column =
+                        |f: fn(&NewEvent) -> &str| batch.iter().map(f).collect::<Vec<&str>>();
+                    sqlx::query(PREVIOUS_RELEASE_INGEST)
+                        .bind(&source)
+                        .bind(&queue)
+                        .bind(column(|e| &e.external_id))
+                        .bind(column(|e| &e.idempotency_key))
+                        .bind(column(|e| &e.payload))
+                        .execute(pool)
+                        .await?;
+                }
+            }
+        }
+        let elapsed = started.elapsed();
+        let cpu: CpuSpent = self.cpu_since(before, None);
+        let todos: i64 = sqlx::query_scalar("SELECT count(*) FROM todos WHERE queue = $1")
+            .bind(&queue)
+            .fetch_one(pool)
+            .await?;
+        ensure!(
+            todos == i64::try_from(entries)?,
+            "{queue}: {todos} todos, expected {entries}"
+        );
+        let prefix = match layout {
+            Layout::Partitioned => "growth raw",
+            Layout::Previous => "growth previous layout",
+        };
+        Ok(Measurement {
+            name: format!("{prefix} {} {state}", keys.label()),
+            messages: entries,
+            elapsed,
+            cpu,
+            peak_rss_kib: None,
+            store_share: None,
+        })
+    }
+}
+
+/// `50M existing`, `2M existing`, …
+fn existing(rows: u64) -> String {
+    if rows >= 1_000_000 && rows.is_multiple_of(1_000_000) {
+        format!("{}M existing", rows / 1_000_000)
+    } else {
+        format!("{rows} existing")
+    }
+}
