@@ -28,6 +28,26 @@ use crate::servers::{Postgres, Redis};
 use crate::wait::wait_for;
 use crate::worker::{WorkerEnv, WorkerProcess, killed_by};
 
+/// Makes every partition of `events` hold `interval` (and an ingest's statement timeout at most
+/// `grace`): drops the partitions there are (the migration's holds a day; they must be empty)
+/// so that the next ingest creates a short one.
+pub async fn short_event_partitions(
+    store: &Store,
+    interval: Duration,
+    grace: Duration,
+) -> Result<()> {
+    store.set_event_partitioning(interval, grace).await?;
+    for name in sqlx::query_scalar::<_, String>("DELETE FROM event_partitions RETURNING name")
+        .fetch_all(store.pool())
+        .await?
+    {
+        sqlx::query(&format!("DROP TABLE \"{name}\""))
+            .execute(store.pool())
+            .await?;
+    }
+    Ok(())
+}
+
 /// PostgreSQL (migrated) + Redis + a scratch directory, for one test.
 #[derive(Debug)]
 pub struct Fixture {

@@ -14,7 +14,7 @@ use switchboard_tests::otel::{Collector, SpanKind};
 use switchboard_tests::proxy::CuttingProxy;
 use switchboard_tests::wait::wait_for;
 use switchboard_tests::worker::WorkerProcess;
-use switchboard_tests::{Fixture, source_manifest};
+use switchboard_tests::{Fixture, short_event_partitions, source_manifest};
 
 const LONG: Duration = Duration::from_secs(180);
 
@@ -186,11 +186,12 @@ async fn crash_between_commit_and_ack<B: BrokerFixture>(rotate: bool) -> Result<
     let contract = Contract::<B>::start("crash").await?;
     if rotate {
         // Partitions of a second: the redeliveries arrive in later ones.
-        contract
-            .fx
-            .store
-            .set_event_partitioning(Duration::from_secs(1), Duration::from_secs(600))
-            .await?;
+        short_event_partitions(
+            &contract.fx.store,
+            Duration::from_secs(1),
+            Duration::from_secs(600),
+        )
+        .await?;
     }
     let manifest = contract.manifest("batchSize: 50", "")?;
     contract.produce(bodies(0..TOTAL)).await?;

@@ -13,6 +13,7 @@ use anyhow::{Context, Result, ensure};
 use sqlx::PgPool;
 use switchboard_store::{Dedup, IngestBatch, NewEvent, Store, StoreError, Stored};
 use switchboard_tests::servers::Postgres;
+use switchboard_tests::short_event_partitions;
 use switchboard_tests::wait::wait_for;
 
 /// A migrated database whose partitions hold `interval` each, and a store for the ingesters
@@ -21,16 +22,8 @@ async fn partitioned(interval: Duration, grace: Duration) -> Result<(Postgres, S
     let postgres = Postgres::start()?;
     let store = ingester(&postgres, grace).await?;
     store.migrate().await?;
-    store.set_event_partitioning(interval, grace).await?;
     // The partition the migration created is a day long: start from short ones.
-    for name in sqlx::query_scalar::<_, String>("DELETE FROM event_partitions RETURNING name")
-        .fetch_all(store.pool())
-        .await?
-    {
-        sqlx::query(&format!("DROP TABLE \"{name}\""))
-            .execute(store.pool())
-            .await?;
-    }
+    short_event_partitions(&store, interval, grace).await?;
     Ok((postgres, store))
 }
 
