@@ -723,3 +723,59 @@ async fn a_million_unpartitioned_events_are_migrated_while_a_worker_ingests() ->
     );
     Ok(())
 }
+
+/// Partitions are insert-only: autovacuum visits them (vacuum on inserts, PostgreSQL 13+) and
+/// analyzes them; they hold no dead rows (retention drops them whole, nothing deletes).
+#[tokio::test]
+async fn autovacuum_vacuums_and_analyzes_insert_only_partitions_which_hold_no_dead_rows() -> Result<()>
+{
+    let postgres = Postgres::start_with(&[
+        ("fsync", "off"),
+        ("synchronous_commit", "off"),
+        ("autovacuum_naptime", "1s"),
+    ])?;
+    let store = ingester(&postgres, Duration::from_secs(1)).await?;
+    store.migrate().await?;
+    short_event_partitions(&store, Duration::from_secs(3600), Duration::from_secs(1)).await?;
+    for batch in 0..20 {
+        let events: Vec<NewEvent> = (0..500)
+            .map(|n| {
+                let id = format!("{batch}-{n}");
+                event(&id, &format!("redis:test/vacuum:{id}"), n)
+            })
+            .collect();
+        ingest(
+            &store,
+            "redis:test/vacuum",
+            "vacuum",
+            Dedup::NativeId,
+            &events,
+        )
+        .await?;
+    }
+    wait_for(
+        Duration::from_secs(60),
+        "autovacuum vacuumed and analyzed the partition",
+        || async {
+            Ok(sqlx::query_scalar::<_, bool>(
+                "SELECT EXISTS (SELECT 1 FROM pg_stat_user_tables s \
+                 JOIN event_partitions p ON s.relid = p.name::regclass \
+                 WHERE s.last_autovacuum IS NOT NULL AND s.last_autoanalyze IS NOT NULL)",
+            )
+            .fetch_one(store.pool())
+            .await?)
+        },
+    )
+    .await?;
+    let dead: i64 = sqlx::query_scalar(
+        "SELECT coalesce(sum(s.n_dead_tup), 0)::bigint FROM pg_stat_user_tables s \
+         JOIN event_partitions p ON s.relid = p.name::regclass",
+    )
+    .fetch_one(store.pool())
+    .await?;
+    ensure!(
+        dead == 0,
+        "insert-only partitions have no dead rows: {dead}"
+    );
+    Ok(())
+}

@@ -9,6 +9,7 @@
 use std::time::Instant;
 
 use anyhow::{Result, ensure};
+use sqlx::{Connection, PgConnection};
 use switchboard_store::{Dedup, IngestBatch, NewEvent};
 
 use crate::measure::{CpuSpent, Measurement, status_kib};
@@ -180,7 +181,7 @@ impl Bench {
         print_table(&table);
         println!();
         println!(
-            "growth: {} existing events (half random, half monotonic keys)",
+            "growth: {} events (half random, half monotonic keys)",
             existing(rows)
         );
         for keys in Keys::ALL {
@@ -244,8 +245,10 @@ impl Bench {
         let started = Instant::now();
         let mut fills = tokio::task::JoinSet::new();
         for keys in Keys::ALL {
-            let (pool, half) = (pool.clone(), rows / 2);
+            let (url, half) = (database.url.clone(), rows / 2);
             fills.spawn(async move {
+                // Minutes per statement: no statement timeout.
+                let mut conn = PgConnection::connect(&url).await?;
                 let mut first = 0;
                 while first < half {
                     let chunk = FILL_CHUNK.min(half - first);
@@ -255,7 +258,7 @@ impl Bench {
                         .bind(i64::try_from(first)?)
                         .bind(FILL_DAYS)
                         .bind(i64::try_from(half)?)
-                        .execute(&pool)
+                        .execute(&mut conn)
                         .await?;
                     first += chunk;
                 }
@@ -265,8 +268,10 @@ impl Bench {
         while let Some(filled) = fills.join_next().await {
             filled??;
         }
-        sqlx::query("VACUUM ANALYZE").execute(pool).await?;
-        sqlx::query("CHECKPOINT").execute(self.fx.pool()).await?;
+        let mut conn = PgConnection::connect(&database.url).await?;
+        sqlx::query("VACUUM ANALYZE").execute(&mut conn).await?;
+        sqlx::query("CHECKPOINT").execute(&mut conn).await?;
+        let pool = database.store.pool();
         let bytes: i64 = sqlx::query_scalar(match layout {
             Layout::Partitioned => {
                 "SELECT sum(pg_total_relation_size(name::regclass))::bigint FROM event_partitions"
