@@ -18,7 +18,7 @@ use tempfile::TempDir;
 const RULES_FILE: &str = "charts/switchboard/files/prometheus-rules.yaml";
 const TESTS_DIR: &str = "tests/alerts";
 /// The seed's SLOs, one alert each, then the operator's (which fire with no worker series).
-const ALERTS: [&str; 9] = [
+const ALERTS: [&str; 10] = [
     "SwitchboardDeadLetterRate",
     "SwitchboardOldestMessageTooOld",
     "SwitchboardBacklogGrowing",
@@ -28,6 +28,7 @@ const ALERTS: [&str; 9] = [
     "SwitchboardWorkersUnavailable",
     "SwitchboardAdapterNotReady",
     "SwitchboardOperatorReconcileFailing",
+    "SwitchboardEventsMaintenanceStale",
 ];
 /// The runbooks, one `### <alert>` section each.
 const RUNBOOKS: &str = "docs/alerts.md";
