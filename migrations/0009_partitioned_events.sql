@@ -7,16 +7,21 @@
 -- window; then maintenance empties it. Nothing is copied, so the migration holds its locks
 -- only for the catalog changes.
 --
--- Why dedup stays exact: a redelivery is a duplicate when its key is in any partition (or the
+-- Why dedup stays exact: a redelivery is a duplicate when its key has an event (or a row in the
 -- old table) — checked in a statement that starts after the locks below are held, so it sees
--- every transaction that committed before. Two deliveries of one key in the same partition
--- collide on that partition's unique index (ON CONFLICT waits for the other and does nothing).
--- Two in different partitions can only be concurrent around a partition boundary: an ingest
--- into a partition holds a shared advisory lock on (source, its upper bound); an ingest within
--- `event_storage.grace` after a partition's lower bound takes that same lock exclusively, so
--- it waits until every ingest of the previous partition has ended, and its check sees them.
--- Past the grace no ingest of the previous partition is still running: each runs under a
--- statement_timeout of at most the grace (checked).
+-- every transaction that committed before. A message whose broker time `t` every delivery
+-- repeats (a Redis stream entry id, SQS SentTimestamp, a JetStream stream time, a Kafka record
+-- timestamp; not a producer's id such as RabbitMQ's message-id, whose retry repeats it with
+-- another time) is stored at greatest(now, t), and looked for only among events that arrived
+-- at t or later: usually the current partition (and the empty ones ahead), not the whole
+-- window. Any other key is stored at now and looked for in every partition.
+-- Two deliveries in one partition collide on its unique index (ON CONFLICT waits for the other
+-- and does nothing). Two in different partitions can only be concurrent around a partition
+-- boundary: an ingest holds a shared advisory lock on (source, the upper bound of each
+-- partition it writes to); an ingest within `event_storage.grace` after a partition bound
+-- takes that bound's lock exclusively, so it waits until every ingest still writing below it
+-- has ended, and its check sees them. Past the grace no such ingest is still running: each runs
+-- under a statement_timeout of at most the grace (checked).
 
 -- A statement of a running worker holds `events` for at most its statement_timeout; give up
 -- sooner than that rather than queue every ingest behind this migration.
@@ -99,7 +104,8 @@ SELECT switchboard_add_event_partition(now());
 --
 -- By native id (`by_body` false): a message whose id has an event already is a duplicate,
 -- whatever its todo's status; a batch holding one id twice stores its first message. The
--- highest position per partition of the source is advanced with the events.
+-- highest position per partition of the source is advanced with the events. `sent_ms`: each
+-- message's stable broker time (Unix ms), NULL where there is none (see the top).
 -- By body hash (`by_body` true): identical bodies collapse while a live (pending or claimed)
 -- todo holds the key; each stored body gets its own event (`<external id>@<event id>`). Run as
 -- dynamic SQL: it must be planned for its actual keys (a generic plan filters live todos by
@@ -107,13 +113,17 @@ SELECT switchboard_add_event_partition(now());
 CREATE FUNCTION switchboard_ingest(
     p_source text, p_queue text, p_by_body boolean,
     p_external_ids text[], p_keys text[], p_payloads text[], p_headers text[],
-    p_traceparents text[], p_tracestates text[], p_partitions text[], p_positions text[])
+    p_traceparents text[], p_tracestates text[], p_sent_ms bigint[],
+    p_partitions text[], p_positions text[])
 RETURNS TABLE (ord bigint, new_event boolean, new_todo boolean)
 LANGUAGE plpgsql AS $$
 #variable_conflict use_column
 DECLARE
-    part   event_partitions;
-    grace  interval;
+    part       event_partitions;
+    grace      interval;
+    later      timestamptz[];
+    bound      timestamptz;
+    exclusive  boolean;
 BEGIN
     IF current_setting('transaction_isolation') <> 'read committed' THEN
         RAISE EXCEPTION 'switchboard_ingest needs the READ COMMITTED isolation level, not % (default_transaction_isolation)',
@@ -176,31 +186,55 @@ $body$
         RETURN;
     END IF;
 
-    -- Lock keys: the source and a partition bound, in epoch seconds (not text: that depends on
-    -- the session's TimeZone).
-    PERFORM pg_advisory_xact_lock_shared(
-        hashtextextended(p_source || '@' || extract(epoch FROM part.upper)::text, 0));
-    IF now() < part.lower + grace THEN
-        PERFORM pg_advisory_xact_lock(
-            hashtextextended(p_source || '@' || extract(epoch FROM part.lower)::text, 0));
-    END IF;
+    -- Broker times later than now (a clock ahead of the database's): stored there.
+    SELECT array_agg(DISTINCT to_timestamp(ms / 1000.0)) INTO later
+    FROM unnest(p_sent_ms) AS ms WHERE to_timestamp(ms / 1000.0) > now();
+    FOR bound IN SELECT unnest(later) LOOP
+        IF NOT EXISTS (SELECT 1 FROM event_partitions p WHERE p.lower <= bound AND bound < p.upper) THEN
+            PERFORM switchboard_add_event_partition(bound);
+        END IF;
+    END LOOP;
+    -- The bounds' locks, in ascending order (no deadlock): exclusive on the bounds passed within
+    -- the grace, shared on the upper bound of every partition written to. Keys: the source and
+    -- the bound in epoch seconds (not text: that depends on the session's TimeZone).
+    FOR bound, exclusive IN
+        SELECT p.lower, true FROM event_partitions p
+        WHERE p.lower > now() - grace AND p.lower <= now()
+        UNION ALL
+        SELECT p.upper, false FROM event_partitions p
+        WHERE (p.lower <= now() AND now() < p.upper)
+           OR EXISTS (SELECT 1 FROM unnest(later) AS t WHERE p.lower <= t AND t < p.upper)
+        ORDER BY 1
+    LOOP
+        IF exclusive THEN
+            PERFORM pg_advisory_xact_lock(
+                hashtextextended(p_source || '@' || extract(epoch FROM bound)::text, 0));
+        ELSE
+            PERFORM pg_advisory_xact_lock_shared(
+                hashtextextended(p_source || '@' || extract(epoch FROM bound)::text, 0));
+        END IF;
+    END LOOP;
 
     -- `first_of_id`: a batch may hold one id twice (a producer's retry under an envelope id, an
     -- SQS standard queue's duplicate delivery): its first message is stored, the others are
     -- duplicates.
     RETURN QUERY
     WITH input AS (
-        SELECT t.*, t.ord = min(t.ord) OVER (PARTITION BY t.external_id) AS first_of_id
-        FROM unnest(p_external_ids, p_keys, p_payloads, p_headers, p_traceparents, p_tracestates)
+        SELECT t.*, t.ord = min(t.ord) OVER (PARTITION BY t.external_id) AS first_of_id,
+               coalesce(to_timestamp(t.sent_ms / 1000.0), '-infinity') AS since
+        FROM unnest(p_external_ids, p_keys, p_payloads, p_headers, p_traceparents, p_tracestates,
+                    p_sent_ms)
              WITH ORDINALITY AS t(external_id, idempotency_key, payload, headers, traceparent,
-                                  tracestate, ord)
+                                  tracestate, sent_ms, ord)
     ), new_events AS (
-        INSERT INTO events (source, external_id, payload, headers)
-        SELECT p_source, input.external_id, input.payload::jsonb, input.headers::jsonb
+        INSERT INTO events (source, external_id, payload, headers, received_at)
+        SELECT p_source, input.external_id, input.payload::jsonb, input.headers::jsonb,
+               greatest(now(), input.since)
         FROM input
         WHERE input.first_of_id
           AND NOT EXISTS (SELECT 1 FROM events e
-                          WHERE e.source = p_source AND e.external_id = input.external_id)
+                          WHERE e.source = p_source AND e.external_id = input.external_id
+                            AND e.received_at >= input.since)
           AND NOT EXISTS (SELECT 1 FROM events_unpartitioned e
                           WHERE e.source = p_source AND e.external_id = input.external_id)
         ORDER BY input.ord

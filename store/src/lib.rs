@@ -170,6 +170,10 @@ pub struct NewEvent {
     /// The W3C trace context the todo keeps (`todos.traceparent`, `todos.tracestate`).
     pub traceparent: Option<String>,
     pub tracestate: Option<String>,
+    /// When the broker accepted the message (Unix ms), where every delivery of it repeats that
+    /// time and its id is the broker's: an earlier delivery is then looked for only among the
+    /// events that arrived since (docs/storage.md). `None`: looked for in every partition.
+    pub sent_at_ms: Option<i64>,
 }
 
 /// How a batch is deduplicated.
@@ -231,7 +235,7 @@ pub struct Store {
 // The batch statement: `switchboard_ingest` (migrations/0009_partitioned_events.sql) checks the
 // dedup markers after taking its locks, which needs a statement of its own inside one call.
 const INGEST_SQL: &str = "SELECT ord, new_event, new_todo \
-     FROM switchboard_ingest($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)";
+     FROM switchboard_ingest($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)";
 
 impl Store {
     /// Applies pending migrations. Safe when several processes run it at once (advisory lock).
@@ -307,6 +311,13 @@ impl Store {
             .bind(column(|e| &e.headers))
             .bind(optional(|e| e.traceparent.as_deref()))
             .bind(optional(|e| e.tracestate.as_deref()))
+            .bind(
+                batch
+                    .events
+                    .iter()
+                    .map(|e| e.sent_at_ms)
+                    .collect::<Vec<_>>(),
+            )
             .bind(partitions)
             .bind(positions);
         let rows = self

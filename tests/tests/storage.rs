@@ -42,6 +42,24 @@ fn event(external_id: &str, key: &str, n: usize) -> NewEvent {
         headers: "{}".to_owned(),
         traceparent: None,
         tracestate: None,
+        sent_at_ms: None,
+    }
+}
+
+/// The database's clock, Unix ms (a broker's clock in sync with it).
+async fn db_now_ms(store: &Store) -> Result<i64> {
+    Ok(
+        sqlx::query_scalar("SELECT (extract(epoch FROM now()) * 1000)::bigint")
+            .fetch_one(store.pool())
+            .await?,
+    )
+}
+
+/// [`event`] with the broker time `sent_at_ms` every delivery of it repeats.
+fn timed(external_id: &str, key: &str, n: usize, sent_at_ms: i64) -> NewEvent {
+    NewEvent {
+        sent_at_ms: Some(sent_at_ms),
+        ..event(external_id, key, n)
     }
 }
 
@@ -113,7 +131,7 @@ async fn todos_per_key(pool: &PgPool, queue: &str) -> Result<BTreeMap<String, i6
 
 /// The native id kinds every broker gives, by the shape of their ids: a Redis stream entry id
 /// (broker time in it), an SQS MessageId (random), a RabbitMQ message-id (producer's text, no
-/// broker time). Dedup does not read time out of any of them: all take one path.
+/// broker time).
 fn native_ids(kind: &str, n: usize) -> Vec<String> {
     (0..n)
         .map(|i| match kind {
@@ -139,10 +157,16 @@ async fn a_native_id_redelivered_after_its_partition_rotated_creates_no_second_t
         let source = format!("{kind}:test/rotated");
         let queue = format!("rotated-{kind}");
         let ids = native_ids(kind, 100);
+        // A stream entry id and an SQS MessageId come with the broker's time, looked for from
+        // then on; a RabbitMQ message-id is the producer's: looked for everywhere.
+        let sent = db_now_ms(&store).await? - 50;
         let events: Vec<NewEvent> = ids
             .iter()
             .enumerate()
-            .map(|(n, id)| event(id, &format!("{source}:{id}"), n))
+            .map(|(n, id)| match kind {
+                "amqp" => event(id, &format!("{source}:{id}"), n),
+                _ => timed(id, &format!("{source}:{id}"), n, sent),
+            })
             .collect();
         let first = ingest(&store, &source, &queue, Dedup::NativeId, &events).await?;
         ensure!(first.iter().all(|s| *s == Stored::New), "{kind}: {first:?}");
@@ -222,6 +246,8 @@ async fn concurrent_ingesters_across_partition_boundaries_store_each_message_onc
     }
     let barrier = Arc::new(tokio::sync::Barrier::new(INGESTERS));
     let go_on = Arc::new(std::sync::atomic::AtomicBool::new(true));
+    // Every other round's messages carry a broker time, the same for all their deliveries.
+    let sent = db_now_ms(&store).await?;
     let started = Instant::now();
     let mut tasks = Vec::new();
     for (ingester, store) in stores.into_iter().enumerate() {
@@ -234,7 +260,11 @@ async fn concurrent_ingesters_across_partition_boundaries_store_each_message_onc
                 let mut events: Vec<NewEvent> = (0..40)
                     .map(|n| {
                         let id = format!("r{round}-m{n}");
-                        event(&id, &format!("{source}:{id}"), n)
+                        let key = format!("{source}:{id}");
+                        match round % 2 {
+                            0 => event(&id, &key, n),
+                            _ => timed(&id, &key, n, sent + round as i64),
+                        }
                     })
                     .collect();
                 fastrand::shuffle(&mut events);
@@ -300,6 +330,18 @@ async fn concurrent_ingesters_across_partition_boundaries_store_each_message_onc
 /// see the first. It waits for the first to end and is a duplicate: one event, one todo.
 #[tokio::test]
 async fn a_redelivery_racing_its_first_delivery_across_a_boundary_is_a_duplicate() -> Result<()> {
+    race_across_a_boundary(false).await
+}
+
+/// The same race for a message with a broker time (sent just before its first delivery):
+/// looked for from that time on, which still covers the partition before the boundary.
+#[tokio::test]
+async fn a_timed_redelivery_racing_its_first_delivery_across_a_boundary_is_a_duplicate()
+-> Result<()> {
+    race_across_a_boundary(true).await
+}
+
+async fn race_across_a_boundary(with_broker_time: bool) -> Result<()> {
     let (postgres, store) =
         partitioned(Duration::from_secs(2), Duration::from_millis(1500)).await?;
     let (source, queue) = ("amqp:test/straddle", "straddle");
@@ -327,6 +369,14 @@ async fn a_redelivery_racing_its_first_delivery_across_a_boundary_is_a_duplicate
     .fetch_one(store.pool())
     .await?;
     let first_store = ingester(&postgres, Duration::from_millis(1500)).await?;
+    let sent = db_now_ms(&store).await?;
+    let message = move || {
+        let plain = event("order-1", "amqp:test/straddle:order-1", 1);
+        match with_broker_time {
+            true => timed("order-1", "amqp:test/straddle:order-1", 1, sent),
+            false => plain,
+        }
+    };
     let now = || async {
         anyhow::Ok(
             sqlx::query_scalar::<_, f64>("SELECT extract(epoch FROM now())::float8")
@@ -341,7 +391,7 @@ async fn a_redelivery_racing_its_first_delivery_across_a_boundary_is_a_duplicate
     )
     .await?;
     let first = tokio::spawn(async move {
-        let events = [event("order-1", "amqp:test/straddle:order-1", 1)];
+        let events = [message()];
         let positions = [switchboard_store::Position {
             partition: "p".to_owned(),
             value: vec![1],
@@ -375,7 +425,7 @@ async fn a_redelivery_racing_its_first_delivery_across_a_boundary_is_a_duplicate
     .await?;
     let second_store = ingester(&postgres, Duration::from_millis(1500)).await?;
     let second = tokio::spawn(async move {
-        let events = [event("order-1", "amqp:test/straddle:order-1", 1)];
+        let events = [message()];
         ingest(&second_store, source, queue, Dedup::NativeId, &events).await
     });
     wait_for(
@@ -403,6 +453,57 @@ async fn a_redelivery_racing_its_first_delivery_across_a_boundary_is_a_duplicate
             .fetch_one(store.pool())
             .await?;
     ensure!(partitions >= 1, "the redelivery ran in the next partition");
+    Ok(())
+}
+
+/// A broker clock ahead of the database's: the message is stored at its own time, in a
+/// partition ahead, and its redeliveries before that time and after it are duplicates. A time
+/// older than every partition (a replay of old records) is looked for everywhere.
+#[tokio::test]
+async fn broker_times_ahead_of_or_behind_the_database_clock_still_dedup() -> Result<()> {
+    let (_postgres, store) = partitioned(Duration::from_secs(1), Duration::from_secs(1)).await?;
+    let (source, queue) = ("kafka:test/skew", "skew");
+    let now = db_now_ms(&store).await?;
+    let batch = [
+        timed("orders:0:1", "kafka:test/skew:orders:0:1", 1, now + 2_500),
+        timed(
+            "orders:0:2",
+            "kafka:test/skew:orders:0:2",
+            2,
+            now - 40 * 86_400_000,
+        ),
+    ];
+    let first = ingest(&store, source, queue, Dedup::NativeId, &batch).await?;
+    ensure!(first == [Stored::New, Stored::New], "{first:?}");
+    let stored_at: f64 = sqlx::query_scalar(
+        "SELECT (extract(epoch FROM received_at) * 1000)::float8 FROM events \
+         WHERE external_id = 'orders:0:1'",
+    )
+    .fetch_one(store.pool())
+    .await?;
+    ensure!(
+        (stored_at - (now + 2_500) as f64).abs() < 1.0,
+        "stored at its own time, ahead: {stored_at} for {}",
+        now + 2_500
+    );
+    let before = ingest(&store, source, queue, Dedup::NativeId, &batch).await?;
+    ensure!(
+        before == [Stored::Duplicate; 2],
+        "before its time: {before:?}"
+    );
+    wait_for(
+        Duration::from_secs(30),
+        "its time and its partition pass",
+        || async { Ok(db_now_ms(&store).await? > now + 4_000) },
+    )
+    .await?;
+    let after = ingest(&store, source, queue, Dedup::NativeId, &batch).await?;
+    ensure!(after == [Stored::Duplicate; 2], "after its time: {after:?}");
+    let todos = todos_per_key(store.pool(), queue).await?;
+    ensure!(
+        todos.len() == 2 && todos.values().all(|n| *n == 1),
+        "{todos:?}"
+    );
     Ok(())
 }
 

@@ -170,6 +170,12 @@ impl<T: Transport> Pipeline<T> {
         } = match settings.envelope {
             Envelope::None => {
                 let (external_id, idempotency_key) = self.identity(message);
+                // The broker's time dates its own id only: not a redriven copy's original key.
+                let sent_at_ms = (self.transport.stable_enqueue_time()
+                    && self.context.dedup == Dedup::NativeId
+                    && external_id == message.external_id)
+                    .then(|| message.enqueued_at_ms.and_then(|ms| i64::try_from(ms).ok()))
+                    .flatten();
                 let event = NewEvent {
                     external_id,
                     idempotency_key,
@@ -177,6 +183,7 @@ impl<T: Transport> Pipeline<T> {
                     headers: fields_json(&message.headers),
                     traceparent: None,
                     tracestate: None,
+                    sent_at_ms,
                 };
                 return Ok(traced(event, &message.headers));
             }
@@ -184,7 +191,8 @@ impl<T: Transport> Pipeline<T> {
             Envelope::Sns => envelope::sns_notification(&message.body, &message.headers, rules)?,
         };
         // The envelope's id is unique within the source (RabbitMQ's too: these keys never had
-        // the queue in them, and a stored key must keep deduplicating).
+        // the queue in them, and a stored key must keep deduplicating). A producer's retry
+        // repeats it with another broker time: looked for in every partition.
         let event = NewEvent {
             idempotency_key: storable(idempotency_key(&self.context.source, &event_id)),
             external_id: storable(event_id),
@@ -192,6 +200,7 @@ impl<T: Transport> Pipeline<T> {
             headers: fields_json(&headers),
             traceparent: None,
             tracestate: None,
+            sent_at_ms: None,
         };
         Ok(traced(event, &headers))
     }

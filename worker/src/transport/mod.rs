@@ -360,6 +360,14 @@ pub trait Transport {
     /// How the store deduplicates this transport's messages.
     fn dedup(&self) -> Dedup;
 
+    /// Whether [`Message::enqueued_at_ms`] is a time the broker gave a message whose id it
+    /// also gave, repeated by every delivery: the store then looks for an earlier delivery
+    /// only among the events that arrived since (docs/storage.md). Not where a producer names
+    /// the message (RabbitMQ's `message-id`): its retry repeats the id with another time.
+    fn stable_enqueue_time(&self) -> bool {
+        false
+    }
+
     /// Connects and creates what the broker needs (consumer group, …). Idempotent. Fails
     /// fatally when the configuration cannot work (a queue that does not exist, …).
     async fn prepare(&mut self) -> Result<(), TransportError>;

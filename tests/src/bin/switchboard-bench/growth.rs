@@ -184,38 +184,30 @@ impl Bench {
             "growth: {} events (half random, half monotonic keys)",
             existing(rows)
         );
-        for keys in Keys::ALL {
-            for (client, prefix) in [("worker", "growth worker"), ("raw", "growth raw")] {
-                let empty = table.row(&format!("{prefix} {} empty", keys.label()));
-                let full = table.row(&format!("{prefix} {} {}", keys.label(), existing(rows)));
-                if let (Ok(empty), Ok(full)) = (empty, full) {
-                    let ratio = full.ratio_to(empty);
-                    let target = client == "worker" && keys == Keys::Random;
-                    println!(
-                        "{prefix} {} {} / empty: {:>10}%{}",
-                        keys.label(),
-                        existing(rows),
-                        ratio.show(1, 100.0),
-                        if target {
-                            format!("  target >= 90%    {}", verdict(ratio.median >= 0.9))
-                        } else {
-                            String::new()
-                        }
-                    );
-                }
-            }
-            let empty = table.row(&format!("growth previous layout {} empty", keys.label()));
-            let full = table.row(&format!(
-                "growth previous layout {} {}",
-                keys.label(),
-                existing(rows)
-            ));
+        // Random keys with a broker time (SQS MessageIds) are looked for from that time on;
+        // without one (a CloudEvents id, a RabbitMQ message-id) in every partition.
+        for (row, target) in [
+            ("growth worker stream ids", false),
+            ("growth worker random ids", true),
+            ("growth raw stream ids", false),
+            ("growth raw random ids with broker time", true),
+            ("growth raw random ids", false),
+            ("growth previous layout stream ids", false),
+            ("growth previous layout random ids", false),
+        ] {
+            let empty = table.row(&format!("{row} empty"));
+            let full = table.row(&format!("{row} {}", existing(rows)));
             if let (Ok(empty), Ok(full)) = (empty, full) {
+                let ratio = full.ratio_to(empty);
                 println!(
-                    "growth previous layout (raw) {} {} / empty: {:>10}%",
-                    keys.label(),
+                    "{row} {} / empty: {:>10}%{}",
                     existing(rows),
-                    full.ratio_to(empty).show(1, 100.0)
+                    ratio.show(1, 100.0),
+                    if target {
+                        format!("  target >= 90%    {}", verdict(ratio.median >= 0.9))
+                    } else {
+                        String::new()
+                    }
                 );
             }
         }
@@ -303,7 +295,13 @@ impl Bench {
             if layout == Layout::Partitioned {
                 runs.push(self.growth_worker(database, keys, state).await?);
             }
-            runs.push(self.growth_raw(layout, database, keys, state).await?);
+            runs.push(self.growth_raw(layout, database, keys, true, state).await?);
+        }
+        if layout == Layout::Partitioned {
+            runs.push(
+                self.growth_raw(layout, database, Keys::Random, false, state)
+                    .await?,
+            );
         }
         Ok(runs)
     }
@@ -357,21 +355,24 @@ impl Bench {
         })
     }
 
-    /// The bench writing `--entries` messages of `keys` in batches with the layout's own
-    /// statement, one connection: the same client for both layouts.
+    /// The bench writing `--entries` messages of `keys` (`timed`: with their broker time, as
+    /// SQS MessageIds and stream ids come) in batches with the layout's own statement, under
+    /// the filled source, one connection: the same client for both layouts.
     async fn growth_raw(
         &mut self,
         layout: Layout,
         database: &PhaseDatabase,
         keys: Keys,
+        timed: bool,
         state: &str,
     ) -> Result<Measurement> {
         let (entries, batch_size) = (self.args.entries, self.args.batch_size);
-        let source = format!("{}-raw", keys.source());
-        let queue = format!("raw-{}-{}", keys.adapter(), self.databases_created);
+        let source = keys.source();
+        let queue = format!("raw-{}-{timed}-{}", keys.adapter(), self.databases_created);
+        let sent_at_ms = timed.then(now_ms);
         let events: Vec<NewEvent> = (0..entries)
             .map(|i| {
-                let external_id = keys.external_id(i);
+                let external_id = format!("raw-{timed}-{}", keys.external_id(i));
                 NewEvent {
                     idempotency_key: format!("{source}:{external_id}"),
                     external_id,
@@ -379,6 +380,7 @@ impl Bench {
                     headers: "{}".to_owned(),
                     traceparent: None,
                     tracestate: None,
+                    sent_at_ms,
                 }
             })
             .collect();
@@ -427,8 +429,13 @@ impl Bench {
             Layout::Partitioned => "growth raw",
             Layout::Previous => "growth previous layout",
         };
+        let time = if timed && keys == Keys::Random && layout == Layout::Partitioned {
+            " with broker time"
+        } else {
+            ""
+        };
         Ok(Measurement {
-            name: format!("{prefix} {} {state}", keys.label()),
+            name: format!("{prefix} {}{time} {state}", keys.label()),
             messages: entries,
             elapsed,
             cpu,
@@ -436,6 +443,15 @@ impl Bench {
             store_share: None,
         })
     }
+}
+
+/// The time now, Unix ms.
+fn now_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |since| {
+            i64::try_from(since.as_millis()).unwrap_or(i64::MAX)
+        })
 }
 
 /// `50M existing`, `2M existing`, …

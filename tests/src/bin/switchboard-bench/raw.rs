@@ -61,6 +61,7 @@ impl RawRows {
                     headers: "{}".to_owned(),
                     traceparent: None,
                     tracestate: None,
+                    sent_at_ms: i64::try_from(first_ms).ok(),
                 }
             })
             .collect();

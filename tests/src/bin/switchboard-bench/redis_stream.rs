@@ -233,6 +233,7 @@ pub(crate) fn stream_event(name: &str, entry: &redis::streams::StreamId) -> Resu
         headers: "{}".to_owned(),
         traceparent: None,
         tracestate: None,
+        sent_at_ms: entry.id.split_once('-').and_then(|(ms, _)| ms.parse().ok()),
     })
 }
 

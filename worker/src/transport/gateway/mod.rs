@@ -189,6 +189,10 @@ impl Transport for GatewayTransport {
         Dedup::NativeId
     }
 
+    fn stable_enqueue_time(&self) -> bool {
+        true
+    }
+
     async fn prepare(&mut self) -> Result<(), TransportError> {
         let health = Call {
             name: "health",

@@ -224,6 +224,10 @@ impl Transport for Kafka {
         Dedup::NativeId
     }
 
+    fn stable_enqueue_time(&self) -> bool {
+        true
+    }
+
     async fn prepare(&mut self) -> Result<(), TransportError> {
         self.subscribe().await?;
         // The dead-letter topics of a pattern's topics are held before their first letter.

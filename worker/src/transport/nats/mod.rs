@@ -278,6 +278,10 @@ impl Transport for Nats {
         Dedup::NativeId
     }
 
+    fn stable_enqueue_time(&self) -> bool {
+        true
+    }
+
     async fn prepare(&mut self) -> Result<(), TransportError> {
         self.bind().await
     }

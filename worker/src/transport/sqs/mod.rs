@@ -262,6 +262,10 @@ impl Transport for Sqs {
         Dedup::NativeId
     }
 
+    fn stable_enqueue_time(&self) -> bool {
+        true
+    }
+
     async fn prepare(&mut self) -> Result<(), TransportError> {
         self.discover_queues().await
     }

@@ -390,6 +390,10 @@ impl Transport for RedisStream {
         Dedup::NativeId
     }
 
+    fn stable_enqueue_time(&self) -> bool {
+        true
+    }
+
     async fn prepare(&mut self) -> Result<(), TransportError> {
         self.ensure_group().await.map(drop)
     }
