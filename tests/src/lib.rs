@@ -28,6 +28,20 @@ use crate::servers::{Postgres, Redis};
 use crate::wait::wait_for;
 use crate::worker::{WorkerEnv, WorkerProcess, killed_by};
 
+/// Applies the migrations before `version` only: the schema of an earlier release.
+pub async fn migrate_before(pool: &PgPool, version: i64) -> Result<()> {
+    let mut earlier = sqlx::migrate::Migrator::new(servers::workspace_path("migrations")).await?;
+    earlier.migrations = earlier
+        .migrations
+        .iter()
+        .filter(|m| m.version < version)
+        .cloned()
+        .collect::<Vec<_>>()
+        .into();
+    earlier.run(pool).await?;
+    Ok(())
+}
+
 /// Makes every partition of `events` hold `interval` (and an ingest's statement timeout at most
 /// `grace`): drops the partitions there are (the migration's holds a day; they must be empty)
 /// so that the next ingest creates a short one.

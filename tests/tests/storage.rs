@@ -13,8 +13,8 @@ use anyhow::{Context, Result, ensure};
 use sqlx::PgPool;
 use switchboard_store::{Dedup, IngestBatch, NewEvent, Store, StoreError, Stored};
 use switchboard_tests::servers::Postgres;
-use switchboard_tests::short_event_partitions;
 use switchboard_tests::wait::wait_for;
+use switchboard_tests::{migrate_before, short_event_partitions};
 
 /// A migrated database whose partitions hold `interval` each, and a store for the ingesters
 /// whose statements run under a timeout within `grace`.
@@ -676,17 +676,7 @@ async fn a_million_unpartitioned_events_are_migrated_while_a_worker_ingests() ->
     const OLD: usize = 1_000_000;
     let postgres = Postgres::start()?;
     let store = Store::connect(&postgres.url(), 4, "storage-test").await?;
-    let mut previous =
-        sqlx::migrate::Migrator::new(switchboard_tests::servers::workspace_path("migrations"))
-            .await?;
-    previous.migrations = previous
-        .migrations
-        .iter()
-        .filter(|m| m.version < 9)
-        .cloned()
-        .collect::<Vec<_>>()
-        .into();
-    previous.run(store.pool()).await?;
+    migrate_before(store.pool(), 9).await?;
     let (source, queue) = ("sqs:test/upgrade", "upgrade");
     let filled = Instant::now();
     sqlx::query(

@@ -12,9 +12,9 @@ use anyhow::{Result, ensure};
 use sqlx::{Connection, PgConnection};
 use switchboard_store::{Dedup, IngestBatch, NewEvent};
 
-use crate::measure::{CpuSpent, Measurement, status_kib};
+use crate::measure::{CpuSpent, Measurement};
 use crate::table::{Table, print_table, verdict};
-use crate::{Bench, Mode, PhaseDatabase, order_body, seconds_in_store, stop_worker, wait_acked};
+use crate::{Bench, Mode, PhaseDatabase, order_body};
 
 #[derive(Debug, Clone, clap::Args)]
 pub(crate) struct GrowthArgs {
@@ -327,12 +327,15 @@ impl Bench {
             keys.payload(),
             &[],
         )?;
-        wait_acked(&worker, &name, entries).await?;
-        let elapsed = started.elapsed();
-        let cpu = self.cpu_since(before, Some(worker.pid()));
-        let peak_rss_kib = status_kib(worker.pid(), "VmHWM");
-        let store_share = Some(seconds_in_store(&worker, &name)? / elapsed.as_secs_f64());
-        stop_worker(worker)?;
+        let measurement = self
+            .measure_worker(
+                worker,
+                &name,
+                format!("growth worker {} {state}", keys.label()),
+                entries,
+                (before, started),
+            )
+            .await?;
         let (todos, distinct): (i64, i64) = sqlx::query_as(
             "SELECT count(*), count(DISTINCT idempotency_key) FROM todos WHERE queue = $1",
         )
@@ -345,14 +348,7 @@ impl Bench {
             "{name}: {todos} todos, {distinct} keys, expected {expected}"
         );
         Mode::Stream.ensure_drained(&self.fx, &name)?;
-        Ok(Measurement {
-            name: format!("growth worker {} {state}", keys.label()),
-            messages: entries,
-            elapsed,
-            cpu,
-            peak_rss_kib,
-            store_share,
-        })
+        Ok(measurement)
     }
 
     /// The bench writing `--entries` messages of `keys` (`timed`: with their broker time, as

@@ -23,7 +23,7 @@ use switchboard_tests::otel::Collector;
 use switchboard_tests::servers::Postgres;
 use switchboard_tests::wait::wait_for;
 use switchboard_tests::worker::{WorkerEnv, WorkerProcess};
-use switchboard_tests::{Fixture, adapter_manifest};
+use switchboard_tests::{Fixture, adapter_manifest, migrate_before};
 
 use amqp::{AmqpArgs, AmqpBench};
 use kafka::{KafkaArgs, KafkaBench};
@@ -231,16 +231,10 @@ impl Bench {
     /// Creates and migrates a fresh database, after a checkpoint so that no phase inherits
     /// the previous one's dirty pages.
     async fn fresh_database(&mut self, connections: u32) -> Result<PhaseDatabase> {
-        self.databases_created += 1;
-        let name = format!("bench_{}", self.databases_created);
-        sqlx::query(&format!("CREATE DATABASE {name}"))
-            .execute(self.fx.pool())
-            .await?;
-        let url = self.fx.postgres.url_for(&name);
-        let store = Store::connect(&url, connections, "switchboard-bench").await?;
-        store.migrate().await?;
+        let database = self.new_database(connections).await?;
+        database.store.migrate().await?;
         sqlx::query("CHECKPOINT").execute(self.fx.pool()).await?;
-        Ok(PhaseDatabase { name, url, store })
+        Ok(database)
     }
 
     /// A fresh database migrated only up to (not including) migration `version`: the layout of
@@ -250,6 +244,13 @@ impl Bench {
         version: i64,
         connections: u32,
     ) -> Result<PhaseDatabase> {
+        let database = self.new_database(connections).await?;
+        migrate_before(database.store.pool(), version).await?;
+        Ok(database)
+    }
+
+    /// A new empty database and a store of `connections` on it.
+    async fn new_database(&mut self, connections: u32) -> Result<PhaseDatabase> {
         self.databases_created += 1;
         let name = format!("bench_{}", self.databases_created);
         sqlx::query(&format!("CREATE DATABASE {name}"))
@@ -257,17 +258,6 @@ impl Bench {
             .await?;
         let url = self.fx.postgres.url_for(&name);
         let store = Store::connect(&url, connections, "switchboard-bench").await?;
-        let mut earlier =
-            sqlx::migrate::Migrator::new(switchboard_tests::servers::workspace_path("migrations"))
-                .await?;
-        earlier.migrations = earlier
-            .migrations
-            .iter()
-            .filter(|m| m.version < version)
-            .cloned()
-            .collect::<Vec<_>>()
-            .into();
-        earlier.run(store.pool()).await?;
         Ok(PhaseDatabase { name, url, store })
     }
 
@@ -370,15 +360,32 @@ impl Bench {
         let before = self.cpu_snapshot();
         let started = Instant::now();
         let worker = self.start_worker(&database, mode, &name, batch_size, extra_env)?;
-        wait_acked(&worker, &name, entries).await?;
-        let elapsed = started.elapsed();
-        let cpu = self.cpu_since(before, Some(worker.pid()));
-        let peak_rss_kib = status_kib(worker.pid(), "VmHWM");
-        let store_share = Some(seconds_in_store(&worker, &name)? / elapsed.as_secs_f64());
-        stop_worker(worker)?;
+        let measurement = self
+            .measure_worker(worker, &name, label, entries, (before, started))
+            .await?;
         ensure_stored_once(&database.store, &name, entries).await?;
         mode.ensure_drained(&self.fx, &name)?;
         self.drop_database(database).await?;
+        Ok(measurement)
+    }
+
+    /// Waits until `worker` (adapter `test/{name}`) has acknowledged `entries` messages, stops
+    /// it, and measures it from `since` (the CPU counters and the time it started at).
+    async fn measure_worker(
+        &self,
+        worker: WorkerProcess,
+        name: &str,
+        label: String,
+        entries: usize,
+        since: (CpuSnapshot, Instant),
+    ) -> Result<Measurement> {
+        let (before, started) = since;
+        wait_acked(&worker, name, entries).await?;
+        let elapsed = started.elapsed();
+        let cpu = self.cpu_since(before, Some(worker.pid()));
+        let peak_rss_kib = status_kib(worker.pid(), "VmHWM");
+        let store_share = Some(seconds_in_store(&worker, name)? / elapsed.as_secs_f64());
+        stop_worker(worker)?;
         Ok(Measurement {
             name: label,
             messages: entries,
