@@ -116,6 +116,9 @@ CREATE FUNCTION switchboard_ingest(
     p_traceparents text[], p_tracestates text[], p_sent_ms bigint[],
     p_partitions text[], p_positions text[])
 RETURNS TABLE (ord bigint, new_event boolean, new_todo boolean)
+-- A batch takes milliseconds; its estimated cost grows with the table until PostgreSQL's JIT
+-- (on by default) would compile it at every call, for longer than the batch itself.
+SET jit = off
 LANGUAGE plpgsql AS $$
 #variable_conflict use_column
 DECLARE
