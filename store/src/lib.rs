@@ -243,6 +243,14 @@ impl Store {
     /// not as the pool's time-out.
     pub async fn migrate(&self) -> Result<(), StoreError> {
         let mut conn = self.acquire(&self.pool).await?;
+        // A migration may take longer than an ingest may: not under the pool's statement
+        // timeout (each migration bounds its own lock waits). The connection is closed after,
+        // not handed back without its timeout.
+        conn.close_on_drop();
+        sqlx::query("SET statement_timeout = 0")
+            .execute(&mut *conn)
+            .await
+            .map_err(StoreError::classify)?;
         MIGRATOR.run(&mut *conn).await.map_err(StoreError::Migrate)
     }
 
