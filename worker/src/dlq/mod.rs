@@ -111,10 +111,10 @@ pub enum DlqCommand {
         /// Only letters dead-lettered for this reason.
         #[arg(long, value_parser = poison_reason())]
         reason: Option<String>,
-        /// Only letters dead-lettered within this long (`1h`, `2d`); not those whose age is
-        /// unknown.
-        #[arg(long, value_parser = humantime::parse_duration)]
-        since: Option<Duration>,
+        /// Only letters dead-lettered within this long (`1h`, `2d`) before the command started;
+        /// not those whose age is unknown.
+        #[arg(long, value_parser = ago)]
+        since: Option<Moment>,
         /// At most this many letters.
         #[arg(long, default_value_t = 1000)]
         limit: usize,
@@ -164,10 +164,11 @@ pub enum DlqCommand {
         /// Only letters dead-lettered for this reason.
         #[arg(long, conflicts_with = "ids", value_parser = poison_reason())]
         reason: Option<String>,
-        /// Only letters dead-lettered longer ago than this (`14d`). A letter whose age is
-        /// unknown (listed as `?`: one SQS's RedrivePolicy moved) is never deleted by age.
-        #[arg(long, value_parser = humantime::parse_duration)]
-        older_than: Option<Duration>,
+        /// Only letters dead-lettered longer ago than this (`14d`) when the command started. A
+        /// letter whose age is unknown (listed as `?`: one SQS's RedrivePolicy moved) is never
+        /// deleted by age.
+        #[arg(long, value_parser = ago)]
+        older_than: Option<Moment>,
         /// Say what would be deleted, delete nothing.
         #[arg(long)]
         dry_run: bool,
@@ -258,6 +259,36 @@ impl Letters for Session<'_> {
 /// The current time (Unix ms).
 fn now_ms() -> u64 {
     crate::health::now_ms()
+}
+
+/// A moment `--since` or `--older-than` names, fixed when the command line is read: every letter
+/// of one command is compared with the same moment. (An age measured as each letter is read
+/// would let letters cross the line during a long walk, and a purge delete more than it
+/// counted and confirmed.)
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Moment {
+    unix_ms: u64,
+}
+
+impl Moment {
+    /// Whether `letter` was dead-lettered before this moment (`false` when its time is unknown).
+    fn letter_is_older(self, letter: &StoredLetter) -> bool {
+        letter.dead_lettered_at_ms.is_some_and(|at| at < self.unix_ms)
+    }
+
+    /// Whether `letter` was dead-lettered at this moment or later (`false` when unknown).
+    fn letter_is_newer(self, letter: &StoredLetter) -> bool {
+        letter.dead_lettered_at_ms.is_some_and(|at| at >= self.unix_ms)
+    }
+}
+
+/// The moment a duration (`14d`) before now.
+fn ago(text: &str) -> Result<Moment, humantime::DurationError> {
+    let duration = humantime::parse_duration(text)?;
+    let millis = u64::try_from(duration.as_millis()).unwrap_or(u64::MAX);
+    Ok(Moment {
+        unix_ms: now_ms().saturating_sub(millis),
+    })
 }
 
 /// How long ago `letter` was dead-lettered, where known.
@@ -387,14 +418,14 @@ async fn letters_by_id<R: DeadLetterReader>(
 async fn list<R: DeadLetterReader>(
     reader: &mut R,
     reason: Option<&str>,
-    since: Option<Duration>,
+    since: Option<Moment>,
     limit: usize,
     format: ListFormat,
 ) -> Result<(), DlqError> {
     let total = reader.count().await?;
     let takes = |letter: &StoredLetter| {
         reason.is_none_or(|wanted| letter.reason.as_deref() == Some(wanted))
-            && since.is_none_or(|since| age(letter).is_some_and(|age| age <= since))
+            && since.is_none_or(|since| since.letter_is_newer(letter))
     };
     let (mut listed, mut truncated) = (0, false);
     let mut rows: Vec<StoredLetter> = Vec::new();
@@ -498,5 +529,35 @@ mod tests {
         assert_eq!(per_second("2.5/s"), Ok(2.5));
         assert!(per_second("0").is_err());
         assert!(per_second("fast").is_err());
+    }
+
+    #[test]
+    fn ages_name_one_moment_before_the_command_started_and_letters_are_compared_with_it() {
+        let before = now_ms();
+        let moment = ago("1h").expect("a duration");
+        let hour = 3_600_000;
+        assert!((before - hour..=now_ms() - hour).contains(&moment.unix_ms));
+        let at = |ms: Option<u64>| StoredLetter {
+            id: "1".to_owned(),
+            dead_lettered_at_ms: ms,
+            reason: None,
+            delivery_count: None,
+            last_error: None,
+            body: Vec::new(),
+            headers: Vec::new(),
+            attempts: None,
+            origin: String::new(),
+            original_id: None,
+            handle: "1".to_owned(),
+        };
+        let (older, same, unknown) = (
+            at(Some(moment.unix_ms - 1)),
+            at(Some(moment.unix_ms)),
+            at(None),
+        );
+        assert!(moment.letter_is_older(&older) && !moment.letter_is_newer(&older));
+        assert!(!moment.letter_is_older(&same) && moment.letter_is_newer(&same));
+        assert!(!moment.letter_is_older(&unknown) && !moment.letter_is_newer(&unknown));
+        assert!(ago("soon").is_err());
     }
 }

@@ -3,18 +3,17 @@
 //! confirm, a second deletes them.
 
 use std::io::{IsTerminal, Write};
-use std::time::Duration;
 
 use super::output::short_age;
 use super::{
-    DeadLetterReader, DlqError, PAGE, Selection, StoredLetter, age, letters_by_id, stdout_line,
-    walk,
+    DeadLetterReader, DlqError, Moment, PAGE, Selection, StoredLetter, letters_by_id,
+    stdout_line, walk,
 };
 
-/// `dlq purge`: the letters selected and older than `older_than`.
+/// `dlq purge`: the letters selected and dead-lettered before `older_than`.
 pub(super) struct Purge {
     pub selection: Selection,
-    pub older_than: Option<Duration>,
+    pub older_than: Option<Moment>,
     pub dry_run: bool,
     pub yes: bool,
 }
@@ -29,7 +28,7 @@ struct Tally {
 impl Purge {
     fn old_enough(&self, letter: &StoredLetter) -> bool {
         self.older_than
-            .is_none_or(|older_than| age(letter).is_some_and(|age| age > older_than))
+            .is_none_or(|older_than| older_than.letter_is_older(letter))
     }
 
     fn takes(&self, letter: &StoredLetter) -> bool {
