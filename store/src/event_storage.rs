@@ -62,6 +62,19 @@ impl Store {
         partitions(&mut conn).await.map_err(StoreError::classify)
     }
 
+    /// The dedup window maintenance keeps events for (the longest any adapter asks for, as the
+    /// operator last recorded it).
+    pub async fn dedup_window(&self) -> Result<Duration, StoreError> {
+        let seconds: f64 = self
+            .in_background(async |conn| {
+                sqlx::query_scalar("SELECT extract(epoch FROM dedup_window)::float8 FROM event_storage")
+                    .fetch_one(conn)
+                    .await
+            })
+            .await?;
+        Ok(Duration::try_from_secs_f64(seconds).unwrap_or_default())
+    }
+
     /// How much time each partition created from now on holds, and the grace: the longest
     /// `statement_timeout` an ingest may run under (see the migration).
     pub async fn set_event_partitioning(

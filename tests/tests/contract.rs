@@ -70,13 +70,24 @@ impl<B: BrokerFixture> Contract<B> {
 
     /// Waits until `expected` todos exist and the broker holds nothing un-acknowledged.
     async fn wait_settled(&self, expected: i64, worker: &WorkerProcess) -> Result<()> {
+        let last = std::cell::Cell::new((0, 0));
         wait_for(
             LONG,
             &format!("{expected} todos and nothing un-acknowledged"),
-            || async { Ok(self.todos().await? >= expected && self.unacknowledged().await? == 0) },
+            || async {
+                let seen = (self.todos().await?, self.unacknowledged().await?);
+                last.set(seen);
+                Ok(seen.0 >= expected && seen.1 == 0)
+            },
         )
         .await
-        .map_err(|err| err.context(worker.log_tail()))
+        .map_err(|err| {
+            let (todos, held) = last.get();
+            err.context(format!(
+                "last seen: {todos} todos, {held} un-acknowledged\n{}",
+                worker.log_tail()
+            ))
+        })
     }
 
     /// Exactly `expected` todos, distinct keys, nothing un-acknowledged, no dead letter.
@@ -600,9 +611,15 @@ async fn undecodable_part_spares_the_neighbours<B: BrokerFixture>() -> Result<()
         .fx
         .assert_stored_exactly(contract.name, &expected)
         .await?;
+    // A lease that ran out while a slow machine stored its batch redelivers a message too; its
+    // first acknowledgement is then refused as stale. Any other redelivery is a dropped
+    // connection.
+    let redelivered = contract.metric(&worker, "switchboard_messages_redelivered_total")?;
+    let stale = contract.metric(&worker, "switchboard_stale_receipts_total")?;
     ensure!(
-        contract.metric(&worker, "switchboard_messages_redelivered_total")? == 0.0,
-        "no message was redelivered (no connection was dropped for it)\n{}",
+        redelivered <= stale,
+        "{redelivered} messages were redelivered, {stale} after a lease ran out: a connection \
+         was dropped for the undecodable one\n{}",
         worker.log_tail()
     );
     Ok(())

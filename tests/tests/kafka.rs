@@ -7,7 +7,7 @@
 
 use std::time::{Duration, Instant};
 
-use anyhow::{Result, ensure};
+use anyhow::{Context, Result, ensure};
 use nix::sys::signal::Signal;
 use switchboard_tests::brokers::kafka::{KafkaServer, Record, undecodable_record};
 use switchboard_tests::brokers::{BrokerFixture, KafkaBroker, kafka_group};
@@ -749,6 +749,58 @@ async fn dead_letter_gauges_count_the_topic_and_age_its_oldest_letter() -> Resul
     ensure!(
         age < 120.0,
         "the age counts from the letter's write: {age} s"
+    );
+    Ok(())
+}
+
+/// Issue 30: the longest `retention.ms` of the named topics is compared with the dedup window at
+/// start: the broker's default (7 days) within the default window passes quietly; over a 1-day
+/// window a warning names both; `-1` is said at info level.
+#[tokio::test]
+async fn topic_retention_longer_than_the_dedup_window_is_warned_about_at_start() -> Result<()> {
+    const WARNING: &str = "longer than the dedup window";
+    let setup = Setup::start("kept", "claimIdleSeconds: 2", "").await?;
+    let within = setup.worker("worker-a")?;
+    within.wait_ready(LONG).await?;
+    ensure!(
+        !within.log().contains(WARNING) && !within.log().contains("without a time limit"),
+        "7 days within a 30-day window were warned about:\n{}",
+        within.log_tail()
+    );
+    within.kill()?;
+
+    setup
+        .fx
+        .store
+        .maintain_events(Duration::from_secs(86_400), 0)
+        .await?;
+    let beyond = setup.worker("worker-b")?;
+    beyond.wait_ready(LONG).await?;
+    let warning = beyond
+        .log()
+        .lines()
+        .find(|line| line.contains(WARNING))
+        .map(str::to_owned)
+        .with_context(|| format!("no warning:\n{}", beyond.log_tail()))?;
+    ensure!(
+        warning.contains("WARN")
+            && warning.contains("retention=7d")
+            && warning.contains("retention.ms of topic kept")
+            && warning.contains("dedup_window=1d"),
+        "the warning names the retention, its setting and the window: {warning}"
+    );
+    beyond.kill()?;
+
+    setup
+        .server()
+        .set_topic_config("kept", "retention.ms", "-1")
+        .await?;
+    let unlimited = setup.worker("worker-c")?;
+    unlimited.wait_ready(LONG).await?;
+    let log = unlimited.log();
+    ensure!(
+        log.contains("without a time limit") && !log.contains(WARNING),
+        "retention.ms -1 is said at info level, not warned about:\n{log}"
     );
     Ok(())
 }

@@ -814,3 +814,44 @@ async fn oldest_dead_letter_age_gauge_counts_from_the_letter_write() -> Result<(
     );
     Ok(())
 }
+
+const DAY: Duration = Duration::from_secs(86_400);
+
+/// Issue 30: the stream's `max_age` is compared with the dedup window at start — without a limit
+/// (NATS's default) said at info level, longer than the window warned about naming both.
+#[tokio::test]
+async fn stream_max_age_longer_than_the_dedup_window_is_warned_about_at_start() -> Result<()> {
+    let setup = Setup::start("kept", "", "batchSize: 10").await?;
+    let unlimited = setup.fx.worker(&setup.manifest, "w1")?;
+    unlimited.wait_ready(LONG).await?;
+    let log = unlimited.log();
+    ensure!(
+        log.contains("without a time limit")
+            && log.contains(&format!("max_age of stream {}", setup.stream()))
+            && !log.contains("longer than the dedup window"),
+        "a stream without max_age is said once at info level, not warned about:\n{log}"
+    );
+    unlimited.kill()?;
+
+    let js = setup.server.jetstream();
+    let mut config = js.get_stream(setup.stream()).await?.info().await?.config.clone();
+    config.max_age = DAY * 2;
+    js.update_stream(config).await?;
+    setup.fx.store.maintain_events(DAY, 0).await?;
+    let bounded = setup.fx.worker(&setup.manifest, "w2")?;
+    bounded.wait_ready(LONG).await?;
+    let warning = bounded
+        .log()
+        .lines()
+        .find(|line| line.contains("longer than the dedup window"))
+        .map(str::to_owned)
+        .with_context(|| format!("no warning:\n{}", bounded.log_tail()))?;
+    ensure!(
+        warning.contains("WARN")
+            && warning.contains("retention=2d")
+            && warning.contains("dedup_window=1d")
+            && warning.contains("spec.delivery.dedupWindowDays"),
+        "the warning names the retention, the window and the setting: {warning}"
+    );
+    Ok(())
+}

@@ -797,3 +797,44 @@ async fn retention_days_over_fourteen_is_refused_for_sqs_naming_the_field() -> R
     )?;
     Ok(())
 }
+
+/// Issue 30: the source queue's `MessageRetentionPeriod` is compared with the dedup window at
+/// start: 4 days within the default 30 pass quietly; over a 1-day window, a warning names both.
+#[tokio::test]
+async fn source_queue_kept_longer_than_the_dedup_window_is_warned_about_at_start() -> Result<()> {
+    const WARNING: &str = "longer than the dedup window";
+    let fx = Fixture::start().await?;
+    let (moto, _client, queue, _dlq) = moto_dead_letter_four_days(&fx, "kept").await?;
+    let manifest = fx.manifest(
+        "kept.yaml",
+        &sqs_manifest("kept", &queue, &moto.endpoint(), "", ""),
+    )?;
+    let within = start_worker(&fx, &manifest, "worker-a")?;
+    within.wait_ready(LONG).await?;
+    ensure!(
+        !within.log().contains(WARNING),
+        "4 days within a 30-day window were warned about:\n{}",
+        within.log_tail()
+    );
+    within.kill()?;
+
+    fx.store
+        .maintain_events(Duration::from_secs(86_400), 0)
+        .await?;
+    let beyond = start_worker(&fx, &manifest, "worker-b")?;
+    beyond.wait_ready(LONG).await?;
+    let warning = beyond
+        .log()
+        .lines()
+        .find(|line| line.contains(WARNING))
+        .map(str::to_owned)
+        .with_context(|| format!("no warning:\n{}", beyond.log_tail()))?;
+    ensure!(
+        warning.contains("WARN")
+            && warning.contains("retention=4d")
+            && warning.contains("MessageRetentionPeriod")
+            && warning.contains("dedup_window=1d"),
+        "the warning names the retention, its setting and the window: {warning}"
+    );
+    Ok(())
+}

@@ -236,12 +236,27 @@ impl<T: Transport> Pipeline<T> {
             Err(Stopped::Cancelled) => return Ok(()),
         }
         self.count_deliveries = !self.transport.broker_dead_letters();
+        self.check_source_retention().await;
         self.health.set_started();
         tracing::info!(source = %self.context.source, queue = %self.settings.queue, "worker started");
         let probe = self.spawn_probe();
         let result = self.receive_until_cancelled().await;
         probe.abort();
         result
+    }
+
+    /// Warns when the broker keeps the source's messages longer than the dedup window (best
+    /// effort: the window is not read while the database is down).
+    async fn check_source_retention(&self) {
+        match self.context.store.dedup_window().await {
+            Ok(window) => {
+                self.transport.source_retention().warn_beyond(window);
+            }
+            Err(err) => tracing::debug!(
+                error = %ErrorChain(&err),
+                "the dedup window was not read: the broker's retention is not compared with it"
+            ),
+        }
     }
 
     async fn receive_until_cancelled(&mut self) -> Result<(), PipelineError> {

@@ -36,6 +36,8 @@ use std::time::Duration;
 use switchboard_store::Dedup;
 pub use switchboard_store::Position;
 
+pub use self::retention::SourceRetention;
+
 use crate::health::Dependency;
 use crate::payload::PoisonReason;
 pub(crate) use crate::text::truncate;
@@ -411,6 +413,12 @@ pub trait Transport {
     /// Asked once, after [`Transport::prepare`].
     fn broker_dead_letters(&self) -> bool {
         false
+    }
+
+    /// How long the broker keeps the source's messages, where the worker read it. Asked once,
+    /// after [`Transport::prepare`].
+    fn source_retention(&self) -> SourceRetention {
+        SourceRetention::Unknown
     }
 
     /// Periodic upkeep: take over messages of dead consumers, tidy up.

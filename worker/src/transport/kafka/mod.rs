@@ -90,7 +90,7 @@ use self::offsets::TopicPartition;
 use self::probe::{KafkaProbe, Topics};
 use self::receive::{Fetched, InHand};
 use crate::transport::retention::Retention;
-use crate::transport::{Acked, DeadLetter, Message, Transport, TransportError};
+use crate::transport::{Acked, DeadLetter, Message, SourceRetention, Transport, TransportError};
 
 /// How long a metadata request or a synchronous commit may take.
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
@@ -150,6 +150,8 @@ pub struct Kafka {
     producer_id: String,
     dead_letter_topic: Option<String>,
     retention: retention::DeadLetterRetention,
+    /// The longest `retention.ms` of the named topics, read at start.
+    source_retention: SourceRetention,
     store: Store,
     fetched: VecDeque<Fetched>,
     in_hand: InHand,
@@ -198,6 +200,7 @@ impl Kafka {
             producer_id: format!("{client_id}-dlq"),
             dead_letter_topic,
             retention,
+            source_retention: SourceRetention::Unknown,
             store,
             fetched: VecDeque::new(),
             in_hand: InHand::default(),
@@ -234,7 +237,15 @@ impl Transport for Kafka {
         let named: Vec<String> = (self.spec.topics.iter().flatten())
             .map(|topic| self.dead_letter_topic(topic))
             .collect();
-        self.retention.hold(named).await
+        self.retention.hold(named).await?;
+        let sources = self.spec.topics.clone().unwrap_or_default();
+        self.source_retention = self.retention.of_sources(&sources).await;
+        Ok(())
+    }
+
+    /// The longest `retention.ms` of the named topics (a pattern's: unknown).
+    fn source_retention(&self) -> SourceRetention {
+        self.source_retention.clone()
     }
 
     async fn receive(

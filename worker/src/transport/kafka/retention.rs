@@ -19,8 +19,8 @@ use rdkafka::error::RDKafkaErrorCode;
 use switchboard_api::KafkaSource;
 
 use super::client::{LogContext, Setting, base_config, classify};
-use crate::transport::TransportError;
 use crate::transport::retention::Retention;
+use crate::transport::{SourceRetention, TransportError};
 
 /// How long one admin request may take.
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
@@ -150,6 +150,51 @@ impl DeadLetterRetention {
                 .map(|()| true),
             None => Err(TransportError::protocol(context)),
         }
+    }
+}
+
+impl DeadLetterRetention {
+    /// The longest `retention.ms` of the source's `topics`, read once at start with the same
+    /// admin client. Best effort: a topic that cannot be described leaves it unknown.
+    pub async fn of_sources(&mut self, topics: &[String]) -> SourceRetention {
+        if topics.is_empty() {
+            return SourceRetention::Unknown;
+        }
+        let options = AdminOptions::new().request_timeout(Some(REQUEST_TIMEOUT));
+        let specifiers: Vec<ResourceSpecifier<'_>> = topics
+            .iter()
+            .map(|topic| ResourceSpecifier::Topic(topic.as_str()))
+            .collect();
+        let described = match self.admin() {
+            Ok(admin) => admin.describe_configs(&specifiers, &options).await,
+            Err(err) => {
+                tracing::debug!(error = %switchboard_telemetry::ErrorChain(&err), "the source topics' retention.ms is not read");
+                return SourceRetention::Unknown;
+            }
+        };
+        let Ok(described) = described else {
+            return SourceRetention::Unknown;
+        };
+        let mut longest = SourceRetention::Unknown;
+        for (topic, config) in topics.iter().zip(described) {
+            let Ok(config) = config else {
+                return SourceRetention::Unknown;
+            };
+            let setting = format!("retention.ms of topic {topic}");
+            match milliseconds(&config, "retention.ms") {
+                None if config.get("retention.ms").is_some() => {
+                    return SourceRetention::Unbounded { setting };
+                }
+                None => return SourceRetention::Unknown,
+                Some(kept) => {
+                    if !matches!(&longest, SourceRetention::Bounded { kept: longer, .. } if *longer >= kept)
+                    {
+                        longest = SourceRetention::Bounded { kept, setting };
+                    }
+                }
+            }
+        }
+        longest
     }
 }
 

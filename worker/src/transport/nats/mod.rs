@@ -80,7 +80,7 @@ pub use self::probe::NatsProbe;
 pub use self::receive::Identity;
 use crate::metrics::{adapter_counter, broker_reconnects};
 use crate::transport::retention::Retention;
-use crate::transport::{Acked, DeadLetter, Message, Transport, TransportError};
+use crate::transport::{Acked, DeadLetter, Message, SourceRetention, Transport, TransportError};
 
 /// A wait for the next message of a fetch: the fetch's expiry and a request's time.
 pub const NEXT_DEADLINE: Duration = Duration::from_secs(6);
@@ -313,6 +313,18 @@ impl Transport for Nats {
 
     async fn extend_lease(&mut self, messages: &[&NatsDelivery]) -> Result<(), TransportError> {
         self.mark_in_progress(messages).await
+    }
+
+    /// The stream's `max_age` (0: kept until its limits or a consumer remove them).
+    fn source_retention(&self) -> SourceRetention {
+        let Some(bound) = &self.bound else {
+            return SourceRetention::Unknown;
+        };
+        let setting = format!("max_age of stream {}", self.settings.spec.stream);
+        match bound.stream.cached_info().config.max_age {
+            age if age.is_zero() => SourceRetention::Unbounded { setting },
+            kept => SourceRetention::Bounded { kept, setting },
+        }
     }
 
     async fn maintain(&mut self) -> Result<(), TransportError> {

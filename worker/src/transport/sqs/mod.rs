@@ -78,7 +78,7 @@ use self::queues::Queues;
 pub use self::receive::Receipt;
 use self::receive::SqsDelivery;
 use crate::transport::retention::Retention;
-use crate::transport::{Acked, DeadLetter, Transport, TransportError};
+use crate::transport::{Acked, DeadLetter, SourceRetention, Transport, TransportError};
 
 /// The visibility timeout SQS gives a queue that does not say.
 const DEFAULT_VISIBILITY_SECONDS: u32 = 30;
@@ -297,6 +297,17 @@ impl Transport for Sqs {
 
     async fn ack(&mut self, messages: &[&SqsDelivery]) -> Result<Acked, TransportError> {
         self.delete(messages).await
+    }
+
+    /// The source queue's `MessageRetentionPeriod` (at most 14 days).
+    fn source_retention(&self) -> SourceRetention {
+        match self.queues.as_ref().and_then(|queues| queues.kept) {
+            Some(kept) => SourceRetention::Bounded {
+                kept,
+                setting: "MessageRetentionPeriod of the source queue".to_owned(),
+            },
+            None => SourceRetention::Unknown,
+        }
     }
 
     fn lease(&self) -> Option<Duration> {

@@ -27,6 +27,8 @@ pub struct Queues {
     pub dead_letter_url: String,
     pub dead_letter_fifo: bool,
     pub dead_letter_max_bytes: usize,
+    /// The source queue's `MessageRetentionPeriod`.
+    pub kept: Option<Duration>,
 }
 
 /// Queue attributes as GetQueueAttributes returns them.
@@ -43,6 +45,11 @@ fn is_fifo(attributes: &Attributes, url: &str) -> bool {
 /// A numeric queue attribute.
 fn number<N: std::str::FromStr>(attributes: &Attributes, name: QueueAttributeName) -> Option<N> {
     attributes.get(&name).and_then(|v| v.parse().ok())
+}
+
+/// A queue's `MessageRetentionPeriod`.
+fn retention(attributes: &Attributes) -> Option<Duration> {
+    number::<u64>(attributes, QueueAttributeName::MessageRetentionPeriod).map(Duration::from_secs)
 }
 
 /// The URL of the source queue named `name` (GetQueueUrl).
@@ -68,6 +75,7 @@ struct SourceQueue {
     fifo: bool,
     visibility_seconds: u32,
     redrive_policy: Option<String>,
+    kept: Option<Duration>,
 }
 
 /// What the dead-letter queue's attributes say.
@@ -99,6 +107,7 @@ impl Sqs {
             dead_letter_url: dead_letter.url,
             dead_letter_fifo: dead_letter.fifo,
             dead_letter_max_bytes: dead_letter.max_bytes,
+            kept: source.kept,
         });
         self.errors.source_absence.found();
         Ok(())
@@ -187,6 +196,7 @@ impl Sqs {
                     QueueAttributeName::VisibilityTimeout,
                     QueueAttributeName::RedrivePolicy,
                     QueueAttributeName::FifoQueue,
+                    QueueAttributeName::MessageRetentionPeriod,
                 ],
             )
             .await?;
@@ -198,6 +208,7 @@ impl Sqs {
                 .get(&QueueAttributeName::RedrivePolicy)
                 .filter(|policy| !policy.trim().is_empty())
                 .cloned(),
+            kept: retention(&attributes),
         })
     }
 
@@ -229,8 +240,7 @@ impl Sqs {
             fifo: is_fifo(&attributes, &dead_letter_url),
             max_bytes: number(&attributes, QueueAttributeName::MaximumMessageSize)
                 .unwrap_or(DEFAULT_MAX_MESSAGE_BYTES),
-            kept: number::<u64>(&attributes, QueueAttributeName::MessageRetentionPeriod)
-                .map(Duration::from_secs),
+            kept: retention(&attributes),
             url: dead_letter_url,
         })
     }
