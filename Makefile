@@ -23,8 +23,8 @@ demo-cluster: deps build helm cluster-bins
 	$(CARGO) run --quiet -p switchboard-tests --bin switchboard-demo-cluster
 
 ## make test: formatting, lints and every test against real servers (tests/tests/cluster.rs on a
-## real cluster: needs root, containerd, runc, buildah; see docs/cluster.md), the contract suite in a
-## lane of its own beside the rest (scripts/test.sh; logs in $CARGO_TARGET_DIR/test-logs); without
+## real cluster: needs root, containerd, runc, buildah; see docs/cluster.md), in two lanes balanced by
+## time, the contract suite's and the rest (scripts/test.sh; logs in $CARGO_TARGET_DIR/test-logs); without
 ## incremental compilation (a one-shot build: faster, and 13 GB less on disk)
 test: export CARGO_INCREMENTAL ?= 0
 test: deps
