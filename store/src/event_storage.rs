@@ -67,9 +67,11 @@ impl Store {
     pub async fn dedup_window(&self) -> Result<Duration, StoreError> {
         let seconds: f64 = self
             .in_background(async |conn| {
-                sqlx::query_scalar("SELECT extract(epoch FROM dedup_window)::float8 FROM event_storage")
-                    .fetch_one(conn)
-                    .await
+                sqlx::query_scalar(
+                    "SELECT extract(epoch FROM dedup_window)::float8 FROM event_storage",
+                )
+                .fetch_one(conn)
+                .await
             })
             .await?;
         Ok(Duration::try_from_secs_f64(seconds).unwrap_or_default())

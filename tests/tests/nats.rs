@@ -834,7 +834,13 @@ async fn stream_max_age_longer_than_the_dedup_window_is_warned_about_at_start() 
     unlimited.kill()?;
 
     let js = setup.server.jetstream();
-    let mut config = js.get_stream(setup.stream()).await?.info().await?.config.clone();
+    let mut config = js
+        .get_stream(setup.stream())
+        .await?
+        .info()
+        .await?
+        .config
+        .clone();
     config.max_age = DAY * 2;
     js.update_stream(config).await?;
     setup.fx.store.maintain_events(DAY, 0).await?;

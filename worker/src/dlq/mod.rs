@@ -273,12 +273,16 @@ pub struct Moment {
 impl Moment {
     /// Whether `letter` was dead-lettered before this moment (`false` when its time is unknown).
     fn letter_is_older(self, letter: &StoredLetter) -> bool {
-        letter.dead_lettered_at_ms.is_some_and(|at| at < self.unix_ms)
+        letter
+            .dead_lettered_at_ms
+            .is_some_and(|at| at < self.unix_ms)
     }
 
     /// Whether `letter` was dead-lettered at this moment or later (`false` when unknown).
     fn letter_is_newer(self, letter: &StoredLetter) -> bool {
-        letter.dead_lettered_at_ms.is_some_and(|at| at >= self.unix_ms)
+        letter
+            .dead_lettered_at_ms
+            .is_some_and(|at| at >= self.unix_ms)
     }
 }
 

@@ -6,8 +6,8 @@ use std::io::{IsTerminal, Write};
 
 use super::output::short_age;
 use super::{
-    DeadLetterReader, DlqError, Moment, PAGE, Selection, StoredLetter, letters_by_id,
-    stdout_line, walk,
+    DeadLetterReader, DlqError, Moment, PAGE, Selection, StoredLetter, letters_by_id, stdout_line,
+    walk,
 };
 
 /// `dlq purge`: the letters selected and dead-lettered before `older_than`.

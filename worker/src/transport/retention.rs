@@ -62,7 +62,11 @@ impl SourceRetention {
 /// `30d`, `36d 12h`, `2h 30m`: a retention for people, in days (humantime's months are not).
 fn readable(duration: Duration) -> String {
     let secs = duration.as_secs();
-    let parts = [(secs / 86_400, "d"), (secs % 86_400 / 3_600, "h"), (secs % 3_600 / 60, "m")];
+    let parts = [
+        (secs / 86_400, "d"),
+        (secs % 86_400 / 3_600, "h"),
+        (secs % 3_600 / 60, "m"),
+    ];
     let shown: Vec<String> = parts
         .iter()
         .filter(|(count, _)| *count > 0)
