@@ -10,6 +10,9 @@ use nix::unistd::Pid;
 
 use crate::servers::{free_port, http_get};
 
+/// What the worker says at start when the broker keeps messages longer than the dedup window.
+pub const RETENTION_WARNING: &str = "longer than the dedup window";
+
 /// The worker binary: [`workspace_binary`]`("switchboard-worker")`.
 pub fn worker_binary() -> Result<PathBuf> {
     workspace_binary("switchboard-worker")
@@ -230,6 +233,25 @@ impl WorkerProcess {
     /// The worker's log so far.
     pub fn log(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// Issue 30: the worker's warning at start that the broker keeps messages for `retention`
+    /// (as `setting` says), longer than the dedup window of one day.
+    pub fn assert_retention_warned(&self, retention: &str, setting: &str) -> Result<()> {
+        let log = self.log();
+        let warning = log
+            .lines()
+            .find(|line| line.contains(RETENTION_WARNING))
+            .with_context(|| format!("no warning about the retention:\n{}", self.log_tail()))?;
+        anyhow::ensure!(
+            warning.contains("WARN")
+                && warning.contains(&format!("retention={retention} "))
+                && warning.contains(setting)
+                && warning.contains("dedup_window=1d")
+                && warning.contains("spec.delivery.dedupWindowDays"),
+            "the warning names the retention, its setting, the window and what to raise: {warning}"
+        );
+        Ok(())
     }
 
     pub fn log_tail(&self) -> String {

@@ -7,12 +7,12 @@
 
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, Result, ensure};
+use anyhow::{Result, ensure};
 use nix::sys::signal::Signal;
 use switchboard_tests::brokers::kafka::{KafkaServer, Record, undecodable_record};
 use switchboard_tests::brokers::{BrokerFixture, KafkaBroker, kafka_group};
 use switchboard_tests::wait::wait_for;
-use switchboard_tests::worker::WorkerProcess;
+use switchboard_tests::worker::{RETENTION_WARNING, WorkerProcess};
 use switchboard_tests::{Fixture, source_manifest};
 
 const LONG: Duration = Duration::from_secs(240);
@@ -758,12 +758,11 @@ async fn dead_letter_gauges_count_the_topic_and_age_its_oldest_letter() -> Resul
 /// window a warning names both; `-1` is said at info level.
 #[tokio::test]
 async fn topic_retention_longer_than_the_dedup_window_is_warned_about_at_start() -> Result<()> {
-    const WARNING: &str = "longer than the dedup window";
     let setup = Setup::start("kept", "claimIdleSeconds: 2", "").await?;
     let within = setup.worker("worker-a")?;
     within.wait_ready(LONG).await?;
     ensure!(
-        !within.log().contains(WARNING) && !within.log().contains("without a time limit"),
+        !within.log().contains(RETENTION_WARNING) && !within.log().contains("without a time limit"),
         "7 days within a 30-day window were warned about:\n{}",
         within.log_tail()
     );
@@ -776,19 +775,7 @@ async fn topic_retention_longer_than_the_dedup_window_is_warned_about_at_start()
         .await?;
     let beyond = setup.worker("worker-b")?;
     beyond.wait_ready(LONG).await?;
-    let warning = beyond
-        .log()
-        .lines()
-        .find(|line| line.contains(WARNING))
-        .map(str::to_owned)
-        .with_context(|| format!("no warning:\n{}", beyond.log_tail()))?;
-    ensure!(
-        warning.contains("WARN")
-            && warning.contains("retention=7d")
-            && warning.contains("retention.ms of topic kept")
-            && warning.contains("dedup_window=1d"),
-        "the warning names the retention, its setting and the window: {warning}"
-    );
+    beyond.assert_retention_warned("7d", "retention.ms of topic kept")?;
     beyond.kill()?;
 
     setup
@@ -799,7 +786,7 @@ async fn topic_retention_longer_than_the_dedup_window_is_warned_about_at_start()
     unlimited.wait_ready(LONG).await?;
     let log = unlimited.log();
     ensure!(
-        log.contains("without a time limit") && !log.contains(WARNING),
+        log.contains("without a time limit") && !log.contains(RETENTION_WARNING),
         "retention.ms -1 is said at info level, not warned about:\n{log}"
     );
     Ok(())

@@ -15,7 +15,7 @@ use switchboard_tests::brokers::sqs::{ElasticMq, SqsProxy, odd_attributes, sqs_e
 use switchboard_tests::send::round_trip;
 use switchboard_tests::todos_lock::{TodosLock, wait_blocked_on_lock};
 use switchboard_tests::wait::wait_for;
-use switchboard_tests::worker::WorkerProcess;
+use switchboard_tests::worker::{RETENTION_WARNING, WorkerProcess};
 use switchboard_tests::{Fixture, source_manifest};
 
 const LONG: Duration = Duration::from_secs(120);
@@ -802,7 +802,6 @@ async fn retention_days_over_fourteen_is_refused_for_sqs_naming_the_field() -> R
 /// start: 4 days within the default 30 pass quietly; over a 1-day window, a warning names both.
 #[tokio::test]
 async fn source_queue_kept_longer_than_the_dedup_window_is_warned_about_at_start() -> Result<()> {
-    const WARNING: &str = "longer than the dedup window";
     let fx = Fixture::start().await?;
     let (moto, _client, queue, _dlq) = moto_dead_letter_four_days(&fx, "kept").await?;
     let manifest = fx.manifest(
@@ -812,7 +811,7 @@ async fn source_queue_kept_longer_than_the_dedup_window_is_warned_about_at_start
     let within = start_worker(&fx, &manifest, "worker-a")?;
     within.wait_ready(LONG).await?;
     ensure!(
-        !within.log().contains(WARNING),
+        !within.log().contains(RETENTION_WARNING),
         "4 days within a 30-day window were warned about:\n{}",
         within.log_tail()
     );
@@ -823,18 +822,6 @@ async fn source_queue_kept_longer_than_the_dedup_window_is_warned_about_at_start
         .await?;
     let beyond = start_worker(&fx, &manifest, "worker-b")?;
     beyond.wait_ready(LONG).await?;
-    let warning = beyond
-        .log()
-        .lines()
-        .find(|line| line.contains(WARNING))
-        .map(str::to_owned)
-        .with_context(|| format!("no warning:\n{}", beyond.log_tail()))?;
-    ensure!(
-        warning.contains("WARN")
-            && warning.contains("retention=4d")
-            && warning.contains("MessageRetentionPeriod")
-            && warning.contains("dedup_window=1d"),
-        "the warning names the retention, its setting and the window: {warning}"
-    );
+    beyond.assert_retention_warned("4d", "MessageRetentionPeriod of the source queue")?;
     Ok(())
 }
