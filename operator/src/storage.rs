@@ -65,6 +65,7 @@ pub async fn maintain_event_partitions(
                         created = ?done.created,
                         dropped = ?done.dropped,
                         emptied_unpartitioned = done.emptied_unpartitioned,
+                        rotated_keys = done.rotated_keys,
                         "maintained the events partitions"
                     );
                 }

@@ -25,6 +25,9 @@ pub struct Maintained {
     /// `events_unpartitioned` (the events from before partitioning) was emptied: all of them
     /// were older than the window.
     pub emptied_unpartitioned: bool,
+    /// The older generation of the keys without a broker time (`event_keys`) was emptied and
+    /// made the current: the current had been current for the window.
+    pub rotated_keys: bool,
 }
 
 /// How long a maintenance statement may wait for a lock. A DDL statement waiting for its lock
@@ -38,8 +41,10 @@ const STATEMENT_TIMEOUT: &str = "10min";
 impl Store {
     /// Records `window` as the dedup window, creates the partitions of `events` for now and the
     /// next `ahead` intervals, drops every partition whose events are all older than `window`
-    /// (`DETACH … CONCURRENTLY`, then `DROP TABLE`: never a bulk `DELETE`), and empties
-    /// `events_unpartitioned` once its rows are all older than `window`. Ingests go on
+    /// (`DETACH … CONCURRENTLY`, then `DROP TABLE`: never a bulk `DELETE`), empties
+    /// `events_unpartitioned` once its rows are all older than `window`, and rotates the
+    /// generations of `event_keys` once the current one has been current for `window`
+    /// (`TRUNCATE` of the older, under a lock ingests wait milliseconds for). Ingests go on
     /// meanwhile; a run cut short is finished by the next. Runs on a connection of its own: a
     /// concurrent detach cannot run in a transaction, nor under an ingest's statement timeout.
     pub async fn maintain_events(
@@ -151,6 +156,9 @@ async fn maintain(
             .execute(&mut *conn)
             .await?;
     }
+    let rotated_keys: bool = sqlx::query_scalar("SELECT switchboard_rotate_event_keys()")
+        .fetch_one(&mut *conn)
+        .await?;
     sqlx::query("UPDATE event_storage SET maintained_at = now()")
         .execute(&mut *conn)
         .await?;
@@ -158,6 +166,7 @@ async fn maintain(
         created,
         dropped: expired,
         emptied_unpartitioned,
+        rotated_keys,
     })
 }
 

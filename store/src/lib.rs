@@ -170,10 +170,34 @@ pub struct NewEvent {
     /// The W3C trace context the todo keeps (`todos.traceparent`, `todos.tracestate`).
     pub traceparent: Option<String>,
     pub tracestate: Option<String>,
-    /// When the broker accepted the message (Unix ms), where every delivery of it repeats that
-    /// time and its id is the broker's: an earlier delivery is then looked for only among the
-    /// events that arrived since (docs/storage.md). `None`: looked for in every partition.
-    pub sent_at_ms: Option<i64>,
+    /// Where an earlier delivery of the message is looked for (docs/storage.md).
+    pub lookup: Lookup,
+}
+
+/// Where an earlier delivery of a message is looked for: what dates its first delivery.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Lookup {
+    /// When the broker accepted it (Unix ms), a time every delivery repeats and whose id the
+    /// broker gave: among the events that arrived since.
+    Since(i64),
+    /// Its key has no broker time (a producer's id: a RabbitMQ `message-id`, an envelope id):
+    /// among the keys kept without one.
+    Untimed,
+    /// A redriven copy's original key, which its first delivery may have stored either way:
+    /// everywhere.
+    Everywhere,
+}
+
+impl Lookup {
+    /// The batch function's `p_sent_ms`: the time, NULL for a key without one, 0 (the epoch,
+    /// before every event) everywhere.
+    fn sent_ms(self) -> Option<i64> {
+        match self {
+            Lookup::Since(ms) => Some(ms),
+            Lookup::Untimed => None,
+            Lookup::Everywhere => Some(0),
+        }
+    }
 }
 
 /// How a batch is deduplicated.
@@ -323,7 +347,7 @@ impl Store {
                 batch
                     .events
                     .iter()
-                    .map(|e| e.sent_at_ms)
+                    .map(|e| e.lookup.sent_ms())
                     .collect::<Vec<_>>(),
             )
             .bind(partitions)

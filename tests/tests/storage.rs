@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, ensure};
 use sqlx::{Connection, PgConnection, PgPool};
-use switchboard_store::{Dedup, IngestBatch, NewEvent, Store, StoreError, Stored};
+use switchboard_store::{Dedup, IngestBatch, Lookup, NewEvent, Store, StoreError, Stored};
 use switchboard_tests::servers::Postgres;
 use switchboard_tests::wait::wait_for;
 use switchboard_tests::{migrate_before, short_event_partitions};
@@ -42,7 +42,7 @@ fn event(external_id: &str, key: &str, n: usize) -> NewEvent {
         headers: "{}".to_owned(),
         traceparent: None,
         tracestate: None,
-        sent_at_ms: None,
+        lookup: Lookup::Untimed,
     }
 }
 
@@ -58,7 +58,7 @@ async fn db_now_ms(store: &Store) -> Result<i64> {
 /// [`event`] with the broker time `sent_at_ms` every delivery of it repeats.
 fn timed(external_id: &str, key: &str, n: usize, sent_at_ms: i64) -> NewEvent {
     NewEvent {
-        sent_at_ms: Some(sent_at_ms),
+        lookup: Lookup::Since(sent_at_ms),
         ..event(external_id, key, n)
     }
 }
@@ -85,6 +85,49 @@ async fn ingest(
             done => return done.map_err(anyhow::Error::from),
         }
     }
+}
+
+/// Holds every ingest of `source` that advances its position `p` at its checkpoint (after its
+/// events and keys are written, before it commits): a row lock, released with the transaction.
+async fn hold_checkpoint(
+    store: &Store,
+    source: &str,
+) -> Result<sqlx::Transaction<'static, sqlx::Postgres>> {
+    let mut blocker = store.pool().begin().await?;
+    sqlx::query(
+        "INSERT INTO source_positions (source, partition, position) VALUES ($1, 'p', '{0}')",
+    )
+    .bind(source)
+    .execute(&mut *blocker)
+    .await?;
+    Ok(blocker)
+}
+
+/// Ingests `message` on `ingester` in a task of its own, advancing position `p` (so that
+/// [`hold_checkpoint`] holds it).
+fn ingest_held(
+    ingester: Store,
+    source: &'static str,
+    queue: &'static str,
+    message: NewEvent,
+) -> tokio::task::JoinHandle<Result<Vec<Stored>, StoreError>> {
+    tokio::spawn(async move {
+        let (events, positions) = (
+            [message],
+            [switchboard_store::Position {
+                partition: "p".to_owned(),
+                value: vec![1],
+            }],
+        );
+        let batch = IngestBatch {
+            source,
+            queue,
+            dedup: Dedup::NativeId,
+            positions: &positions,
+            events: &events,
+        };
+        ingester.ingest_batch(&batch).await
+    })
 }
 
 /// Waits until the database's clock is in a partition later than the one holding `now()`.
@@ -324,10 +367,12 @@ async fn concurrent_ingesters_across_partition_boundaries_store_each_message_onc
     Ok(())
 }
 
-/// The race the partition locks close, staged: the first delivery starts just before a
+/// The race across a partition boundary, staged: the first delivery starts just before a
 /// partition boundary and is held mid-statement (its event written, not committed); the
-/// redelivery starts just after the boundary, in the next partition, where no unique index can
-/// see the first. It waits for the first to end and is a duplicate: one event, one todo.
+/// redelivery starts just after the boundary, in the next partition, where no partition's
+/// unique index can see the first. It waits for the first to end and is a duplicate: one
+/// event, one todo. Without a broker time the key's unique index in `event_keys` closes it
+/// too; with one (below) only the partition locks do.
 #[tokio::test]
 async fn a_redelivery_racing_its_first_delivery_across_a_boundary_is_a_duplicate() -> Result<()> {
     race_across_a_boundary(false).await
@@ -345,14 +390,7 @@ async fn race_across_a_boundary(with_broker_time: bool) -> Result<()> {
     let (postgres, store) =
         partitioned(Duration::from_secs(2), Duration::from_millis(1500)).await?;
     let (source, queue) = ("amqp:test/straddle", "straddle");
-    // Hold the first delivery at its checkpoint: a row lock on its source position.
-    let mut blocker = store.pool().begin().await?;
-    sqlx::query(
-        "INSERT INTO source_positions (source, partition, position) VALUES ($1, 'p', '{0}')",
-    )
-    .bind(source)
-    .execute(&mut *blocker)
-    .await?;
+    let blocker = hold_checkpoint(&store, source).await?;
     // The partition for now exists (the first ingest creates it).
     ingest(
         &store,
@@ -390,21 +428,7 @@ async fn race_across_a_boundary(with_broker_time: bool) -> Result<()> {
         || async { Ok(now().await? >= upper - 0.4) },
     )
     .await?;
-    let first = tokio::spawn(async move {
-        let events = [message()];
-        let positions = [switchboard_store::Position {
-            partition: "p".to_owned(),
-            value: vec![1],
-        }];
-        let batch = IngestBatch {
-            source,
-            queue,
-            dedup: Dedup::NativeId,
-            positions: &positions,
-            events: &events,
-        };
-        first_store.ingest_batch(&batch).await
-    });
+    let first = ingest_held(first_store, source, queue, message());
     wait_for(
         Duration::from_secs(5),
         "the first delivery waits on the checkpoint",
@@ -542,15 +566,19 @@ async fn retention_drops_whole_partitions_and_bounds_the_disk_while_ingests_run(
         }
     });
     let started = Instant::now();
-    let mut dropped = 0;
+    let (mut dropped, mut rotations) = (0, 0);
     let mut largest = (0usize, 0i64);
     let mut sizes = Vec::new();
     while started.elapsed() < window * 4 {
         let done = store.maintain_events(window, 2).await?;
         dropped += done.dropped.len();
+        rotations += usize::from(done.rotated_keys);
+        // These keys have no broker time: the bytes count their generations in `event_keys`.
         let (oldest, partitions, bytes): (Option<f64>, i64, i64) = sqlx::query_as(
             "SELECT (SELECT extract(epoch FROM now() - min(received_at))::float8 FROM events), \
                     count(*), coalesce(sum(pg_total_relation_size(name::regclass)), 0)::bigint \
+                      + pg_total_relation_size('event_keys_0') \
+                      + pg_total_relation_size('event_keys_1') \
              FROM event_partitions",
         )
         .fetch_one(store.pool())
@@ -574,8 +602,8 @@ async fn retention_drops_whole_partitions_and_bounds_the_disk_while_ingests_run(
         "at most {most} partitions (window, ahead, the current and one being dropped): {largest:?}"
     );
     ensure!(
-        dropped >= 6,
-        "partitions were dropped over the rotations: {dropped}"
+        dropped >= 6 && rotations >= 2,
+        "partitions were dropped ({dropped}) and the keys' generations rotated ({rotations})"
     );
     // Ingesting all along at one pace, the disk holds a window's worth: the last third of the
     // run needs no more than the first (twice, for the pace's noise).
@@ -596,6 +624,189 @@ async fn retention_drops_whole_partitions_and_bounds_the_disk_while_ingests_run(
         sizes.iter().min().copied().unwrap_or(0),
         sizes.iter().max().copied().unwrap_or(0)
     );
+    Ok(())
+}
+
+/// Runs maintenance with `window` until it rotates the generations of `event_keys`.
+async fn rotate_keys(store: &Store, window: Duration) -> Result<()> {
+    wait_for(window * 3, "the keys' generations rotate", || async {
+        Ok(store.maintain_events(window, 1).await?.rotated_keys)
+    })
+    .await
+}
+
+/// A key without a broker time is looked for in `event_keys`, not in the partitions: an event
+/// left in a partition without its key (as none is written since migration 0010) does not
+/// make a duplicate, a key in either generation does — also once its partition is dropped.
+/// After two rotations the key is gone, and with it the marker: `event_keys` stays bounded.
+#[tokio::test]
+async fn keys_without_a_broker_time_are_kept_in_two_generations_for_one_to_two_windows()
+-> Result<()> {
+    let window = Duration::from_secs(2);
+    let (_postgres, store) = partitioned(Duration::from_secs(1), Duration::from_secs(1)).await?;
+    let (source, queue) = ("amqp:test/generations", "generations");
+    let batch = |first: usize| -> Vec<NewEvent> {
+        (first..first + 20)
+            .map(|n| event(&format!("order-{n}"), &format!("{source}:order-{n}"), n))
+            .collect()
+    };
+    let (older, newer) = (batch(0), batch(100));
+    let stored = ingest(&store, source, queue, Dedup::NativeId, &older).await?;
+    ensure!(stored.iter().all(|s| *s == Stored::New), "{stored:?}");
+
+    // An event an hour old without its key: only the partitions could know it.
+    sqlx::query("SELECT switchboard_add_event_partition(now() - interval '1 hour')")
+        .execute(store.pool())
+        .await?;
+    sqlx::query(
+        "INSERT INTO events (source, external_id, payload, received_at) \
+         VALUES ($1, 'order-900', '{}', now() - interval '1 hour')",
+    )
+    .bind(source)
+    .execute(store.pool())
+    .await?;
+    let unkeyed = ingest(&store, source, queue, Dedup::NativeId, &batch(900)[..1]).await?;
+    ensure!(
+        unkeyed == [Stored::New],
+        "a key without a broker time is not looked for in the partitions: {unkeyed:?}"
+    );
+
+    rotate_keys(&store, window).await?;
+    let stored = ingest(&store, source, queue, Dedup::NativeId, &newer).await?;
+    ensure!(stored.iter().all(|s| *s == Stored::New), "{stored:?}");
+    let again = ingest(&store, source, queue, Dedup::NativeId, &older).await?;
+    ensure!(
+        again.iter().all(|s| *s == Stored::Duplicate),
+        "the older generation still knows the keys of the window before: {again:?}"
+    );
+    let partitions_left: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM events WHERE source = $1 AND external_id = 'order-0'",
+    )
+    .bind(source)
+    .fetch_one(store.pool())
+    .await?;
+
+    rotate_keys(&store, window).await?;
+    let newer_again = ingest(&store, source, queue, Dedup::NativeId, &newer).await?;
+    ensure!(
+        newer_again.iter().all(|s| *s == Stored::Duplicate),
+        "keys a rotation made older are kept one more window: {newer_again:?}"
+    );
+    let keys: Vec<String> = sqlx::query_scalar(
+        "SELECT external_id FROM event_keys WHERE source = $1 ORDER BY external_id",
+    )
+    .bind(source)
+    .fetch_all(store.pool())
+    .await?;
+    let expected: Vec<String> = {
+        let mut ids: Vec<String> = newer.iter().map(|e| e.external_id.clone()).collect();
+        ids.sort();
+        ids
+    };
+    ensure!(
+        keys == expected,
+        "after two rotations only the newer keys are kept: {keys:?}"
+    );
+    eprintln!(
+        "order-0's event was still in a partition at the first redelivery: {partitions_left}"
+    );
+    Ok(())
+}
+
+/// A rotation waits for an ingest of keys in flight and holds new ones meanwhile: the key it
+/// wrote is in the generation that becomes the older, and its redelivery is a duplicate.
+#[tokio::test]
+async fn a_rotation_waits_for_the_ingest_in_flight_and_its_redelivery_is_a_duplicate() -> Result<()>
+{
+    let window = Duration::from_secs(1);
+    let grace = Duration::from_secs(10);
+    let (postgres, store) = partitioned(Duration::from_secs(3600), grace).await?;
+    let (source, queue) = ("amqp:test/rotating", "rotating");
+    let message = || event("order-1", "amqp:test/rotating:order-1", 1);
+    let blocker = hold_checkpoint(&store, source).await?;
+    let first = ingest_held(ingester(&postgres, grace).await?, source, queue, message());
+    let waiting = |count: i64| {
+        let pool = store.pool().clone();
+        async move {
+            Ok(sqlx::query_scalar::<_, bool>(
+                "SELECT count(*) = $1 FROM pg_stat_activity WHERE wait_event_type = 'Lock' \
+                 AND datname = current_database()",
+            )
+            .bind(count)
+            .fetch_one(&pool)
+            .await?)
+        }
+    };
+    wait_for(Duration::from_secs(5), "the first delivery waits", || {
+        waiting(1)
+    })
+    .await?;
+    // Due, but held behind the ingest's lock on `event_keys`.
+    wait_for(
+        Duration::from_secs(5),
+        "a window since migration",
+        || async {
+            Ok(sqlx::query_scalar::<_, bool>(
+                "SELECT keys_rotated_at <= now() - make_interval(secs => $1) FROM event_storage",
+            )
+            .bind(window.as_secs_f64())
+            .fetch_one(store.pool())
+            .await?)
+        },
+    )
+    .await?;
+    // In this task: sqlx's maintenance future is not `Send` for every lifetime.
+    let release = async {
+        wait_for(Duration::from_secs(5), "the rotation waits too", || {
+            waiting(2)
+        })
+        .await?;
+        blocker.rollback().await?;
+        anyhow::Ok(())
+    };
+    let (rotation, released) = tokio::join!(store.maintain_events(window, 1), release);
+    released?;
+    ensure!(first.await?? == [Stored::New], "the first delivery stores");
+    ensure!(rotation?.rotated_keys, "the rotation ran after it");
+    let again = ingest(&store, source, queue, Dedup::NativeId, &[message()]).await?;
+    ensure!(again == [Stored::Duplicate], "the redelivery: {again:?}");
+    Ok(())
+}
+
+/// A redriven copy's original key may have been stored with the broker's time (the original
+/// was stored, its acknowledgement lost, the broker dead-lettered it): the copy is looked for
+/// everywhere. A key a copy stored first is known to later deliveries either way.
+#[tokio::test]
+async fn a_redriven_copy_is_looked_for_everywhere_and_known_to_later_deliveries() -> Result<()> {
+    let (_postgres, store) = partitioned(Duration::from_secs(1), Duration::from_secs(1)).await?;
+    let (source, queue) = ("sqs:test/redriven", "redriven");
+    let sent = db_now_ms(&store).await? - 50;
+    let copy = |id: &str| NewEvent {
+        lookup: Lookup::Everywhere,
+        ..event(id, &format!("{source}:{id}"), 1)
+    };
+    let original = [timed("m-1", "sqs:test/redriven:m-1", 1, sent)];
+    ensure!(ingest(&store, source, queue, Dedup::NativeId, &original).await? == [Stored::New]);
+    next_partition(&store).await?;
+    let copied = ingest(&store, source, queue, Dedup::NativeId, &[copy("m-1")]).await?;
+    ensure!(
+        copied == [Stored::Duplicate],
+        "the copy of a stored original: {copied:?}"
+    );
+
+    ensure!(ingest(&store, source, queue, Dedup::NativeId, &[copy("m-2")]).await? == [Stored::New]);
+    next_partition(&store).await?;
+    for (kind, later) in [
+        ("untimed", event("m-2", "sqs:test/redriven:m-2", 1)),
+        ("timed", timed("m-2", "sqs:test/redriven:m-2", 1, sent)),
+        ("copy", copy("m-2")),
+    ] {
+        let stored = ingest(&store, source, queue, Dedup::NativeId, &[later]).await?;
+        ensure!(
+            stored == [Stored::Duplicate],
+            "a {kind} delivery of a key a copy stored: {stored:?}"
+        );
+    }
     Ok(())
 }
 

@@ -5,7 +5,7 @@
 use std::time::Instant;
 
 use switchboard_api::Envelope;
-use switchboard_store::{Dedup, NewEvent};
+use switchboard_store::{Dedup, Lookup, NewEvent};
 use tracing::Instrument as _;
 
 use super::settle::InFlight;
@@ -171,11 +171,16 @@ impl<T: Transport> Pipeline<T> {
             Envelope::None => {
                 let (external_id, idempotency_key) = self.identity(message);
                 // The broker's time dates its own id only: not a redriven copy's original key.
-                let sent_at_ms = (self.transport.stable_enqueue_time()
-                    && self.context.dedup == Dedup::NativeId
-                    && external_id == message.external_id)
+                let broker_time = self
+                    .transport
+                    .stable_enqueue_time()
                     .then(|| message.enqueued_at_ms.and_then(|ms| i64::try_from(ms).ok()))
                     .flatten();
+                let lookup = match broker_time {
+                    _ if external_id != message.external_id => Lookup::Everywhere,
+                    Some(ms) if self.context.dedup == Dedup::NativeId => Lookup::Since(ms),
+                    _ => Lookup::Untimed,
+                };
                 let event = NewEvent {
                     external_id,
                     idempotency_key,
@@ -183,7 +188,7 @@ impl<T: Transport> Pipeline<T> {
                     headers: fields_json(&message.headers),
                     traceparent: None,
                     tracestate: None,
-                    sent_at_ms,
+                    lookup,
                 };
                 return Ok(traced(event, &message.headers));
             }
@@ -192,7 +197,7 @@ impl<T: Transport> Pipeline<T> {
         };
         // The envelope's id is unique within the source (RabbitMQ's too: these keys never had
         // the queue in them, and a stored key must keep deduplicating). A producer's retry
-        // repeats it with another broker time: looked for in every partition.
+        // repeats it with another broker time: looked for among the keys kept without one.
         let event = NewEvent {
             idempotency_key: storable(idempotency_key(&self.context.source, &event_id)),
             external_id: storable(event_id),
@@ -200,7 +205,7 @@ impl<T: Transport> Pipeline<T> {
             headers: fields_json(&headers),
             traceparent: None,
             tracestate: None,
-            sent_at_ms: None,
+            lookup: Lookup::Untimed,
         };
         Ok(traced(event, &headers))
     }
