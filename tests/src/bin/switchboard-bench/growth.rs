@@ -10,7 +10,7 @@ use std::time::Instant;
 
 use anyhow::{Result, ensure};
 use sqlx::{Connection, PgConnection};
-use switchboard_store::{Dedup, IngestBatch, NewEvent};
+use switchboard_store::{Dedup, IngestBatch, Lookup, NewEvent};
 
 use crate::measure::{CpuSpent, Measurement};
 use crate::table::{Table, print_table, verdict};
@@ -94,10 +94,27 @@ impl Keys {
     }
 
     /// Fills `$2` events of source `$1` starting at number `$3`, arrived over the last
-    /// [`FILL_DAYS`] days (monotonic keys in arrival order, random keys at random times).
-    fn fill_sql(self) -> &'static str {
-        match self {
-            Keys::Monotonic => {
+    /// [`FILL_DAYS`] days (monotonic keys in arrival order, random keys at random times). In
+    /// the current layout random keys, which have no broker time, are also kept in
+    /// `event_keys`, in the generation current when they arrived.
+    fn fill_sql(self, layout: Layout) -> &'static str {
+        match (self, layout) {
+            (Keys::Random, Layout::Partitioned) => {
+                "WITH filled AS ( \
+                 INSERT INTO events (source, external_id, payload, received_at) \
+                 SELECT $1, 'ce:urn:bench:' || gen_random_uuid(), \
+                        jsonb_build_object('order', n, 'customer', 'customer-' || n % 997, \
+                                           'amount_cents', 100 + n % 10000, 'currency', 'EUR'), \
+                        now() - make_interval(days => $4) * random() \
+                 FROM generate_series($3::bigint, $3::bigint + $2::bigint - 1) AS n \
+                 WHERE $5::bigint > 0 \
+                 RETURNING source, external_id, received_at) \
+                 INSERT INTO event_keys (generation, source, external_id) \
+                 SELECT CASE WHEN f.received_at >= s.keys_rotated_at THEN s.keys_generation \
+                             ELSE 1 - s.keys_generation END, f.source, f.external_id \
+                 FROM filled f, event_storage s"
+            }
+            (Keys::Monotonic, _) => {
                 "INSERT INTO events (source, external_id, payload, received_at) \
                  SELECT $1, (1700000000000 + n) || '-0', \
                         jsonb_build_object('order', n, 'customer', 'customer-' || n % 997, \
@@ -106,7 +123,7 @@ impl Keys {
                           + make_interval(days => $4) * (n::float8 / $5::float8) \
                  FROM generate_series($3::bigint, $3::bigint + $2::bigint - 1) AS n"
             }
-            Keys::Random => {
+            (Keys::Random, Layout::Previous) => {
                 "INSERT INTO events (source, external_id, payload, received_at) \
                  SELECT $1, 'ce:urn:bench:' || gen_random_uuid(), \
                         jsonb_build_object('order', n, 'customer', 'customer-' || n % 997, \
@@ -185,7 +202,8 @@ impl Bench {
             existing(rows)
         );
         // Random keys with a broker time (SQS MessageIds) are looked for from that time on;
-        // without one (a CloudEvents id, a RabbitMQ message-id) in every partition.
+        // without one (a CloudEvents id, a RabbitMQ message-id) in the two generations of
+        // `event_keys`.
         for (row, target) in [
             ("growth worker stream ids", false),
             ("growth worker random ids", true),
@@ -221,10 +239,19 @@ impl Bench {
             Layout::Partitioned => self.fresh_database(4).await?,
             Layout::Previous => self.fresh_database_before(9, 4).await?,
         };
+        let pool = database.store.pool();
+        if layout == Layout::Partitioned {
+            // Half-way through the current generation of the keys without a broker time.
+            sqlx::query(
+                "UPDATE event_storage SET keys_rotated_at = now() - make_interval(days => $1) / 2",
+            )
+            .bind(FILL_DAYS)
+            .execute(pool)
+            .await?;
+        }
         if rows == 0 {
             return Ok(database);
         }
-        let pool = database.store.pool();
         if layout == Layout::Partitioned {
             sqlx::query(
                 "SELECT switchboard_add_event_partition(now() - make_interval(days => d)) \
@@ -244,7 +271,7 @@ impl Bench {
                 let mut first = 0;
                 while first < half {
                     let chunk = FILL_CHUNK.min(half - first);
-                    sqlx::query(keys.fill_sql())
+                    sqlx::query(keys.fill_sql(layout))
                         .bind(keys.source())
                         .bind(i64::try_from(chunk)?)
                         .bind(i64::try_from(first)?)
@@ -370,10 +397,19 @@ impl Bench {
         let (entries, batch_size) = (self.args.entries, self.args.batch_size);
         let source = keys.source();
         let queue = format!("raw-{}-{timed}-{}", keys.adapter(), self.databases_created);
-        let sent_at_ms = timed.then(now_ms);
+        let lookup = if timed {
+            Lookup::Since(now_ms())
+        } else {
+            Lookup::Untimed
+        };
+        // Keys of the filled kind (random ones land anywhere in the filled index, monotonic ones
+        // after it), fresh in every run.
         let events: Vec<NewEvent> = (0..entries)
             .map(|i| {
-                let external_id = format!("raw-{timed}-{}", keys.external_id(i));
+                let external_id = match keys {
+                    Keys::Monotonic => format!("1900000000000-{}-{i}", self.databases_created),
+                    Keys::Random => keys.external_id(i),
+                };
                 NewEvent {
                     idempotency_key: format!("{source}:{external_id}"),
                     external_id,
@@ -381,7 +417,7 @@ impl Bench {
                     headers: "{}".to_owned(),
                     traceparent: None,
                     tracestate: None,
-                    sent_at_ms,
+                    lookup,
                 }
             })
             .collect();

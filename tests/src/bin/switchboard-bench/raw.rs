@@ -8,7 +8,7 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::{Result, ensure};
 use sqlx::{Connection, PgConnection};
-use switchboard_store::{Dedup, IngestBatch, NewEvent, Store, Stored};
+use switchboard_store::{Dedup, IngestBatch, Lookup, NewEvent, Store, Stored};
 use tokio::task::JoinSet;
 
 use crate::measure::Measurement;
@@ -61,7 +61,7 @@ impl RawRows {
                     headers: "{}".to_owned(),
                     traceparent: None,
                     tracestate: None,
-                    sent_at_ms: i64::try_from(first_ms).ok(),
+                    lookup: i64::try_from(first_ms).map_or(Lookup::Untimed, Lookup::Since),
                 }
             })
             .collect();

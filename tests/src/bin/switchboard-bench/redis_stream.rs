@@ -4,7 +4,7 @@
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, ensure};
-use switchboard_store::{Dedup, IngestBatch, NewEvent, Position};
+use switchboard_store::{Dedup, IngestBatch, Lookup, NewEvent, Position};
 use switchboard_tests::wait::wait_for;
 
 use crate::measure::status_kib;
@@ -233,7 +233,11 @@ pub(crate) fn stream_event(name: &str, entry: &redis::streams::StreamId) -> Resu
         headers: "{}".to_owned(),
         traceparent: None,
         tracestate: None,
-        sent_at_ms: entry.id.split_once('-').and_then(|(ms, _)| ms.parse().ok()),
+        lookup: entry
+            .id
+            .split_once('-')
+            .and_then(|(ms, _)| ms.parse().ok())
+            .map_or(Lookup::Untimed, Lookup::Since),
     })
 }
 
