@@ -186,7 +186,9 @@ impl Bench {
         // Commit timestamps give the latency run the exact commit time of every row. Shared
         // buffers as a production server is sized (PostgreSQL's documentation starts at a
         // quarter of the memory; the default 128 MB is for a laptop): the growth row's indexes
-        // are gigabytes.
+        // are gigabytes. WAL as a server with random keys needs it: checkpoints by time, not
+        // forced by the default 1 GB of WAL (after each checkpoint the first change to a page
+        // writes the whole page to the WAL; random keys change a new index page per insert).
         let shared_buffers = format!(
             "{}MB",
             measure::memory_total_kib().map_or(128, |kib| kib / 4 / 1024)
@@ -197,6 +199,7 @@ impl Bench {
             ("full_page_writes", "on"),
             ("track_commit_timestamp", "on"),
             ("shared_buffers", &shared_buffers),
+            ("max_wal_size", "8GB"),
         ])?;
         let fx = Fixture::start_with(postgres).await?;
         let postgres_pid = fx.postgres.pid().context("postgres is not running")?;
