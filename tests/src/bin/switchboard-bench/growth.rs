@@ -187,14 +187,11 @@ impl Bench {
         let mut table = Table::default();
         for layout in [Layout::Partitioned, Layout::Previous] {
             let empty = self.growth_database(layout, 0).await?;
-            let mut runs = self.growth_rounds(layout, &empty, 0).await?;
+            self.growth_rounds(layout, &empty, 0, &mut table).await?;
             self.drop_database(empty).await?;
             let full = self.growth_database(layout, rows).await?;
-            runs.extend(self.growth_rounds(layout, &full, rows).await?);
+            self.growth_rounds(layout, &full, rows, &mut table).await?;
             self.drop_database(full).await?;
-            for run in runs {
-                table.add(run);
-            }
         }
         println!();
         print_table(&table);
@@ -319,14 +316,15 @@ impl Bench {
 
     /// The growth runs on `database`, which holds `rows` filled events: a first round right
     /// after the fill (nothing cached, a checkpoint just taken), then `--repeats` rounds. Each
-    /// round of an empty database starts from empty tables.
+    /// round of an empty database starts from empty tables. Each run goes into `table` (and
+    /// is printed) as it is measured.
     async fn growth_rounds(
         &mut self,
         layout: Layout,
         database: &PhaseDatabase,
         rows: u64,
-    ) -> Result<Vec<Measurement>> {
-        let mut runs = Vec::new();
+        table: &mut Table,
+    ) -> Result<()> {
         for round in 0..=self.args.repeats {
             if rows == 0 && round > 0 {
                 let tables = match layout {
@@ -338,9 +336,11 @@ impl Bench {
                     .await?;
             }
             let state = state_name(rows, if round == 0 { FIRST_ROUND } else { "" });
-            runs.extend(self.growth_runs(layout, database, &state, round).await?);
+            for run in self.growth_runs(layout, database, &state, round).await? {
+                table.add(run);
+            }
         }
-        Ok(runs)
+        Ok(())
     }
 
     /// One round of growth runs on `database`: the worker per key kind (current layout), and
