@@ -226,6 +226,11 @@ impl RabbitMq {
         Ok(())
     }
 
+    /// The node's AMQP port on 127.0.0.1.
+    pub fn amqp_port(&self) -> u16 {
+        self.amqp_port
+    }
+
     /// `amqp://guest:guest@127.0.0.1:PORT/%2f`; the same across restarts.
     pub fn url(&self) -> String {
         format!("amqp://guest:guest@127.0.0.1:{}/%2f", self.amqp_port)

@@ -1,6 +1,8 @@
 //! RabbitMQ in the bench: quorum queues of a real node (Debian's rabbitmq-server 3.10); the raw
 //! limit is `basic.consume` with prefetch = the batch size and one `basic.ack multiple=true` per
-//! batch, on concurrent channels — what the worker does, without the database.
+//! batch, on concurrent channels — what the worker does, without the database. The same loop
+//! with amqprs runs beside lapin's (`--amqp-clients`): the AMQP client comparison of
+//! docs/PERFORMANCE.md.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -15,8 +17,10 @@ use switchboard_tests::brokers::rabbitmq::{QueueType, RabbitMq, queue_arguments}
 use switchboard_tests::wait::wait_for;
 use tokio::task::JoinSet;
 
-use crate::broker::BenchBroker;
+use crate::broker::{BenchBroker, RawClient, RawLoops};
+use crate::measure::{CpuSpent, Measurement};
 use crate::order_body;
+use crate::table::{Row, Stat, Table};
 
 /// How long a raw loop gathers a batch after its first delivery (the worker's window).
 const GATHER: Duration = Duration::from_millis(50);
@@ -36,6 +40,26 @@ pub struct AmqpArgs {
     /// worker's one consumer).
     #[arg(long, value_delimiter = ',', default_value = "1")]
     amqp_loops: Vec<usize>,
+    /// The AMQP client libraries whose raw loops are measured: the worker's (lapin) is the raw
+    /// limit of the verdicts; amqprs's row is the comparison.
+    #[arg(long, value_delimiter = ',', default_value = "lapin,amqprs")]
+    amqp_clients: Vec<AmqpClient>,
+}
+
+/// An AMQP 0-9-1 client library.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum AmqpClient {
+    Lapin,
+    Amqprs,
+}
+
+impl AmqpClient {
+    fn raw(self) -> RawClient {
+        match self {
+            AmqpClient::Lapin => RawClient::Workers,
+            AmqpClient::Amqprs => RawClient::Amqprs,
+        }
+    }
 }
 
 /// A RabbitMQ node, started for its rounds unless `--amqp-messages` is 0.
@@ -51,6 +75,42 @@ impl AmqpBench {
             args,
             server: None,
             queues_created: 0,
+        }
+    }
+
+    /// The raw loop of each AMQP client measured: client and server CPU per message and rate,
+    /// medians (min–max), and amqprs's client CPU over lapin's.
+    pub fn print_client_comparison(&self, table: &Table) {
+        let rows: Vec<(&str, Option<&Row>)> = ["amqp", "amqprs"]
+            .into_iter()
+            .map(|client| (client, table.best(&format!("raw {client} "))))
+            .collect();
+        for (client, row) in &rows {
+            let Some(row) = row else { continue };
+            let per_message =
+                |side: fn(&CpuSpent) -> Duration| row.stat(|m| m.micros_per_message(side(&m.cpu)));
+            println!(
+                "amqp client {:<6} raw loop: client {} µs/msg, RabbitMQ {} µs/msg, {} msg/s",
+                if *client == "amqp" { "lapin" } else { client },
+                per_message(|cpu| cpu.client).show(1, 1.0),
+                per_message(|cpu| cpu.broker).show(1, 1.0),
+                row.rate().show(0, 1.0)
+            );
+        }
+        if let [(_, Some(lapin)), (_, Some(amqprs))] = rows.as_slice() {
+            let client = |m: &Measurement| m.micros_per_message(m.cpu.client);
+            let ratio = Stat::of(
+                amqprs
+                    .runs
+                    .iter()
+                    .zip(&lapin.runs)
+                    .map(|(a, l)| client(a) / client(l))
+                    .collect(),
+            );
+            println!(
+                "amqp client amqprs / lapin, client CPU per message: {}%",
+                ratio.show(1, 100.0)
+            );
         }
     }
 
@@ -72,8 +132,17 @@ impl BenchBroker for AmqpBench {
         self.args.amqp_batch_size
     }
 
-    fn raw_loops(&self) -> Vec<usize> {
-        self.args.amqp_loops.clone()
+    fn raw_loops(&self) -> Vec<RawLoops> {
+        let clients = &self.args.amqp_clients;
+        clients
+            .iter()
+            .flat_map(|client| {
+                self.args.amqp_loops.iter().map(|&count| RawLoops {
+                    count,
+                    client: client.raw(),
+                })
+            })
+            .collect()
     }
 
     fn target(&self) -> f64 {
@@ -119,24 +188,37 @@ impl BenchBroker for AmqpBench {
         Ok(name)
     }
 
-    async fn drain_raw(&self, queue: &str, loops: usize) -> Result<(usize, String)> {
-        let url = self.server()?.url();
+    async fn drain_raw(&self, queue: &str, loops: RawLoops) -> Result<(usize, String)> {
+        let server = self.server()?;
+        let (url, port) = (server.url(), server.amqp_port());
         let total = self.messages();
         let acked = Arc::new(AtomicUsize::new(0));
         let mut tasks = JoinSet::new();
-        for _ in 0..loops {
+        for _ in 0..loops.count {
             let (url, queue, acked) = (url.clone(), queue.to_owned(), Arc::clone(&acked));
             let batch = self.batch_size();
-            tasks.spawn(async move { consume_ack_loop(&url, &queue, batch, total, &acked).await });
+            match loops.client {
+                RawClient::Workers => tasks.spawn(async move {
+                    consume_ack_loop(&url, &queue, batch, total, &acked).await
+                }),
+                RawClient::Amqprs => tasks.spawn(async move {
+                    amqprs_consume_ack_loop(port, &queue, batch, total, &acked).await
+                }),
+            };
         }
         while let Some(result) = tasks.join_next().await {
             result??;
         }
+        let client = match loops.client {
+            RawClient::Workers => "amqp",
+            RawClient::Amqprs => "amqprs",
+        };
         Ok((
             acked.load(Ordering::Relaxed),
             format!(
-                "raw amqp consume+ack(multiple) prefetch {} x{loops}",
-                self.batch_size()
+                "raw {client} consume+ack(multiple) prefetch {} x{}",
+                self.batch_size(),
+                loops.count
             ),
         ))
     }
@@ -215,5 +297,66 @@ async fn consume_ack_loop(
         acked.fetch_add(count, Ordering::Relaxed);
     }
     let _ = connection.close(200, "drained".into()).await;
+    Ok(())
+}
+
+/// [`consume_ack_loop`] with amqprs (its consumer is an unbounded channel of deliveries).
+async fn amqprs_consume_ack_loop(
+    port: u16,
+    queue: &str,
+    batch: usize,
+    total: usize,
+    acked: &AtomicUsize,
+) -> Result<()> {
+    use amqprs::channel::{BasicAckArguments, BasicConsumeArguments, BasicQosArguments};
+    use amqprs::connection::{Connection, OpenConnectionArguments};
+    let connection = Connection::open(&OpenConnectionArguments::new(
+        "127.0.0.1",
+        port,
+        "guest",
+        "guest",
+    ))
+    .await?;
+    let channel = connection.open_channel(None).await?;
+    channel
+        .basic_qos(BasicQosArguments::new(
+            0,
+            u16::try_from(batch).unwrap_or(u16::MAX),
+            false,
+        ))
+        .await?;
+    let (_, mut deliveries) = channel
+        .basic_consume_rx(BasicConsumeArguments::new(queue, ""))
+        .await?;
+    let tag = |message: amqprs::channel::ConsumerMessage| {
+        message
+            .deliver
+            .map(|deliver| deliver.delivery_tag())
+            .context("a consumer message without its basic.deliver")
+    };
+    while acked.load(Ordering::Relaxed) < total {
+        let first = match tokio::time::timeout(IDLE, deliveries.recv()).await {
+            Ok(Some(message)) => message,
+            // Closed, or another loop took the rest.
+            Ok(None) | Err(_) => break,
+        };
+        let mut last = tag(first)?;
+        let mut count = 1;
+        let until = tokio::time::Instant::now() + GATHER;
+        while count < batch {
+            match tokio::time::timeout_at(until, deliveries.recv()).await {
+                Ok(Some(message)) => {
+                    last = tag(message)?;
+                    count += 1;
+                }
+                _ => break,
+            }
+        }
+        channel
+            .basic_ack(BasicAckArguments::new(last, true))
+            .await?;
+        acked.fetch_add(count, Ordering::Relaxed);
+    }
+    let _ = connection.close().await;
     Ok(())
 }

@@ -16,6 +16,33 @@ use switchboard_tests::source_manifest;
 use switchboard_tests::wait::wait_for;
 use switchboard_tests::worker::WorkerProcess;
 
+/// The client library of a raw loop.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum RawClient {
+    /// The one the worker uses for the broker.
+    Workers,
+    /// amqprs, tried against the worker's lapin on RabbitMQ's raw loop: its rows are named
+    /// `raw amqprs …`, so the verdicts keep lapin's loop as the raw limit.
+    Amqprs,
+}
+
+/// `count` raw loops at once, with `client`.
+#[derive(Debug, Clone, Copy)]
+pub struct RawLoops {
+    pub count: usize,
+    pub client: RawClient,
+}
+
+impl RawLoops {
+    /// `count` loops with the worker's client library.
+    pub fn workers(count: usize) -> Self {
+        Self {
+            count,
+            client: RawClient::Workers,
+        }
+    }
+}
+
 /// One broker of the family, as the bench drives it.
 #[allow(async_fn_in_trait)]
 pub trait BenchBroker {
@@ -28,8 +55,8 @@ pub trait BenchBroker {
     /// The worker's `delivery.batchSize`.
     fn batch_size(&self) -> usize;
 
-    /// Concurrent loops tried for the raw limit.
-    fn raw_loops(&self) -> Vec<usize>;
+    /// The raw loops tried: how many run at once, with which client library.
+    fn raw_loops(&self) -> Vec<RawLoops>;
 
     /// The share of the slower of its raw limit and the raw database limit the worker had to
     /// reach (the retired wall-clock verdict, printed beside the new ones for comparison).
@@ -53,9 +80,9 @@ pub trait BenchBroker {
     /// A fresh queue holding `messages` order bodies (not timed); returns its name.
     async fn fresh_queue(&mut self, messages: usize) -> Result<String>;
 
-    /// The raw limit: `loops` concurrent receive + ack loops (no database) until `queue` is
-    /// empty; returns how many messages were acknowledged, and the phase's name.
-    async fn drain_raw(&self, queue: &str, loops: usize) -> Result<(usize, String)>;
+    /// The raw limit: `loops.count` concurrent receive + ack loops (no database) until `queue`
+    /// is empty; returns how many messages were acknowledged, and the phase's name.
+    async fn drain_raw(&self, queue: &str, loops: RawLoops) -> Result<(usize, String)>;
 
     /// The body of `spec.source` for a worker reading `queue`, and the environment it needs.
     fn worker_source(&self, queue: &str) -> (String, Vec<(&'static str, String)>);
@@ -98,11 +125,11 @@ impl Bench {
         Ok(())
     }
 
-    /// The raw receive + ack limit of `broker` with `loops` concurrent loops.
+    /// The raw receive + ack limit of `broker` with `loops`.
     pub async fn raw_broker_limit<B: BenchBroker>(
         &self,
         broker: &mut B,
-        loops: usize,
+        loops: RawLoops,
     ) -> Result<Measurement> {
         let messages = broker.messages();
         let queue = broker.fresh_queue(messages).await?;

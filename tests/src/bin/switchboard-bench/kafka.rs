@@ -13,7 +13,7 @@ use switchboard_tests::brokers::kafka::KafkaServer;
 use switchboard_tests::brokers::{KAFKA_PARTITIONS, kafka_group};
 use switchboard_tests::wait::wait_for;
 
-use crate::broker::BenchBroker;
+use crate::broker::{BenchBroker, RawLoops};
 use crate::{PHASE_TIMEOUT, order_body};
 
 #[derive(Debug, Clone, clap::Args)]
@@ -61,8 +61,8 @@ impl BenchBroker for KafkaBench {
     }
 
     /// One group member: a Kafka consumer reads its partitions on one connection.
-    fn raw_loops(&self) -> Vec<usize> {
-        vec![1]
+    fn raw_loops(&self) -> Vec<RawLoops> {
+        vec![RawLoops::workers(1)]
     }
 
     fn target(&self) -> f64 {
@@ -106,7 +106,8 @@ impl BenchBroker for KafkaBench {
         Ok(name)
     }
 
-    async fn drain_raw(&self, queue: &str, loops: usize) -> Result<(usize, String)> {
+    async fn drain_raw(&self, queue: &str, loops: RawLoops) -> Result<(usize, String)> {
+        let loops = loops.count;
         let bootstrap = self.server()?.bootstrap();
         let topic = queue.to_owned();
         let expected = self.messages();

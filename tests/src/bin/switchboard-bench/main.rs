@@ -508,6 +508,7 @@ impl Brokers {
         broker::print_broker_verdict(&self.sqs, table)?;
         broker::print_broker_verdict(&self.nats, table)?;
         broker::print_broker_verdict(&self.amqp, table)?;
+        self.amqp.print_client_comparison(table);
         broker::print_broker_verdict(&self.kafka, table)
     }
 }

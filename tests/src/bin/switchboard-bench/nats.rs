@@ -14,7 +14,7 @@ use switchboard_tests::brokers::NatsBroker;
 use switchboard_tests::brokers::nats::NatsServer;
 use tokio::task::JoinSet;
 
-use crate::broker::BenchBroker;
+use crate::broker::{BenchBroker, RawLoops};
 use crate::order_body;
 
 /// The worker's consumer (the default of `spec.source.nats.consumer`).
@@ -71,8 +71,13 @@ impl BenchBroker for NatsBench {
         self.args.nats_batch_size
     }
 
-    fn raw_loops(&self) -> Vec<usize> {
-        self.args.nats_loops.clone()
+    fn raw_loops(&self) -> Vec<RawLoops> {
+        self.args
+            .nats_loops
+            .iter()
+            .copied()
+            .map(RawLoops::workers)
+            .collect()
     }
 
     fn target(&self) -> f64 {
@@ -122,7 +127,8 @@ impl BenchBroker for NatsBench {
         Ok(name)
     }
 
-    async fn drain_raw(&self, queue: &str, loops: usize) -> Result<(usize, String)> {
+    async fn drain_raw(&self, queue: &str, loops: RawLoops) -> Result<(usize, String)> {
+        let loops = loops.count;
         let server = self.server()?;
         let stream = server
             .jetstream()

@@ -12,7 +12,7 @@ use aws_sdk_sqs::types::{
 use switchboard_tests::brokers::sqs::{ElasticMq, sqs_error};
 use tokio::task::JoinSet;
 
-use crate::broker::BenchBroker;
+use crate::broker::{BenchBroker, RawLoops};
 use crate::order_body;
 
 /// Concurrent SendMessageBatch calls producing the messages before a phase (not timed).
@@ -76,8 +76,13 @@ impl BenchBroker for SqsBench {
         self.args.sqs_batch_size
     }
 
-    fn raw_loops(&self) -> Vec<usize> {
-        self.args.sqs_loops.clone()
+    fn raw_loops(&self) -> Vec<RawLoops> {
+        self.args
+            .sqs_loops
+            .iter()
+            .copied()
+            .map(RawLoops::workers)
+            .collect()
     }
 
     /// ElasticMQ's own CPU is the bound (docs/PERFORMANCE.md), far below the database's.
@@ -120,7 +125,8 @@ impl BenchBroker for SqsBench {
         Ok(name)
     }
 
-    async fn drain_raw(&self, queue: &str, loops: usize) -> Result<(usize, String)> {
+    async fn drain_raw(&self, queue: &str, loops: RawLoops) -> Result<(usize, String)> {
+        let loops = loops.count;
         let client = self.server()?.client();
         let url = self.url(queue)?;
         let deleted = Arc::new(AtomicUsize::new(0));
