@@ -24,6 +24,10 @@ pub struct KafkaArgs {
     /// The Kafka worker's delivery.batchSize.
     #[arg(long, default_value_t = 500)]
     kafka_batch_size: usize,
+    /// A pause after each batch of the raw loop, in ms (0: none): at about the worker's pace
+    /// (500 / its msg/s), it shows what the broker costs per message at that pace.
+    #[arg(long, default_value_t = 0)]
+    kafka_raw_pause_ms: u64,
 }
 
 /// A Kafka node, started for its rounds unless `--kafka-messages` is 0.
@@ -111,10 +115,16 @@ impl BenchBroker for KafkaBench {
         let bootstrap = self.server()?.bootstrap();
         let topic = queue.to_owned();
         let expected = self.messages();
-        let consumed =
-            tokio::task::spawn_blocking(move || raw_consume_commit(&bootstrap, &topic, expected))
-                .await??;
-        Ok((consumed, format!("raw kafka poll+commit x{loops}")))
+        let pause = self.args.kafka_raw_pause_ms;
+        let consumed = tokio::task::spawn_blocking(move || {
+            raw_consume_commit(&bootstrap, &topic, expected, Duration::from_millis(pause))
+        })
+        .await??;
+        let name = match pause {
+            0 => format!("raw kafka poll+commit x{loops}"),
+            pause => format!("raw kafka poll+commit x{loops} paused {pause} ms"),
+        };
+        Ok((consumed, name))
     }
 
     fn worker_source(&self, queue: &str) -> (String, Vec<(&'static str, String)>) {
@@ -148,8 +158,14 @@ impl BenchBroker for KafkaBench {
 }
 
 /// One group member polls `topic` and commits each batch's offsets (asynchronously, as the
-/// worker does) until `expected` records were read; then one synchronous commit.
-fn raw_consume_commit(bootstrap: &str, topic: &str, expected: usize) -> Result<usize> {
+/// worker does), `pause` after each, until `expected` records were read; then one synchronous
+/// commit.
+fn raw_consume_commit(
+    bootstrap: &str,
+    topic: &str,
+    expected: usize,
+    pause: Duration,
+) -> Result<usize> {
     let consumer: BaseConsumer = ClientConfig::new()
         .set("bootstrap.servers", bootstrap)
         .set("group.id", format!("raw-{topic}"))
@@ -184,6 +200,9 @@ fn raw_consume_commit(bootstrap: &str, topic: &str, expected: usize) -> Result<u
             }
             consumer.commit(&list, CommitMode::Async)?;
             consumed += batch;
+            if !pause.is_zero() {
+                std::thread::sleep(pause);
+            }
         }
     }
     consumer.commit_consumer_state(CommitMode::Sync).ok();

@@ -35,6 +35,10 @@ pub struct NatsArgs {
     /// up to four batches being stored at a time).
     #[arg(long, value_delimiter = ',', default_value = "1,3")]
     nats_loops: Vec<usize>,
+    /// A pause after each batch of the raw loops, in ms (0: none): at about the worker's pace
+    /// (batch size / its msg/s), it shows what nats-server costs per message at that pace.
+    #[arg(long, default_value_t = 0)]
+    nats_raw_pause_ms: u64,
 }
 
 /// nats-server, started for its rounds unless `--nats-messages` is 0.
@@ -148,18 +152,29 @@ impl BenchBroker for NatsBench {
         let mut tasks = JoinSet::new();
         for _ in 0..loops {
             let (client, consumer, acked) = (server.client(), consumer.clone(), Arc::clone(&acked));
-            let batch = self.args.nats_batch_size;
-            tasks.spawn(async move { fetch_ack_loop(&client, &consumer, batch, &acked).await });
+            let (batch, pause) = (
+                self.args.nats_batch_size,
+                Duration::from_millis(self.args.nats_raw_pause_ms),
+            );
+            tasks.spawn(
+                async move { fetch_ack_loop(&client, &consumer, (batch, pause), &acked).await },
+            );
         }
         while let Some(result) = tasks.join_next().await {
             result??;
         }
         Ok((
             acked.load(Ordering::Relaxed),
-            format!(
-                "raw nats fetch({})+confirmed ack x{loops}",
-                self.args.nats_batch_size
-            ),
+            match self.args.nats_raw_pause_ms {
+                0 => format!(
+                    "raw nats fetch({})+confirmed ack x{loops}",
+                    self.args.nats_batch_size
+                ),
+                pause => format!(
+                    "raw nats fetch({})+confirmed ack x{loops} paused {pause} ms",
+                    self.args.nats_batch_size
+                ),
+            },
         ))
     }
 
@@ -227,11 +242,12 @@ impl BenchBroker for NatsBench {
 }
 
 /// fetch(batch) + the acks the worker sends (all but the last as they are, the last confirmed
-/// by the server, which confirms them all) until a fetch comes back empty.
+/// by the server, which confirms them all) until a fetch comes back empty; `pause` after each
+/// batch.
 async fn fetch_ack_loop(
     client: &async_nats::Client,
     consumer: &PullConsumer,
-    batch: usize,
+    (batch, pause): (usize, Duration),
     acked: &AtomicUsize,
 ) -> Result<()> {
     loop {
@@ -251,5 +267,8 @@ async fn fetch_ack_loop(
             .await
             .context("the acks were not confirmed in time")??;
         acked.fetch_add(replies.len() + 1, Ordering::Relaxed);
+        if !pause.is_zero() {
+            tokio::time::sleep(pause).await;
+        }
     }
 }
