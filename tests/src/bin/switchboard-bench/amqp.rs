@@ -20,6 +20,7 @@ use tokio::task::JoinSet;
 use crate::broker::{BenchBroker, RawClient, RawLoops};
 use crate::measure::{CpuSpent, Measurement};
 use crate::order_body;
+use crate::raw::KeyTime;
 use crate::table::{Row, Stat, Table};
 
 /// How long a raw loop gathers a batch after its first delivery (the worker's window).
@@ -147,6 +148,11 @@ impl BenchBroker for AmqpBench {
 
     fn target(&self) -> f64 {
         0.7
+    }
+
+    /// A RabbitMQ `message-id` has no broker time (a producer's retry repeats it later).
+    fn key_time(&self) -> KeyTime {
+        KeyTime::Untimed
     }
 
     async fn start_server(&mut self) -> Result<()> {

@@ -9,6 +9,7 @@ use std::time::Instant;
 use anyhow::{Context, Result, ensure};
 
 use crate::measure::{Measurement, load_average, status_kib};
+use crate::raw::KeyTime;
 use crate::table::{Table, print_efficiency, verdict};
 use crate::{Bench, PHASE_TIMEOUT, ensure_stored_once};
 use crate::{seconds_in_store, stop_worker, todo_count, wait_acked};
@@ -61,6 +62,12 @@ pub trait BenchBroker {
     /// The share of the slower of its raw limit and the raw database limit the worker had to
     /// reach (the retired wall-clock verdict, printed beside the new ones for comparison).
     fn target(&self) -> f64;
+
+    /// Whether the worker stores this broker's keys with a broker time: its raw database
+    /// reference stores keys of the same kind.
+    fn key_time(&self) -> KeyTime {
+        KeyTime::Broker
+    }
 
     /// Whether the CPU-efficiency and shared-CPU-ceiling verdicts hold the broker to their
     /// targets (not for a stand-in server whose costs are not a production broker's).
@@ -229,9 +236,9 @@ impl Bench {
             table.add(self.raw_broker_limit(broker, loops).await?);
         }
         let rows = (broker.messages(), broker.batch_size());
-        let before = self.raw_database_reference(rows).await?;
+        let before = self.raw_database_reference(rows, broker.key_time()).await?;
         let worker = self.broker_worker(broker).await?;
-        let after = self.raw_database_reference(rows).await?;
+        let after = self.raw_database_reference(rows, broker.key_time()).await?;
         table.add(before.around(&after, broker.kind(), broker.batch_size()));
         table.add(worker);
         Ok(())

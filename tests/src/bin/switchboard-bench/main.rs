@@ -30,7 +30,7 @@ use kafka::{KafkaArgs, KafkaBench};
 use measure::{CpuSnapshot, CpuSpent, Latency, Measurement, cpu_ticks, load_average};
 use measure::{machine_summary, server_cpu_ticks, status_kib, ticks_to_duration};
 use nats::{NatsArgs, NatsBench};
-use raw::RawMethod;
+use raw::{KeyTime, RawMethod};
 use sqs::{SqsArgs, SqsBench};
 use table::{Stat, Table, print_efficiency, print_table, verdict};
 
@@ -529,7 +529,7 @@ async fn round(bench: &mut Bench, table: &mut Table, latencies: &mut Vec<Latency
         for &count in &connections {
             table.add(
                 bench
-                    .raw_database(method, count, (entries, batch_size))
+                    .raw_database(method, count, (entries, batch_size), KeyTime::Broker)
                     .await?,
             );
         }
@@ -543,9 +543,13 @@ async fn round(bench: &mut Bench, table: &mut Table, latencies: &mut Vec<Latency
             continue;
         }
         // The stream verdict's worker, between two runs of its raw database limit.
-        let before = bench.raw_database_reference((entries, batch_size)).await?;
+        let before = bench
+            .raw_database_reference((entries, batch_size), KeyTime::Broker)
+            .await?;
         let worker = bench.worker_throughput(mode, batch_size, entries).await?;
-        let after = bench.raw_database_reference((entries, batch_size)).await?;
+        let after = bench
+            .raw_database_reference((entries, batch_size), KeyTime::Broker)
+            .await?;
         table.add(before.around(&after, mode.as_str(), batch_size));
         table.add(worker);
     }

@@ -36,6 +36,16 @@ impl RawMethod {
     }
 }
 
+/// Whether the raw rows' keys come with a broker time, as stream entry ids, SQS MessageIds,
+/// JetStream and Kafka records do, or without one, as RabbitMQ message-ids: the worker stores
+/// them with a different lookup (docs/storage.md), so a broker's raw database reference uses
+/// the kind its worker stores.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum KeyTime {
+    Broker,
+    Untimed,
+}
+
 /// The rows the worker would build for a stream of `order_body` entries, handed out in
 /// batches to concurrent loops.
 pub(crate) struct RawRows {
@@ -46,7 +56,7 @@ pub(crate) struct RawRows {
 }
 
 impl RawRows {
-    pub(crate) fn new(entries: usize, batch_size: usize) -> Self {
+    pub(crate) fn new(entries: usize, batch_size: usize, key_time: KeyTime) -> Self {
         let first_ms = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map(|since| u64::try_from(since.as_millis()).unwrap_or(u64::MAX))
@@ -61,7 +71,10 @@ impl RawRows {
                     headers: "{}".to_owned(),
                     traceparent: None,
                     tracestate: None,
-                    lookup: i64::try_from(first_ms).map_or(Lookup::Untimed, Lookup::Since),
+                    lookup: match (key_time, i64::try_from(first_ms)) {
+                        (KeyTime::Broker, Ok(ms)) => Lookup::Since(ms),
+                        _ => Lookup::Untimed,
+                    },
                 }
             })
             .collect();
@@ -205,9 +218,10 @@ impl Bench {
     pub(crate) async fn raw_database_reference(
         &mut self,
         rows: (usize, usize),
+        key_time: KeyTime,
     ) -> Result<Measurement> {
         let connections = self.args.connections.iter().copied().max().unwrap_or(1);
-        self.raw_database(RawMethod::WorkerSql, connections, rows)
+        self.raw_database(RawMethod::WorkerSql, connections, rows, key_time)
             .await
     }
 
@@ -218,8 +232,9 @@ impl Bench {
         method: RawMethod,
         connections: usize,
         (entries, batch_size): (usize, usize),
+        key_time: KeyTime,
     ) -> Result<Measurement> {
-        let rows = Arc::new(RawRows::new(entries, batch_size));
+        let rows = Arc::new(RawRows::new(entries, batch_size, key_time));
         let database = self.fresh_database(u32::try_from(connections)?).await?;
         let before = self.cpu_snapshot();
         let started = Instant::now();
@@ -243,7 +258,14 @@ impl Bench {
         ensure_stored_once(&database.store, RAW_QUEUE, entries).await?;
         self.drop_database(database).await?;
         Ok(Measurement {
-            name: format!("raw DB {} x{connections}", method.as_str()),
+            name: format!(
+                "raw DB {} x{connections}{}",
+                method.as_str(),
+                match key_time {
+                    KeyTime::Broker => "",
+                    KeyTime::Untimed => " untimed keys",
+                }
+            ),
             messages: entries,
             elapsed,
             cpu,
