@@ -1,6 +1,8 @@
-//! `switchboard-worker dlq` end to end, for Redis streams, Redis lists, SQS (ElasticMQ) and NATS
-//! JetStream: the real worker binary dead-letters poison and messages delivered too often, then
-//! the real `dlq` commands list, show, redrive (also when killed half-way) and purge them.
+//! `switchboard-worker dlq` end to end, for every broker (Redis streams, lists and pub/sub, SQS
+//! (ElasticMQ), NATS JetStream, RabbitMQ, Kafka and the gateway): the real worker binary
+//! dead-letters poison and messages delivered too often (pub/sub, which never redelivers: too
+//! large), then the real `dlq` commands list, show, redrive (also when killed half-way) and
+//! purge them.
 
 use std::path::PathBuf;
 use std::process::{Command, Output, Stdio};
@@ -32,12 +34,17 @@ fn poison_bodies(tag: &str) -> Vec<Vec<u8>> {
         .collect()
 }
 
-/// Valid JSON bodies, dead-lettered only because they were delivered too often.
+/// Valid JSON bodies, dead-lettered only because they were delivered too often (pub/sub: for
+/// being larger than its strict manifest's `maxBytes`, [`PUBSUB_STRICT_MAX_BYTES`]).
 fn overdue_bodies(tag: &str) -> Vec<Vec<u8>> {
     (0..OVERDUE)
-        .map(|i| format!(r#"{{"{tag}":{i}}}"#).into_bytes())
+        .map(|i| format!(r#"{{"{tag}":{i},"note":"{}"}}"#, "valid JSON ".repeat(8)).into_bytes())
         .collect()
 }
+
+/// The strict pub/sub manifest's `payload.maxBytes`: above every poison body, below every
+/// overdue body.
+const PUBSUB_STRICT_MAX_BYTES: usize = 64;
 
 /// One broker under test: its queues, how to deliver to it, how to count its dead letters.
 #[allow(async_fn_in_trait)]
@@ -49,8 +56,18 @@ trait Case: Sized {
     fn manifest(&self, fixed: bool) -> Result<PathBuf>;
     async fn send(&self, bodies: &[Vec<u8>]) -> Result<()>;
     /// Sends `bodies` and has each delivered `MAX_DELIVERIES` times to consumers that die
-    /// before the worker ever sees them.
+    /// before the worker ever sees them (pub/sub: sends them, too large for the strict worker).
     async fn send_overdue(&self, bodies: &[Vec<u8>]) -> Result<()>;
+    /// The reason the strict worker dead-letters what [`Case::send_overdue`] sent for.
+    const OVERDUE_REASON: &'static str = "max_deliveries";
+    /// Whether a message sent while no worker is subscribed is lost (pub/sub): the strict
+    /// worker then starts before anything is sent ([`strict_worker_and`]).
+    const SUBSCRIBES: bool = false;
+    /// Until a worker just started receives what is sent, redriven letters too (pub/sub: it is
+    /// subscribed).
+    async fn ready(&self) -> Result<()> {
+        Ok(())
+    }
     /// Dead letters in the destination (SQS: visible and in flight).
     async fn dead_letters(&self) -> Result<u64>;
     /// Until every dead letter can be read again (SQS hides what a killed command read).
@@ -484,6 +501,24 @@ fn path_text(path: &std::path::Path) -> Result<&str> {
     path.to_str().context("temporary paths are UTF-8")
 }
 
+/// The strict worker of `strict` and `send`: sent first, where the broker keeps messages for a
+/// worker that starts later, else (pub/sub) once the worker is subscribed.
+async fn strict_worker_and<C: Case>(
+    case: &C,
+    strict: &std::path::Path,
+    send: impl AsyncFnOnce() -> Result<()>,
+) -> Result<switchboard_tests::worker::WorkerProcess> {
+    if C::SUBSCRIBES {
+        let worker = case.fx().worker(strict, "strict")?;
+        case.ready().await?;
+        send().await?;
+        Ok(worker)
+    } else {
+        send().await?;
+        case.fx().worker(strict, "strict")
+    }
+}
+
 /// Stops the strict `worker` (SIGTERM, a clean exit) and checks it stored nothing.
 async fn stopped_having_stored_nothing<C: Case>(
     case: &C,
@@ -503,11 +538,12 @@ async fn stopped_having_stored_nothing<C: Case>(
 /// the manifest path and every body sent.
 async fn dead_letter_fifteen<C: Case>(case: &C, tag: &str) -> Result<(PathBuf, Vec<Vec<u8>>)> {
     let strict = case.manifest(false)?;
-    let overdue = overdue_bodies(tag);
-    case.send_overdue(&overdue).await?;
-    let poison = poison_bodies(tag);
-    case.send(&poison).await?;
-    let worker = case.fx().worker(&strict, "strict")?;
+    let (overdue, poison) = (overdue_bodies(tag), poison_bodies(tag));
+    let worker = strict_worker_and(case, &strict, async || {
+        case.send_overdue(&overdue).await?;
+        case.send(&poison).await
+    })
+    .await?;
     wait_for(LONG, "every message is dead-lettered", || async {
         Ok(case.dead_letters().await? == (POISON + OVERDUE) as u64)
     })
@@ -551,7 +587,7 @@ async fn listed_shown_and_redriven_into_one_todo_each<C: Case>(name: &str) -> Re
             .count()
     };
     ensure!(
-        reasons("invalid_json") == POISON && reasons("max_deliveries") == OVERDUE,
+        reasons("invalid_json") == POISON && reasons(C::OVERDUE_REASON) == OVERDUE,
         "reasons: {letters:?}"
     );
     let mut bodies: Vec<Vec<u8>> = letters.iter().map(body_of).collect::<Result<_>>()?;
@@ -569,7 +605,7 @@ async fn listed_shown_and_redriven_into_one_todo_each<C: Case>(name: &str) -> Re
         table.lines().count() == 1 + POISON + OVERDUE,
         "a header and a row per letter:\n{table}"
     );
-    let only_overdue = list_json_filtered(&case, &file, "max_deliveries")?;
+    let only_overdue = list_json_filtered(&case, &file, C::OVERDUE_REASON)?;
     ensure!(only_overdue == OVERDUE, "--reason filters");
 
     for letter in &letters {
@@ -602,6 +638,7 @@ async fn listed_shown_and_redriven_into_one_todo_each<C: Case>(name: &str) -> Re
 
     let fixed = case.manifest(true)?;
     let _worker = case.fx().worker(&fixed, "fixed")?;
+    case.ready().await?;
     let summary = String::from_utf8(dlq_ok(&case, &["redrive", "--file", &file, "--all"])?)?;
     ensure!(summary.contains("15 redriven"), "summary line: {summary}");
     wait_for(LONG, "a todo per redriven letter", || async {
@@ -637,6 +674,7 @@ impl<C: Case> SlowRedrive<C> {
         let (manifest, _) = dead_letter_fifteen(&case, name).await?;
         let file = path_text(&manifest)?.to_owned();
         let worker = case.fx().worker(&case.manifest(true)?, "fixed")?;
+        case.ready().await?;
         let redrive = dlq_command(
             &case,
             &["redrive", "--file", &file, "--all", "--rate", "2/s"],
@@ -762,8 +800,10 @@ async fn redriven_twice_arrives_once<C: Case>(name: &str) -> Result<()> {
     let strict = case.manifest(false)?;
     let file = path_text(&strict)?.to_owned();
     let body = poison_bodies("twice").remove(0);
-    case.send(std::slice::from_ref(&body)).await?;
-    let worker = case.fx().worker(&strict, "strict")?;
+    let worker = strict_worker_and(&case, &strict, async || {
+        case.send(std::slice::from_ref(&body)).await
+    })
+    .await?;
     wait_for(LONG, "the letter", || async {
         Ok(case.dead_letters().await? == 1)
     })
@@ -788,6 +828,7 @@ async fn redriven_twice_arrives_once<C: Case>(name: &str) -> Result<()> {
 
     let fixed = case.manifest(true)?;
     let _worker = case.fx().worker(&fixed, "fixed")?;
+    case.ready().await?;
     redriven(dlq_ok(&case, &["redrive", "--file", &file, "--all"])?)?;
     wait_for(LONG, "the todo", || async {
         Ok(case.fx().todo_count(case.queue()).await? == 1)
@@ -949,8 +990,7 @@ async fn json_output_round_trips_bodies<C: Case>(name: &str, binary: bool) -> Re
     if binary {
         sent.push(vec![0xff, 0xfe, 0x00, 0x01, b'{']);
     }
-    case.send(&sent).await?;
-    let _worker = case.fx().worker(&strict, "strict")?;
+    let _worker = strict_worker_and(&case, &strict, async || case.send(&sent).await).await?;
     wait_for(LONG, "every message is dead-lettered", || async {
         Ok(case.dead_letters().await? == sent.len() as u64)
     })
@@ -1032,6 +1072,7 @@ dlq_suite!(nats, NatsCase, binary: true);
 dlq_suite!(amqp, amqp_case::AmqpCase, binary: true);
 dlq_suite!(kafka, kafka_case::KafkaCase, binary: true);
 dlq_suite!(gateway, gateway_case::GatewayCase, binary: true);
+dlq_suite!(redis_pubsub, pubsub_case::PubSubCase, binary: true);
 
 #[path = "dlq/amqp.rs"]
 mod amqp_case;
@@ -1047,7 +1088,8 @@ mod kept_case;
 mod sqs_case;
 #[path = "dlq/window.rs"]
 mod window_case;
-// Pub/sub has no redelivery (no `max_deliveries` letters): its own tests, the suite's purge.
+// Pub/sub has no redelivery: its second kind of letters is `oversize`; a redrive needs a
+// subscriber (its own tests: without one, and a pattern subscription).
 #[path = "dlq/pubsub.rs"]
 mod pubsub_case;
 

@@ -1,22 +1,23 @@
 //! `switchboard-worker dlq` for Redis pub/sub: its dead letters are a list, read as list mode's;
 //! a redrive publishes a letter and removes it in one script, only if a subscriber received it.
-//! Pub/sub has no redelivery, so nothing is ever delivered too often: the suite's
-//! `max_deliveries` half cannot run, and these tests take its place.
+//! The suite runs for it (`dlq::redis_pubsub::*`): pub/sub has no redelivery, so nothing is ever
+//! delivered too often, and its second kind of letters is too large for the strict manifest.
+//! These tests add what only pub/sub has: a redrive with no subscriber, a pattern subscription.
 
 use std::process::Stdio;
 
-use anyhow::{Context, Result, bail, ensure};
+use anyhow::{Context, Result, ensure};
 use switchboard_tests::wait::wait_for;
 use switchboard_tests::{Fixture, adapter_manifest};
 
 use super::{
-    Case, LONG, ListCase, body_of, dlq, dlq_command, dlq_ok, list_json, manifest_settings,
-    path_text, poison_bodies,
+    Case, LONG, ListCase, PUBSUB_STRICT_MAX_BYTES, body_of, dlq, dlq_ok, list_json,
+    manifest_settings, path_text, poison_bodies,
 };
 
 /// A pub/sub adapter on channel `name`: its dead letters are a list, `<name>.dlq`, as list
 /// mode's (the same fixture and counts).
-struct PubSubCase(ListCase);
+pub(super) struct PubSubCase(ListCase);
 
 impl PubSubCase {
     fn subscribers(&self) -> Result<i64> {
@@ -45,8 +46,13 @@ impl Case for PubSubCase {
         self.0.fx()
     }
 
+    /// The strict manifest also takes at most [`PUBSUB_STRICT_MAX_BYTES`] a body.
     fn manifest(&self, fixed: bool) -> Result<std::path::PathBuf> {
         let (delivery, payload) = manifest_settings(fixed);
+        let payload = match fixed {
+            true => payload.to_owned(),
+            false => format!("{payload}, maxBytes: {PUBSUB_STRICT_MAX_BYTES}"),
+        };
         let name = self.queue();
         self.fx().manifest(
             &format!("{name}-{fixed}.yaml"),
@@ -54,7 +60,7 @@ impl Case for PubSubCase {
                 name,
                 &format!("mode: pubsub, channel: {name}"),
                 &delivery,
-                payload,
+                &payload,
             ),
         )
     }
@@ -71,8 +77,23 @@ impl Case for PubSubCase {
         Ok(())
     }
 
-    async fn send_overdue(&self, _bodies: &[Vec<u8>]) -> Result<()> {
-        bail!("pub/sub has no redelivery: no message is delivered too often")
+    /// Pub/sub never redelivers: `bodies` are sent as they are, and the strict worker
+    /// dead-letters them for being larger than its `maxBytes`.
+    async fn send_overdue(&self, bodies: &[Vec<u8>]) -> Result<()> {
+        ensure!(
+            bodies
+                .iter()
+                .all(|body| body.len() > PUBSUB_STRICT_MAX_BYTES),
+            "an overdue body is too small to be dead-lettered as oversize"
+        );
+        self.send(bodies).await
+    }
+
+    const OVERDUE_REASON: &'static str = "oversize";
+    const SUBSCRIBES: bool = true;
+
+    async fn ready(&self) -> Result<()> {
+        self.wait_subscribed().await
     }
 
     async fn dead_letters(&self) -> Result<u64> {
@@ -163,52 +184,6 @@ async fn pubsub_letters_are_redriven_only_to_a_subscriber_into_one_todo_each() -
     .await?;
     ensure!(case.dead_letters().await? == 0, "the list is empty");
     case.fx().assert_exactly_once(case.queue(), 10).await
-}
-
-/// A redrive SIGKILLed half-way, then run again, leaves exactly one todo per letter: a letter
-/// is published and removed both or neither.
-#[tokio::test]
-async fn pubsub_redrive_killed_half_way_then_run_again_leaves_exactly_one_todo_each() -> Result<()>
-{
-    let case = PubSubCase::start("killed").await?;
-    let (file, sent) = dead_letter_ten(&case).await?;
-    let _worker = case.fx().worker(&case.manifest(true)?, "fixed")?;
-    case.wait_subscribed().await?;
-    let mut slow = dlq_command(
-        &case,
-        &["redrive", "--file", &file, "--all", "--rate", "2/s"],
-    )?
-    .stdout(Stdio::null())
-    .stderr(Stdio::null())
-    .spawn()?;
-    wait_for(LONG, "a few letters redriven", || async {
-        Ok(case.dead_letters().await? <= sent.len() as u64 - 3)
-    })
-    .await?;
-    slow.kill()?;
-    slow.wait()?;
-    let left = case.dead_letters().await?;
-    ensure!(left > 0, "killed half-way: {left} letters left");
-    let summary = String::from_utf8(dlq_ok(&case, &["redrive", "--file", &file, "--all"])?)?;
-    ensure!(
-        summary.contains(&format!("{left} redriven")) && summary.contains("0 failed"),
-        "{summary}"
-    );
-    wait_for(LONG, "a todo per letter", || async {
-        Ok(case.fx().todo_count(case.queue()).await? == sent.len() as i64)
-    })
-    .await?;
-    ensure!(case.dead_letters().await? == 0, "the list is empty");
-    case.fx()
-        .assert_exactly_once(case.queue(), sent.len() as i64)
-        .await
-}
-
-/// Purge by age, by id, `--dry-run` and the confirmation rules, as for every broker.
-#[tokio::test]
-async fn pubsub_purge_removes_only_older_letters_and_refuses_without_yes_or_terminal() -> Result<()>
-{
-    super::purge_removes_only_older_letters_and_refuses_unconfirmed::<PubSubCase>("purge").await
 }
 
 /// A letter of a pattern subscription goes back to the channel it was published on (its
