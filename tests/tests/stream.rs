@@ -1030,3 +1030,25 @@ async fn idle_worker_holds_one_database_connection_after_a_burst() -> Result<()>
     fx.assert_exactly_once("idle", 2_100).await?;
     Ok(())
 }
+
+/// Issue 32: an idle worker's heap is not inflated by transparent huge pages (a touched 2 MiB
+/// range backed by a whole huge page tripled an idle worker's heap). The worker turns them off
+/// for itself (`prctl(PR_SET_THP_DISABLE)`), which the kernel reports as `THP_enabled: 0`.
+#[tokio::test]
+async fn worker_runs_without_transparent_huge_pages() -> Result<()> {
+    let fx = Fixture::start().await?;
+    let manifest = fx.stream_adapter("nothp", "batchSize: 100", "")?;
+    let worker = fx.worker(&manifest, "w1")?;
+    worker.wait_ready(LONG).await?;
+    let status = std::fs::read_to_string(format!("/proc/{}/status", worker.pid()))?;
+    let thp = status
+        .lines()
+        .find_map(|line| line.strip_prefix("THP_enabled:"))
+        .context("this kernel reports THP_enabled in /proc/PID/status (Linux 5.0 or later)")?;
+    ensure!(
+        thp.trim() == "0",
+        "transparent huge pages are off for the worker: THP_enabled {}",
+        thp.trim()
+    );
+    Ok(())
+}

@@ -125,6 +125,12 @@ fn lint_files(files: &[PathBuf]) -> ExitCode {
 // One thread: the worker waits on I/O; the CPU is better left to PostgreSQL and Redis.
 #[tokio::main(flavor = "current_thread")]
 async fn main() -> ExitCode {
+    // No transparent huge pages: the kernel backs a touched 2 MiB range of a huge-page region
+    // with a whole huge page, so an idle worker held 6 MiB of heap (Kafka's 13) for under 1 of
+    // data (docs/PERFORMANCE.md, idle cost). mimalloc is built without asking for them
+    // (`no_thp`); this keeps them off where the node gives them to every region (`always`).
+    // An error (a kernel without the option) changes nothing else.
+    let _ = nix::sys::prctl::set_thp_disable(true);
     let cli = Cli::parse();
     // Two rustls providers are linked (see Cargo.toml); an error only means one is installed.
     // Before anything builds a TLS client (the trace exporter's too).
