@@ -26,9 +26,9 @@ COPY vendor vendor
 COPY migrations migrations
 RUN --mount=type=cache,target=/usr/local/cargo/registry \
     --mount=type=cache,target=/src/target \
-    cargo build --release --locked -p switchboard-worker -p switchboard-operator --bins \
+    cargo build --profile dist --locked -p switchboard-worker -p switchboard-operator --bins \
  && mkdir -p /out \
- && cp target/release/switchboard-worker target/release/switchboard-operator /out/
+ && cp target/dist/switchboard-worker target/dist/switchboard-operator /out/
 
 # --- runtime: glibc + CA certificates, no shell, no package manager ---
 FROM gcr.io/distroless/cc-debian12:nonroot

@@ -57,12 +57,12 @@ control-plane:
 cluster-bins:
 	scripts/control-plane.sh cluster-bin-dir >/dev/null
 
-## make image: the operator/worker image from the release binaries with buildah (FROM scratch + the
+## make image: the operator/worker image from the dist binaries (release + fat LTO) with buildah (FROM scratch + the
 ## binaries + the libraries they link, user 65532) and the pause image, as oci-archives in
 ## ~/.cache/switchboard/cluster-images (import: ctr -n k8s.io images import <archive>); docs/cluster.md
 image: deps
-	$(CARGO) build --release -p switchboard-worker -p switchboard-operator --bins
-	scripts/cluster-image.sh $(CARGO_TARGET_DIR)/release
+	$(CARGO) build --profile dist -p switchboard-worker -p switchboard-operator --bins
+	scripts/cluster-image.sh $(CARGO_TARGET_DIR)/dist
 
 ## helm for the chart tests, built once from the Go module proxy into ~/.cache/switchboard/helm
 helm:
@@ -119,12 +119,14 @@ kind-down:
 	scripts/kind-down.sh
 
 ## make bench: worker throughput, CPU, latency and memory vs the raw PostgreSQL, Redis, SQS
-## (ElasticMQ), NATS JetStream, RabbitMQ and Kafka limits, in release, against real servers, every phase 3 times, median and spread
-## (docs/PERFORMANCE.md); fails if any entry is not stored exactly once
+## (ElasticMQ), NATS JetStream, RabbitMQ and Kafka limits, against real servers, every phase 3 times, median and spread
+## (docs/PERFORMANCE.md); the worker as shipped (dist profile), the bench in release; fails if any entry
+## is not stored exactly once
 bench: deps sqs-server nats-server kafka-server otelcol
 	$(CARGO) build --release --workspace --bins
+	$(CARGO) build --profile dist -p switchboard-worker --bins
 	$(CARGO) run --quiet --release -p switchboard-tests --bin switchboard-bench -- \
-		--worker $(CARGO_TARGET_DIR)/release/switchboard-worker $(BENCH_ARGS)
+		--worker $(CARGO_TARGET_DIR)/dist/switchboard-worker $(BENCH_ARGS)
 
 build:
 	$(CARGO) build --workspace --bins

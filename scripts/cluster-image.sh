@@ -11,7 +11,7 @@
 #
 #   scripts/cluster-image.sh <folder holding switchboard-operator and switchboard-worker>
 #
-# `make image` passes the release binaries; the tests pass the binaries of their own profile.
+# `make image` passes the dist binaries (release + fat LTO); the tests pass the binaries of their own profile.
 # buildah runs with its own storage (vfs: no mounts) in a temporary folder; the files it creates
 # on the host (/var/lib/containers/cache, /etc/cni/net.d/cni.lock) are removed again when they
 # were not there before. See docs/cluster.md.
