@@ -14,7 +14,7 @@ use switchboard_tests::wait::wait_for;
 use switchboard_tests::worker::WorkerProcess;
 
 use crate::broker::BenchBroker;
-use crate::measure::{USER_HZ, cpu_ticks, status_kib};
+use crate::measure::{USER_HZ, cpu_ticks, private_kib, status_kib};
 use crate::table::{Stat, verdict};
 use crate::{Bench, Brokers, Mode, stop_worker};
 
@@ -49,6 +49,9 @@ struct Adapter {
 struct Cost {
     kind: &'static str,
     rss_mib: f64,
+    /// The part of its RSS no other process maps (the binary's code is shared by every worker
+    /// of one image on a node).
+    private_mib: f64,
     cpu_per_minute: f64,
     connections: f64,
 }
@@ -116,6 +119,7 @@ impl Bench {
                 Cost {
                     kind: adapter.kind,
                     rss_mib: status_kib(worker.pid(), "VmRSS").unwrap_or(0) as f64 / 1024.0,
+                    private_mib: private_kib(worker.pid()).unwrap_or(0) as f64 / 1024.0,
                     cpu_per_minute: ticks as f64 / USER_HZ as f64 / minutes,
                     connections: connections.get(&name).copied().unwrap_or(0) as f64,
                 }
@@ -233,12 +237,17 @@ fn print_idle(costs: &[Cost], args: &IdleArgs) {
         args.idle_seconds
     );
     println!(
-        "| {:<8} | {:>7} | {:>20} | {:>24} | {:>22} |",
-        "broker", "workers", "RSS MiB", "CPU s per idle minute", "PostgreSQL connections"
+        "| {:<8} | {:>7} | {:>20} | {:>20} | {:>24} | {:>22} |",
+        "broker",
+        "workers",
+        "RSS MiB",
+        "of it private MiB",
+        "CPU s per idle minute",
+        "PostgreSQL connections"
     );
     println!(
-        "|{:-<10}|{:->9}|{:->22}|{:->26}|{:->24}|",
-        "", "", "", "", ""
+        "|{:-<10}|{:->9}|{:->22}|{:->22}|{:->26}|{:->24}|",
+        "", "", "", "", "", ""
     );
     let mut kinds: Vec<&str> = costs.iter().map(|cost| cost.kind).collect();
     kinds.dedup();
@@ -246,10 +255,11 @@ fn print_idle(costs: &[Cost], args: &IdleArgs) {
         let of_kind: Vec<&Cost> = costs.iter().filter(|cost| cost.kind == kind).collect();
         let stat = |figure: fn(&Cost) -> f64| Stat::of(of_kind.iter().map(|c| figure(c)).collect());
         println!(
-            "| {:<8} | {:>7} | {:>20} | {:>24} | {:>22} |",
+            "| {:<8} | {:>7} | {:>20} | {:>20} | {:>24} | {:>22} |",
             kind,
             of_kind.len(),
             stat(|c| c.rss_mib).show(1, 1.0),
+            stat(|c| c.private_mib).show(1, 1.0),
             stat(|c| c.cpu_per_minute).show(3, 1.0),
             stat(|c| c.connections).show(0, 1.0)
         );

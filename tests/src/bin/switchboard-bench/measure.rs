@@ -50,9 +50,22 @@ pub(crate) fn ticks_to_duration(ticks: u64) -> Duration {
 
 /// A line `Name: value kB` of `/proc/PID/status`, in KiB.
 pub(crate) fn status_kib(pid: u32, name: &str) -> Option<u64> {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    status
-        .lines()
+    proc_kib(pid, "status", name)
+}
+
+/// The memory of `pid` no other process maps (`Private_Clean` + `Private_Dirty` of
+/// `/proc/PID/smaps_rollup`), in KiB: what one more worker of a binary already running costs.
+pub(crate) fn private_kib(pid: u32) -> Option<u64> {
+    Some(
+        proc_kib(pid, "smaps_rollup", "Private_Clean")?
+            + proc_kib(pid, "smaps_rollup", "Private_Dirty")?,
+    )
+}
+
+/// A line `Name: value kB` of `/proc/PID/{file}`, in KiB.
+fn proc_kib(pid: u32, file: &str, name: &str) -> Option<u64> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/{file}")).ok()?;
+    text.lines()
         .find_map(|line| line.strip_prefix(name)?.strip_prefix(':'))
         .and_then(|value| value.split_whitespace().next()?.parse().ok())
 }
