@@ -424,8 +424,13 @@ impl Postgres {
         self.start_server()
     }
 
+    /// The server's log so far (stdout and stderr).
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.path().join("postgres.log")).unwrap_or_default()
+    }
+
     fn log_tail(&self) -> String {
-        let log = std::fs::read_to_string(self.dir.path().join("postgres.log")).unwrap_or_default();
+        let log = self.log();
         let tail: Vec<&str> = log.lines().rev().take(20).collect();
         format!(
             "postgres log (last lines, newest first):\n{}",
