@@ -123,7 +123,7 @@ kind-down:
 ## (docs/PERFORMANCE.md); the worker as shipped (dist profile), the bench in release; fails if any entry
 ## is not stored exactly once
 bench: deps sqs-server nats-server kafka-server otelcol
-	$(CARGO) build --release --workspace --bins
+	$(CARGO) build --release -p switchboard-tests --bin switchboard-bench
 	$(CARGO) build --profile dist -p switchboard-worker --bins
 	$(CARGO) run --quiet --release -p switchboard-tests --bin switchboard-bench -- \
 		--worker $(CARGO_TARGET_DIR)/dist/switchboard-worker $(BENCH_ARGS)
