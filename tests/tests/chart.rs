@@ -1506,6 +1506,15 @@ fn dockerfile_copies_existing_sources_and_installs_the_binaries_cargo_builds() -
         .filter(|w| w[0] == "-p" || w[0] == "--package")
         .map(|w| w[1])
         .collect();
+    // Where cargo puts what it built: the profile's folder (`--profile dist` → target/dist).
+    let profile = if words.contains(&"--release") {
+        "release"
+    } else {
+        words
+            .windows(2)
+            .find(|w| w[0] == "--profile")
+            .map_or("debug", |w| w[1])
+    };
     let installed: BTreeSet<String> = instructions
         .iter()
         .filter(|(i, rest)| i == "COPY" && rest.starts_with("--from"))
@@ -1525,7 +1534,7 @@ fn dockerfile_copies_existing_sources_and_installs_the_binaries_cargo_builds() -
              ({built_packages:?}); cargo's bins: {bins:?}"
         );
         ensure!(
-            build.1.contains(&format!("target/release/{binary}")),
+            build.1.contains(&format!("target/{profile}/{binary}")),
             "the build stage does not copy out {binary}"
         );
     }
