@@ -99,6 +99,8 @@ struct Args {
 
 /// How long any one phase may take before the bench gives up.
 const PHASE_TIMEOUT: Duration = Duration::from_secs(300);
+/// The batch statement's PostgreSQL CPU per message at most this many times a `COPY`'s.
+const STATEMENT_COST_TARGET: f64 = 1.5;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum Mode {
@@ -637,6 +639,7 @@ async fn run(args: Args) -> Result<()> {
         raw_db.name(),
         raw_db.rate().show(0, 1.0)
     );
+    print_statement_cost(&table, &args.connections)?;
     println!();
     let stream = table.row(&format!("worker stream batchSize {batch_size}"))?;
     let naive = table.row("worker stream batchSize 1")?;
@@ -707,4 +710,22 @@ async fn run(args: Args) -> Result<()> {
 #[tokio::main]
 async fn main() -> Result<()> {
     run(Args::parse()).await
+}
+
+/// The batch statement's PostgreSQL CPU per message over a plain `COPY`'s, both into empty
+/// tables with the most connections measured: a change of the statement (a plan that loops
+/// over the batch, a lookup too many) shows here whatever the machine's speed. 1.1-1.2 with
+/// migrations 0010 and 0012; 2.1-2.6 with 0011, whose joins grew with the square of the batch.
+fn print_statement_cost(table: &Table, connections: &[usize]) -> Result<()> {
+    let most = connections.iter().max().context("no --connections")?;
+    let statement = table.row(&format!("raw DB worker SQL x{most}"))?;
+    let copy = table.row(&format!("raw DB COPY+staging x{most}"))?;
+    let cost = statement.postgres_ratio_to(copy);
+    println!(
+        "PostgreSQL CPU per message, batch statement / COPY+staging (x{most}): {:>16}x  \
+         target <= {STATEMENT_COST_TARGET}x  {}",
+        cost.show(2, 1.0),
+        verdict(cost.median <= STATEMENT_COST_TARGET)
+    );
+    Ok(())
 }

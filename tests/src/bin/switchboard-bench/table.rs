@@ -102,6 +102,19 @@ impl Row {
         })
     }
 
+    /// PostgreSQL's CPU per message in this row over `other`'s, per round.
+    pub(crate) fn postgres_ratio_to(&self, other: &Row) -> Stat {
+        Stat::of(
+            self.runs
+                .iter()
+                .zip(&other.runs)
+                .map(|(a, b)| {
+                    a.micros_per_message(a.cpu.postgres) / b.micros_per_message(b.cpu.postgres)
+                })
+                .collect(),
+        )
+    }
+
     /// This row's rate over `other`'s, per round (the same round ran both).
     pub(crate) fn ratio_to(&self, other: &Row) -> Stat {
         Stat::of(
