@@ -12,7 +12,7 @@ use crate::measure::{Measurement, load_average, status_kib};
 use crate::raw::KeyTime;
 use crate::table::{Table, print_efficiency, verdict};
 use crate::{Bench, PHASE_TIMEOUT, ensure_stored_once};
-use crate::{seconds_in_store, stop_worker, todo_count, wait_acked};
+use crate::{stop_worker, store_use, todo_count, wait_acked};
 use switchboard_tests::source_manifest;
 use switchboard_tests::wait::wait_for;
 use switchboard_tests::worker::WorkerProcess;
@@ -162,7 +162,7 @@ impl Bench {
             elapsed,
             cpu,
             peak_rss_kib: None,
-            store_share: None,
+            store: None,
         })
     }
 
@@ -208,9 +208,7 @@ impl Bench {
         let elapsed = started.elapsed();
         let cpu = self.cpu_since(before, Some(worker.pid()));
         let peak_rss_kib = status_kib(worker.pid(), "VmHWM");
-        let store_share = seconds_in_store(&worker, &queue)
-            .ok()
-            .map(|seconds| seconds / elapsed.as_secs_f64());
+        let store = store_use(&worker, &queue, elapsed).ok();
         stop_worker(worker)?;
         ensure_stored_once(&database.store, &queue, messages).await?;
         broker.drop_queue(&queue).await?;
@@ -221,7 +219,7 @@ impl Bench {
             elapsed,
             cpu,
             peak_rss_kib,
-            store_share,
+            store,
         })
     }
 

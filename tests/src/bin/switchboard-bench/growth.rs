@@ -514,7 +514,7 @@ impl Bench {
             elapsed,
             cpu,
             peak_rss_kib: None,
-            store_share: None,
+            store: None,
         })
     }
 }

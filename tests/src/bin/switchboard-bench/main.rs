@@ -27,7 +27,7 @@ use switchboard_tests::{Fixture, adapter_manifest, migrate_before};
 
 use amqp::{AmqpArgs, AmqpBench};
 use kafka::{KafkaArgs, KafkaBench};
-use measure::{CpuSnapshot, CpuSpent, Latency, Measurement, cpu_ticks, load_average};
+use measure::{CpuSnapshot, CpuSpent, Latency, Measurement, StoreUse, cpu_ticks, load_average};
 use measure::{machine_summary, server_cpu_ticks, status_kib, ticks_to_duration};
 use nats::{NatsArgs, NatsBench};
 use raw::{KeyTime, RawMethod};
@@ -397,7 +397,7 @@ impl Bench {
         let elapsed = started.elapsed();
         let cpu = self.cpu_since(before, Some(worker.pid()));
         let peak_rss_kib = status_kib(worker.pid(), "VmHWM");
-        let store_share = Some(seconds_in_store(&worker, name)? / elapsed.as_secs_f64());
+        let store = Some(store_use(&worker, name, elapsed)?);
         stop_worker(worker)?;
         Ok(Measurement {
             name: label,
@@ -405,7 +405,7 @@ impl Bench {
             elapsed,
             cpu,
             peak_rss_kib,
-            store_share,
+            store,
         })
     }
 }
@@ -442,11 +442,14 @@ async fn wait_acked(worker: &WorkerProcess, name: &str, expected: usize) -> Resu
     .with_context(|| worker.log_tail())
 }
 
-/// Seconds the worker of adapter `test/{name}` has spent storing batches.
-fn seconds_in_store(worker: &WorkerProcess, name: &str) -> Result<f64> {
-    worker.metric(&format!(
-        r#"switchboard_commit_duration_seconds_sum{{adapter="test/{name}"}}"#
-    ))
+/// The batches the worker of adapter `test/{name}` has stored in a phase of `elapsed`.
+fn store_use(worker: &WorkerProcess, name: &str, elapsed: Duration) -> Result<StoreUse> {
+    let metric =
+        |series: &str| worker.metric(&format!(r#"switchboard_{series}{{adapter="test/{name}"}}"#));
+    Ok(StoreUse {
+        share: metric("commit_duration_seconds_sum")? / elapsed.as_secs_f64(),
+        mean_batch: metric("batch_size_sum")? / metric("batch_size_count")?.max(1.0),
+    })
 }
 
 /// SIGTERM, and a clean exit.

@@ -90,8 +90,19 @@ pub(crate) struct Measurement {
     pub(crate) elapsed: Duration,
     pub(crate) cpu: CpuSpent,
     pub(crate) peak_rss_kib: Option<u64>,
-    /// The share of the wall time the worker spent in `ingest_batch`.
-    pub(crate) store_share: Option<f64>,
+    /// The worker's batches into the store (worker phases only).
+    pub(crate) store: Option<StoreUse>,
+}
+
+/// What a worker's metrics say of its batches over a phase.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct StoreUse {
+    /// The share of the wall time it spent in `ingest_batch` (over 100% with batches stored
+    /// side by side).
+    pub(crate) share: f64,
+    /// Messages per batch, on average: a worker storing smaller batches than its reference
+    /// pays PostgreSQL's cost per statement more often.
+    pub(crate) mean_batch: f64,
 }
 
 impl Measurement {
@@ -129,7 +140,7 @@ impl Measurement {
                 broker: self.cpu.broker + after.cpu.broker,
             },
             peak_rss_kib: None,
-            store_share: None,
+            store: None,
         }
     }
 }

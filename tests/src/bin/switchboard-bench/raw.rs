@@ -270,7 +270,7 @@ impl Bench {
             elapsed,
             cpu,
             peak_rss_kib: None,
-            store_share: None,
+            store: None,
         })
     }
 }

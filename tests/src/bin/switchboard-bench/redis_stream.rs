@@ -10,7 +10,7 @@ use switchboard_tests::wait::wait_for;
 use crate::measure::status_kib;
 use crate::measure::{Latency, Measurement};
 use crate::{Bench, Mode, PHASE_TIMEOUT, order_body};
-use crate::{ensure_stored_once, seconds_in_store, stop_worker, wait_acked};
+use crate::{ensure_stored_once, stop_worker, store_use, wait_acked};
 
 impl Bench {
     /// Offers `rate` stream entries per second for `latency_seconds` to a running worker and
@@ -32,7 +32,7 @@ impl Bench {
         let elapsed = started.elapsed();
         let cpu = self.cpu_since(before, Some(worker.pid()));
         let peak_rss_kib = status_kib(worker.pid(), "VmHWM");
-        let store_share = Some(seconds_in_store(&worker, name)? / elapsed.as_secs_f64());
+        let store = Some(store_use(&worker, name, elapsed)?);
         stop_worker(worker)?;
         ensure_stored_once(&database.store, name, total).await?;
         Mode::Stream.ensure_drained(&self.fx, name)?;
@@ -53,7 +53,7 @@ impl Bench {
                 elapsed,
                 cpu,
                 peak_rss_kib,
-                store_share,
+                store,
             },
             Latency {
                 p50_ms,
@@ -97,7 +97,7 @@ impl Bench {
             elapsed,
             cpu,
             peak_rss_kib: None,
-            store_share: None,
+            store: None,
         })
     }
 
@@ -179,7 +179,7 @@ impl Bench {
             elapsed,
             cpu,
             peak_rss_kib: None,
-            store_share: None,
+            store: None,
         })
     }
 }

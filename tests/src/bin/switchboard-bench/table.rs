@@ -180,7 +180,7 @@ impl Table {
 
 pub(crate) fn print_table(table: &Table) {
     println!(
-        "| {:<44} | {:>8} | {:>7} | {:>23} | {:>17} | {:>20} | {:>14} | {:>16} | {:>8} | {:>8} |",
+        "| {:<44} | {:>8} | {:>7} | {:>23} | {:>17} | {:>20} | {:>14} | {:>16} | {:>8} | {:>8} | {:>5} |",
         "phase",
         "messages",
         "seconds",
@@ -190,11 +190,12 @@ pub(crate) fn print_table(table: &Table) {
         "redis µs/msg",
         "broker µs/msg",
         "peak RSS",
-        "in store"
+        "in store",
+        "batch"
     );
     println!(
-        "|{:-<46}|{:->10}|{:->9}|{:->25}|{:->19}|{:->22}|{:->16}|{:->18}|{:->10}|{:->10}|",
-        "", "", "", "", "", "", "", "", "", ""
+        "|{:-<46}|{:->10}|{:->9}|{:->25}|{:->19}|{:->22}|{:->16}|{:->18}|{:->10}|{:->10}|{:->7}|",
+        "", "", "", "", "", "", "", "", "", "", ""
     );
     for row in &table.rows {
         let per_message = |side: fn(&CpuSpent) -> Duration| {
@@ -209,16 +210,18 @@ pub(crate) fn print_table(table: &Table) {
         } else {
             "-".to_owned()
         };
-        let store_share = if row.runs.iter().all(|m| m.store_share.is_some()) {
-            format!(
-                "{:.0}%",
-                row.stat(|m| m.store_share.unwrap_or(0.0)).median * 100.0
+        let (store_share, mean_batch) = if row.runs.iter().all(|m| m.store.is_some()) {
+            let store = |m: &Measurement| m.store.map_or(0.0, |store| store.share);
+            let batch = |m: &Measurement| m.store.map_or(0.0, |store| store.mean_batch);
+            (
+                format!("{:.0}%", row.stat(store).median * 100.0),
+                format!("{:.0}", row.stat(batch).median),
             )
         } else {
-            "-".to_owned()
+            ("-".to_owned(), "-".to_owned())
         };
         println!(
-            "| {:<44} | {:>8} | {:>7.2} | {:>23} | {:>17} | {:>20} | {:>14} | {:>16} | {:>8} | {:>8} |",
+            "| {:<44} | {:>8} | {:>7.2} | {:>23} | {:>17} | {:>20} | {:>14} | {:>16} | {:>8} | {:>8} | {:>5} |",
             row.name(),
             row.runs[0].messages,
             row.stat(|m| m.elapsed.as_secs_f64()).median,
@@ -228,7 +231,8 @@ pub(crate) fn print_table(table: &Table) {
             per_message(|cpu| cpu.redis),
             per_message(|cpu| cpu.broker),
             rss,
-            store_share
+            store_share,
+            mean_batch
         );
     }
 }
