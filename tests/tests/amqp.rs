@@ -854,3 +854,56 @@ async fn existing_dead_letter_queue_with_shorter_ttl_exits_naming_retention_days
     );
     Ok(())
 }
+
+/// Issue 32: a RabbitMQ worker that has stored a burst and gone quiet does not back lapin's
+/// frame buffers. lapin 4.12 keeps 32 frames of the negotiated `frame_max` (RabbitMQ's
+/// 128 KiB) each way per connection and zero-filled both, 8 MiB of every worker's memory; the
+/// patched copy (vendor/lapin/PATCH.md) allocates them zeroed and starts an emptied buffer over
+/// at its beginning, so only the pages its bursts reached are backed. Measured against a Redis
+/// stream worker of the same binary after the same burst, so the build's own heap cancels out.
+#[tokio::test]
+async fn quiet_worker_backs_few_pages_of_its_frame_buffers() -> Result<()> {
+    const BURST: usize = 2_000;
+    let mut fx = Fixture::start().await?;
+    let server = start(&mut fx).await?;
+    let body = |n: usize| format!(r#"{{"order":{n},"note":"{}"}}"#, "x".repeat(200)).into_bytes();
+    let name = "quiet";
+    server
+        .declare(name, queue_arguments(QueueType::Quorum, &[]))
+        .await?;
+    server
+        .publish(
+            name,
+            (0..BURST).map(|n| (body(n), with_id(&format!("order-{n}")))),
+        )
+        .await?;
+    let amqp = fx.worker(&json_manifest(&fx, name, "batchSize: 100")?, "w1")?;
+    fx.produce("beside", (0..BURST).map(body))?;
+    let stream = fx.worker(&fx.stream_adapter("beside", "batchSize: 100", "")?, "w1")?;
+    for (worker, queue) in [(&amqp, name), (&stream, "beside")] {
+        wait_for(LONG, "the burst stored", || async {
+            Ok(fx.todo_count(queue).await? >= BURST as i64)
+        })
+        .await
+        .with_context(|| worker.log_tail())?;
+    }
+    let (amqp_kib, stream_kib) = (anonymous_kib(&amqp)?, anonymous_kib(&stream)?);
+    println!("quiet workers: RabbitMQ {amqp_kib} KiB anonymous, Redis stream {stream_kib} KiB");
+    ensure!(
+        amqp_kib < stream_kib + 6 * 1024,
+        "the RabbitMQ worker backs {amqp_kib} KiB of anonymous memory, the Redis stream \
+         worker {stream_kib} KiB: lapin's two frame buffers were 8 MiB"
+    );
+    fx.assert_exactly_once(name, BURST as i64).await?;
+    fx.assert_exactly_once("beside", BURST as i64).await
+}
+
+/// The anonymous memory `worker` backs (`/proc/PID/smaps_rollup`), in KiB.
+fn anonymous_kib(worker: &WorkerProcess) -> Result<u64> {
+    let rollup = std::fs::read_to_string(format!("/proc/{}/smaps_rollup", worker.pid()))?;
+    rollup
+        .lines()
+        .find_map(|line| line.strip_prefix("Anonymous:"))
+        .and_then(|rest| rest.trim().trim_end_matches("kB").trim().parse().ok())
+        .context("no Anonymous: line in /proc/PID/smaps_rollup")
+}
