@@ -35,6 +35,18 @@ fn with_id(id: &str) -> BasicProperties {
     BasicProperties::default().with_message_id(id.into())
 }
 
+/// Declares the quorum queue `name` and publishes `messages` to it.
+async fn quorum_queue_holding(
+    server: &RabbitMq,
+    name: &str,
+    messages: impl IntoIterator<Item = (Vec<u8>, BasicProperties)>,
+) -> Result<()> {
+    server
+        .declare(name, queue_arguments(QueueType::Quorum, &[]))
+        .await?;
+    server.publish(name, messages).await
+}
+
 /// Waits for the worker to exit non-zero within [`FATAL_EXIT`] with every one of `needles` in
 /// its log.
 fn assert_fatal_exit(worker: &mut WorkerProcess, needles: &[&str]) -> Result<()> {
@@ -60,22 +72,19 @@ async fn same_message_id_delivered_twice_creates_one_todo() -> Result<()> {
     let mut fx = Fixture::start().await?;
     let server = start(&mut fx).await?;
     let name = "retried";
-    server
-        .declare(name, queue_arguments(QueueType::Quorum, &[]))
-        .await?;
     // A producer retrying after a lost confirm: the same message-id twice in a row (the
     // second copy a little different, as a re-serialised retry may be), then once more after
     // the first was stored.
-    server
-        .publish(
-            name,
-            [
-                (br#"{"order":1}"#.to_vec(), with_id("order-1")),
-                (br#"{"order": 1}"#.to_vec(), with_id("order-1")),
-                (br#"{"order":2}"#.to_vec(), with_id("order-2")),
-            ],
-        )
-        .await?;
+    quorum_queue_holding(
+        &server,
+        name,
+        [
+            (br#"{"order":1}"#.to_vec(), with_id("order-1")),
+            (br#"{"order": 1}"#.to_vec(), with_id("order-1")),
+            (br#"{"order":2}"#.to_vec(), with_id("order-2")),
+        ],
+    )
+    .await?;
     let manifest = fx.manifest(
         "retried.yaml",
         &source_manifest(
@@ -868,15 +877,8 @@ async fn quiet_worker_backs_few_pages_of_its_frame_buffers() -> Result<()> {
     let server = start(&mut fx).await?;
     let body = |n: usize| format!(r#"{{"order":{n},"note":"{}"}}"#, "x".repeat(200)).into_bytes();
     let name = "quiet";
-    server
-        .declare(name, queue_arguments(QueueType::Quorum, &[]))
-        .await?;
-    server
-        .publish(
-            name,
-            (0..BURST).map(|n| (body(n), with_id(&format!("order-{n}")))),
-        )
-        .await?;
+    let burst = (0..BURST).map(|n| (body(n), with_id(&format!("order-{n}"))));
+    quorum_queue_holding(&server, name, burst).await?;
     let amqp = fx.worker(&json_manifest(&fx, name, "batchSize: 100")?, "w1")?;
     fx.produce("beside", (0..BURST).map(body))?;
     let stream = fx.worker(&fx.stream_adapter("beside", "batchSize: 100", "")?, "w1")?;
