@@ -73,8 +73,7 @@ pub fn payload_json(
 ) -> Result<String, Poison> {
     check_size(body, max_bytes)?;
     let json_error = match check_json(body) {
-        // Valid JSON is valid UTF-8.
-        Ok(()) => return Ok(String::from_utf8_lossy(body).into_owned()),
+        Ok(text) => return Ok(text.to_owned()),
         Err(JsonError::Nul) => return Err(nul_poison()),
         Err(err) => err,
     };
@@ -146,8 +145,9 @@ impl fmt::Display for JsonError {
 /// Checks that `body` is one JSON text (RFC 8259, the grammar PostgreSQL's json parser reads)
 /// without building values: numbers of any size and magnitude are accepted (jsonb stores them
 /// as `numeric`, which decides what is too large), and nesting is followed on a heap stack, not
-/// by recursion, so depth costs one byte per level.
-fn check_json(body: &[u8]) -> Result<(), JsonError> {
+/// by recursion, so depth costs one byte per level. Returns the body as text (valid JSON is
+/// valid UTF-8).
+fn check_json(body: &[u8]) -> Result<&str, JsonError> {
     let text = std::str::from_utf8(body).map_err(JsonError::NotUtf8)?;
     let mut scanner = Scanner {
         bytes: text.as_bytes(),
@@ -192,7 +192,7 @@ fn check_json(body: &[u8]) -> Result<(), JsonError> {
             scanner.skip_whitespace();
             let Some(&container) = open.last() else {
                 return match scanner.peek() {
-                    None => Ok(()),
+                    None => Ok(text),
                     Some(_) => Err(scanner.error("trailing characters after the JSON value")),
                 };
             };

@@ -20,7 +20,8 @@ pub fn body_id(hash: &str) -> String {
 /// (`{kind}:{adapter}`), or for a broker whose ids are unique only per queue (RabbitMQ), the
 /// source and the queue (`{kind}:{adapter}:{queue}`).
 pub fn idempotency_key(scope: &str, external_id: &str) -> String {
-    format!("{scope}:{external_id}")
+    // Sized once: built for every message received.
+    [scope, ":", external_id].concat()
 }
 
 /// The external id in `key` when it is an idempotency key of `scope` (`{scope}:{id}`, the id

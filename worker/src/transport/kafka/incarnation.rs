@@ -88,11 +88,7 @@ impl Kafka {
             }
             let message = &mut fetched.message;
             message.receipt.topic_id = known.id.clone();
-            message.external_id = format!(
-                "{}:{}",
-                message.receipt.incarnation(),
-                message.receipt.offset
-            );
+            message.external_id = message.receipt.external_id();
             message.idempotency_key = idempotency_key(&self.source, &message.external_id);
             fetched.identified = true;
         }

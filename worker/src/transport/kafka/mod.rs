@@ -127,15 +127,38 @@ pub struct Receipt {
     pub null_headers: Vec<usize>,
 }
 
+/// A partition and the id of its topic's incarnation.
+type IncarnationOf<'a> = (&'a TopicPartition, Option<&'a Arc<str>>);
+
 impl Receipt {
     /// `{topic}:{topic-id}:{partition}` (`{topic}:{partition}` without a topic id): the
     /// partition of one incarnation of its topic, as keys and delivery marks name it.
     fn incarnation(&self) -> String {
         let TopicPartition { topic, partition } = &self.partition;
-        match &self.topic_id {
-            Some(id) => format!("{topic}:{id}:{partition}"),
-            None => format!("{topic}:{partition}"),
+        // Sized once, room left for the offset of `external_id`: built for every record.
+        let mut name = String::with_capacity(topic.len() + 80);
+        name.push_str(topic);
+        name.push(':');
+        if let Some(id) = &self.topic_id {
+            name.push_str(id);
+            name.push(':');
         }
+        name.push_str(itoa::Buffer::new().format(*partition));
+        name
+    }
+
+    /// Which partition incarnation the record is of, borrowed: [`Receipt::incarnation`]
+    /// unwritten.
+    fn incarnation_of(&self) -> IncarnationOf<'_> {
+        (&self.partition, self.topic_id.as_ref())
+    }
+
+    /// The record's external id: `{incarnation}:{offset}`.
+    fn external_id(&self) -> String {
+        let mut id = self.incarnation();
+        id.push(':');
+        id.push_str(itoa::Buffer::new().format(self.offset));
+        id
     }
 }
 

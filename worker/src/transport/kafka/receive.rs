@@ -14,7 +14,7 @@ use rdkafka::message::{BorrowedMessage, Headers as _, Message as _};
 
 use super::client::{Setting, classify};
 use super::offsets::TopicPartition;
-use super::{Kafka, Receipt};
+use super::{IncarnationOf, Kafka, Receipt};
 use crate::transport::{Message, TransportError};
 
 /// How long a blocking receive waits for records.
@@ -170,33 +170,44 @@ impl Kafka {
     /// Raises the marks of the partitions of the first `count` records in hand and decides which
     /// of them may be redeliveries.
     async fn raise_marks(&mut self, count: usize) -> Result<(), TransportError> {
-        let mut marks: BTreeMap<String, i64> = BTreeMap::new();
+        // Per partition incarnation: the highest offset in hand + 1, and a record naming it.
+        let mut marks: BTreeMap<IncarnationOf<'_>, (i64, &Receipt)> = BTreeMap::new();
         for fetched in self.fetched.iter().take(count) {
             let receipt = &fetched.message.receipt;
-            let mark = marks.entry(receipt.incarnation()).or_insert(0);
+            let (mark, _) = marks
+                .entry(receipt.incarnation_of())
+                .or_insert((0, receipt));
             *mark = (*mark).max(receipt.offset + 1);
         }
-        let pairs: Vec<(&str, i64)> = marks
+        let names: Vec<String> = marks
+            .values()
+            .map(|(_, receipt)| receipt.incarnation())
+            .collect();
+        let pairs: Vec<(&str, i64)> = names
             .iter()
-            .map(|(name, mark)| (name.as_str(), *mark))
+            .zip(marks.values())
+            .map(|(name, (mark, _))| (name.as_str(), *mark))
             .collect();
         let previous = self
             .store
             .raise_delivery_marks(&self.source, &pairs)
             .await
             .map_err(|err| TransportError::database("could not raise the delivery marks", err))?;
-        let previous: BTreeMap<&str, Option<i64>> = pairs
+        let previous: BTreeMap<_, Option<i64>> = marks.into_keys().zip(previous).collect();
+        let below: Vec<Option<bool>> = self
+            .fetched
             .iter()
-            .zip(previous)
-            .map(|((name, _), previous)| (*name, previous))
-            .collect();
-        for fetched in self.fetched.iter_mut().take(count) {
-            if fetched.below_mark.is_none() {
+            .take(count)
+            .map(|fetched| {
                 let receipt = &fetched.message.receipt;
-                let name = receipt.incarnation();
-                let mark = previous.get(name.as_str()).copied().flatten();
-                fetched.below_mark = Some(mark.is_some_and(|mark| receipt.offset < mark));
-            }
+                let mark = previous.get(&receipt.incarnation_of()).copied().flatten();
+                fetched
+                    .below_mark
+                    .or(Some(mark.is_some_and(|mark| receipt.offset < mark)))
+            })
+            .collect();
+        for (fetched, below) in self.fetched.iter_mut().zip(below) {
+            fetched.below_mark = below;
         }
         Ok(())
     }
@@ -204,8 +215,13 @@ impl Kafka {
     /// Turns a fetched record into a message, under the epoch of its partition's assignment.
     /// `None`: the partition is no longer owned.
     fn convert(&self, record: &BorrowedMessage<'_>) -> Option<Message<Receipt>> {
+        // The topic's name shared with the incarnation known for it, when one is.
+        let topic = self
+            .topic_ids
+            .get_key_value(record.topic())
+            .map_or_else(|| Arc::from(record.topic()), |(topic, _)| topic.clone());
         let partition = TopicPartition {
-            topic: Arc::from(record.topic()),
+            topic,
             partition: record.partition(),
         };
         let epoch = self.state.offsets().epoch(&partition)?;
@@ -348,6 +364,28 @@ fn read_headers(record: &BorrowedMessage<'_>) -> RecordHeaders {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_record_is_named_by_its_topic_incarnation_partition_and_offset() {
+        let mut receipt = Receipt {
+            partition: TopicPartition {
+                topic: Arc::from("orders"),
+                partition: 2,
+            },
+            topic_id: Some(Arc::from("Xq3b")),
+            offset: 17,
+            epoch: 1,
+            key: None,
+            has_value: true,
+            record_headers: 0,
+            null_headers: Vec::new(),
+        };
+        assert_eq!(receipt.incarnation(), "orders:Xq3b:2");
+        assert_eq!(receipt.external_id(), "orders:Xq3b:2:17");
+        receipt.topic_id = None;
+        receipt.offset = i64::MAX;
+        assert_eq!(receipt.external_id(), format!("orders:2:{}", i64::MAX));
+    }
 
     #[test]
     fn a_record_fetched_again_while_in_hand_is_not_taken_twice() {

@@ -200,7 +200,14 @@ impl Identity<'_> {
         published: DateTime,
     ) -> NatsDelivery {
         let seq = receipt.stream_sequence;
-        let external_id = format!("{}:{}:{seq}", self.stream, self.incarnation);
+        // Sized once (`format!` grows its string as it writes): built for every message.
+        let mut external_id =
+            String::with_capacity(self.stream.len() + self.incarnation.len() + 22);
+        external_id.push_str(self.stream);
+        external_id.push(':');
+        external_id.push_str(self.incarnation);
+        external_id.push(':');
+        external_id.push_str(itoa::Buffer::new().format(seq));
         Message {
             receipt,
             idempotency_key: idempotency_key(self.source, &external_id),
