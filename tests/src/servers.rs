@@ -183,6 +183,14 @@ pub fn children_of(parent: i32) -> Vec<i32> {
         .collect()
 }
 
+/// A line `Name: value kB` of `/proc/PID/{file}` (`status`, `smaps_rollup`), in KiB.
+pub fn proc_kib(pid: u32, file: &str, name: &str) -> Option<u64> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/{file}")).ok()?;
+    text.lines()
+        .find_map(|line| line.strip_prefix(name)?.strip_prefix(':'))
+        .and_then(|value| value.split_whitespace().next()?.parse().ok())
+}
+
 /// Where PostgreSQL's server binaries are: `$PG_BIN`, else the newest `/usr/lib/postgresql/*/bin`.
 fn postgres_bin_dir() -> Result<PathBuf> {
     if let Ok(dir) = std::env::var("PG_BIN") {

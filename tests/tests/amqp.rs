@@ -10,6 +10,7 @@ use lapin::BasicProperties;
 use lapin::options::BasicGetOptions;
 use lapin::types::AMQPValue;
 use switchboard_tests::brokers::rabbitmq::{self, QueueType, RabbitMq, queue_arguments};
+use switchboard_tests::servers::proc_kib;
 use switchboard_tests::todos_lock::{TodosLock, wait_blocked_on_lock};
 use switchboard_tests::wait::wait_for;
 use switchboard_tests::worker::WorkerProcess;
@@ -902,10 +903,6 @@ async fn quiet_worker_backs_few_pages_of_its_frame_buffers() -> Result<()> {
 
 /// The anonymous memory `worker` backs (`/proc/PID/smaps_rollup`), in KiB.
 fn anonymous_kib(worker: &WorkerProcess) -> Result<u64> {
-    let rollup = std::fs::read_to_string(format!("/proc/{}/smaps_rollup", worker.pid()))?;
-    rollup
-        .lines()
-        .find_map(|line| line.strip_prefix("Anonymous:"))
-        .and_then(|rest| rest.trim().trim_end_matches("kB").trim().parse().ok())
+    proc_kib(worker.pid(), "smaps_rollup", "Anonymous")
         .context("no Anonymous: line in /proc/PID/smaps_rollup")
 }

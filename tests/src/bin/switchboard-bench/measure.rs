@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use switchboard_tests::servers::children_of;
+use switchboard_tests::servers::{children_of, proc_kib};
 
 /// `/proc` reports CPU times in USER_HZ ticks, which Linux fixes at 100 per second.
 pub(crate) const USER_HZ: u64 = 100;
@@ -60,14 +60,6 @@ pub(crate) fn private_kib(pid: u32) -> Option<u64> {
         proc_kib(pid, "smaps_rollup", "Private_Clean")?
             + proc_kib(pid, "smaps_rollup", "Private_Dirty")?,
     )
-}
-
-/// A line `Name: value kB` of `/proc/PID/{file}`, in KiB.
-fn proc_kib(pid: u32, file: &str, name: &str) -> Option<u64> {
-    let text = std::fs::read_to_string(format!("/proc/{pid}/{file}")).ok()?;
-    text.lines()
-        .find_map(|line| line.strip_prefix(name)?.strip_prefix(':'))
-        .and_then(|value| value.split_whitespace().next()?.parse().ok())
 }
 
 /// CPU time spent, per side.
