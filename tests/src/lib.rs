@@ -399,17 +399,23 @@ impl Fixture {
         Ok(redis::cmd("LLEN").arg(key).query(&mut conn)?)
     }
 
-    /// Items in all processing lists of `list` (`{list}:processing:*`).
-    pub fn processing_items(&self, list: &str) -> Result<u64> {
+    /// Items of reliable list `list` not yet acknowledged: those left in it and those in its
+    /// consumers' processing lists (`{list}:processing:*`), read in one atomic script. Two reads
+    /// could miss items a reaper moves from a processing list back to the list between them.
+    pub fn unacknowledged_items(&self, list: &str) -> Result<u64> {
         let mut conn = self.redis.connection()?;
-        let keys: Vec<String> = redis::cmd("KEYS")
+        Ok(redis::cmd("EVAL")
+            .arg(
+                "local n = redis.call('LLEN', KEYS[1]) \
+                 for _, key in ipairs(redis.call('KEYS', ARGV[1])) do \
+                   n = n + redis.call('LLEN', key) \
+                 end \
+                 return n",
+            )
+            .arg(1)
+            .arg(list)
             .arg(format!("{list}:processing:*"))
-            .query(&mut conn)?;
-        let mut total = 0;
-        for key in keys {
-            total += redis::cmd("LLEN").arg(&key).query::<u64>(&mut conn)?;
-        }
-        Ok(total)
+            .query(&mut conn)?)
     }
 
     /// Every entry of stream `key`, each as its fields (bulk-string values only).

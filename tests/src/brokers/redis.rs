@@ -177,7 +177,7 @@ impl BrokerFixture for RedisListBroker {
     }
 
     async fn unacknowledged(&self, fx: &Fixture, name: &str) -> Result<u64> {
-        Ok(fx.llen(name)? + fx.processing_items(name)?)
+        fx.unacknowledged_items(name)
     }
 
     async fn dead_letters(&self, fx: &Fixture, name: &str) -> Result<Vec<(Vec<u8>, String)>> {

@@ -138,11 +138,10 @@ impl Mode {
                 ensure!(pending == 0, "{pending} entries of {key} still pending");
             }
             Mode::List => {
-                let left = fx.llen(key)?;
-                let processing = fx.processing_items(key)?;
+                let left = fx.unacknowledged_items(key)?;
                 ensure!(
-                    left == 0 && processing == 0,
-                    "{left} items left in {key}, {processing} in its processing lists"
+                    left == 0,
+                    "{left} items left in {key} or its processing lists"
                 );
             }
         }
