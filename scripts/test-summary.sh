@@ -1,7 +1,14 @@
 #!/usr/bin/env bash
-# Sums every `test result:` line of a cargo test log into one closing line.
+# Sums every `test result:` line of a cargo test log into one closing line and, before it, prints
+# what each failed test printed (its `---- name stdout ----` block under `failures:`, without the
+# backtrace frames), so the end of the output says why a run failed.
 set -euo pipefail
-awk '/^test result:/ {
+awk '
+/^failures:$/ { in_failures = !in_failures; printing = 0; next }
+in_failures && /^---- / { printing = 1; lines = 0 }
+printing && NF && !/^Stack backtrace:$/ && !/^ +([0-9]+: |at )/ && lines < 40 { print; lines++ }
+/^test result:/ {
+  in_failures = 0; printing = 0
   for (i = 1; i <= NF; i++) {
     if ($(i + 1) ~ /^passed;?$/) passed += $i
     if ($(i + 1) ~ /^failed;?$/) failed += $i
