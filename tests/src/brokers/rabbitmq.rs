@@ -18,6 +18,7 @@ use lapin::options::{
     BasicGetOptions, BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOptions,
     QueueDeleteOptions,
 };
+use lapin::protocol::{AMQPErrorKind, AMQPHardError};
 use lapin::types::{AMQPValue, FieldTable, LongString};
 use lapin::{BasicProperties, Channel, Confirmation, Connection, ConnectionProperties};
 use nix::sys::signal::{Signal, kill, killpg};
@@ -331,7 +332,31 @@ impl RabbitMq {
         self.delete_and_declare(true, name, arguments).await
     }
 
+    /// [`Self::delete_and_declare_once`], again on a new connection when RabbitMQ answered
+    /// INTERNAL_ERROR (541): a loaded node can fail to start a quorum queue's Raft members in
+    /// time and refuses the declare so (seen in CI). Each attempt is printed.
     async fn delete_and_declare(
+        &self,
+        delete: bool,
+        name: &str,
+        arguments: FieldTable,
+    ) -> Result<()> {
+        const ATTEMPTS: usize = 3;
+        for attempt in 1.. {
+            match self
+                .delete_and_declare_once(delete, name, arguments.clone())
+                .await
+            {
+                Err(err) if attempt < ATTEMPTS && internal_error(&err) => {
+                    println!("declaring queue {name}, attempt {attempt}: {err:#}; again");
+                }
+                outcome => return outcome,
+            }
+        }
+        unreachable!("the loop returns by its last attempt")
+    }
+
+    async fn delete_and_declare_once(
         &self,
         delete: bool,
         name: &str,
@@ -657,4 +682,14 @@ impl<const CLASSIC: bool> BrokerFixture for AmqpBroker<CLASSIC> {
             )
             .await
     }
+}
+
+/// Whether RabbitMQ closed the connection with INTERNAL_ERROR (541).
+fn internal_error(err: &anyhow::Error) -> bool {
+    err.chain().any(|cause| {
+        cause.downcast_ref::<lapin::Error>().is_some_and(|err| {
+            matches!(err.kind(), lapin::ErrorKind::ProtocolError(amqp)
+                if matches!(amqp.kind(), AMQPErrorKind::Hard(AMQPHardError::INTERNALERROR)))
+        })
+    })
 }
