@@ -1108,7 +1108,10 @@ impl BrokerFixture for GatewayBroker {
 
     async fn create(&self, _fx: &Fixture, name: &str) -> Result<String> {
         self.create_queues(name).await?;
-        Ok(self.source(name, "visibilityTimeoutSeconds: 2"))
+        // A lease of 5 s, not the 2 s of the SQS fixture: the gateway extends and acknowledges
+        // one message per call, and with a 2 s lease a starved CI host spent the chaos run's
+        // last worker on lease extensions (4,189 messages not settled within 300 s).
+        Ok(self.source(name, "visibilityTimeoutSeconds: 5"))
     }
 
     fn delivery(&self) -> &'static str {
