@@ -27,6 +27,31 @@
 -- sooner than that rather than queue every ingest behind this migration.
 SET LOCAL lock_timeout = '10s';
 
+-- The two tables this changes, locked before any change. A worker of the previous release takes
+-- them in either order (its batch statement names `events` first when it is parsed, `todos`
+-- first when it runs again from its plan cache), so waiting for one while holding the other
+-- could deadlock with it (and fail this migration). Each attempt waits its turn for `events`
+-- and takes `todos` only if it is free at once; otherwise it lets go of `events` (a statement
+-- holding `todos` then gets it and ends) and tries again, for at most the lock timeout.
+DO $$
+DECLARE
+    deadline timestamptz := clock_timestamp() + current_setting('lock_timeout')::interval;
+BEGIN
+    LOOP
+        BEGIN
+            LOCK TABLE events IN ACCESS EXCLUSIVE MODE;
+            LOCK TABLE todos IN ACCESS EXCLUSIVE MODE NOWAIT;
+            RETURN;
+        EXCEPTION WHEN lock_not_available THEN
+            IF clock_timestamp() > deadline THEN
+                RAISE;
+            END IF;
+            PERFORM pg_sleep(0.01);
+        END;
+    END LOOP;
+END
+$$;
+
 CREATE TABLE event_storage (
     singleton            boolean     PRIMARY KEY DEFAULT true CHECK (singleton),
     -- How much time one partition holds; a change applies to partitions created after it.

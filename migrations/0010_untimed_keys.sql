@@ -25,7 +25,10 @@ SET LOCAL lock_timeout = '10s';
 
 -- Waits for the ingests of the previous function still running (milliseconds) and holds new
 -- ones until this commits (catalog changes only): every event written before is then older
--- than `keys_since`, every later ingest runs the new function.
+-- than `keys_since`, every later ingest runs the new function. In the order that function takes
+-- them (it reads `event_storage` before it writes `events`): holding `events` while waiting for
+-- `event_storage` would deadlock with an ingest between the two.
+LOCK TABLE event_storage IN ACCESS EXCLUSIVE MODE;
 LOCK TABLE events IN SHARE MODE;
 
 CREATE TABLE event_keys (

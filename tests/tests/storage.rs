@@ -1202,6 +1202,111 @@ async fn a_million_unpartitioned_events_are_migrated_while_a_worker_ingests() ->
     Ok(())
 }
 
+/// Starts the migrations from `version` on while a transaction of the previous release has run
+/// `first` (taking its first lock), waits until the migration waits for a lock or backs off from
+/// one, then goes on with `then` in that transaction and commits. Neither may fail: a migration
+/// that waits for a lock while holding one the previous release's statement takes next
+/// deadlocks with it, and PostgreSQL fails one of them.
+async fn migrate_between_two_locks(
+    version: i64,
+    first: &str,
+    then: impl AsyncFnOnce(&mut PgConnection) -> Result<()>,
+) -> Result<()> {
+    let postgres = Postgres::start()?;
+    let store = Store::connect(&postgres.url(), 2, "storage-test").await?;
+    migrate_before(store.pool(), version).await?;
+    let mut previous = PgConnection::connect(&postgres.url()).await?;
+    let mut tx = previous.begin().await?;
+    sqlx::raw_sql(first).execute(&mut *tx).await?;
+    // In this task (the migration's future is not Send): the previous release goes on once the
+    // migration waits.
+    let previous_release = async {
+        wait_for(
+            Duration::from_secs(30),
+            "the migration waits for a lock or backs off from one",
+            || async {
+                Ok(sqlx::query_scalar(
+                    "SELECT EXISTS (SELECT 1 FROM pg_locks WHERE NOT granted) \
+                         OR EXISTS (SELECT 1 FROM pg_stat_activity WHERE wait_event = 'PgSleep')",
+                )
+                .fetch_one(store.pool())
+                .await?)
+            },
+        )
+        .await?;
+        then(&mut tx)
+            .await
+            .context("the previous release's transaction")?;
+        tx.commit().await?;
+        anyhow::Ok(())
+    };
+    let (migrated, previous_release) = tokio::join!(store.migrate(), previous_release);
+    previous_release?;
+    migrated.context("the migration")?;
+    ensure!(
+        ingest(
+            &store,
+            "sqs:test/after",
+            "after",
+            Dedup::NativeId,
+            &[event("a", "k", 1)]
+        )
+        .await?
+            == [Stored::New]
+    );
+    Ok(())
+}
+
+/// The previous release's batch statement locks `events` then `todos` when it is parsed and
+/// `todos` then `events` when it runs again from a connection's plan cache: the migration to
+/// partitions, started while such a statement holds either, waits for it (CI saw this migration
+/// deadlock with the old worker of the test above).
+#[tokio::test]
+async fn the_partitioning_migration_waits_for_a_previous_statement_holding_either_table()
+-> Result<()> {
+    for held in ["events", "todos"] {
+        migrate_between_two_locks(
+            9,
+            &format!("LOCK TABLE {held} IN ROW EXCLUSIVE MODE"),
+            async |conn| {
+                sqlx::query(PREVIOUS_RELEASE_INGEST)
+                    .bind("sqs:test/upgrade")
+                    .bind("upgrade")
+                    .bind(["before"])
+                    .bind(["sqs:test/upgrade:before"])
+                    .bind([r#"{"n":1}"#])
+                    .execute(conn)
+                    .await?;
+                Ok(())
+            },
+        )
+        .await
+        .with_context(|| format!("the previous statement holding {held}"))?;
+    }
+    Ok(())
+}
+
+/// The previous release's batch function reads `event_storage` before it writes `events`: the
+/// migration to untimed keys, started while an ingest is between the two, waits for it.
+#[tokio::test]
+async fn the_untimed_keys_migration_waits_for_a_previous_ingest_between_its_tables() -> Result<()> {
+    migrate_between_two_locks(
+        10,
+        "SET LOCAL statement_timeout = '30s'; SELECT grace FROM event_storage",
+        async |conn| {
+            sqlx::query(
+                "SELECT * FROM switchboard_ingest('sqs:test/upgrade', 'upgrade', false, \
+                 ARRAY['before'], ARRAY['sqs:test/upgrade:before'], ARRAY['{}'], ARRAY['{}'], \
+                 ARRAY[NULL], ARRAY[NULL], ARRAY[NULL]::bigint[], ARRAY[]::text[], ARRAY[]::text[])",
+            )
+            .execute(conn)
+            .await?;
+            Ok(())
+        },
+    )
+    .await
+}
+
 /// Partitions are insert-only: autovacuum visits them (vacuum on inserts, PostgreSQL 13+) and
 /// analyzes them; they hold no dead rows (retention drops them whole, nothing deletes).
 #[tokio::test]
