@@ -342,18 +342,18 @@ impl RabbitMq {
         arguments: FieldTable,
     ) -> Result<()> {
         const ATTEMPTS: usize = 3;
-        for attempt in 1.. {
+        for attempt in 1..ATTEMPTS {
             match self
                 .delete_and_declare_once(delete, name, arguments.clone())
                 .await
             {
-                Err(err) if attempt < ATTEMPTS && internal_error(&err) => {
+                Err(err) if internal_error(&err) => {
                     println!("declaring queue {name}, attempt {attempt}: {err:#}; again");
                 }
                 outcome => return outcome,
             }
         }
-        unreachable!("the loop returns by its last attempt")
+        self.delete_and_declare_once(delete, name, arguments).await
     }
 
     async fn delete_and_declare_once(
