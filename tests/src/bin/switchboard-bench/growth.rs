@@ -169,6 +169,50 @@ FROM new_events JOIN input USING (external_id)
 ON CONFLICT (queue, idempotency_key) WHERE status IN ('pending', 'claimed') DO NOTHING
 "#;
 
+/// The WAL the server wrote (its position: exact), its full-page images (`pg_stat_wal`) and the
+/// pages the database read from outside the shared buffers (`pg_stat_database`). The server is
+/// the whole cluster: only the growth row's database is written while it runs. The two
+/// statistics are what backends reported: each reports at most once a second, so up to a
+/// second of one run may be counted in the next.
+struct Wal {
+    bytes: i64,
+    full_page_images: i64,
+    pages_read: i64,
+}
+
+impl Wal {
+    async fn now(database: &PhaseDatabase) -> Result<Self> {
+        let (bytes, full_page_images, pages_read) = sqlx::query_as(
+            "SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), '0/0')::bigint, w.wal_fpi, \
+                    d.blks_read \
+             FROM pg_stat_wal w, pg_stat_database d WHERE d.datname = current_database()",
+        )
+        .fetch_one(database.store.pool())
+        .await?;
+        Ok(Self {
+            bytes,
+            full_page_images,
+            pages_read,
+        })
+    }
+
+    /// Prints the WAL `run` wrote and the pages it read from the operating system per message
+    /// (what a random key costs beyond its CPU: the first change to a page after a checkpoint
+    /// writes the whole page to the WAL, a page not in the shared buffers is read).
+    async fn print_since(self, database: &PhaseDatabase, run: Measurement) -> Result<Measurement> {
+        let now = Self::now(database).await?;
+        let per_message = |delta: i64| delta as f64 / run.messages.max(1) as f64;
+        println!(
+            "  {}: WAL {:.0} bytes/msg, {:.2} full-page images/msg, {:.2} pages read/msg",
+            run.name,
+            per_message(now.bytes - self.bytes),
+            per_message(now.full_page_images - self.full_page_images),
+            per_message(now.pages_read - self.pages_read)
+        );
+        Ok(run)
+    }
+}
+
 /// Which layout a database has.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Layout {
@@ -355,18 +399,22 @@ impl Bench {
         let mut runs = Vec::new();
         for keys in Keys::ALL {
             if layout == Layout::Partitioned {
-                runs.push(self.growth_worker(database, keys, state).await?);
+                let wal = Wal::now(database).await?;
+                let run = self.growth_worker(database, keys, state).await?;
+                runs.push(wal.print_since(database, run).await?);
             }
-            runs.push(
-                self.growth_raw(layout, database, keys, true, state, round)
-                    .await?,
-            );
+            let wal = Wal::now(database).await?;
+            let run = self
+                .growth_raw(layout, database, keys, true, state, round)
+                .await?;
+            runs.push(wal.print_since(database, run).await?);
         }
         if layout == Layout::Partitioned {
-            runs.push(
-                self.growth_raw(layout, database, Keys::Random, false, state, round)
-                    .await?,
-            );
+            let wal = Wal::now(database).await?;
+            let run = self
+                .growth_raw(layout, database, Keys::Random, false, state, round)
+                .await?;
+            runs.push(wal.print_since(database, run).await?);
         }
         Ok(runs)
     }

@@ -81,6 +81,9 @@ struct Args {
     /// How many times every phase runs; the table shows the median and the spread (min–max).
     #[arg(long, default_value_t = 3)]
     repeats: usize,
+    /// A setting of the bench's PostgreSQL, after its own (for experiments; printed first).
+    #[arg(long = "postgres-setting", value_name = "NAME=VALUE", value_parser = setting)]
+    postgres_settings: Vec<(String, String)>,
     #[command(flatten)]
     sqs: SqsArgs,
     #[command(flatten)]
@@ -199,7 +202,7 @@ impl Bench {
             "{}MB",
             measure::memory_total_kib().map_or(128, |kib| kib / 4 / 1024)
         );
-        let postgres = Postgres::start_with(&[
+        let mut settings = vec![
             ("fsync", "on"),
             ("synchronous_commit", "on"),
             ("full_page_writes", "on"),
@@ -207,7 +210,12 @@ impl Bench {
             ("shared_buffers", &shared_buffers),
             ("max_wal_size", "8GB"),
             ("autovacuum", "off"),
-        ])?;
+        ];
+        for (name, value) in &args.postgres_settings {
+            println!("PostgreSQL: {name} = {value} (--postgres-setting)");
+            settings.push((name, value));
+        }
+        let postgres = Postgres::start_with(&settings)?;
         let fx = Fixture::start_with(postgres).await?;
         let postgres_pid = fx.postgres.pid().context("postgres is not running")?;
         let redis_pid = fx.redis.pid().context("redis-server is not running")?;
@@ -736,4 +744,12 @@ fn print_statement_cost(table: &Table, connections: &[usize]) -> Result<()> {
         verdict(cost.median <= STATEMENT_COST_TARGET)
     );
     Ok(())
+}
+
+/// `NAME=VALUE` of `--postgres-setting`.
+fn setting(text: &str) -> Result<(String, String), String> {
+    let (name, value) = text
+        .split_once('=')
+        .ok_or_else(|| format!("{text:?}: expected NAME=VALUE"))?;
+    Ok((name.trim().to_owned(), value.trim().to_owned()))
 }
