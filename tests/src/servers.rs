@@ -317,7 +317,8 @@ impl Postgres {
         Ok(pg)
     }
 
-    fn data_dir(&self) -> PathBuf {
+    /// Where the cluster keeps its data.
+    pub fn data_dir(&self) -> PathBuf {
         self.dir.path().join("data")
     }
 

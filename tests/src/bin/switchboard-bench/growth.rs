@@ -34,6 +34,12 @@ const FILL_DAYS: i32 = 30;
 /// Events one fill statement inserts.
 const FILL_CHUNK: u64 = 1_000_000;
 
+/// The disk one filled event takes at the growth row's peak: heap, indexes and `event_keys`
+/// (25 GB for 50M events when a run filled the disk), and the WAL PostgreSQL keeps besides
+/// (`max_wal_size` 8 GB, more between checkpoints).
+const DISK_PER_EVENT: u64 = 520;
+const DISK_FOR_WAL: u64 = 10 << 30;
+
 /// The kinds of keys, each read by an adapter of its own.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Keys {
@@ -221,6 +227,29 @@ enum Layout {
 }
 
 impl Bench {
+    /// Refuses, before anything is measured, a growth row the disk cannot hold: a full disk
+    /// stops every process on the machine, not only the bench.
+    pub(crate) fn ensure_disk_for_growth(&self) -> Result<()> {
+        let rows = self.args.growth.growth_rows;
+        if rows == 0 {
+            return Ok(());
+        }
+        let dir = self.fx.postgres.data_dir();
+        let stat = nix::sys::statvfs::statvfs(&dir)?;
+        let free = stat.blocks_available() * stat.fragment_size();
+        let needed = rows * DISK_PER_EVENT + DISK_FOR_WAL;
+        let gib = |bytes: u64| bytes as f64 / f64::from(1 << 30);
+        ensure!(
+            free >= needed,
+            "--growth-rows {rows} needs about {:.0} GiB free where PostgreSQL keeps its data \
+             ({}); {:.1} GiB are: free some or lower --growth-rows (0 skips the growth row)",
+            gib(needed),
+            dir.display(),
+            gib(free)
+        );
+        Ok(())
+    }
+
     /// The growth rows (a table of their own) and their verdict.
     pub(crate) async fn growth(&mut self) -> Result<()> {
         let rows = self.args.growth.growth_rows;

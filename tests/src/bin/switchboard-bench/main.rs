@@ -596,6 +596,7 @@ async fn run(args: Args) -> Result<()> {
     let started = Instant::now();
     let mut brokers = Brokers::new(&args);
     let mut bench = Bench::start(args).await?;
+    bench.ensure_disk_for_growth()?;
     let repeats = bench.args.repeats;
     let mut table = Table::default();
     if bench.args.growth.growth_only {
