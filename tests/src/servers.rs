@@ -392,6 +392,11 @@ impl Postgres {
         self.port
     }
 
+    /// The directory the cluster lives in (data, socket and log).
+    pub fn dir(&self) -> &Path {
+        self.dir.path()
+    }
+
     /// The server's process id, for CPU accounting.
     pub fn pid(&self) -> Option<u32> {
         self.child.as_ref().map(Child::id)
@@ -528,6 +533,11 @@ impl Redis {
     /// `127.0.0.1:PORT`.
     pub fn address(&self) -> String {
         format!("127.0.0.1:{}", self.port)
+    }
+
+    /// The directory the server keeps its append-only file and log in.
+    pub fn dir(&self) -> &Path {
+        self.dir.path()
     }
 
     /// The server's process id, for CPU accounting.

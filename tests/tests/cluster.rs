@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
-use anyhow::{Context, Result, ensure};
+use anyhow::{Context, Result, bail, ensure};
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::Pod;
@@ -757,8 +757,49 @@ async fn cluster_owner() -> Result<()> {
     };
     let env = shared().await?;
     start_adapter(&env, "owner", "").await?;
-    std::fs::write(ready, env.cluster.root().display().to_string())?;
+    // What its killer must stop and remove: this process cannot drop its fixture.
+    let fixture = &env.fixture;
+    let servers = [
+        ("postgres", fixture.postgres.pid(), fixture.postgres.dir()),
+        ("redis", fixture.redis.pid(), fixture.redis.dir()),
+    ];
+    let mut left = format!("dir - {}\n", fixture.dir.path().display());
+    for (server, pid, dir) in servers {
+        let pid = pid.with_context(|| format!("{server} is not running"))?;
+        left += &format!("{server} {pid} {}\n", dir.display());
+    }
+    std::fs::write(ready, left)?;
     std::future::pending::<()>().await;
+    Ok(())
+}
+
+/// Stops the PostgreSQL and Redis a SIGKILLed [`cluster_owner`] left running (listed in its
+/// ready file) and removes their directories and its scratch directory.
+fn stop_what_the_owner_left(ready: &Path) -> Result<()> {
+    for line in std::fs::read_to_string(ready)?.lines() {
+        let mut fields = line.splitn(3, ' ');
+        let (Some(kind), Some(pid), Some(dir)) = (fields.next(), fields.next(), fields.next())
+        else {
+            bail!("the owner's ready file: {line:?}");
+        };
+        let dir = Path::new(dir);
+        match kind {
+            // Immediate shutdown: the postmaster stops its children, then removes its pid file.
+            "postgres" => {
+                kill(Pid::from_raw(pid.parse()?), Signal::SIGQUIT)?;
+                let pid_file = dir.join("data/postmaster.pid");
+                wait_until(
+                    Duration::from_secs(30),
+                    "the owner's PostgreSQL stops",
+                    || !pid_file.exists(),
+                )?;
+            }
+            "redis" => kill(Pid::from_raw(pid.parse()?), Signal::SIGKILL)?,
+            "dir" => {}
+            _ => bail!("the owner's ready file: {line:?}"),
+        }
+        std::fs::remove_dir_all(dir)?;
+    }
     Ok(())
 }
 
@@ -912,6 +953,7 @@ async fn the_host_is_as_before_after_a_cluster_whose_owner_was_killed() -> Resul
     );
     kill(Pid::from_raw(i32::try_from(owner.id())?), Signal::SIGKILL)?;
     owner.wait()?;
+    stop_what_the_owner_left(&ready)?;
     let _lock = host::lock(Duration::from_secs(60))?;
     host::cleanup_leftovers()?;
     let after = host::HostSnapshot::take()?;
