@@ -906,3 +906,113 @@ fn anonymous_kib(worker: &WorkerProcess) -> Result<u64> {
     proc_kib(worker.pid(), "smaps_rollup", "Anonymous")
         .context("no Anonymous: line in /proc/PID/smaps_rollup")
 }
+
+/// Issue 29: a RabbitMQ adapter's `switchboard_oldest_dead_letter_age_seconds` is the age of the
+/// dead-letter queue's head, which the probe reads by taking it and giving it back. It counts
+/// from when the letter was dead-lettered (the worker's `x-switchboard-last-seen`; the `x-death`
+/// time of a letter RabbitMQ moved itself), follows the head when the head is removed, is 0 when
+/// the queue is empty, and reading it removes no letter — for a quorum and a classic
+/// dead-letter queue.
+#[tokio::test]
+async fn oldest_dead_letter_age_is_the_heads_and_reading_it_removes_no_letter() -> Result<()> {
+    const HOUR: f64 = 3_600.0;
+    let mut fx = Fixture::start().await?;
+    let server = start(&mut fx).await?;
+    for queue_type in [QueueType::Quorum, QueueType::Classic] {
+        let name = format!("aged-{}", queue_type.as_str());
+        let dlq = format!("{name}.dlq");
+        server
+            .declare(&name, queue_arguments(queue_type, &[]))
+            .await?;
+        server
+            .declare(&dlq, queue_arguments(queue_type, &[]))
+            .await?;
+        let an_hour_ago = std::time::SystemTime::now() - Duration::from_secs(3_600);
+        let written = with_id("written-an-hour-ago").with_headers(
+            [
+                (
+                    "x-switchboard-last-seen".into(),
+                    rabbitmq::text(&humantime::format_rfc3339_millis(an_hour_ago).to_string()),
+                ),
+                (
+                    "x-switchboard-reason".into(),
+                    rabbitmq::text("max_deliveries"),
+                ),
+            ]
+            .into_iter()
+            .collect::<std::collections::BTreeMap<_, _>>()
+            .into(),
+        );
+        server.publish(&dlq, [(b"{}".to_vec(), written)]).await?;
+        // A letter RabbitMQ dead-letters itself: expired in a queue that routes to the DLQ.
+        let expiring = format!("{name}.expiring");
+        let routed = [
+            ("x-message-ttl", AMQPValue::LongLongInt(1)),
+            ("x-dead-letter-exchange", rabbitmq::text("")),
+            ("x-dead-letter-routing-key", rabbitmq::text(&dlq)),
+        ];
+        server
+            .declare(&expiring, queue_arguments(QueueType::Classic, &routed))
+            .await?;
+        server
+            .publish(&expiring, [(b"{}".to_vec(), with_id("moved-now"))])
+            .await?;
+        wait_for(LONG, "RabbitMQ moved the expired message", || async {
+            Ok(server.messages(&dlq).await? == 2)
+        })
+        .await?;
+
+        let worker = fx.worker(&json_manifest(&fx, &name, "batchSize: 10")?, "w1")?;
+        let gauge = |family: &str| {
+            worker.metric(&format!(r#"switchboard_{family}{{adapter="test/{name}"}}"#))
+        };
+        let age = || gauge("oldest_dead_letter_age_seconds");
+        wait_for(LONG, "the head letter's age, an hour", || async {
+            Ok(gauge("dead_letter_messages")? == 2.0 && (HOUR..HOUR + 60.0).contains(&age()?))
+        })
+        .await
+        .with_context(|| format!("{queue_type:?}: age {:?}\n{}", age(), worker.log_tail()))?;
+
+        let (connection, channel) = server.channel().await?;
+        let take = || async {
+            let got = channel
+                .basic_get(dlq.as_str().into(), BasicGetOptions { no_ack: false })
+                .await?
+                .context("no letter ready")?;
+            got.delivery.ack(Default::default()).await?;
+            anyhow::Ok(got.delivery)
+        };
+        let head = take().await?;
+        ensure!(
+            head.properties.message_id().as_ref().map(|id| id.as_str())
+                == Some("written-an-hour-ago"),
+            "{queue_type:?}: the head read and given back is still the head, got {:?}",
+            head.properties.message_id()
+        );
+        wait_for(LONG, "the next letter's age, seconds", || async {
+            Ok(gauge("dead_letter_messages")? == 1.0 && age()? < 60.0)
+        })
+        .await
+        .with_context(|| format!("{queue_type:?}: age {:?}\n{}", age(), worker.log_tail()))?;
+        let moved = take().await?;
+        ensure!(
+            moved.redelivered,
+            "{queue_type:?}: the letter RabbitMQ moved was read and given back, not removed"
+        );
+        if queue_type == QueueType::Quorum {
+            let reads = rabbitmq::header(&moved.properties, "x-delivery-count")
+                .and_then(|count| count.parse::<u64>().ok());
+            ensure!(
+                reads.is_some_and(|reads| reads >= 1),
+                "the quorum queue counted the probe's readings: x-delivery-count {reads:?}"
+            );
+        }
+        wait_for(LONG, "no dead letter, age 0", || async {
+            Ok(gauge("dead_letter_messages")? == 0.0 && age()? == 0.0)
+        })
+        .await
+        .with_context(|| format!("{queue_type:?}: age {:?}\n{}", age(), worker.log_tail()))?;
+        let _ = connection.close(200, "done".into()).await;
+    }
+    Ok(())
+}

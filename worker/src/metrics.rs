@@ -370,7 +370,7 @@ impl QueueGauges {
                 r,
                 "oldest_dead_letter_age_seconds",
                 "How long the oldest dead letter has waited to be redriven or purged (0 when there is none; \
-                 exported where the broker tells: Redis streams and lists, NATS, Kafka)",
+                 exported where the broker tells: Redis streams and lists, NATS, Kafka, RabbitMQ)",
                 adapter,
             ),
         }

@@ -793,6 +793,9 @@ impl Channel {
         match step {
             ConnectionStep::ProtocolHeader(resolver, mut connection) => {
                 let configuration = connection.configuration_mut();
+                configuration
+                    .negotiated_config
+                    .set_server_properties(method.server_properties.clone());
                 let auth_provider = configuration.auth_provider.clone();
                 let mechanism = auth_provider.mechanism();
                 let locale = configuration.amqp_locale.clone();

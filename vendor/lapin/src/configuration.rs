@@ -63,6 +63,13 @@ impl Configuration {
         self.negotiated_config.heartbeat()
     }
 
+    /// The properties the server sent in `connection.start` (`product`, `version`, …); empty
+    /// before the handshake. (Switchboard's patch, see PATCH.md.)
+    #[must_use]
+    pub fn server_properties(&self) -> FieldTable {
+        self.negotiated_config.server_properties()
+    }
+
     pub(crate) fn recovery_config(&self) -> RecoveryConfig {
         RecoveryConfig(self.auto_recover)
     }
@@ -99,6 +106,7 @@ struct Inner {
     channel_max: ChannelId,
     frame_max: FrameSize,
     heartbeat: Heartbeat,
+    server_properties: FieldTable,
 }
 
 impl NegotiatedConfig {
@@ -108,6 +116,7 @@ impl NegotiatedConfig {
                 frame_max: uri.query.frame_max.unwrap_or_default(),
                 channel_max: uri.query.channel_max.unwrap_or_default(),
                 heartbeat: uri.query.heartbeat.unwrap_or_default(),
+                server_properties: FieldTable::default(),
             })),
         }
     }
@@ -135,6 +144,14 @@ impl NegotiatedConfig {
 
     pub(crate) fn set_heartbeat(&self, heartbeat: Heartbeat) {
         self.write_inner().heartbeat = heartbeat;
+    }
+
+    pub(crate) fn server_properties(&self) -> FieldTable {
+        self.read_inner().server_properties.clone()
+    }
+
+    pub(crate) fn set_server_properties(&self, properties: FieldTable) {
+        self.write_inner().server_properties = properties;
     }
 
     fn read_inner(&self) -> RwLockReadGuard<'_, Inner> {

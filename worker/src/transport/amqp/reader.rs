@@ -336,10 +336,7 @@ fn stored_letter(
     digest.update(&body);
     StoredLetter {
         id: hex::encode(digest.finalize())[..16].to_owned(),
-        dead_lettered_at_ms: last_seen
-            .as_deref()
-            .and_then(rfc3339_ms)
-            .or_else(|| moved.as_ref().and_then(|(_, at)| *at)),
+        dead_lettered_at_ms: dead_lettered_at_ms(properties),
         reason: field("reason").or_else(|| moved.map(|(reason, _)| reason)),
         delivery_count: field("delivery-count").and_then(|count| count.parse().ok()),
         last_error: field("error"),
@@ -353,6 +350,16 @@ fn stored_letter(
         handle: tag.to_string(),
         body,
     }
+}
+
+/// When the letter with `properties` was dead-lettered (Unix ms): the worker's `last-seen`
+/// field, else the time of RabbitMQ's newest `x-death` entry (whole seconds).
+pub(super) fn dead_lettered_at_ms(properties: &BasicProperties) -> Option<u64> {
+    let table = properties.headers().as_ref();
+    header_text(table, &Convention::Switchboard.name("last-seen"))
+        .as_deref()
+        .and_then(rfc3339_ms)
+        .or_else(|| moved_by_rabbitmq(table).and_then(|(_, at)| at))
 }
 
 /// Why and when RabbitMQ itself last dead-lettered the message (the newest `x-death` entry,
