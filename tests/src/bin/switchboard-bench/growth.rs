@@ -180,13 +180,13 @@ ON CONFLICT (queue, idempotency_key) WHERE status IN ('pending', 'claimed') DO N
 /// the whole cluster: only the growth row's database is written while it runs. The two
 /// statistics are what backends reported: each reports at most once a second, so up to a
 /// second of one run may be counted in the next.
-struct Wal {
+struct ServerCounters {
     bytes: i64,
     full_page_images: i64,
     pages_read: i64,
 }
 
-impl Wal {
+impl ServerCounters {
     async fn now(database: &PhaseDatabase) -> Result<Self> {
         let (bytes, full_page_images, pages_read) = sqlx::query_as(
             "SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), '0/0')::bigint, w.wal_fpi, \
@@ -217,6 +217,14 @@ impl Wal {
         );
         Ok(run)
     }
+}
+
+/// One run of a growth round: the worker with keys of a kind, or the raw loop with keys of a
+/// kind, with a broker time (`true`) or without.
+#[derive(Debug, Clone, Copy)]
+enum GrowthRun {
+    Worker(Keys),
+    Raw(Keys, bool),
 }
 
 /// Which layout a database has.
@@ -425,25 +433,28 @@ impl Bench {
         state: &str,
         round: usize,
     ) -> Result<Vec<Measurement>> {
-        let mut runs = Vec::new();
+        let partitioned = layout == Layout::Partitioned;
+        let mut plan = Vec::new();
         for keys in Keys::ALL {
-            if layout == Layout::Partitioned {
-                let wal = Wal::now(database).await?;
-                let run = self.growth_worker(database, keys, state).await?;
-                runs.push(wal.print_since(database, run).await?);
+            if partitioned {
+                plan.push(GrowthRun::Worker(keys));
             }
-            let wal = Wal::now(database).await?;
-            let run = self
-                .growth_raw(layout, database, keys, true, state, round)
-                .await?;
-            runs.push(wal.print_since(database, run).await?);
+            plan.push(GrowthRun::Raw(keys, true));
         }
-        if layout == Layout::Partitioned {
-            let wal = Wal::now(database).await?;
-            let run = self
-                .growth_raw(layout, database, Keys::Random, false, state, round)
-                .await?;
-            runs.push(wal.print_since(database, run).await?);
+        if partitioned {
+            plan.push(GrowthRun::Raw(Keys::Random, false));
+        }
+        let mut runs = Vec::new();
+        for planned in plan {
+            let before = ServerCounters::now(database).await?;
+            let run = match planned {
+                GrowthRun::Worker(keys) => self.growth_worker(database, keys, state).await?,
+                GrowthRun::Raw(keys, timed) => {
+                    self.growth_raw(layout, database, keys, timed, state, round)
+                        .await?
+                }
+            };
+            runs.push(before.print_since(database, run).await?);
         }
         Ok(runs)
     }
