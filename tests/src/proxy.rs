@@ -8,6 +8,11 @@
 //! on any connection, while the server's answers still reach the clients. A test kills its
 //! client there, knowing exactly which requests the server saw.
 //!
+//! A misdirecting proxy ([`CuttingProxy::misdirecting_commits`]) sends a Kafka client's
+//! `OffsetCommit` requests for another group while [`CuttingProxy::misdirect`] is on: the
+//! broker refuses them (`GROUP_ID_NOT_FOUND` since `OffsetCommit` v9, `ILLEGAL_GENERATION`
+//! before), as it refuses a commit sent during a rebalance, and the client must commit again.
+//!
 //! A server that tells its clients where to connect next (Kafka's advertised listeners) must
 //! know the proxy's port before it starts: its fixture declares a [`route`] for its address,
 //! and the proxy started for that address listens on the route's port and forwards where the
@@ -68,6 +73,15 @@ pub struct Hold {
     pub occurrence: usize,
 }
 
+/// What a proxy does to what clients send, besides forwarding it.
+#[derive(Debug, Clone)]
+enum Watch {
+    /// Stops forwarding at a request.
+    Hold(Arc<Holding>),
+    /// While on, sends Kafka `OffsetCommit` requests for another group.
+    MisdirectCommits(Arc<AtomicBool>),
+}
+
 /// A [`Hold`] and how far the connections got.
 #[derive(Debug)]
 struct Holding {
@@ -85,7 +99,7 @@ pub struct CuttingProxy {
     connections: Arc<AtomicU64>,
     /// Connections that were open when a cut reset them.
     severed: Arc<AtomicU64>,
-    holding: Option<Arc<Holding>>,
+    watch: Option<Watch>,
     accept: JoinHandle<()>,
 }
 
@@ -103,10 +117,17 @@ impl CuttingProxy {
             seen: AtomicUsize::new(0),
             held: AtomicBool::new(false),
         };
-        Self::listen(upstream, Some(Arc::new(holding))).await
+        Self::listen(upstream, Some(Watch::Hold(Arc::new(holding)))).await
     }
 
-    async fn listen(upstream: &str, holding: Option<Arc<Holding>>) -> Result<Self> {
+    /// [`CuttingProxy::start`] for a Kafka node, sending `OffsetCommit` requests for another
+    /// group while [`CuttingProxy::misdirect`] is on (it is off at first).
+    pub async fn misdirecting_commits(upstream: &str) -> Result<Self> {
+        let on = Arc::new(AtomicBool::new(false));
+        Self::listen(upstream, Some(Watch::MisdirectCommits(on))).await
+    }
+
+    async fn listen(upstream: &str, watch: Option<Watch>) -> Result<Self> {
         let route = ROUTES
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
@@ -127,7 +148,7 @@ impl CuttingProxy {
             let generation = generation.clone();
             let connections = connections.clone();
             let severed = severed.clone();
-            let holding = holding.clone();
+            let watch = watch.clone();
             async move {
                 while let Ok((client, _)) = listener.accept().await {
                     connections.fetch_add(1, Ordering::Relaxed);
@@ -135,7 +156,7 @@ impl CuttingProxy {
                     let ends = Ends {
                         upstream: upstream.clone(),
                         severed: severed.clone(),
-                        holding: holding.clone(),
+                        watch: watch.clone(),
                     };
                     tokio::spawn(forward(client, ends, cut));
                 }
@@ -146,16 +167,22 @@ impl CuttingProxy {
             generation,
             connections,
             severed,
-            holding,
+            watch,
             accept,
         })
     }
 
     /// Whether a holding proxy holds now (its [`Hold`]'s request was sent).
     pub fn held(&self) -> bool {
-        self.holding
-            .as_ref()
-            .is_some_and(|holding| holding.held.load(Ordering::SeqCst))
+        matches!(&self.watch, Some(Watch::Hold(holding)) if holding.held.load(Ordering::SeqCst))
+    }
+
+    /// Whether a misdirecting proxy sends the `OffsetCommit` requests it forwards from now on
+    /// for another group.
+    pub fn misdirect(&self, on: bool) {
+        if let Some(Watch::MisdirectCommits(misdirecting)) = &self.watch {
+            misdirecting.store(on, Ordering::SeqCst);
+        }
     }
 
     /// `127.0.0.1:PORT`, where clients connect.
@@ -193,11 +220,11 @@ impl Drop for CuttingProxy {
     }
 }
 
-/// Where a connection goes, and what the proxy counts and holds.
+/// Where a connection goes, and what the proxy counts and does to what clients send.
 struct Ends {
     upstream: String,
     severed: Arc<AtomicU64>,
-    holding: Option<Arc<Holding>>,
+    watch: Option<Watch>,
 }
 
 /// Copies both ways until either side closes or the proxy cuts; a cut resets the client's
@@ -211,7 +238,7 @@ async fn forward(mut client: TcpStream, ends: Ends, mut cut: watch::Receiver<u64
         return;
     };
     tokio::select! {
-        _ = relay(&mut client, &mut server, ends.holding.as_deref()) => {
+        _ = relay(&mut client, &mut server, ends.watch.as_ref()) => {
             let _ = client.shutdown().await;
         }
         _ = cut.changed() => {
@@ -224,37 +251,56 @@ async fn forward(mut client: TcpStream, ends: Ends, mut cut: watch::Receiver<u64
 }
 
 /// Until either side closes: both ways, or the server's way and the client's watched.
-async fn relay(client: &mut TcpStream, server: &mut TcpStream, holding: Option<&Holding>) {
-    let Some(holding) = holding else {
+async fn relay(client: &mut TcpStream, server: &mut TcpStream, watch: Option<&Watch>) {
+    let Some(watch) = watch else {
         let _ = tokio::io::copy_bidirectional(client, server).await;
         return;
     };
     let (mut from_client, mut to_client) = client.split();
     let (mut from_server, mut to_server) = server.split();
+    let watched = async {
+        match watch {
+            Watch::Hold(holding) => {
+                pass_requests(&mut from_client, &mut to_server, hold(holding)).await
+            }
+            Watch::MisdirectCommits(on) => {
+                pass_requests(&mut from_client, &mut to_server, misdirect_commits(on)).await
+            }
+        }
+    };
     tokio::select! {
         _ = tokio::io::copy(&mut from_server, &mut to_client) => {}
-        _ = watch_requests(&mut from_client, &mut to_server, holding) => {}
+        _ = watched => {}
     }
 }
 
-/// Forwards what the client sends until the hold's request, then reads and drops the rest
-/// until the client closes.
-async fn watch_requests(
+/// Reads what the client sends until it closes, and forwards what `pass` makes of each read.
+async fn pass_requests(
     from_client: &mut (impl tokio::io::AsyncRead + Unpin),
     to_server: &mut (impl tokio::io::AsyncWrite + Unpin),
-    holding: &Holding,
+    mut pass: impl FnMut(&[u8]) -> Vec<u8>,
 ) {
-    let mut sent = Scanner::default();
     let mut chunk = vec![0; 64 * 1024];
     while let Ok(read) = from_client.read(&mut chunk).await {
         if read == 0 {
             return;
         }
+        let forward = pass(&chunk[..read]);
+        if to_server.write_all(&forward).await.is_err() {
+            return;
+        }
+    }
+}
+
+/// What to forward of each read: everything until the hold's request, nothing from there.
+fn hold(holding: &Holding) -> impl FnMut(&[u8]) -> Vec<u8> + '_ {
+    let mut sent = Scanner::default();
+    move |read| {
         if holding.held.load(Ordering::SeqCst) {
-            continue;
+            return Vec::new();
         }
         let forwarded = sent.bytes.len();
-        sent.bytes.extend_from_slice(&chunk[..read]);
+        sent.bytes.extend_from_slice(read);
         let mut until = sent.bytes.len();
         while let Some(at) = sent.next(&holding.hold.request) {
             if holding.seen.fetch_add(1, Ordering::SeqCst) + 1 >= holding.hold.occurrence {
@@ -265,14 +311,73 @@ async fn watch_requests(
         if until < sent.bytes.len() {
             holding.held.store(true, Ordering::SeqCst);
         }
-        if to_server
-            .write_all(&sent.bytes[forwarded..until])
-            .await
-            .is_err()
-        {
-            return;
+        sent.bytes[forwarded..until].to_vec()
+    }
+}
+
+/// What to forward of each read of a Kafka client: its complete requests, each `OffsetCommit`
+/// for another group while `on`.
+fn misdirect_commits(on: &AtomicBool) -> impl FnMut(&[u8]) -> Vec<u8> + '_ {
+    let mut sent = Vec::new();
+    move |read| {
+        sent.extend_from_slice(read);
+        let mut complete = 0;
+        while let Some(size) = sent.get(complete..complete + 4) {
+            let end =
+                complete + 4 + u32::from_be_bytes([size[0], size[1], size[2], size[3]]) as usize;
+            if end > sent.len() {
+                break;
+            }
+            if on.load(Ordering::SeqCst) {
+                misdirect(&mut sent[complete + 4..end]);
+            }
+            complete = end;
+        }
+        sent.drain(..complete).collect()
+    }
+}
+
+/// Changes the first byte of the group id of `request` (a Kafka request's header and body)
+/// if it is an `OffsetCommit` (API key 8): the broker takes it for another group's.
+fn misdirect(request: &mut [u8]) {
+    if request.get(..2) == Some(&8i16.to_be_bytes()[..])
+        && let Some(at) = group_id_at(request)
+    {
+        request[at] ^= 1;
+    }
+}
+
+/// Where the group id of an `OffsetCommit` `request` starts: past the header (API key,
+/// version, correlation id, client id, and from version 8 tagged fields) and the id's length
+/// (a compact string's varint from version 8, two bytes before).
+fn group_id_at(request: &[u8]) -> Option<usize> {
+    let version = i16::from_be_bytes([*request.get(2)?, *request.get(3)?]);
+    let client_id = i16::from_be_bytes([*request.get(8)?, *request.get(9)?]);
+    let mut at = 10 + usize::try_from(client_id).unwrap_or(0);
+    if version >= 8 {
+        for _ in 0..uvarint(request, &mut at)? {
+            uvarint(request, &mut at)?;
+            let size = uvarint(request, &mut at)?;
+            at += usize::try_from(size).ok()?;
+        }
+        uvarint(request, &mut at)?;
+    } else {
+        at += 2;
+    }
+    (at < request.len()).then_some(at)
+}
+
+/// The unsigned varint at `bytes[*at..]`; `at` moves past it.
+fn uvarint(bytes: &[u8], at: &mut usize) -> Option<u64> {
+    let mut value = 0u64;
+    for (index, byte) in bytes.get(*at..)?.iter().enumerate().take(10) {
+        value |= u64::from(byte & 0x7f) << (7 * index);
+        if byte & 0x80 == 0 {
+            *at += index + 1;
+            return Some(value);
         }
     }
+    None
 }
 
 /// What a client sent on one connection, and how far it was searched.
@@ -339,6 +444,27 @@ mod tests {
         request.extend_from_slice(&[0, 1, 0, 0, 0, 21]);
         request.extend_from_slice(rest);
         request
+    }
+
+    #[test]
+    fn an_offset_commit_is_sent_for_another_group_and_nothing_else_is_changed() {
+        // OffsetCommit v9: client id "w1", one tagged field in the header, group "g1".
+        let mut commit = vec![
+            0, 8, 0, 9, 0, 0, 0, 7, 0, 2, b'w', b'1', 1, 5, 2, 0xaa, 0xbb,
+        ];
+        commit.extend_from_slice(&[3, b'g', b'1', 0, 0, 0, 4]);
+        let mut misdirected = commit.clone();
+        misdirect(&mut misdirected);
+        assert_eq!(misdirected[..17], commit[..17]);
+        assert_eq!(misdirected[17..], [3, b'f', b'1', 0, 0, 0, 4]);
+        // Version 7: no tagged fields, a two-byte length.
+        let mut old = vec![0, 8, 0, 7, 0, 0, 0, 7, 0xff, 0xff, 0, 2, b'g', b'1'];
+        misdirect(&mut old);
+        assert_eq!(old[12..], [b'f', b'1']);
+        let mut fetch = vec![0, 1, 0, 9, 0, 0, 0, 7, 0, 0, 0, 3, b'g', b'1'];
+        let unchanged = fetch.clone();
+        misdirect(&mut fetch);
+        assert_eq!(fetch, unchanged);
     }
 
     #[test]

@@ -3,7 +3,8 @@
 //! in flight, dead letters byte-identical with their key and headers, and issue 27's examples:
 //! a re-created topic (once, and twelve times while its records flow), a binary key holding
 //! NUL, a key twice in one batch, a dead letter too large for the producer, a pattern matching
-//! the dead-letter topic, the lag after aborted transactions and under `startFrom: latest`.
+//! the dead-letter topic, the lag after aborted transactions and under `startFrom: latest`; and
+//! offset commits the broker refuses, committed once it accepts them.
 
 use std::time::{Duration, Instant};
 
@@ -11,6 +12,7 @@ use anyhow::{Result, ensure};
 use nix::sys::signal::Signal;
 use switchboard_tests::brokers::kafka::{KafkaServer, Record, undecodable_record};
 use switchboard_tests::brokers::{BrokerFixture, KafkaBroker, kafka_group};
+use switchboard_tests::proxy::CuttingProxy;
 use switchboard_tests::wait::wait_for;
 use switchboard_tests::worker::{RETENTION_WARNING, WorkerProcess};
 use switchboard_tests::{Fixture, source_manifest};
@@ -260,6 +262,58 @@ async fn rebalance_while_batches_are_in_flight_keeps_exactly_one_todo_per_record
         "the first worker took part in the rebalances: {rebalances}\n{}",
         first.log_tail()
     );
+    Ok(())
+}
+
+/// The broker refuses the worker's offset commits while its records are stored (a proxy sends
+/// them for another group: `GROUP_ID_NOT_FOUND`, as a commit sent during a rebalance gets
+/// `REBALANCE_IN_PROGRESS`): each refusal is counted, nothing is committed, and once the broker
+/// accepts commits again the settled offsets are committed with no new record to carry them.
+/// (The `rdkafka` crate drops the result of an asynchronous commit, fede1024/rust-rdkafka#856:
+/// a refused commit was never sent again and the partition's lag stayed for good.)
+#[tokio::test]
+async fn offsets_the_broker_refused_to_commit_are_committed_once_it_accepts_them() -> Result<()> {
+    const TOTAL: usize = 30;
+    let setup = Setup::start("refused", "batchSize: 10, claimIdleSeconds: 2", "").await?;
+    let upstream = setup.broker.address(&setup.fx)?;
+    let proxy = CuttingProxy::misdirecting_commits(&upstream).await?;
+    let manifest = setup.fx.manifest(
+        "refused-proxied.yaml",
+        &std::fs::read_to_string(&setup.manifest)?.replace(&upstream, &proxy.address()),
+    )?;
+    proxy.misdirect(true);
+    let worker = setup.fx.worker(&manifest, "w1")?;
+    let produced = bodies(0..TOTAL);
+    setup.server().produce(setup.name, produced.clone()).await?;
+    let failures = || {
+        worker.metric(&format!(
+            r#"switchboard_kafka_commit_failures_total{{adapter="test/{}"}}"#,
+            setup.name
+        ))
+    };
+    wait_for(
+        LONG,
+        "every record stored and a refused commit counted",
+        || async { Ok(setup.todos().await? >= TOTAL as i64 && failures()? >= 1.0) },
+    )
+    .await
+    .map_err(|err| err.context(worker.log_tail()))?;
+    setup
+        .fx
+        .assert_stored_exactly(setup.name, &produced)
+        .await?;
+    let lag = setup.lag().await?;
+    ensure!(
+        lag == TOTAL as u64,
+        "the broker committed nothing: lag {lag}"
+    );
+    proxy.misdirect(false);
+    setup.wait_settled(TOTAL as i64, &[&worker]).await?;
+    setup.assert_commits_only_stored_records().await?;
+    setup
+        .fx
+        .assert_exactly_once(setup.name, TOTAL as i64)
+        .await?;
     Ok(())
 }
 

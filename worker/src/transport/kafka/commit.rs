@@ -9,6 +9,7 @@ use std::time::Duration;
 use rdkafka::consumer::{CommitMode, Consumer};
 use rdkafka::{Offset, TopicPartitionList};
 
+use super::async_commit;
 use super::client::{Setting, classify};
 use super::offsets::TopicPartition;
 use super::probe::PartitionLabels;
@@ -150,8 +151,8 @@ impl Kafka {
         }
     }
 
-    /// Commits `commits` (each partition's settled prefix). A commit that cannot be sent marks
-    /// its partitions for the next one.
+    /// Commits `commits` (each partition's settled prefix). A commit that cannot be sent, or
+    /// (asynchronous) that the broker refuses, marks its partitions for the next one.
     pub(super) fn commit(
         &self,
         commits: Vec<(TopicPartition, i64)>,
@@ -168,7 +169,11 @@ impl Kafka {
                 Offset::Offset(*up_to),
             );
         }
-        self.consumer.commit(&list, mode).map_err(|err| {
+        let sent = match mode {
+            CommitMode::Async => async_commit::commit(&self.consumer, &list),
+            CommitMode::Sync => self.consumer.commit(&list, mode),
+        };
+        sent.map_err(|err| {
             self.state.commit_failures.inc();
             let mut offsets = self.state.offsets();
             for (partition, _) in &commits {

@@ -39,7 +39,8 @@
 //!   still reaches `maxDeliveries`, and the steady state costs one small upsert per batch.
 //! - **Acknowledge**: settled records (stored, duplicate, dead-lettered) are marked in
 //!   [`offsets::Offsets`]; each partition commits only its contiguous settled prefix
-//!   (asynchronously: a failed commit is sent again with the next one, or by `maintain`).
+//!   (asynchronously: a commit that failed, or that the broker refused, is sent again with the
+//!   next one, or by `maintain`; see [`async_commit`]).
 //! - **Rebalances**: on revoke, the settled prefix of each revoked partition is committed
 //!   (synchronously) before it goes, and nothing is committed for a partition no longer owned
 //!   (a *lost* assignment commits nothing at all). Batches of a revoked partition still in
@@ -58,6 +59,7 @@
 //! - **Queue health**: see [`probe`].
 //! - **`dlq`**: see [`reader`].
 
+mod async_commit;
 pub(crate) mod client;
 mod commit;
 mod dead_letter;

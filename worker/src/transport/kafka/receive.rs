@@ -26,6 +26,10 @@ const GATHER: Duration = Duration::from_millis(100);
 const AHEAD_BATCHES: usize = 4;
 /// ... and in bytes of bodies: what is taken ahead is held in the worker's memory.
 const AHEAD_BYTES: usize = 4 << 20;
+/// How many times a fetch that does not wait looks for a record before it takes librdkafka to
+/// hold none: serving an event on the consumer's queue (a commit's result, one per batch, or a
+/// rebalance) reads as nothing once.
+const LOOKS: usize = 3;
 /// The header holding the record's key among the event's headers.
 const KEY_HEADER: &str = "kafka.key";
 
@@ -290,7 +294,7 @@ impl Kafka {
                     Ok(next) => next,
                     Err(_elapsed) => break,
                 },
-                None => stream.next().now_or_never().flatten(),
+                None => (0..LOOKS).find_map(|_| stream.next().now_or_never().flatten()),
             };
             let Some(next) = next else { break };
             match next {

@@ -3,9 +3,9 @@
 //!
 //! librdkafka 2.12 returns the id from its `DescribeTopics` admin call, which the `rdkafka` crate
 //! does not wrap (its `Metadata` has no id either), so this module calls it through the bindings
-//! `rdkafka` re-exports: the one place the worker uses `unsafe`. Every pointer comes from
-//! librdkafka, is used only while the object owning it lives, and every object created here is
-//! destroyed by a guard, whatever path is taken.
+//! `rdkafka` re-exports (with [`super::async_commit`], the only places the worker uses
+//! `unsafe`). Every pointer comes from librdkafka, is used only while the object owning it
+//! lives, and every object created here is destroyed by a guard, whatever path is taken.
 #![allow(unsafe_code)]
 
 use std::collections::HashMap;
