@@ -9,9 +9,11 @@
 //! client there, knowing exactly which requests the server saw.
 //!
 //! A misdirecting proxy ([`CuttingProxy::misdirecting_commits`]) sends a Kafka client's
-//! `OffsetCommit` requests for another group while [`CuttingProxy::misdirect`] is on: the
-//! broker refuses them (`GROUP_ID_NOT_FOUND` since `OffsetCommit` v9, `ILLEGAL_GENERATION`
-//! before), as it refuses a commit sent during a rebalance, and the client must commit again.
+//! `OffsetCommit` requests for another group while [`CuttingProxy::misdirect`] is on: from
+//! `OffsetCommit` v9 the broker refuses them with `GROUP_ID_NOT_FOUND`, which, like the
+//! `REBALANCE_IN_PROGRESS` a commit sent during a rebalance gets, does not end the client's
+//! membership: the client must commit again. (Before v9 the broker answers
+//! `ILLEGAL_GENERATION`, on which librdkafka gives up its assignment and joins again.)
 //!
 //! A server that tells its clients where to connect next (Kafka's advertised listeners) must
 //! know the proxy's port before it starts: its fixture declares a [`route`] for its address,

@@ -6,10 +6,11 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::task::{Context, Poll, Wake, Waker};
 use std::time::Duration;
 
-use futures::FutureExt as _;
-use futures::StreamExt as _;
+use futures::{Stream, StreamExt as _};
 use rdkafka::message::{BorrowedMessage, Headers as _, Message as _};
 
 use super::client::{Setting, classify};
@@ -26,10 +27,9 @@ const GATHER: Duration = Duration::from_millis(100);
 const AHEAD_BATCHES: usize = 4;
 /// ... and in bytes of bodies: what is taken ahead is held in the worker's memory.
 const AHEAD_BYTES: usize = 4 << 20;
-/// How many times a fetch that does not wait looks for a record before it takes librdkafka to
-/// hold none: serving an event on the consumer's queue (a commit's result, one per batch, or a
-/// rebalance) reads as nothing once.
-const LOOKS: usize = 3;
+/// At most how many events of the consumer's queue a look for a record serves before it takes
+/// librdkafka to hold none (a bound against a stream that would wake itself for ever).
+const EVENTS_PER_LOOK: usize = 1_000;
 /// The header holding the record's key among the event's headers.
 const KEY_HEADER: &str = "kafka.key";
 
@@ -294,7 +294,7 @@ impl Kafka {
                     Ok(next) => next,
                     Err(_elapsed) => break,
                 },
-                None => (0..LOOKS).find_map(|_| stream.next().now_or_never().flatten()),
+                None => next_now(&mut stream),
             };
             let Some(next) = next else { break };
             match next {
@@ -329,6 +329,39 @@ impl Kafka {
             }
         }
         Ok(())
+    }
+}
+
+/// The stream's next item if it has one now, without waiting. `rdkafka`'s stream serves one
+/// event of the consumer's queue per poll (a commit's result — one per batch —, a rebalance) and
+/// then says "not ready" after waking its task at once: only a "not ready" without that wake
+/// means that nothing is there.
+fn next_now<S: Stream + Unpin>(stream: &mut S) -> Option<S::Item> {
+    let woken = Arc::new(Woken::default());
+    let waker = Waker::from(woken.clone());
+    let mut context = Context::from_waker(&waker);
+    for _ in 0..EVENTS_PER_LOOK {
+        woken.0.store(false, Ordering::SeqCst);
+        match stream.poll_next_unpin(&mut context) {
+            Poll::Ready(item) => return item,
+            Poll::Pending if woken.0.load(Ordering::SeqCst) => continue,
+            Poll::Pending => return None,
+        }
+    }
+    None
+}
+
+/// Whether a task was woken.
+#[derive(Debug, Default)]
+struct Woken(AtomicBool);
+
+impl Wake for Woken {
+    fn wake(self: Arc<Self>) {
+        self.wake_by_ref();
+    }
+
+    fn wake_by_ref(self: &Arc<Self>) {
+        self.0.store(true, Ordering::SeqCst);
     }
 }
 
@@ -389,6 +422,27 @@ mod tests {
         receipt.topic_id = None;
         receipt.offset = i64::MAX;
         assert_eq!(receipt.external_id(), format!("orders:2:{}", i64::MAX));
+    }
+
+    #[test]
+    fn a_look_serves_the_events_ahead_of_a_record_and_stops_where_nothing_is_ready() {
+        // Three events served (each "not ready" after waking the task), a record, then nothing.
+        let mut polls = 0;
+        let mut stream = futures::stream::poll_fn(|context: &mut Context<'_>| {
+            polls += 1;
+            match polls {
+                1..=3 => {
+                    context.waker().wake_by_ref();
+                    Poll::Pending
+                }
+                4 => Poll::Ready(Some("record")),
+                _ => Poll::Pending,
+            }
+        });
+        assert_eq!(next_now(&mut stream), Some("record"));
+        assert_eq!(next_now(&mut stream), None);
+        drop(stream);
+        assert_eq!(polls, 5, "one look past the record");
     }
 
     #[test]
