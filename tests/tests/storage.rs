@@ -713,6 +713,144 @@ async fn keys_without_a_broker_time_are_kept_in_two_generations_for_one_to_two_w
     Ok(())
 }
 
+/// How each generation of `event_keys` is indexed, generation 0 first: `btree unique` (0010) or
+/// `hash exclusion` (0013).
+async fn key_layouts(store: &Store) -> Result<Vec<String>> {
+    Ok(sqlx::query_scalar(
+        "SELECT am.amname || CASE WHEN i.indisunique THEN ' unique' \
+                                  WHEN con.contype = 'x' THEN ' exclusion' ELSE '' END \
+         FROM pg_index i \
+         JOIN pg_class c ON c.oid = i.indexrelid \
+         JOIN pg_am am ON am.oid = c.relam \
+         LEFT JOIN pg_constraint con ON con.conindid = i.indexrelid \
+         WHERE i.indrelid IN ('event_keys_0'::regclass, 'event_keys_1'::regclass) \
+         ORDER BY i.indrelid::regclass::text",
+    )
+    .fetch_all(store.pool())
+    .await?)
+}
+
+/// Keys without a broker time are indexed by a hash of (source, external_id) since migration
+/// 0013. An installation whose generation holds keys under 0010's B-tree keeps them there and
+/// finds them; the rotation that empties a generation gives it the hash layout (building it over
+/// millions of keys would hold every ingest meanwhile). Exactly once throughout, also for two
+/// ingests of the same new keys at once, and no ingest reads a generation whole.
+#[tokio::test]
+async fn keys_under_the_b_tree_are_found_and_each_generation_is_hashed_once_emptied() -> Result<()>
+{
+    let window = Duration::from_secs(2);
+    let postgres = Postgres::start()?;
+    let store = ingester(&postgres, Duration::from_secs(1)).await?;
+    migrate_before(store.pool(), 13).await?;
+    short_event_partitions(&store, Duration::from_secs(1), Duration::from_secs(1)).await?;
+    let (source, queue) = ("amqp:test/hashed", "hashed");
+    let batch = |first: usize| -> Vec<NewEvent> {
+        (first..first + 20)
+            .map(|n| event(&format!("order-{n}"), &format!("{source}:order-{n}"), n))
+            .collect()
+    };
+    let all = |stored: Vec<Stored>, expected: Stored, what: &str| -> Result<()> {
+        ensure!(stored.iter().all(|s| *s == expected), "{what}: {stored:?}");
+        Ok(())
+    };
+    let (before, between, after) = (batch(0), batch(100), batch(200));
+    let stored = ingest(&store, source, queue, Dedup::NativeId, &before).await?;
+    all(stored, Stored::New, "before the migration")?;
+
+    store.migrate().await?;
+    let layouts = key_layouts(&store).await?;
+    ensure!(
+        layouts == ["btree unique", "hash exclusion"],
+        "the generation holding keys keeps its B-tree, the empty one is hashed: {layouts:?}"
+    );
+    let again = ingest(&store, source, queue, Dedup::NativeId, &before).await?;
+    all(
+        again,
+        Stored::Duplicate,
+        "keys under the B-tree, after the migration",
+    )?;
+
+    rotate_keys(&store, window).await?;
+    let stored = ingest(&store, source, queue, Dedup::NativeId, &between).await?;
+    all(stored, Stored::New, "into the hashed generation")?;
+    for (keys, what) in [(&before, "under the B-tree"), (&between, "hashed")] {
+        let again = ingest(&store, source, queue, Dedup::NativeId, keys).await?;
+        all(again, Stored::Duplicate, what)?;
+    }
+    ensure!(key_layouts(&store).await? == ["btree unique", "hash exclusion"]);
+
+    rotate_keys(&store, window).await?;
+    let layouts = key_layouts(&store).await?;
+    ensure!(
+        layouts == ["hash exclusion", "hash exclusion"],
+        "the rotation that emptied the B-tree's generation hashed it: {layouts:?}"
+    );
+    let racer = ingester(&postgres, Duration::from_secs(1)).await?;
+    let (first, second) = tokio::join!(
+        ingest(&store, source, queue, Dedup::NativeId, &after),
+        ingest(&racer, source, queue, Dedup::NativeId, &after)
+    );
+    let news = first?
+        .into_iter()
+        .zip(second?)
+        .map(|pair| match pair {
+            (Stored::New, Stored::Duplicate) | (Stored::Duplicate, Stored::New) => Ok(()),
+            other => Err(anyhow::anyhow!(
+                "each key is new to exactly one ingest: {other:?}"
+            )),
+        })
+        .collect::<Result<Vec<()>>>()?;
+    ensure!(news.len() == after.len());
+    let again = ingest(&store, source, queue, Dedup::NativeId, &between).await?;
+    all(again, Stored::Duplicate, "the hashed older generation")?;
+    // `before`'s events went with their partitions (maintenance drops them past the window).
+    let events = events_per_key(store.pool(), source).await?;
+    ensure!(
+        events.values().all(|n| *n == 1)
+            && between
+                .iter()
+                .chain(&after)
+                .all(|e| events.contains_key(&e.external_id)),
+        "{events:?}"
+    );
+    let todos = todos_per_key(store.pool(), queue).await?;
+    ensure!(
+        todos.len() == 60 && todos.values().all(|n| *n == 1),
+        "{todos:?}"
+    );
+    // An ingest's own scans, counted in its transaction (`pg_stat_xact_*`).
+    let mut conn = PgConnection::connect(&postgres.url()).await?;
+    let mut tx = conn.begin().await?;
+    sqlx::query("SET LOCAL statement_timeout = '900ms'")
+        .execute(&mut *tx)
+        .await?;
+    let stored: i64 = sqlx::query_scalar(
+        "SELECT count(*) FILTER (WHERE new_event) FROM switchboard_ingest( \
+             $1, $2, false, $3, $3, array_fill('{}'::text, ARRAY[20]), \
+             array_fill('{}'::text, ARRAY[20]), array_fill(NULL::text, ARRAY[20]), \
+             array_fill(NULL::text, ARRAY[20]), array_fill(NULL::bigint, ARRAY[20]), \
+             ARRAY[]::text[], ARRAY[]::text[])",
+    )
+    .bind(source)
+    .bind(queue)
+    .bind((300..320).map(|n| format!("order-{n}")).collect::<Vec<_>>())
+    .fetch_one(&mut *tx)
+    .await?;
+    let (sequential, index): (i64, i64) = sqlx::query_as(
+        "SELECT coalesce(sum(seq_scan), 0)::bigint, coalesce(sum(idx_scan), 0)::bigint \
+         FROM pg_stat_xact_user_tables WHERE relname IN ('event_keys_0', 'event_keys_1')",
+    )
+    .fetch_one(&mut *tx)
+    .await?;
+    tx.commit().await?;
+    ensure!(
+        stored == 20 && sequential == 0 && index >= 40,
+        "no ingest reads a generation whole: {stored} stored, {sequential} sequential scans, \
+         {index} index scans"
+    );
+    Ok(())
+}
+
 /// A rotation waits for an ingest of keys in flight and holds new ones meanwhile: the key it
 /// wrote is in the generation that becomes the older, and its redelivery is a duplicate.
 #[tokio::test]
