@@ -851,6 +851,69 @@ async fn keys_under_the_b_tree_are_found_and_each_generation_is_hashed_once_empt
     Ok(())
 }
 
+/// The batch statement writes a key without a broker time with `ON CONFLICT DO NOTHING` into
+/// the current generation, whose hash constraint is its arbiter: a second writer of the same key
+/// while the first has not committed waits for it and writes nothing — or writes the key if the
+/// first rolls back. (Two deliveries in one partition also collide on its unique index, and
+/// across a bound within the grace on the bound's lock: this is the guard under both.)
+#[tokio::test]
+async fn the_hash_constraint_makes_a_second_writer_of_a_key_wait_and_write_nothing() -> Result<()> {
+    let (postgres, store) = partitioned(Duration::from_secs(3600), Duration::from_secs(10)).await?;
+    const WRITE: &str = "INSERT INTO event_keys (generation, source, external_id) \
+                         SELECT keys_generation, 'amqp:test/arbiter', $1 FROM event_storage \
+                         ON CONFLICT DO NOTHING";
+    for first_commits in [true, false] {
+        let key = format!("order-{first_commits}");
+        let mut first = PgConnection::connect(&postgres.url()).await?;
+        let mut first = first.begin().await?;
+        sqlx::query(WRITE).bind(&key).execute(&mut *first).await?;
+        let second = {
+            let (url, key) = (postgres.url(), key.clone());
+            tokio::spawn(async move {
+                let mut second = PgConnection::connect(&url).await?;
+                anyhow::Ok(
+                    sqlx::query(WRITE)
+                        .bind(&key)
+                        .execute(&mut second)
+                        .await?
+                        .rows_affected(),
+                )
+            })
+        };
+        wait_for(
+            Duration::from_secs(10),
+            "the second writer waits for the first",
+            || async {
+                Ok(sqlx::query_scalar::<_, bool>(
+                    "SELECT EXISTS (SELECT 1 FROM pg_stat_activity \
+                 WHERE wait_event_type = 'Lock' AND datname = current_database())",
+                )
+                .fetch_one(store.pool())
+                .await?)
+            },
+        )
+        .await?;
+        if first_commits {
+            first.commit().await?;
+        } else {
+            first.rollback().await?;
+        }
+        let written = second.await??;
+        let expected = if first_commits { 0 } else { 1 };
+        ensure!(
+            written == expected,
+            "first commits: {first_commits}; the second wrote {written} keys"
+        );
+        let kept: i64 =
+            sqlx::query_scalar("SELECT count(*) FROM event_keys WHERE external_id = $1")
+                .bind(&key)
+                .fetch_one(store.pool())
+                .await?;
+        ensure!(kept == 1, "{kept} copies of the key");
+    }
+    Ok(())
+}
+
 /// A rotation waits for an ingest of keys in flight and holds new ones meanwhile: the key it
 /// wrote is in the generation that becomes the older, and its redelivery is a duplicate.
 #[tokio::test]
